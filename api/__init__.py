@@ -1,0 +1,1 @@
+"""Producers' side: enqueue jobs and read their status. Never imports torch or the engines."""

@@ -1,0 +1,90 @@
+"""Submit jobs and read results, as any producer would: a bare Celery app plus the job table.
+
+Other apps need none of this: `Celery(broker=...).send_task("ocrq.recognize", kwargs=...,
+queue="ocr")` is the whole contract. This module is what `ocrq submit` and the HTTP api use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from ocrq.contract import DEFAULT_QUEUE, TASK_NAME, job_kwargs
+from ocrq.db import get_engine
+from ocrq.settings import Settings
+from ocrq.store import JobStore, public_view
+
+FINAL = ("done", "failed")
+
+
+def producer_app(broker_url: str) -> Celery:
+    app = Celery("ocrq-producer", broker=broker_url)
+    app.conf.update(task_send_sent_event=True, broker_connection_retry_on_startup=True)
+    return app
+
+
+def image_ref(target: str) -> dict[str, str]:
+    """A CLI argument -> the message's image reference (absolute path, or URL)."""
+    if target.startswith(("http://", "https://")):
+        return {"url": target}
+    return {"path": str(Path(target).expanduser().resolve())}
+
+
+class Client:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.app = producer_app(settings.broker_url)
+        self._store: JobStore | None = None
+
+    @property
+    def store(self) -> JobStore:
+        if self._store is None:
+            self._store = JobStore(get_engine(self.settings.database_url))
+        return self._store
+
+    def submit(self, image: dict[str, str], task: str = "text", record: bool = True) -> str:
+        """Enqueue one job; with `record`, its row exists as `queued` before the message."""
+        kwargs = job_kwargs(image, task)
+        if record:
+            source = next(iter(image.values())) if "b64" not in image else "b64"
+            self.store.enqueue(kwargs["job_id"], task, source)
+        self.app.send_task(
+            TASK_NAME,
+            kwargs=kwargs,
+            queue=self.settings.queue or DEFAULT_QUEUE,
+            task_id=kwargs["job_id"],
+        )
+        return kwargs["job_id"]
+
+    def status(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
+        rows = self.store.get(job_ids)
+        return [
+            public_view(rows[j]) if j in rows else {"job_id": j, "status": "unknown"}
+            for j in job_ids
+        ]
+
+    def wait(
+        self,
+        job_ids: Iterable[str],
+        timeout: float | None = None,
+        poll_s: float = 0.25,
+        on_progress: Any = None,
+    ) -> list[dict[str, Any]]:
+        """Poll the table until every job is final or the timeout passes."""
+        ids = list(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            rows = self.store.get(ids)
+            final = sum(1 for r in rows.values() if r["status"] in FINAL)
+            if on_progress is not None:
+                on_progress(final, len(ids))
+            if final == len(ids):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(poll_s)
+        return self.status(ids)

@@ -1,0 +1,101 @@
+"""The engine interface every OCR backend implements, and the values that cross it.
+
+The batcher hands an engine a list of prepared images and gets back one result per image, in
+order. A failure that concerns one image comes back as that image's exception, so one bad page
+never fails the batch; an exception raised by `run` itself concerns the whole batch (a CUDA OOM,
+say) and the batcher decides what to do with it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from models.costs import CostModel, GiB, ItemCost
+
+
+@dataclass(frozen=True)
+class Line:
+    """One recognised line; box is [x1, y1, x2, y2] in pixels of the ORIGINAL image."""
+
+    text: str
+    box: tuple[int, int, int, int]
+    score: float
+
+    def as_json(self) -> dict:
+        return {"text": self.text, "box": list(self.box), "score": round(self.score, 4)}
+
+
+@dataclass(frozen=True)
+class OcrResult:
+    text: str
+    lines: list[Line] = field(default_factory=list)
+
+
+@dataclass
+class PreparedImage:
+    """A decoded RGB image ready for an engine.
+
+    `image` may be smaller than the original (prefetch caps pixels, the planner may downscale an
+    image too big for the budget); `original_size` lets engines report boxes in the pixels the
+    user knows.
+    """
+
+    key: str
+    image: Image.Image
+    original_size: tuple[int, int]
+    task: str = "text"
+    prompt: str = ""
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.image.size
+
+    def scale_to_original(self) -> tuple[float, float]:
+        """Factors that map coordinates in `image` back to the original image."""
+        w, h = self.image.size
+        ow, oh = self.original_size
+        return ow / w, oh / h
+
+
+class UnsupportedTask(ValueError):
+    """The engine cannot do what the job asks (a free prompt on the CPU engine, say)."""
+
+
+class Engine(ABC):
+    """An OCR backend: load once, estimate each image's cost, run batches."""
+
+    name: str = "engine"
+    # Pixels above which prefetch threads downscale an image before it waits for the engine;
+    # engines that resize internally anyway set their own ceiling here. None: keep full size.
+    max_pixels: int | None = None
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load weights; raise a clear error at start-up when they are missing."""
+
+    @abstractmethod
+    def estimate(self, item: PreparedImage) -> ItemCost:
+        """What this image will cost in a batch, computed without touching the device."""
+
+    @abstractmethod
+    def cost_model(self) -> CostModel:
+        """The memory model the planner uses; its coefficients may come from `ocrq tune`."""
+
+    @abstractmethod
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        """OCR a batch; one result (or the image's own exception) per input, in order."""
+
+    def default_budget_bytes(self) -> int:
+        """Bytes a batch may use above the fixed part when the user sets no budget."""
+        return 2 * GiB
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release device memory and sessions."""
+
+    def describe(self) -> dict[str, str]:
+        """Facts that key a tuning profile and go into logs."""
+        return {"engine": self.name}

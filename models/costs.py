@@ -1,0 +1,57 @@
+"""Memory cost of a batch: a fixed part plus per-image terms, padding to the longest sequence.
+
+The model is linear on purpose: its coefficients are measured by probing the device (`ocrq tune`)
+and a linear fit over a handful of probes is both stable and easy to check against measurements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class ItemCost:
+    """What one image brings to a batch.
+
+    tokens: sequence length the text model holds for it (prompt + image tokens + max new
+        tokens); batches pad every sequence to the longest, so the planner groups similar ones.
+    patches: vision-encoder patches (or, for the CPU engine, detector input pixels / 1024).
+    pixels: pixels after the engine's own resize, for logs and downscaling decisions.
+    """
+
+    tokens: int
+    patches: int
+    pixels: int
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted peak bytes = fixed + per_item*n + per_token*n*max(tokens) + per_patch*sum(patches).
+
+    `fixed_bytes` is weights + framework + workspace: what is resident before any image arrives.
+    """
+
+    fixed_bytes: int
+    per_item_bytes: float = 0.0
+    per_token_bytes: float = 0.0
+    per_patch_bytes: float = 0.0
+    source: str = "default"  # "default" or the profile the coefficients were fitted from
+
+    def batch_bytes(self, costs: Sequence[ItemCost]) -> int:
+        """Bytes the batch adds on top of `fixed_bytes`."""
+        if not costs:
+            return 0
+        n = len(costs)
+        longest = max(c.tokens for c in costs)
+        patches = sum(c.patches for c in costs)
+        return int(
+            self.per_item_bytes * n
+            + self.per_token_bytes * n * longest
+            + self.per_patch_bytes * patches
+        )
+
+    def peak_bytes(self, costs: Sequence[ItemCost]) -> int:
+        return self.fixed_bytes + self.batch_bytes(costs)

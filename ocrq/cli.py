@@ -1,0 +1,218 @@
+"""The `ocrq` command. Each command parses options, builds Settings, and calls one function."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ocrq.settings import Settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+err = Console(stderr=True)
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    )
+
+
+def _settings(**overrides: object) -> Settings:
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@app.command()
+def run(
+    paths: Annotated[list[Path], typer.Argument(help="Image files or folders of images.")],
+    engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="JSONL file.")] = None,
+    task: Annotated[str, typer.Option(help="text | spotting | parse | ... | a prompt.")] = "text",
+    db: Annotated[str, typer.Option(help="SQLite (or other) URL for the job rows.")] = (
+        "sqlite:///ocrq-run.sqlite"
+    ),
+    log_level: Annotated[str, typer.Option(help="Logging level on stderr.")] = "WARNING",
+) -> None:
+    """OCR images in this process (no Redis, no PostgreSQL): one JSON object per image."""
+    from worker.embedded import expand, run_paths
+
+    _logging(log_level)
+    settings = _settings(engine=engine)
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        err.print(f"[yellow]not found (reported as failed):[/] {', '.join(missing)}")
+    total = len(expand(paths))
+    out = output.open("w", encoding="utf-8") if output else sys.stdout
+    try:
+        with _progress() as progress:
+            bar = progress.add_task(f"OCR ({settings.engine})", total=total)
+
+            def emit(outcome) -> None:  # type: ignore[no-untyped-def]
+                row = outcome.as_json()
+                row.pop("job_id", None)
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                out.flush()
+                progress.advance(bar)
+
+            counts = run_paths(paths, settings, db, emit, task=task)
+    finally:
+        if output:
+            out.close()
+    err.print(
+        f"done: {counts.get('done', 0)}, failed: {counts.get('failed', 0)}"
+        + (f" -> {output}" if output else "")
+    )
+
+
+@app.command()
+def worker(
+    engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(help="Task threads: images fetched + waiting for the batcher at once."),
+    ] = None,
+    queue: Annotated[str | None, typer.Option(help="Queue to consume.")] = None,
+    hostname: Annotated[str | None, typer.Option(help="Celery node name.")] = None,
+    loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
+) -> None:
+    """Consume OCR jobs from the broker, batch them through the engine, store rows."""
+    # Celery reads Settings() when the app module is imported: pass the options that way.
+    for key, value in {"ENGINE": engine, "QUEUE": queue}.items():
+        if value is not None:
+            os.environ[f"OCRQ_{key}"] = str(value)
+    settings = Settings()
+    from worker.celery_app import app as celery_app
+
+    argv = [
+        "worker",
+        "--pool",
+        "threads",
+        "--concurrency",
+        str(concurrency or settings.concurrency),
+        "--queues",
+        settings.queue,
+        "--loglevel",
+        loglevel,
+        "--task-events",
+        "--hostname",
+        hostname or f"ocrq-{settings.engine}-{os.getpid()}@%h",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    celery_app.worker_main(argv)
+
+
+@app.command()
+def submit(
+    targets: Annotated[list[str], typer.Argument(help="Image paths, folders or URLs.")],
+    task: Annotated[str, typer.Option(help="text | spotting | parse | ... | a prompt.")] = "text",
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for results and print them.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
+    timeout: Annotated[float | None, typer.Option(help="Seconds to wait at most.")] = None,
+) -> None:
+    """Enqueue one job per image; print job ids, or with --wait the results."""
+    from api.client import Client, image_ref
+    from worker.embedded import expand
+
+    settings = Settings()
+    client = Client(settings)
+    refs: list[str] = []
+    for target in targets:
+        if target.startswith(("http://", "https://")):
+            refs.append(target)
+        else:
+            refs.extend(str(p) for p in expand([Path(target)]))
+    ids = [client.submit(image_ref(t), task) for t in refs]
+    if not wait:
+        for job_id in ids:
+            typer.echo(json.dumps({"job_id": job_id}) if as_json else job_id)
+        return
+    with _progress() as progress:
+        bar = progress.add_task("waiting", total=len(ids))
+        results = client.wait(
+            ids, timeout, on_progress=lambda d, _t: progress.update(bar, completed=d)
+        )
+    pending = 0
+    for row in results:
+        pending += row["status"] not in ("done", "failed")
+        typer.echo(
+            json.dumps(row, ensure_ascii=False)
+            if as_json
+            else f"{row['job_id']}  {row['status']:7}  {row.get('path')}  "
+            f"{(row.get('text') or row.get('error') or '').replace(chr(10), ' | ')[:80]}"
+        )
+    if pending:
+        err.print(f"[yellow]{pending} job(s) not finished within {timeout} s")
+        raise typer.Exit(3)
+
+
+@app.command()
+def status(
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids.")],
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
+) -> None:
+    """Show jobs' status and results from the database."""
+    from api.client import Client
+
+    rows = Client(Settings()).status(job_ids)
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps(row, ensure_ascii=False))
+        return
+    table = Table("job_id", "status", "path", "text / error")
+    for row in rows:
+        table.add_row(
+            row["job_id"],
+            row["status"],
+            str(row.get("path") or ""),
+            (row.get("text") or row.get("error") or "")[:60],
+        )
+    Console().print(table)
+
+
+@app.command()
+def migrate() -> None:
+    """Create the database if missing and apply every Alembic revision."""
+    from ocrq.migrate import upgrade
+
+    url = Settings().database_url
+    upgrade(url)
+    err.print(f"database at {url.split('@')[-1]} is at the latest revision")
+
+
+@app.command()
+def samples(
+    folder: Annotated[Path, typer.Argument(help="Where to write the sample images.")] = Path(
+        "samples"
+    ),
+) -> None:
+    """Draw a few sample images for trying ocrq out."""
+    from ocrq.samples import write_samples
+
+    for path in write_samples(folder):
+        typer.echo(path)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,80 @@
+"""The wire contract between producers and workers.
+
+Producers send `ocrq.recognize` with plain JSON kwargs and never import this project, so the
+names and shapes here are the public API: change them only compatibly.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TASK_NAME = "ocrq.recognize"
+DEFAULT_QUEUE = "ocr"
+
+# HunyuanOCR's official prompts, verbatim: the model was trained on exactly these strings.
+TASK_PRESETS: dict[str, str] = {
+    "text": "提取图中的文字。",
+    "spotting": "检测并识别图片中的文字，将文本坐标格式化输出。",
+    "parse": (
+        "提取文档图片中正文的所有信息用 markdown 格式表示，其中页眉、页脚部分忽略，"
+        "表格用 html 格式表达，文档中公式用 latex 格式表示，按照阅读顺序组织进行解析。"
+    ),
+    "table": "把图中的表格解析为 HTML。",
+    "formula": "识别图片中的公式，用 LaTeX 格式表示。",
+    "subtitles": "提取图片中的字幕。",
+}
+
+JobStatus = Literal["queued", "running", "done", "failed"]
+
+
+class ImageRef(BaseModel):
+    """Where the image comes from: exactly one of a path, a URL or inline base64."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = None
+    url: str | None = None
+    b64: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ImageRef:
+        given = [k for k in ("path", "url", "b64") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("image must give exactly one of 'path', 'url' or 'b64'")
+        return self
+
+    def describe(self) -> str:
+        """A short, loggable description of the source (never the inline bytes)."""
+        if self.path:
+            return self.path
+        if self.url:
+            return self.url
+        return f"b64:{len(self.b64 or '')} chars"
+
+
+class JobRequest(BaseModel):
+    """The kwargs of one `ocrq.recognize` message, validated on the worker side."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    image: ImageRef
+    task: Annotated[str, Field(min_length=1, max_length=4000)] = "text"
+    job_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
+
+    @model_validator(mode="after")
+    def _valid_id(self) -> JobRequest:
+        uuid.UUID(self.job_id)  # raises ValueError with a clear message
+        return self
+
+    @property
+    def prompt(self) -> str:
+        """The prompt a VLM sees: a preset's text, or the free prompt itself."""
+        return TASK_PRESETS.get(self.task, self.task)
+
+
+def job_kwargs(image: dict[str, str], task: str = "text", job_id: str | None = None) -> dict:
+    """Build send_task kwargs; a producer may equally write this dict by hand."""
+    return {"image": image, "task": task, "job_id": job_id or str(uuid.uuid4())}

@@ -1,0 +1,117 @@
+"""Job rows: the only code that writes `ocr_jobs`, for the worker and embedded mode alike.
+
+Idempotency lives here, in SQL, not in callers: claiming a job upserts its row and bumps
+`attempts`, but a row that is already `done` is left untouched and reported as such, so a
+redelivered message neither creates a second row nor overwrites a finished result.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ocrq.db import ocr_jobs
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The outcome of claiming a job: run it, or it was already done (then `row` holds it)."""
+
+    run: bool
+    row: dict[str, Any] | None = None
+
+
+class JobStore:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+
+    def create_tables(self) -> None:
+        """For embedded SQLite only; the service's schema is Alembic's (`ocrq migrate`)."""
+        ocr_jobs.metadata.create_all(self.engine)
+
+    def enqueue(self, job_id: str, task: str, source: str) -> None:
+        """Record a submitted job as queued; an existing row (any status) is kept."""
+        stmt = self._insert(ocr_jobs).values(
+            id=job_id, status="queued", task=task, source=source, created_at=now(), attempts=0
+        )
+        with self.engine.begin() as conn:
+            conn.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
+
+    def claim(self, job_id: str, task: str, source: str, worker: str) -> Claim:
+        """Mark the job running (creating its row if the producer did not), unless done."""
+        t = now()
+        stmt = self._insert(ocr_jobs).values(
+            id=job_id,
+            status="running",
+            task=task,
+            source=source,
+            created_at=t,
+            started_at=t,
+            attempts=1,
+            worker=worker,
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["id"],
+            set_={
+                "status": "running",
+                "attempts": ocr_jobs.c.attempts + 1,
+                "started_at": t,
+                "worker": worker,
+            },
+            where=ocr_jobs.c.status != "done",
+        ).returning(ocr_jobs.c.id)
+        with self.engine.begin() as conn:
+            claimed = conn.execute(stmt).first() is not None
+            if claimed:
+                return Claim(run=True)
+            row = conn.execute(select(ocr_jobs).where(ocr_jobs.c.id == job_id)).mappings().first()
+        return Claim(run=False, row=dict(row) if row else None)
+
+    def finish(self, job_id: str, **fields: Any) -> bool:
+        """Store a final status; never overwrites a done row. Returns whether a row changed."""
+        if fields.get("status") not in ("done", "failed"):
+            raise ValueError("finish() needs status 'done' or 'failed'")
+        fields.setdefault("finished_at", now())
+        stmt = (
+            update(ocr_jobs)
+            .where(ocr_jobs.c.id == job_id, ocr_jobs.c.status != "done")
+            .values(**fields)
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount > 0
+
+    def get(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(ocr_jobs).where(ocr_jobs.c.id.in_(list(job_ids))))
+            return {r["id"]: dict(r) for r in rows.mappings()}
+
+    def count_by_status(self, job_ids: Iterable[str] | None = None) -> dict[str, int]:
+        from sqlalchemy import func
+
+        stmt = select(ocr_jobs.c.status, func.count()).group_by(ocr_jobs.c.status)
+        if job_ids is not None:
+            stmt = stmt.where(ocr_jobs.c.id.in_(list(job_ids)))
+        with self.engine.connect() as conn:
+            return {status: n for status, n in conn.execute(stmt)}
+
+
+def public_view(row: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object users see for a job (same keys as `ocrq run` output, plus job_id)."""
+    return {
+        "job_id": row["id"],
+        "path": row["source"],
+        "status": row["status"],
+        "text": row.get("text"),
+        "lines": row.get("lines") or [],
+        "error": row.get("error"),
+    }

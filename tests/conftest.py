@@ -1,0 +1,133 @@
+"""Shared fixtures: a fresh PostgreSQL database migrated by `ocrq migrate`, a Redis database of
+its own, real `ocrq worker` processes, and text images drawn on the fly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from ocrq.samples import draw_text_image
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+EVAL_DATA = Path(os.environ.get("OCRQ_EVAL_DATA", REPO.parent / "shared" / "data" / "ocr-eval"))
+TEST_BROKER = os.environ.get("OCRQ_TEST_BROKER_URL", "redis://127.0.0.1:6379/15")
+TEST_PG = os.environ.get("OCRQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+def eval_data() -> Path:
+    """The shared evaluation images; their absence is a setup error, not a skip."""
+    if not (EVAL_DATA / "manifest.tsv").is_file():
+        pytest.fail(f"evaluation data not found at {EVAL_DATA} (set OCRQ_EVAL_DATA)")
+    return EVAL_DATA
+
+
+@pytest.fixture(scope="session")
+def broker_url() -> str:
+    redis.Redis.from_url(TEST_BROKER).flushdb()
+    return TEST_BROKER
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    """A new database per test session, created and migrated by the real `ocrq migrate`."""
+    name = f"ocrq_test_{uuid.uuid4().hex[:8]}"
+    url = make_url(TEST_PG).set(database=name).render_as_string(hide_password=False)
+    env = {**os.environ, "OCRQ_DATABASE_URL": url}
+    subprocess.run([str(BIN / "ocrq"), "migrate"], env=env, check=True, timeout=120)
+    yield url
+    admin = create_engine(TEST_PG, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def image_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The only folder (besides the eval data) workers may read `path` images from."""
+    return tmp_path_factory.mktemp("images")
+
+
+@pytest.fixture(scope="session")
+def service_env(broker_url: str, database_url: str, image_root: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OCRQ_BROKER_URL": broker_url,
+        "OCRQ_DATABASE_URL": database_url,
+        "OCRQ_ALLOWED_ROOTS": os.pathsep.join([str(image_root), str(EVAL_DATA)]),
+        "OCRQ_ENGINE": "rapid",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+class WorkerProcess:
+    """A real `ocrq worker` in its own process, its log in a file the test can read."""
+
+    def __init__(self, env: dict[str, str], log: Path, *args: str) -> None:
+        self.log = log
+        self._fh = log.open("w")
+        self.proc = subprocess.Popen(
+            [str(BIN / "ocrq"), "worker", *args], env=env, stdout=self._fh,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 120) -> WorkerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.text()}")
+            if " ready." in self.text():
+                return self
+            time.sleep(0.2)
+        raise TimeoutError(f"worker not ready after {timeout} s:\n{self.text()}")
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._fh.close()
+
+
+@pytest.fixture(scope="module")
+def worker(service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    proc = WorkerProcess(service_env, log, "--concurrency", "8").wait_ready()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def text_images(image_root: Path) -> dict[str, Path]:
+    """A few drawn images whose text is known, inside the allowed root."""
+    specs = {
+        "hello": ["HELLO WORLD"],
+        "invoice": ["INVOICE 2026", "TOTAL 134.90"],
+        "word": ["STATION"],
+    }
+    out = {}
+    for name, lines in specs.items():
+        path = image_root / f"{name}.png"
+        draw_text_image(lines, margin=4 if len(lines) == 1 else 30).save(path)
+        out[name] = path
+    return out

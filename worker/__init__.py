@@ -1,0 +1,1 @@
+"""The Celery side: app and task, batcher, planner, image intake, runtime wiring."""

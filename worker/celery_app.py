@@ -1,0 +1,62 @@
+"""The Celery app of the worker: delivery guarantees are set here, in one place.
+
+- acks_late + reject_on_worker_lost: a message is acked only after the task returned, i.e.
+  after its row was committed; a worker that dies mid-batch leaves its messages to redelivery.
+- prefetch multiplier 1 with the threads pool: the worker reserves exactly as many messages as
+  it has task threads, which is how many images can be prefetching or waiting for the batcher.
+- visibility_timeout: Redis redelivers an unacked message after this long, so it must exceed
+  the worst delivery-to-ack time (queue wait inside the worker + batch time).
+- task events on, so Flower lists every image's task: received, started, succeeded/failed.
+"""
+
+from __future__ import annotations
+
+from celery import Celery, signals
+
+from ocrq.contract import DEFAULT_QUEUE, TASK_NAME
+from ocrq.settings import Settings
+
+VISIBILITY_TIMEOUT_S = 3600
+
+
+def make_app(settings: Settings | None = None) -> Celery:
+    settings = settings or Settings()
+    app = Celery("ocrq", broker=settings.broker_url, include=["worker.tasks"])
+    app.conf.update(
+        task_default_queue=settings.queue or DEFAULT_QUEUE,
+        task_routes={TASK_NAME: {"queue": settings.queue or DEFAULT_QUEUE}},
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        task_ignore_result=True,
+        result_backend=None,
+        worker_prefetch_multiplier=1,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_track_started=True,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        task_serializer="json",
+        accept_content=["json"],
+    )
+    return app
+
+
+app = make_app()
+
+
+@signals.worker_ready.connect
+def _load_engine_at_start(**_: object) -> None:
+    """Load the model before the first message, so a missing model fails at start-up."""
+    from worker.runtime import get_runtime
+
+    get_runtime()
+
+
+@signals.worker_shutdown.connect
+def _close_engine(**_: object) -> None:
+    from worker.runtime import shutdown_runtime
+
+    shutdown_runtime()

@@ -1,0 +1,104 @@
+"""Wire settings -> engine -> batcher -> job runner, once per process.
+
+The Celery app and embedded mode both build a Runtime; it is created after Celery has set up
+its pool, in the process that will run the engine, so CUDA is never initialised before a fork.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+
+from models.base import Engine
+from models.costs import GiB
+from models.registry import create_engine
+from ocrq.db import get_engine
+from ocrq.settings import Settings
+from ocrq.store import JobStore
+from worker.batcher import BatchConfig, Batcher, BatchRecord
+from worker.jobs import JobRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    batcher: Batcher
+    runner: JobRunner
+
+    def close(self) -> None:
+        self.batcher.stop()
+        self.engine.close()
+
+
+def batch_config(settings: Settings, engine: Engine) -> BatchConfig:
+    """The budget a batch may use above the engine's fixed part."""
+    if settings.memory_budget_gib is not None:
+        budget = int(settings.memory_budget_gib * GiB) - engine.cost_model().fixed_bytes
+        if budget <= 0:
+            raise ValueError(
+                f"OCRQ_MEMORY_BUDGET_GIB={settings.memory_budget_gib} does not cover the engine's "
+                f"fixed part ({engine.cost_model().fixed_bytes / GiB:.2f} GiB)"
+            )
+    else:
+        budget = engine.default_budget_bytes()
+    return BatchConfig(
+        max_items=settings.max_batch, wait_s=settings.batch_wait_ms / 1000, budget_bytes=budget
+    )
+
+
+def build_runtime(
+    settings: Settings, store: JobStore | None = None, worker_name: str | None = None
+) -> Runtime:
+    engine = create_engine(settings.engine, settings)
+    engine.load()
+    config = batch_config(settings, engine)
+    batcher = Batcher(engine, config, on_batch=_log_batch).start()
+    store = store or JobStore(get_engine(settings.database_url))
+    name = worker_name or f"{settings.engine}@{socket.gethostname()}"
+    runner = JobRunner(settings, engine, batcher, store, name)
+    log.info(
+        "engine %s loaded; batches up to %d images within %.2f GiB above %.2f GiB fixed (%s)",
+        engine.name,
+        config.max_items,
+        config.budget_bytes / GiB,
+        engine.cost_model().fixed_bytes / GiB,
+        engine.cost_model().source,
+    )
+    return Runtime(settings, engine, batcher, runner)
+
+
+def _log_batch(record: BatchRecord) -> None:
+    log.info(
+        "batch %s: %d images in %.3f s (%d failed, predicted %.3f GiB)",
+        record.batch_id[:8],
+        record.size,
+        record.ended - record.started,
+        record.failed_items,
+        record.predicted_bytes / GiB,
+    )
+
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None
+
+
+def get_runtime(settings: Settings | None = None) -> Runtime:
+    """The process's runtime, built on first use (worker start-up calls this early)."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            _runtime = build_runtime(settings or Settings())
+        return _runtime
+
+
+def shutdown_runtime() -> None:
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            _runtime.close()
+            _runtime = None
