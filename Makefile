@@ -1,0 +1,20 @@
+# Shortcuts; the scripts hold the real steps (the README's two commands call them directly).
+.PHONY: demo test lint services worker flower
+
+demo:
+	bash scripts/demo.sh
+
+test:
+	bash scripts/test.sh
+
+lint:
+	.venv/bin/ruff check .
+
+services:
+	bash scripts/services.sh
+
+worker:
+	.venv/bin/ocrq worker
+
+flower:
+	.venv/bin/celery --broker=$${OCRQ_BROKER_URL:-redis://localhost:6379/0} flower --port=5555

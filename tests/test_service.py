@@ -1,0 +1,289 @@
+"""End to end through real parts: `ocrq submit` -> Redis -> `ocrq worker` process -> PostgreSQL.
+
+One worker process serves the module; every test talks to it only through the broker and
+the database, as producers and users do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from ocrq.db import get_engine
+from ocrq.store import JobStore
+from tests.badfiles import write_bad_files
+from tests.conftest import BIN, WorkerProcess
+
+
+def _store(url: str) -> JobStore:
+    return JobStore(get_engine(url))
+
+
+def _wait_rows(url: str, ids: list[str], timeout: float = 180) -> dict[str, dict[str, Any]]:
+    store = _store(url)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = store.get(ids)
+        if len(rows) == len(ids) and all(r["status"] in ("done", "failed") for r in rows.values()):
+            return rows
+        time.sleep(0.2)
+    raise TimeoutError(f"jobs not final after {timeout} s: {store.get(ids)}")
+
+
+def _ocrq(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ocrq"), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_submit_wait_end_to_end(worker: WorkerProcess, service_env: dict[str, str],
+                                text_images: dict[str, Path], database_url: str) -> None:
+    paths = [str(p) for p in text_images.values()]
+    proc = _ocrq(service_env, "submit", *paths, "--wait", "--json", "--timeout", "120")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["path"] for r in rows] == paths
+    by_name = {Path(r["path"]).stem: r for r in rows}
+    assert all(r["status"] == "done" for r in rows), rows
+    assert "HELLO" in by_name["hello"]["text"].upper()
+    assert "STATION" in by_name["word"]["text"].upper()
+    invoice = by_name["invoice"]
+    assert [ln["text"] for ln in invoice["lines"]][0].upper().startswith("INVOICE")
+    assert "134.90" in invoice["text"]
+    for line in invoice["lines"]:
+        x1, y1, x2, y2 = line["box"]
+        assert 0 <= x1 < x2 and 0 <= y1 < y2 and 0 < line["score"] <= 1
+
+    # The row holds everything the contract names.
+    db = _store(database_url).get([r["job_id"] for r in rows])
+    for r in rows:
+        row = db[r["job_id"]]
+        assert row["status"] == "done" and row["engine"] == "rapid" and row["attempts"] == 1
+        assert len(row["sha256"]) == 64 and row["width"] > 0 and row["height"] > 0
+        assert row["batch_id"] and row["worker"]
+        assert row["created_at"] <= row["started_at"] <= row["finished_at"]
+    # Three images submitted together share a batch: the engine never ran them one by one.
+    assert len({db[r["job_id"]]["batch_id"] for r in rows}) < len(rows)
+
+    status = _ocrq(service_env, "status", rows[0]["job_id"], "--json")
+    assert json.loads(status.stdout)["text"] == rows[0]["text"]
+
+
+def test_bare_celery_producer(worker: WorkerProcess, service_env: dict[str, str],
+                              text_images: dict[str, Path], database_url: str) -> None:
+    """Another app, with only celery installed and nothing of ocrq imported, sends a job."""
+    job_id = str(uuid.uuid4())
+    script = textwrap.dedent(f"""
+        import sys
+        from celery import Celery
+        app = Celery(broker={service_env['OCRQ_BROKER_URL']!r})
+        app.send_task("ocrq.recognize", kwargs={{"image": {{"path": {str(text_images['hello'])!r}}},
+                      "task": "text", "job_id": {job_id!r}}}, queue="ocr")
+        assert not any(m.split(".")[0] in ("ocrq", "worker", "models", "api", "torch")
+                       for m in sys.modules), "producer imported ocrq"
+    """)
+    subprocess.run([sys.executable, "-I", "-c", script], check=True, timeout=60)
+    row = _wait_rows(database_url, [job_id])[job_id]
+    assert row["status"] == "done" and "HELLO" in row["text"].upper()
+
+
+def test_duplicate_delivery_one_row(worker: WorkerProcess, broker_url: str, database_url: str,
+                                    text_images: dict[str, Path]) -> None:
+    app = Celery(broker=broker_url)
+    job_id = str(uuid.uuid4())
+    kwargs = {"image": {"path": str(text_images["word"])}, "job_id": job_id}
+    for _ in range(2):  # delivered twice at once: both may run, one row, done
+        app.send_task("ocrq.recognize", kwargs=kwargs, queue="ocr")
+    first = _wait_rows(database_url, [job_id])[job_id]
+    time.sleep(2)  # let the second copy finish too
+    assert first["status"] == "done"
+    # A late redelivery of a done job changes nothing.
+    app.send_task("ocrq.recognize", kwargs=kwargs, queue="ocr")
+    time.sleep(3)
+    store = _store(database_url)
+    from sqlalchemy import func, select
+
+    from ocrq.db import ocr_jobs
+
+    with store.engine.connect() as conn:
+        n = conn.execute(select(func.count()).where(ocr_jobs.c.id == job_id)).scalar_one()
+    after = store.get([job_id])[job_id]
+    assert n == 1
+    assert after["status"] == "done" and after["text"] == first["text"]
+    assert after["finished_at"] >= first["finished_at"] and after["attempts"] <= 2
+    assert "already done" in worker.text()
+
+
+def test_bad_inputs_fail_alone(worker: WorkerProcess, broker_url: str, database_url: str,
+                               image_root: Path, text_images: dict[str, Path]) -> None:
+    app = Celery(broker=broker_url)
+    bad = write_bad_files(image_root / "bad")
+    outside = Path("/etc/hostname")
+    cases: dict[str, tuple[dict[str, Any], str]] = {
+        name: ({"path": str(path)}, fragment) for name, (path, fragment) in bad.items()
+    }
+    cases["outside_root"] = ({"path": str(outside)}, "outside allowed roots")
+    cases["missing"] = ({"path": str(image_root / "missing.png")}, "not found")
+    cases["unreachable_url"] = ({"url": "http://127.0.0.1:9/x.png"}, "unreachable")
+    cases["bad_b64"] = ({"b64": "***"}, "invalid base64")
+    cases["no_image"] = ({}, "invalid job request")
+    ids = {}
+    for name, (image, _) in cases.items():
+        ids[name] = str(uuid.uuid4())
+        app.send_task("ocrq.recognize", kwargs={"image": image, "job_id": ids[name]}, queue="ocr")
+    good = str(uuid.uuid4())
+    app.send_task("ocrq.recognize",
+                  kwargs={"image": {"path": str(text_images["hello"])}, "job_id": good}, queue="ocr")
+    rows = _wait_rows(database_url, [*ids.values(), good])
+    for name, (_, fragment) in cases.items():
+        row = rows[ids[name]]
+        assert row["status"] == "failed", (name, row)
+        assert fragment in row["error"], (name, row["error"])
+    assert rows[good]["status"] == "done"
+    assert worker.alive()
+
+
+def test_task_events_for_flower(worker: WorkerProcess, broker_url: str, database_url: str,
+                                text_images: dict[str, Path]) -> None:
+    """Flower builds its task list from these events: each image is its own task."""
+    app = Celery(broker=broker_url)
+    seen: dict[str, set[str]] = {}
+    ready = threading.Event()
+
+    def capture() -> None:
+        with app.connection() as conn:
+            def on_event(event: dict[str, Any]) -> None:
+                if event.get("uuid"):
+                    seen.setdefault(event["uuid"], set()).add(event["type"])
+
+            recv = app.events.Receiver(conn, handlers={"*": on_event})
+            ready.set()
+            recv.capture(limit=None, timeout=40, wakeup=True)
+
+    thread = threading.Thread(target=capture, daemon=True)
+    thread.start()
+    ready.wait(10)
+    time.sleep(1)
+    ids = [str(uuid.uuid4()) for _ in range(3)]
+    for job_id, path in zip(ids, text_images.values(), strict=True):
+        app.send_task("ocrq.recognize", kwargs={"image": {"path": str(path)}, "job_id": job_id},
+                      queue="ocr", task_id=job_id)
+    _wait_rows(database_url, ids)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not all(
+        {"task-received", "task-started", "task-succeeded"} <= seen.get(i, set()) for i in ids
+    ):
+        time.sleep(0.2)
+    for job_id in ids:
+        assert {"task-received", "task-started", "task-succeeded"} <= seen.get(job_id, set()), seen
+
+
+def test_embedded_run(tmp_path: Path, text_images: dict[str, Path]) -> None:
+    """`ocrq run` with no Redis and no PostgreSQL: JSONL out, SQLite rows, bad file fails alone."""
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for p in text_images.values():
+        (folder / p.name).write_bytes(p.read_bytes())
+    (folder / "broken.png").write_bytes(b"not an image at all")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OCRQ_")}
+    env["OCRQ_BROKER_URL"] = "redis://127.0.0.1:1/0"  # proves nothing talks to a broker
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [str(BIN / "ocrq"), "run", str(folder), "--output", str(out),
+         "--db", f"sqlite:///{tmp_path / 'run.sqlite'}"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [Path(r["path"]).name for r in rows] == sorted(p.name for p in folder.iterdir())
+    by_name = {Path(r["path"]).stem: r for r in rows}
+    assert set(by_name["broken"]) == {"path", "status", "text", "lines", "error"}
+    assert by_name["broken"]["status"] == "failed" and "not an image" in by_name["broken"]["error"]
+    assert "HELLO" in by_name["hello"]["text"].upper()
+    assert "done: 3, failed: 1" in proc.stderr
+    db = _store(f"sqlite:///{tmp_path / 'run.sqlite'}")
+    assert db.count_by_status() == {"done": 3, "failed": 1}
+
+
+def test_http_api(worker: WorkerProcess, service_env: dict[str, str],
+                  text_images: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastapi.testclient import TestClient
+
+    for key in ("OCRQ_BROKER_URL", "OCRQ_DATABASE_URL"):
+        monkeypatch.setenv(key, service_env[key])
+    from api import http
+
+    http.client.cache_clear()
+    api = TestClient(http.app)
+    job_id = api.post("/jobs", json={"image": {"path": str(text_images["word"])}}).json()["job_id"]
+    deadline = time.monotonic() + 60
+    body: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        body = api.get(f"/jobs/{job_id}").json()
+        if body["status"] in ("done", "failed"):
+            break
+        time.sleep(0.2)
+    assert body["status"] == "done" and "STATION" in body["text"].upper()
+    assert api.get(f"/jobs/{uuid.uuid4()}").status_code == 404
+    assert api.post("/jobs", json={"image": {}}).status_code == 422
+
+
+def test_flower_lists_each_image(worker: WorkerProcess, service_env: dict[str, str],
+                                 broker_url: str, database_url: str, tmp_path: Path,
+                                 text_images: dict[str, Path]) -> None:
+    """A real Flower, started as the README says, shows each image's task and its state."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "flower.log").open("w")
+    flower = subprocess.Popen(
+        [str(BIN / "celery"), f"--broker={broker_url}", "flower", f"--port={port}",
+         "--address=127.0.0.1"],
+        env={**service_env, "FLOWER_UNAUTHENTICATED_API": "true"}, stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{base}/healthcheck", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        time.sleep(2)  # let Flower's event consumer attach
+        app = Celery(broker=broker_url)
+        ids = [str(uuid.uuid4()) for _ in text_images]
+        for job_id, path in zip(ids, text_images.values(), strict=True):
+            app.send_task("ocrq.recognize", kwargs={"image": {"path": str(path)},
+                          "job_id": job_id}, queue="ocr", task_id=job_id)
+        _wait_rows(database_url, ids)
+        tasks: dict[str, Any] = {}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            tasks = httpx.get(f"{base}/api/tasks", timeout=5).json()
+            if all(tasks.get(i, {}).get("state") == "SUCCESS" for i in ids):
+                break
+            time.sleep(0.5)
+        for job_id in ids:
+            assert tasks[job_id]["name"] == "ocrq.recognize"
+            assert tasks[job_id]["state"] == "SUCCESS"
+            assert tasks[job_id]["started"] and tasks[job_id]["received"]
+    finally:
+        flower.terminate()
+        flower.wait(20)
+        log.close()
