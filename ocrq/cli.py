@@ -89,21 +89,31 @@ def run(
 def worker(
     engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
     concurrency: Annotated[
-        int | None,
-        typer.Option(help="Task threads: images fetched + waiting for the batcher at once."),
+        int | None, typer.Option(help="Task threads: images fetched + waiting for the batcher.")
     ] = None,
     queue: Annotated[str | None, typer.Option(help="Queue to consume.")] = None,
+    max_images: Annotated[
+        int | None, typer.Option(help="Recycle the worker process after this many images.")
+    ] = None,
     hostname: Annotated[str | None, typer.Option(help="Celery node name.")] = None,
+    supervise: Annotated[
+        bool,
+        typer.Option(
+            help="Restart the worker process after a recycle or crash (bare metal); "
+            "--no-supervise under Docker/systemd/Kubernetes, which restart it."
+        ),
+    ] = True,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Consume OCR jobs from the broker, batch them through the engine, store rows."""
-    # Celery reads Settings() when the app module is imported: pass the options that way.
-    for key, value in {"ENGINE": engine, "QUEUE": queue}.items():
+    from worker.lifecycle import run_worker
+    from worker.lifecycle import supervise as run_supervised
+
+    # The worker process builds Settings() from the environment: pass the options that way.
+    for key, value in {"ENGINE": engine, "QUEUE": queue, "MAX_IMAGES": max_images}.items():
         if value is not None:
             os.environ[f"OCRQ_{key}"] = str(value)
     settings = Settings()
-    from worker.celery_app import app as celery_app
-
     argv = [
         "worker",
         "--pool",
@@ -115,12 +125,13 @@ def worker(
         "--loglevel",
         loglevel,
         "--task-events",
+        # Stable across recycles, so Flower shows one worker going offline and online.
         "--hostname",
         hostname or f"ocrq-{settings.engine}-{os.getpid()}@%h",
         "--without-gossip",
         "--without-mingle",
     ]
-    celery_app.worker_main(argv)
+    raise typer.Exit(run_supervised(argv) if supervise else run_worker(argv))
 
 
 @app.command()

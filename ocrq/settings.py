@@ -34,6 +34,19 @@ class Settings(BaseSettings):
     batch_wait_ms: int = 50  # how long the batcher lingers for more items once one is waiting
     memory_budget_gib: float | None = None  # None: the engine's default budget
     concurrency: int = 16  # Celery task threads: images being fetched + waiting for the batcher
+    # Decoded images held at once (waiting + in the running batch); None: two batches' worth,
+    # i.e. the next batch is decoded while the current one runs. max_batch turns prefetch off.
+    prefetch_images: int | None = None
+
+    # Delivery and lifecycle.
+    # Redis redelivers a message not acked within this many seconds: keep it above the worst
+    # delivery-to-ack time (bench/results/delivery_*.md measures it).
+    visibility_timeout_s: int = 3600
+    max_images: int | None = 10_000  # recycle the worker process after this many images
+    max_rss_gib: float | None = None  # ... or when host RSS stays above this
+    max_fragmentation_gib: float | None = None  # ... or device reserved-allocated stays above
+    recycle_patience: int = 3  # consecutive batches over a threshold before recycling
+    metrics_port: int | None = None  # Prometheus metrics on this port when set
 
     # HunyuanOCR.
     model: str = "tencent/HunyuanOCR"

@@ -36,8 +36,13 @@ def write_bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
         "notimage": (b"%PDF-1.4 this is not a picture\n" * 20, "not an image"),
         "bomb": (png_bomb(), "decompression bomb"),
     }
-    suffix = {"truncated": ".jpg", "corrupt": ".jpg", "bomb": ".png", "empty": ".png",
-              "notimage": ".png"}
+    suffix = {
+        "truncated": ".jpg",
+        "corrupt": ".jpg",
+        "bomb": ".png",
+        "empty": ".png",
+        "notimage": ".png",
+    }
     out = {}
     for name, (data, fragment) in files.items():
         path = folder / f"bad-{name}{suffix[name]}"

@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EVAL_DATA = Path(os.environ.get("OCRQ_EVAL_DATA", REPO.parent / "shared" / "data" / "ocr-eval"))
 TEST_BROKER = os.environ.get("OCRQ_TEST_BROKER_URL", "redis://127.0.0.1:6379/15")
-TEST_PG = os.environ.get("OCRQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+TEST_PG = os.environ.get(
+    "OCRQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
 
 
 def eval_data() -> Path:
@@ -78,8 +80,11 @@ class WorkerProcess:
         self.log = log
         self._fh = log.open("w")
         self.proc = subprocess.Popen(
-            [str(BIN / "ocrq"), "worker", *args], env=env, stdout=self._fh,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            [str(BIN / "ocrq"), "worker", *args],
+            env=env,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def wait_ready(self, timeout: float = 120) -> WorkerProcess:
@@ -110,7 +115,9 @@ class WorkerProcess:
 
 
 @pytest.fixture(scope="module")
-def worker(service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+def worker(
+    service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     proc = WorkerProcess(service_env, log, "--concurrency", "8").wait_ready()
     yield proc

@@ -45,8 +45,10 @@ def test_missing_path_and_bad_b64_and_unreachable_url(settings: Settings, tmp_pa
     with pytest.raises(images.ImageError, match="invalid base64"):
         images.load(ImageRef(b64="@@not base64@@"), settings)
     with pytest.raises(images.ImageError, match="unreachable"):
-        images.load(ImageRef(url="http://127.0.0.1:9/x.png"), settings.model_copy(
-            update={"url_timeout_s": 2.0}))
+        images.load(
+            ImageRef(url="http://127.0.0.1:9/x.png"),
+            settings.model_copy(update={"url_timeout_s": 2.0}),
+        )
     with pytest.raises(images.ImageError, match="scheme"):
         images.load(ImageRef(url="file:///etc/passwd"), settings)
 

@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 from models.costs import CostModel, ItemCost
 from worker.planner import Waiting, plan
 
-MODEL = CostModel(fixed_bytes=2 << 30, per_item_bytes=1e6, per_token_bytes=135 * 1024,
-                  per_patch_bytes=2e3)
+MODEL = CostModel(
+    fixed_bytes=2 << 30, per_item_bytes=1e6, per_token_bytes=135 * 1024, per_patch_bytes=2e3
+)
 
 costs = st.builds(
     ItemCost,

@@ -42,12 +42,22 @@ def _wait_rows(url: str, ids: list[str], timeout: float = 180) -> dict[str, dict
 
 
 def _ocrq(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "ocrq"), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [str(BIN / "ocrq"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
-def test_submit_wait_end_to_end(worker: WorkerProcess, service_env: dict[str, str],
-                                text_images: dict[str, Path], database_url: str) -> None:
+def test_submit_wait_end_to_end(
+    worker: WorkerProcess,
+    service_env: dict[str, str],
+    text_images: dict[str, Path],
+    database_url: str,
+) -> None:
     paths = [str(p) for p in text_images.values()]
     proc = _ocrq(service_env, "submit", *paths, "--wait", "--json", "--timeout", "120")
     assert proc.returncode == 0, proc.stderr
@@ -58,7 +68,7 @@ def test_submit_wait_end_to_end(worker: WorkerProcess, service_env: dict[str, st
     assert "HELLO" in by_name["hello"]["text"].upper()
     assert "STATION" in by_name["word"]["text"].upper()
     invoice = by_name["invoice"]
-    assert [ln["text"] for ln in invoice["lines"]][0].upper().startswith("INVOICE")
+    assert invoice["lines"][0]["text"].upper().startswith("INVOICE")
     assert "134.90" in invoice["text"]
     for line in invoice["lines"]:
         x1, y1, x2, y2 = line["box"]
@@ -79,15 +89,19 @@ def test_submit_wait_end_to_end(worker: WorkerProcess, service_env: dict[str, st
     assert json.loads(status.stdout)["text"] == rows[0]["text"]
 
 
-def test_bare_celery_producer(worker: WorkerProcess, service_env: dict[str, str],
-                              text_images: dict[str, Path], database_url: str) -> None:
+def test_bare_celery_producer(
+    worker: WorkerProcess,
+    service_env: dict[str, str],
+    text_images: dict[str, Path],
+    database_url: str,
+) -> None:
     """Another app, with only celery installed and nothing of ocrq imported, sends a job."""
     job_id = str(uuid.uuid4())
     script = textwrap.dedent(f"""
         import sys
         from celery import Celery
-        app = Celery(broker={service_env['OCRQ_BROKER_URL']!r})
-        app.send_task("ocrq.recognize", kwargs={{"image": {{"path": {str(text_images['hello'])!r}}},
+        app = Celery(broker={service_env["OCRQ_BROKER_URL"]!r})
+        app.send_task("ocrq.recognize", kwargs={{"image": {{"path": {str(text_images["hello"])!r}}},
                       "task": "text", "job_id": {job_id!r}}}, queue="ocr")
         assert not any(m.split(".")[0] in ("ocrq", "worker", "models", "api", "torch")
                        for m in sys.modules), "producer imported ocrq"
@@ -97,8 +111,9 @@ def test_bare_celery_producer(worker: WorkerProcess, service_env: dict[str, str]
     assert row["status"] == "done" and "HELLO" in row["text"].upper()
 
 
-def test_duplicate_delivery_one_row(worker: WorkerProcess, broker_url: str, database_url: str,
-                                    text_images: dict[str, Path]) -> None:
+def test_duplicate_delivery_one_row(
+    worker: WorkerProcess, broker_url: str, database_url: str, text_images: dict[str, Path]
+) -> None:
     app = Celery(broker=broker_url)
     job_id = str(uuid.uuid4())
     kwargs = {"image": {"path": str(text_images["word"])}, "job_id": job_id}
@@ -124,8 +139,13 @@ def test_duplicate_delivery_one_row(worker: WorkerProcess, broker_url: str, data
     assert "already done" in worker.text()
 
 
-def test_bad_inputs_fail_alone(worker: WorkerProcess, broker_url: str, database_url: str,
-                               image_root: Path, text_images: dict[str, Path]) -> None:
+def test_bad_inputs_fail_alone(
+    worker: WorkerProcess,
+    broker_url: str,
+    database_url: str,
+    image_root: Path,
+    text_images: dict[str, Path],
+) -> None:
     app = Celery(broker=broker_url)
     bad = write_bad_files(image_root / "bad")
     outside = Path("/etc/hostname")
@@ -142,8 +162,11 @@ def test_bad_inputs_fail_alone(worker: WorkerProcess, broker_url: str, database_
         ids[name] = str(uuid.uuid4())
         app.send_task("ocrq.recognize", kwargs={"image": image, "job_id": ids[name]}, queue="ocr")
     good = str(uuid.uuid4())
-    app.send_task("ocrq.recognize",
-                  kwargs={"image": {"path": str(text_images["hello"])}, "job_id": good}, queue="ocr")
+    app.send_task(
+        "ocrq.recognize",
+        kwargs={"image": {"path": str(text_images["hello"])}, "job_id": good},
+        queue="ocr",
+    )
     rows = _wait_rows(database_url, [*ids.values(), good])
     for name, (_, fragment) in cases.items():
         row = rows[ids[name]]
@@ -153,8 +176,9 @@ def test_bad_inputs_fail_alone(worker: WorkerProcess, broker_url: str, database_
     assert worker.alive()
 
 
-def test_task_events_for_flower(worker: WorkerProcess, broker_url: str, database_url: str,
-                                text_images: dict[str, Path]) -> None:
+def test_task_events_for_flower(
+    worker: WorkerProcess, broker_url: str, database_url: str, text_images: dict[str, Path]
+) -> None:
     """Flower builds its task list from these events: each image is its own task."""
     app = Celery(broker=broker_url)
     seen: dict[str, set[str]] = {}
@@ -162,6 +186,7 @@ def test_task_events_for_flower(worker: WorkerProcess, broker_url: str, database
 
     def capture() -> None:
         with app.connection() as conn:
+
             def on_event(event: dict[str, Any]) -> None:
                 if event.get("uuid"):
                     seen.setdefault(event["uuid"], set()).add(event["type"])
@@ -176,8 +201,12 @@ def test_task_events_for_flower(worker: WorkerProcess, broker_url: str, database
     time.sleep(1)
     ids = [str(uuid.uuid4()) for _ in range(3)]
     for job_id, path in zip(ids, text_images.values(), strict=True):
-        app.send_task("ocrq.recognize", kwargs={"image": {"path": str(path)}, "job_id": job_id},
-                      queue="ocr", task_id=job_id)
+        app.send_task(
+            "ocrq.recognize",
+            kwargs={"image": {"path": str(path)}, "job_id": job_id},
+            queue="ocr",
+            task_id=job_id,
+        )
     _wait_rows(database_url, ids)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not all(
@@ -199,9 +228,21 @@ def test_embedded_run(tmp_path: Path, text_images: dict[str, Path]) -> None:
     env["OCRQ_BROKER_URL"] = "redis://127.0.0.1:1/0"  # proves nothing talks to a broker
     out = tmp_path / "out.jsonl"
     proc = subprocess.run(
-        [str(BIN / "ocrq"), "run", str(folder), "--output", str(out),
-         "--db", f"sqlite:///{tmp_path / 'run.sqlite'}"],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+        [
+            str(BIN / "ocrq"),
+            "run",
+            str(folder),
+            "--output",
+            str(out),
+            "--db",
+            f"sqlite:///{tmp_path / 'run.sqlite'}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -215,8 +256,12 @@ def test_embedded_run(tmp_path: Path, text_images: dict[str, Path]) -> None:
     assert db.count_by_status() == {"done": 3, "failed": 1}
 
 
-def test_http_api(worker: WorkerProcess, service_env: dict[str, str],
-                  text_images: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_http_api(
+    worker: WorkerProcess,
+    service_env: dict[str, str],
+    text_images: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from fastapi.testclient import TestClient
 
     for key in ("OCRQ_BROKER_URL", "OCRQ_DATABASE_URL"):
@@ -238,9 +283,14 @@ def test_http_api(worker: WorkerProcess, service_env: dict[str, str],
     assert api.post("/jobs", json={"image": {}}).status_code == 422
 
 
-def test_flower_lists_each_image(worker: WorkerProcess, service_env: dict[str, str],
-                                 broker_url: str, database_url: str, tmp_path: Path,
-                                 text_images: dict[str, Path]) -> None:
+def test_flower_lists_each_image(
+    worker: WorkerProcess,
+    service_env: dict[str, str],
+    broker_url: str,
+    database_url: str,
+    tmp_path: Path,
+    text_images: dict[str, Path],
+) -> None:
     """A real Flower, started as the README says, shows each image's task and its state."""
     import socket
 
@@ -251,9 +301,15 @@ def test_flower_lists_each_image(worker: WorkerProcess, service_env: dict[str, s
         port = s.getsockname()[1]
     log = (tmp_path / "flower.log").open("w")
     flower = subprocess.Popen(
-        [str(BIN / "celery"), f"--broker={broker_url}", "flower", f"--port={port}",
-         "--address=127.0.0.1"],
-        env={**service_env, "FLOWER_UNAUTHENTICATED_API": "true"}, stdout=log,
+        [
+            str(BIN / "celery"),
+            f"--broker={broker_url}",
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+        ],
+        env={**service_env, "FLOWER_UNAUTHENTICATED_API": "true"},
+        stdout=log,
         stderr=subprocess.STDOUT,
     )
     try:
@@ -269,8 +325,12 @@ def test_flower_lists_each_image(worker: WorkerProcess, service_env: dict[str, s
         app = Celery(broker=broker_url)
         ids = [str(uuid.uuid4()) for _ in text_images]
         for job_id, path in zip(ids, text_images.values(), strict=True):
-            app.send_task("ocrq.recognize", kwargs={"image": {"path": str(path)},
-                          "job_id": job_id}, queue="ocr", task_id=job_id)
+            app.send_task(
+                "ocrq.recognize",
+                kwargs={"image": {"path": str(path)}, "job_id": job_id},
+                queue="ocr",
+                task_id=job_id,
+            )
         _wait_rows(database_url, ids)
         tasks: dict[str, Any] = {}
         deadline = time.monotonic() + 20

@@ -39,7 +39,12 @@ def test_claim_finish_redelivery(store: JobStore) -> None:
     claim = store.claim(job, "text", "/x.png", "w3")
     assert not claim.run and claim.row is not None and claim.row["text"] == "first"
     row = store.get([job])[job]
-    assert (row["status"], row["text"], row["attempts"], row["worker"]) == ("done", "first", 2, "w2")
+    assert (row["status"], row["text"], row["attempts"], row["worker"]) == (
+        "done",
+        "first",
+        2,
+        "w2",
+    )
     assert _count(store, job) == 1
 
 

@@ -16,8 +16,6 @@ from celery import Celery, signals
 from ocrq.contract import DEFAULT_QUEUE, TASK_NAME
 from ocrq.settings import Settings
 
-VISIBILITY_TIMEOUT_S = 3600
-
 
 def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings()
@@ -37,7 +35,7 @@ def make_app(settings: Settings | None = None) -> Celery:
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
-        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
         task_serializer="json",
         accept_content=["json"],
     )
@@ -50,9 +48,10 @@ app = make_app()
 @signals.worker_ready.connect
 def _load_engine_at_start(**_: object) -> None:
     """Load the model before the first message, so a missing model fails at start-up."""
+    from worker.lifecycle import request_recycle
     from worker.runtime import get_runtime
 
-    get_runtime()
+    get_runtime(on_recycle=request_recycle)
 
 
 @signals.worker_shutdown.connect

@@ -7,6 +7,7 @@ The caller's thread blocks on the batcher's future while the engine works on a w
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from models.base import Engine, PreparedImage
 from ocrq.contract import TASK_PRESETS, JobRequest
 from ocrq.settings import Settings
 from ocrq.store import JobStore
-from worker import images
+from worker import images, metrics
 from worker.batcher import Batcher
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class JobRunner:
         batcher: Batcher,
         store: JobStore,
         worker_name: str,
+        prefetch_images: int = 64,
         db_retry_s: float = 300.0,
     ) -> None:
         self.settings = settings
@@ -73,6 +75,9 @@ class JobRunner:
         self.batcher = batcher
         self.store = store
         self.worker_name = worker_name
+        # Caps decoded images held at once (prefetched + in the running batch): memory stays
+        # bounded however many task threads there are.
+        self._decoded = threading.BoundedSemaphore(prefetch_images)
         # While the database is down, results wait in this thread (and the message stays
         # unacked) rather than being dropped or acked without a row.
         self._db = retry(
@@ -131,6 +136,7 @@ class JobRunner:
             error=None,
             **common,
         )
+        metrics.JOBS.labels("done").inc()
         return JobOutcome(request.job_id, source, "done", outcome.result.text, lines)
 
     def reject(self, job_id: str | None, source: str, task: str, message: str) -> None:
@@ -147,4 +153,5 @@ class JobRunner:
     def _fail(self, job_id: str, source: str, message: str, **fields: Any) -> JobOutcome:
         log.warning("job %s failed: %s", job_id, message)
         self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
+        metrics.JOBS.labels("failed").inc()
         return JobOutcome(job_id, source, "failed", error=message)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.base import Engine
@@ -17,8 +18,10 @@ from models.registry import create_engine
 from ocrq.db import get_engine
 from ocrq.settings import Settings
 from ocrq.store import JobStore
+from worker import metrics
 from worker.batcher import BatchConfig, Batcher, BatchRecord
 from worker.jobs import JobRunner
+from worker.recycle import RecyclePolicy, Recycler
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ class Runtime:
     engine: Engine
     batcher: Batcher
     runner: JobRunner
+    recycler: Recycler | None = None
 
     def close(self) -> None:
         self.batcher.stop()
@@ -51,16 +55,46 @@ def batch_config(settings: Settings, engine: Engine) -> BatchConfig:
     )
 
 
+def recycle_policy(settings: Settings) -> RecyclePolicy:
+    def gib(value: float | None) -> int | None:
+        return None if value is None else int(value * GiB)
+
+    return RecyclePolicy(
+        max_images=settings.max_images,
+        max_rss_bytes=gib(settings.max_rss_gib),
+        max_fragmentation_bytes=gib(settings.max_fragmentation_gib),
+        patience=settings.recycle_patience,
+    )
+
+
 def build_runtime(
-    settings: Settings, store: JobStore | None = None, worker_name: str | None = None
+    settings: Settings,
+    store: JobStore | None = None,
+    worker_name: str | None = None,
+    on_recycle: Callable[[str], None] | None = None,
 ) -> Runtime:
+    """Load the engine and start its batcher; with `on_recycle`, watch for recycling too."""
     engine = create_engine(settings.engine, settings)
     engine.load()
     config = batch_config(settings, engine)
-    batcher = Batcher(engine, config, on_batch=_log_batch).start()
+    recycler = None
+    if on_recycle is not None:
+        recycler = Recycler(
+            recycle_policy(settings), on_recycle, fragmentation=engine.fragmentation_bytes
+        )
+    hooks: list[Callable[[BatchRecord], None]] = [_log_batch, _count_batch]
+    if recycler is not None:
+        hooks.append(recycler.after_batch)
+
+    def on_batch(record: BatchRecord) -> None:
+        for hook in hooks:
+            hook(record)
+
+    batcher = Batcher(engine, config, on_batch=on_batch).start()
     store = store or JobStore(get_engine(settings.database_url))
     name = worker_name or f"{settings.engine}@{socket.gethostname()}"
-    runner = JobRunner(settings, engine, batcher, store, name)
+    prefetch = settings.prefetch_images or 2 * config.max_items
+    runner = JobRunner(settings, engine, batcher, store, name, prefetch_images=prefetch)
     log.info(
         "engine %s loaded; batches up to %d images within %.2f GiB above %.2f GiB fixed (%s)",
         engine.name,
@@ -69,7 +103,13 @@ def build_runtime(
         engine.cost_model().fixed_bytes / GiB,
         engine.cost_model().source,
     )
-    return Runtime(settings, engine, batcher, runner)
+    return Runtime(settings, engine, batcher, runner, recycler)
+
+
+def _count_batch(record: BatchRecord) -> None:
+    metrics.BATCHES.inc()
+    metrics.BATCH_SIZE.observe(record.size)
+    metrics.BATCH_SECONDS.observe(record.ended - record.started)
 
 
 def _log_batch(record: BatchRecord) -> None:
@@ -87,12 +127,14 @@ _lock = threading.Lock()
 _runtime: Runtime | None = None
 
 
-def get_runtime(settings: Settings | None = None) -> Runtime:
+def get_runtime(
+    settings: Settings | None = None, on_recycle: Callable[[str], None] | None = None
+) -> Runtime:
     """The process's runtime, built on first use (worker start-up calls this early)."""
     global _runtime
     with _lock:
         if _runtime is None:
-            _runtime = build_runtime(settings or Settings())
+            _runtime = build_runtime(settings or Settings(), on_recycle=on_recycle)
         return _runtime
 
 

@@ -1,0 +1,277 @@
+"""Delivery guarantees under faults, with real worker processes, Redis and PostgreSQL.
+
+Each test prints its figures (jobs, done, lost, duplicated, recycles, seconds) for the record.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+from sqlalchemy import func, select
+
+from ocrq.db import get_engine, ocr_jobs
+from ocrq.samples import draw_text_image
+from ocrq.store import JobStore
+from tests.conftest import BIN, WorkerProcess
+from tests.servers import PrivatePostgres, PrivateRedis
+
+WORDS = [
+    "ALPHA",
+    "BRAVO",
+    "CHARLIE",
+    "DELTA",
+    "ECHO",
+    "FOXTROT",
+    "GOLF",
+    "HOTEL",
+    "INDIA",
+    "JULIET",
+    "KILO",
+    "LIMA",
+    "MIKE",
+    "NOVEMBER",
+    "OSCAR",
+    "PAPA",
+]
+
+
+def make_images(folder: Path, n: int, lines: int = 1) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        text = [f"{WORDS[(i + k) % len(WORDS)]} {i}" for k in range(lines)]
+        path = folder / f"img{i:05d}.png"
+        draw_text_image(text, size=28, margin=6 if lines == 1 else 20).save(path)
+        paths.append(path)
+    return paths
+
+
+def send_all(broker_url: str, paths: list[Path]) -> list[str]:
+    app = Celery(broker=broker_url)
+    ids = []
+    with app.producer_or_acquire() as producer:
+        for path in paths:
+            job_id = str(uuid.uuid4())
+            app.send_task(
+                "ocrq.recognize",
+                kwargs={"image": {"path": str(path)}, "job_id": job_id},
+                queue="ocr",
+                task_id=job_id,
+                producer=producer,
+            )
+            ids.append(job_id)
+    return ids
+
+
+def final_rows(store: JobStore, ids: list[str]) -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in store.get(ids).items() if v["status"] in ("done", "failed")}
+
+
+def wait_all(store: JobStore, ids: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = final_rows(store, ids)
+        if len(rows) == len(ids):
+            return rows
+        time.sleep(0.5)
+    rows = store.get(ids)
+    missing = [i for i in ids if rows.get(i, {}).get("status") not in ("done", "failed")]
+    raise TimeoutError(f"{len(missing)} of {len(ids)} jobs not final after {timeout} s")
+
+
+def row_count(store: JobStore, ids: list[str]) -> int:
+    with store.engine.connect() as conn:
+        return conn.execute(select(func.count()).where(ocr_jobs.c.id.in_(ids))).scalar_one()
+
+
+def report(
+    name: str,
+    ids: list[str],
+    rows: dict[str, dict[str, Any]],
+    store: JobStore,
+    seconds: float,
+    recycles: int = 0,
+) -> dict[str, int | float]:
+    done = sum(r["status"] == "done" for r in rows.values())
+    figures = {
+        "jobs": len(ids),
+        "done": done,
+        "lost": len(ids) - len(rows),
+        "duplicated": row_count(store, ids) - len(rows),  # rows beyond one per job
+        "rerun": sum(max(0, r["attempts"] - 1) for r in rows.values()),
+        "recycles": recycles,
+        "seconds": round(seconds, 1),
+    }
+    print(f"\n[{name}] " + " ".join(f"{k}={v}" for k, v in figures.items()))
+    return figures
+
+
+def worker_env(service_env: dict[str, str], **extra: str) -> dict[str, str]:
+    return {**service_env, **{f"OCRQ_{k.upper()}": v for k, v in extra.items()}}
+
+
+def child_pids(worker: WorkerProcess) -> list[int]:
+    return [int(p) for p in re.findall(r"started worker process pid (\d+)", worker.text())]
+
+
+def test_recycle_1000_images_every_50(
+    service_env: dict[str, str],
+    database_url: str,
+    broker_url: str,
+    image_root: Path,
+    tmp_path: Path,
+) -> None:
+    paths = make_images(image_root / "recycle", 1000)
+    store = JobStore(get_engine(database_url))
+    ids = send_all(broker_url, paths)
+    t0 = time.monotonic()
+    env = worker_env(service_env, max_batch="16")
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16", "--max-images", "50")
+    try:
+        worker.wait_ready()
+        rows = wait_all(store, ids, timeout=900)
+        seconds = time.monotonic() - t0
+    finally:
+        worker.stop()
+    recycles = worker.text().count("worker recycled (")
+    figures = report("recycle", ids, rows, store, seconds, recycles)
+    assert figures["done"] == 1000 and figures["lost"] == 0 and figures["duplicated"] == 0
+    assert recycles >= 15, worker.text()[-3000:]  # ~20 expected; in-flight jobs overshoot a bit
+    assert len(set(child_pids(worker))) == recycles + 1
+    text = {r["id"]: r["text"] for r in rows.values()}
+    assert all(text[i] for i in ids)
+
+
+def test_kill_9_mid_batch(
+    service_env: dict[str, str],
+    database_url: str,
+    broker_url: str,
+    image_root: Path,
+    tmp_path: Path,
+) -> None:
+    paths = make_images(image_root / "kill", 80, lines=6)
+    store = JobStore(get_engine(database_url))
+    env = worker_env(service_env, visibility_timeout_s="20", max_batch="8")
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16").wait_ready()
+    t0 = time.monotonic()
+    try:
+        ids = send_all(broker_url, paths)
+        # Wait until some jobs are done and a batch is in flight, then kill -9 the worker.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            rows = store.get(ids)
+            done = [r for r in rows.values() if r["status"] == "done"]
+            running = [r for r in rows.values() if r["status"] == "running"]
+            if len(done) >= 8 and running:
+                break
+            time.sleep(0.05)
+        before = {r["id"]: (r["text"], r["finished_at"]) for r in done}
+        victim = child_pids(worker)[-1]
+        os.kill(victim, signal.SIGKILL)
+        rows = wait_all(store, ids, timeout=300)
+        seconds = time.monotonic() - t0
+    finally:
+        worker.stop()
+    figures = report("kill-9", ids, rows, store, seconds)
+    assert len(child_pids(worker)) >= 2  # the supervisor started a new worker process
+    assert figures["done"] == len(ids) and figures["lost"] == 0 and figures["duplicated"] == 0
+    assert figures["rerun"] >= 1  # jobs of the killed batch ran again after redelivery
+    for job_id, (text, finished) in before.items():  # no done result regressed
+        assert (rows[job_id]["text"], rows[job_id]["finished_at"]) == (text, finished)
+
+
+def test_redis_restart_mid_run(
+    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    private = PrivateRedis(tmp_path)
+    private.start()
+    store = JobStore(get_engine(database_url))
+    env = worker_env(service_env, broker_url=private.url, visibility_timeout_s="20", max_batch="8")
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8")
+    try:
+        worker.wait_ready()
+        ids = send_all(private.url, make_images(image_root / "redis", 150, lines=3))
+        t0 = time.monotonic()
+        while len(final_rows(store, ids)) < 20:
+            time.sleep(0.1)
+        private.stop()
+        time.sleep(5)
+        assert worker.alive()
+        private.start()
+        rows = wait_all(store, ids, timeout=300)
+        seconds = time.monotonic() - t0
+    finally:
+        worker.stop()
+        private.stop()
+    figures = report("redis-restart", ids, rows, store, seconds)
+    assert figures["done"] == len(ids) and figures["lost"] == 0 and figures["duplicated"] == 0
+    assert len(child_pids(worker)) == 1  # the same process reconnected
+
+
+def test_postgres_down_30s(
+    service_env: dict[str, str], broker_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    pg = PrivatePostgres()
+    pg.init()
+    try:
+        subprocess.run(
+            [str(BIN / "ocrq"), "migrate"],
+            check=True,
+            timeout=120,
+            env={**os.environ, "OCRQ_DATABASE_URL": pg.url},
+        )
+        store = JobStore(get_engine(pg.url))
+        queue = f"ocr-pg-{uuid.uuid4().hex[:6]}"
+        env = worker_env(service_env, database_url=pg.url, queue=queue, max_batch="8")
+        worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8")
+        app = Celery(broker=broker_url)
+        r = redis.Redis.from_url(broker_url)
+        try:
+            worker.wait_ready()
+            ids = []
+            for path in make_images(image_root / "pg", 100, lines=3):
+                job_id = str(uuid.uuid4())
+                app.send_task(
+                    "ocrq.recognize",
+                    kwargs={"image": {"path": str(path)}, "job_id": job_id},
+                    queue=queue,
+                )
+                ids.append(job_id)
+            t0 = time.monotonic()
+            while len(final_rows(store, ids)) < 15:
+                time.sleep(0.05)
+            pg.stop()
+            stopped_at = dt.datetime.now(dt.UTC)
+            time.sleep(30)
+            # During the outage: which messages has the worker acked?
+            unacked = sum(1 for v in r.hgetall("unacked").values() if queue.encode() in v)
+            queued = r.llen(queue)
+            acked = len(ids) - queued - unacked
+            assert worker.alive()
+            pg.start()
+            rows = wait_all(store, ids, timeout=300)
+            seconds = time.monotonic() - t0
+        finally:
+            worker.stop()
+        figures = report("postgres-down-30s", ids, rows, store, seconds)
+        stored_before = sum(1 for row in rows.values() if row["finished_at"] <= stopped_at)
+        print(
+            f"[postgres-down-30s] during the outage: acked={acked} queued={queued} "
+            f"unacked={unacked}; rows stored before it: {stored_before}"
+        )
+        assert figures["done"] == len(ids) and figures["lost"] == 0
+        assert figures["duplicated"] == 0
+        assert acked <= stored_before  # no message acked before its row existed
+        assert "retrying" in worker.text().lower() or "Retrying" in worker.text()
+    finally:
+        pg.destroy()

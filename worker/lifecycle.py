@@ -1,0 +1,115 @@
+"""Run the Celery worker in this process, and supervise such processes on bare metal.
+
+A recycle is a warm shutdown the worker asks of itself: Celery stops consuming, the task
+threads in flight finish (the batcher runs their batches and their rows are stored), messages
+reserved but not started go back to the queue, and the process exits with RECYCLE_EXIT_CODE.
+Whatever supervises it starts a fresh one: Docker (`restart: always`), systemd
+(`Restart=always`), Kubernetes, or `ocrq worker` itself, which runs each worker as a new
+interpreter (never a fork, so CUDA is never initialised in a forked process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from worker import metrics
+from worker.recycle import RECYCLE_EXIT_CODE
+
+log = logging.getLogger(__name__)
+
+_recycle_reason: str | None = None
+_recycle_lock = threading.Lock()
+
+
+def request_recycle(reason: str) -> None:
+    """Ask this worker process for a warm shutdown (SIGTERM is Celery's warm shutdown)."""
+    global _recycle_reason
+    with _recycle_lock:
+        if _recycle_reason is not None:
+            return
+        _recycle_reason = reason
+    metrics.RECYCLES.labels(reason.split(" ")[0]).inc()
+    log.warning("worker recycle requested: %s", reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_worker(argv: Sequence[str]) -> int:
+    """Run `celery worker` here; the exit code says whether this was a recycle."""
+    from worker.celery_app import app
+
+    code = 0
+    try:
+        app.worker_main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    if _recycle_reason is not None:
+        log.warning("worker exiting to recycle: %s", _recycle_reason)
+        return RECYCLE_EXIT_CODE
+    return code
+
+
+def supervise(child_argv: Sequence[str], max_crash_backoff_s: float = 30.0) -> int:
+    """Start the worker as a child interpreter; start it again after a recycle or a crash.
+
+    A recycle restarts at once; a crash restarts after a growing pause, so a worker that dies
+    at start-up (a missing model, say) does not spin. SIGTERM/SIGINT stop child and supervisor.
+    """
+    stopping = threading.Event()
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.set()
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    backoff = 1.0
+    recycles = 0
+    while True:
+        started = time.monotonic()
+        child = subprocess.Popen([sys.executable, "-m", "worker.lifecycle", *child_argv])
+        print(
+            f"ocrq supervisor: started worker process pid {child.pid}", file=sys.stderr, flush=True
+        )
+        code = child.wait()
+        if stopping.is_set():
+            return 0 if code in (0, RECYCLE_EXIT_CODE, -signal.SIGTERM) else code
+        if code == RECYCLE_EXIT_CODE:
+            recycles += 1
+            print(
+                f"ocrq supervisor: worker recycled ({recycles} so far); starting a new one",
+                file=sys.stderr,
+                flush=True,
+            )
+            backoff = 1.0
+            continue
+        # Any other exit that we did not ask for (a crash, an unrecoverable broker error, a
+        # remote shutdown) gets a new worker: a supervisor's job is to keep one running.
+        if time.monotonic() - started > 60:
+            backoff = 1.0
+        print(
+            f"ocrq supervisor: worker exited with {code}; restarting in {backoff:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        if stopping.wait(backoff):
+            return code
+        backoff = min(backoff * 2, max_crash_backoff_s)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Run through the imported module, not __main__: request_recycle() sets that module's state.
+    from worker import lifecycle
+
+    sys.exit(lifecycle.run_worker(sys.argv[1:]))
