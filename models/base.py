@@ -93,6 +93,25 @@ class Engine(ABC):
         """Bytes a batch may use above the fixed part when the user sets no budget."""
         return 2 * GiB
 
+    def fragmentation_bytes(self) -> int | None:
+        """Device memory reserved but not allocated after freeing caches; None if not a device.
+
+        The worker recycles itself when this stays high: a fresh process is the only cure for
+        an allocator's fragmentation that empty_cache cannot return.
+        """
+        return None
+
+    def is_oom(self, exc: BaseException) -> bool:
+        """Whether a batch failed for want of memory (then the batcher splits and retries).
+
+        Matched by name so that this module never imports torch: torch.OutOfMemoryError and
+        torch.cuda.OutOfMemoryError both carry it.
+        """
+        return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+    def release_memory(self) -> None:  # noqa: B027 - optional hook
+        """Return cached device memory after an OOM, before the retry."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release device memory and sessions."""
 

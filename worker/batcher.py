@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from models.base import Engine, OcrResult, PreparedImage
 from models.costs import GiB, ItemCost
+from worker import metrics
 from worker.images import downscale
 from worker.planner import Plan, Waiting, plan
 
@@ -30,6 +31,11 @@ class BatchConfig:
     wait_s: float = 0.05  # linger after the first arrival, to let a batch fill
     budget_bytes: int = 8 * GiB  # above the engine's fixed part
     max_shrinks: int = 12  # an oversize image is halved at most this many times
+    # After an OOM the budget drops below the failed batch's prediction, then climbs back by
+    # `budget_step` of the configured budget after every `clean_batches_to_raise` clean batches.
+    oom_backoff: float = 0.8
+    clean_batches_to_raise: int = 20
+    budget_step: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class BatchRecord:
     ended: float
     predicted_bytes: int
     failed_items: int
+    oom_events: int = 0
+    budget_bytes: int = 0
 
 
 @dataclass
@@ -85,6 +93,10 @@ class Batcher:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="ocrq-batcher", daemon=True)
         self.records: deque[BatchRecord] = deque(maxlen=10_000)  # newest batches
+        # Batcher-thread state: the budget now in force and the OOM bookkeeping.
+        self.budget_bytes = config.budget_bytes
+        self.oom_events = 0
+        self._clean_batches = 0
 
     def start(self) -> Batcher:
         self._thread.start()
@@ -159,7 +171,7 @@ class Batcher:
                 break
             entry.item.image = downscale(entry.item.image, (w * h) // 2)
             entry.cost = self.engine.estimate(entry.item)
-            if model.batch_bytes([entry.cost]) <= self.config.budget_bytes:
+            if model.batch_bytes([entry.cost]) <= self.budget_bytes:
                 log.info(
                     "downscaled %s from %dx%d to %dx%d to fit the memory budget",
                     entry.item.key,
@@ -172,7 +184,7 @@ class Batcher:
         key = next(k for k, e in self._state.waiting.items() if e is entry)
         self._state.waiting.pop(key)
         need = model.batch_bytes([entry.cost]) / GiB
-        budget = self.config.budget_bytes / GiB
+        budget = self.budget_bytes / GiB
         error = MemoryError(f"image needs {need:.2f} GiB alone, over the budget {budget:.2f} GiB")
         _resolve(entry.future, ItemOutcome(None, error, "", self.engine.name))
 
@@ -180,14 +192,10 @@ class Batcher:
         batch_id = str(uuid.uuid4())
         started = time.monotonic()
         predicted = self.engine.cost_model().batch_bytes([e.cost for e in entries])
+        ooms_before = self.oom_events
         failed = 0
         try:
-            results = self.engine.run([e.item for e in entries])
-            if len(results) != len(entries):
-                raise RuntimeError(
-                    f"engine {self.engine.name} returned {len(results)} results for "
-                    f"{len(entries)} images"
-                )
+            results = self._run_recovering(entries)
             for entry, res in zip(entries, results, strict=True):
                 if isinstance(res, BaseException):
                     failed += 1
@@ -201,8 +209,17 @@ class Batcher:
                 if _resolve(entry.future, ItemOutcome(None, exc, batch_id, self.engine.name)):
                     failed += 1
         finally:
+            ooms = self.oom_events - ooms_before
+            self._adapt_budget(ooms)
             record = BatchRecord(
-                batch_id, len(entries), started, time.monotonic(), predicted, failed
+                batch_id,
+                len(entries),
+                started,
+                time.monotonic(),
+                predicted,
+                failed,
+                ooms,
+                self.budget_bytes,
             )
             self.records.append(record)
             if self._on_batch is not None:
@@ -210,6 +227,67 @@ class Batcher:
                     self._on_batch(record)
                 except Exception:
                     log.exception("on_batch hook failed")
+
+    def _run_recovering(self, entries: list[_Entry]) -> list[OcrResult | BaseException]:
+        """Run a batch; on OOM free memory, lower the budget, split in halves and retry.
+
+        A single image that still runs out of memory is halved in pixels and retried; only an
+        image that fails at the smallest size fails, alone. An OOM never fails a whole batch.
+        """
+        try:
+            results = self.engine.run([e.item for e in entries])
+        except BaseException as exc:
+            if not self.engine.is_oom(exc):
+                raise
+            predicted = self.engine.cost_model().batch_bytes([e.cost for e in entries])
+            self._record_oom(len(entries), predicted, exc)
+            if len(entries) > 1:
+                mid = len(entries) // 2
+                return self._run_recovering(entries[:mid]) + self._run_recovering(entries[mid:])
+            entry = entries[0]
+            w, h = entry.item.image.size
+            if w * h <= 64 * 64:
+                return [MemoryError(f"out of memory even at {w}x{h}: {exc}")]
+            entry.item.image = downscale(entry.item.image, (w * h) // 2)
+            entry.cost = self.engine.estimate(entry.item)
+            return self._run_recovering(entries)
+        if len(results) != len(entries):
+            raise RuntimeError(
+                f"engine {self.engine.name} returned {len(results)} results for "
+                f"{len(entries)} images"
+            )
+        return list(results)
+
+    def _record_oom(self, size: int, predicted: int, exc: BaseException) -> None:
+        self.oom_events += 1
+        metrics.OOM_EVENTS.inc()
+        self.engine.release_memory()
+        floor = self.config.budget_bytes // 16
+        self.budget_bytes = max(
+            floor, min(self.budget_bytes, int(predicted * self.config.oom_backoff))
+        )
+        log.warning(
+            "out of memory on a batch of %d (predicted %.2f GiB): split and retried; budget now "
+            "%.2f GiB (%s)",
+            size,
+            predicted / GiB,
+            self.budget_bytes / GiB,
+            exc,
+        )
+
+    def _adapt_budget(self, ooms: int) -> None:
+        """Climb back towards the configured budget slowly after clean batches."""
+        if ooms:
+            self._clean_batches = 0
+            return
+        self._clean_batches += 1
+        target = self.config.budget_bytes
+        if self.budget_bytes < target and self._clean_batches >= self.config.clean_batches_to_raise:
+            self.budget_bytes = min(
+                target, self.budget_bytes + int(target * self.config.budget_step)
+            )
+            self._clean_batches = 0
+            log.info("budget raised to %.2f GiB after clean batches", self.budget_bytes / GiB)
 
 
 def _resolve(future: Future[ItemOutcome], outcome: ItemOutcome) -> bool:
