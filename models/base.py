@@ -49,6 +49,9 @@ class PreparedImage:
     original_size: tuple[int, int]
     task: str = "text"
     prompt: str = ""
+    # Engine-private inputs made by `Engine.prepare` in a prefetch thread (a VLM's processor
+    # output, say); cleared whenever the image changes, so `run` redoes what is missing.
+    encoded: object | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -59,6 +62,18 @@ class PreparedImage:
         w, h = self.image.size
         ow, oh = self.original_size
         return ow / w, oh / h
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo; 4 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * GiB
 
 
 class UnsupportedTask(ValueError):
@@ -85,13 +100,24 @@ class Engine(ABC):
     def cost_model(self) -> CostModel:
         """The memory model the planner uses; its coefficients may come from `ocrq tune`."""
 
+    def prepare(self, item: PreparedImage) -> None:  # noqa: B027 - optional hook
+        """CPU preprocessing worth doing in the prefetch threads, off the device's critical path.
+
+        Runs in a task thread while the device works on another batch; stores its output in
+        `item.encoded`. An exception here fails only this item.
+        """
+
     @abstractmethod
     def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
         """OCR a batch; one result (or the image's own exception) per input, in order."""
 
     def default_budget_bytes(self) -> int:
-        """Bytes a batch may use above the fixed part when the user sets no budget."""
-        return 2 * GiB
+        """Bytes a batch may use above the fixed part when the user sets no budget.
+
+        Host engines take 40% of the memory available now (at most 16 GiB): room for the
+        decoded images waiting in prefetch and for other processes. Device engines override.
+        """
+        return min(16 * GiB, int(0.4 * available_host_bytes()))
 
     def fragmentation_bytes(self) -> int | None:
         """Device memory reserved but not allocated after freeing caches; None if not a device.

@@ -105,7 +105,11 @@ class Batcher:
     def submit(self, item: PreparedImage) -> Future[ItemOutcome]:
         """Queue one image; the estimate runs here, in the caller's thread, off the hot loop."""
         future: Future[ItemOutcome] = Future()
-        cost = self.engine.estimate(item)
+        try:
+            cost = self.engine.estimate(item)
+        except Exception as exc:  # an image the engine refuses (absurd aspect, say) fails alone
+            future.set_result(ItemOutcome(None, exc, "", self.engine.name))
+            return future
         with self._cond:
             if self._state.stopping:
                 raise RuntimeError("batcher is stopping; not accepting new images")
@@ -169,8 +173,12 @@ class Batcher:
             w, h = entry.item.image.size
             if w * h <= 64 * 64:
                 break
+            before = model.batch_bytes([entry.cost])
             entry.item.image = downscale(entry.item.image, (w * h) // 2)
+            entry.item.encoded = None
             entry.cost = self.engine.estimate(entry.item)
+            if model.batch_bytes([entry.cost]) >= before:
+                break  # the engine upscales small images anyway: shrinking cannot help
             if model.batch_bytes([entry.cost]) <= self.budget_bytes:
                 log.info(
                     "downscaled %s from %dx%d to %dx%d to fit the memory budget",
@@ -249,6 +257,7 @@ class Batcher:
             if w * h <= 64 * 64:
                 return [MemoryError(f"out of memory even at {w}x{h}: {exc}")]
             entry.item.image = downscale(entry.item.image, (w * h) // 2)
+            entry.item.encoded = None
             entry.cost = self.engine.estimate(entry.item)
             return self._run_recovering(entries)
         if len(results) != len(entries):

@@ -104,19 +104,27 @@ class JobRunner:
                 row.get("error"),
                 already_done=True,
             )
-        try:
-            loaded = images.load(request.image, self.settings, self.engine.max_pixels)
-        except images.ImageError as exc:
-            return self._fail(request.job_id, source, str(exc))
-
-        item = PreparedImage(
-            key=request.job_id,
-            image=loaded.image,
-            original_size=loaded.original_size,
-            task=task,
-            prompt=request.prompt,
-        )
-        outcome = self.batcher.submit(item).result()
+        # The semaphore bounds decoded images held at once (prefetched + in the running batch).
+        with self._decoded:
+            try:
+                loaded = images.load(request.image, self.settings, self.engine.max_pixels)
+                item = PreparedImage(
+                    key=request.job_id,
+                    image=loaded.image,
+                    original_size=loaded.original_size,
+                    task=task,
+                    prompt=request.prompt,
+                )
+                self.engine.prepare(item)  # CPU preprocessing, here in the prefetch thread
+            except Exception as exc:  # bad image, or one the engine's preprocessing refuses
+                message = (
+                    str(exc)
+                    if isinstance(exc, images.ImageError)
+                    else f"{type(exc).__name__}: {exc}"
+                )
+                return self._fail(request.job_id, source, message)
+            outcome = self.batcher.submit(item).result()
+            del item
         common = {
             "sha256": loaded.sha256,
             "width": loaded.original_size[0],

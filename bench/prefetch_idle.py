@@ -1,0 +1,134 @@
+"""Device idle time between batches, with threaded prefetch on and off, in one run.
+
+"Device" is whatever the engine runs on: the GPU for hunyuan, the CPU for rapid. The queue is
+kept full (every job is submitted at once); the batcher stamps each batch's start and end, and
+idle = the gaps between one batch's end and the next one's start, over the wall time from the
+first batch's start to the last one's end.
+
+Prefetch off = at most one batch's worth of decoded images may exist (OCRQ_PREFETCH_IMAGES =
+max_batch), so the next batch's images are fetched and decoded only after the current batch
+returns. Prefetch on = two batches' worth (the default): decoding overlaps the engine.
+
+    python bench/prefetch_idle.py --engine rapid --data ../shared/data/ocr-eval --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import tempfile
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ocrq.contract import ImageRef, JobRequest
+from ocrq.db import get_engine
+from ocrq.metrics import load_manifest
+from ocrq.settings import Settings
+from ocrq.store import JobStore
+from worker.runtime import build_runtime
+
+
+def workload(data: Path, count: int) -> list[Path]:
+    """Eval images in manifest order, repeated to `count`: a mix of crops, photos, receipts."""
+    entries = [e.image_path for e in load_manifest(data)]
+    entries = [p for p in entries if p.suffix.lower() in (".jpg", ".png", ".jpeg")]
+    # Interleave kinds so every batch mixes sizes, as a real queue would.
+    entries.sort(key=lambda p: zlib.crc32(p.name.encode()))
+    return [entries[i % len(entries)] for i in range(count)]
+
+
+def measure(settings: Settings, paths: list[Path], db_url: str) -> dict[str, Any]:
+    runtime = build_runtime(settings, store=JobStore(get_engine(db_url)), worker_name="bench")
+    runtime.batcher.records.clear()
+    try:
+        # Warm-up batch, not counted.
+        with ThreadPoolExecutor(settings.concurrency) as pool:
+            reqs = [JobRequest(image=ImageRef(path=str(p))) for p in paths[: settings.max_batch]]
+            list(pool.map(runtime.runner.process, reqs))
+        runtime.batcher.records.clear()
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(settings.concurrency) as pool:
+            reqs = [JobRequest(image=ImageRef(path=str(p))) for p in paths]
+            outcomes = list(pool.map(runtime.runner.process, reqs))
+        wall = time.monotonic() - t0
+        records = sorted(runtime.batcher.records, key=lambda r: r.started)
+    finally:
+        runtime.close()
+    busy = sum(r.ended - r.started for r in records)
+    span = records[-1].ended - records[0].started
+    gaps = [b.started - a.ended for a, b in itertools.pairwise(records)]
+    return {
+        "images": len(paths),
+        "done": sum(o.status == "done" for o in outcomes),
+        "batches": len(records),
+        "mean_batch": round(len(paths) / len(records), 2),
+        "wall_s": round(wall, 2),
+        "span_s": round(span, 2),
+        "busy_s": round(busy, 2),
+        "idle_fraction": round(1 - busy / span, 4),
+        "max_gap_ms": round(1000 * max(gaps, default=0.0), 1),
+        "images_per_s": round(len(paths) / wall, 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", default="rapid")
+    ap.add_argument("--data", type=Path, default=Path("../shared/data/ocr-eval"))
+    ap.add_argument("--count", type=int, default=96)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=24)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    paths = workload(args.data, args.count)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        db_url = f"sqlite:///{tmp}/bench.sqlite"
+        JobStore(get_engine(db_url)).create_tables()
+        for mode, prefetch in (("off", args.max_batch), ("on", 2 * args.max_batch)):
+            settings = Settings(
+                engine=args.engine, max_batch=args.max_batch, concurrency=args.concurrency,
+                prefetch_images=prefetch, allowed_roots=[args.data.resolve()], batch_wait_ms=20,
+            )
+            results[mode] = measure(settings, paths, db_url)
+            print(mode, results[mode], flush=True)
+    report = {
+        "engine": args.engine,
+        "hardware": f"{platform.processor() or platform.machine()}, {_cpus()} CPUs",
+        "settings": {"max_batch": args.max_batch, "concurrency": args.concurrency,
+                     "count": args.count},
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"prefetch_idle_{args.engine}{args.tag}"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    rows = [
+        "| prefetch | images | batches | wall s | busy s | idle % | max gap ms | images/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in results.items():
+        rows.append(
+            f"| {mode} | {r['images']} | {r['batches']} | {r['wall_s']} | {r['busy_s']} | "
+            f"{100 * r['idle_fraction']:.1f} | {r['max_gap_ms']} | {r['images_per_s']} |"
+        )
+    (args.out / f"{stem}.md").write_text(
+        f"# Device idle between batches: engine {args.engine}\n\nHardware: {report['hardware']}."
+        f" Settings: {report['settings']}.\nCommand: `python bench/prefetch_idle.py --engine "
+        f"{args.engine}`\n\n" + "\n".join(rows) + "\n"
+    )
+
+
+def _cpus() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    main()

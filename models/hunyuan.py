@@ -1,0 +1,584 @@
+"""HunyuanOCR through transformers: load once, estimate without the GPU, generate in batches.
+
+Design notes (the why):
+
+* torch and transformers are an optional extra (`pip install 'ocrq[hunyuan]'`). This module
+  imports them only inside functions, so importing it, building the engine and calling
+  `estimate` or `cost_model` work on hosts without them.
+* Weights are never downloaded during a job: `load` resolves the model to a directory (a local
+  path, or the Hugging Face cache with local_files_only) and raises ModelNotFound with the
+  command that fetches it when it is missing.
+* One batch = one `generate` call over left-padded rows of mixed resolutions. Each row's output
+  equals a batch-of-one run of the same image: left padding keeps every row's last prompt token
+  at the end, and `_isolate_rows` stops transformers' multimodal RoPE from numbering images
+  across the rows of a batch (it counts image 0, 1, 2... over the whole batch, while the model
+  was trained, and a batch of one runs, with each sequence's image numbered 0).
+* Each image is preprocessed on its own, so an image the processor rejects fails only its own
+  item; the survivors still run as one batch.
+* Attention is sdpa (or flash) and never eager: eager takes 13.1 GiB for one A4 page on the
+  H200 where sdpa takes ~0.35 GiB.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from models.base import Engine, OcrResult, PreparedImage, UnsupportedTask
+from models.costs import CostModel, GiB, ItemCost
+from models.hunyuan_output import build_result
+from models.hunyuan_tokens import (
+    DEFAULT_GEOMETRY,
+    MAX_PIXELS,
+    ImageGeometry,
+    item_cost,
+    rough_prompt_tokens,
+)
+from ocrq.contract import TASK_PRESETS
+from ocrq.settings import Settings
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+KiB = 1024
+
+# Default memory model, measured on an H200 with the 1.0 shape in bf16 and sdpa
+# (bench/results/hunyuan_engine_h200.md, transformers 5.17): 1.88 GiB of weights allocated and
+# 2.52 GiB of device memory in use once loaded (CUDA context, allocator). Peak memory per image
+# is linear in the batch size (1024² page 0.163 GiB, 886x1699 receipt 0.237, A4 0.338 at 256
+# new tokens) and is reached during prefill. One coefficient per sequence token, 148 KiB, covers
+# all three from above (by 3-15%) and, applied to max_new_tokens too, over-covers the KV cache a
+# longer generation adds (96 KiB per token for this shape). A two-coefficient fit (tokens and
+# patches) is closer on these pages but extrapolates badly to longer generations, since the
+# patch and token counts of pages move together; `ocrq tune` can fit a device's own profile.
+DEFAULT_WEIGHTS_BYTES = int(1.88 * GiB)
+DEFAULT_FRAMEWORK_BYTES = int(0.64 * GiB)
+DEFAULT_PER_TOKEN_BYTES = 148 * KiB
+
+# Share of the device memory still free after loading that batches may use by default; the rest
+# covers the allocator's fragmentation (reserved minus allocated) and cuBLAS/cuDNN workspaces.
+DEFAULT_FREE_SHARE = 0.85
+
+_PROMPT_CACHE_SIZE = 256
+_REFUSED_ATTENTION = {"eager"}
+
+
+class ModelNotFound(RuntimeError):
+    """The configured model is not on this host; workers never download during a job."""
+
+
+def resolve_model_dir(
+    model: str, revision: str | None = None, subfolder: str | None = None
+) -> Path:
+    """The local directory holding config.json for `model`, or ModelNotFound saying how to get it.
+
+    `model` is a local directory (with `subfolder` inside it, or the model itself) or a Hugging
+    Face id looked up in the local cache only (HF_HOME / HF_HUB_CACHE are honoured, and so is
+    HF_HUB_OFFLINE, since nothing here goes to the network).
+    """
+    local = Path(model).expanduser()
+    if local.is_dir():
+        candidates = [local / subfolder, local] if subfolder else [local]
+        for candidate in candidates:
+            if (candidate / "config.json").is_file():
+                return candidate
+        looked = " or ".join(str(c) for c in candidates)
+        raise ModelNotFound(f"no HunyuanOCR checkpoint (config.json) in {looked}")
+    if model.startswith(("/", ".", "~")) or model.count("/") != 1:
+        raise ModelNotFound(
+            f"model directory {local} does not exist; set OCRQ_MODEL to a checkpoint directory "
+            "or to a Hugging Face id such as tencent/HunyuanOCR"
+        )
+
+    from huggingface_hub import constants, snapshot_download
+
+    fetch = f"hf download {model}"
+    if revision:
+        fetch += f" --revision {revision}"
+    if subfolder:
+        fetch += f" --include '{subfolder}/*'"
+    missing = ModelNotFound(
+        f"HunyuanOCR weights {model!r} (revision {revision or 'main'}, subfolder "
+        f"{subfolder or '(root)'}) are not in the local Hugging Face cache "
+        f"({constants.HF_HUB_CACHE}); workers never download during a job. Fetch them once "
+        f"before starting the worker: `{fetch}`, or set OCRQ_MODEL to a local directory."
+    )
+    try:
+        root = Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception as exc:  # LocalEntryNotFoundError, or an offline/HTTP error in disguise
+        raise missing from exc
+    path = root / subfolder if subfolder else root
+    if not (path / "config.json").is_file():
+        raise missing
+    return path
+
+
+@dataclass
+class EncodedImage:
+    """One image after the processor: its prompt row and its vision inputs (CPU tensors)."""
+
+    input_ids: torch.Tensor  # (seq,), image placeholder expanded to N tokens
+    mm_token_type_ids: torch.Tensor  # (seq,), 1 on image tokens
+    pixel_values: torch.Tensor  # (P, 3 * 16 * 16)
+    image_grid_thw: torch.Tensor  # (1, 3)
+
+
+@dataclass
+class Generated:
+    """One row of a batched generation."""
+
+    text: str
+    token_ids: list[int]  # generated tokens, eos and padding removed
+    capped: bool  # stopped at max_new_tokens instead of an eos
+    prompt_tokens: int  # row length before padding, image tokens included
+    logits: torch.Tensor | None = None  # (steps, vocab) float32, only when asked for
+
+
+@dataclass
+class BatchOutput:
+    """Per-item results in input order (an Exception for an item that failed alone)."""
+
+    items: list[Generated | Exception]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    padded_length: int = 0  # prompt length every row was padded to
+
+
+def _isolate_rows(model: Any) -> None:
+    """Compute multimodal RoPE positions row by row, so no row sees another row's images.
+
+    transformers' `get_rope_index` gives every image an index on the last RoPE axis counted over
+    the whole batch; a batch-of-one run (and training) numbers each sequence's images from 0.
+    Wrapping the bound method on this instance keeps the library's own position logic, applied
+    to one row at a time.
+    """
+    import torch
+
+    inner = model.model
+    original = inner.get_rope_index
+
+    def get_rope_index(
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if input_ids.shape[0] == 1 or image_grid_thw is None:
+            return original(
+                input_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=image_grid_thw,
+                attention_mask=attention_mask,
+                **kwargs,
+            )
+        positions, deltas = [], []
+        next_grid = 0
+        for row in range(input_ids.shape[0]):
+            types = mm_token_type_ids[row]
+            mask = attention_mask[row : row + 1] if attention_mask is not None else None
+            if mask is not None:
+                types = types[mask[0].bool()]
+            is_image = types == 1
+            n_images = int(is_image[0]) + int((is_image[1:] & ~is_image[:-1]).sum())
+            grids = image_grid_thw[next_grid : next_grid + n_images]
+            next_grid += n_images
+            pos, delta = original(
+                input_ids[row : row + 1],
+                mm_token_type_ids=mm_token_type_ids[row : row + 1],
+                image_grid_thw=grids,
+                attention_mask=mask,
+                **kwargs,
+            )
+            positions.append(pos)
+            deltas.append(delta)
+        return torch.cat(positions, dim=1), torch.cat(deltas, dim=0)
+
+    inner.get_rope_index = get_rope_index
+
+
+class HunyuanEngine(Engine):
+    """Tencent HunyuanOCR (HunYuanVLForConditionalGeneration) on one device."""
+
+    name = "hunyuan"
+    # The processor never shows the model more than 2048² pixels, so prefetch may downscale
+    # larger images to that before they wait in memory (updated from the loaded processor).
+    max_pixels: int | None = MAX_PIXELS
+
+    def __init__(self, settings: Settings) -> None:
+        if settings.attention in _REFUSED_ATTENTION:
+            raise ValueError(
+                "OCRQ_ATTENTION=eager is refused: it needs ~13 GiB for one A4 page; "
+                "use sdpa (default) or flash_attention_2"
+            )
+        if settings.max_new_tokens < 1:
+            raise ValueError("OCRQ_MAX_NEW_TOKENS must be at least 1")
+        self.settings = settings
+        self.geometry: ImageGeometry = DEFAULT_GEOMETRY
+        self.model: Any = None
+        self.processor: Any = None
+        self.model_dir: Path | None = None
+        self.device: str | None = None
+        self._generation_config: Any = None
+        self._eos_ids: set[int] = set()
+        self._pad_id: int = 0
+        self._templates: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        # estimate() runs in the Celery task threads, run() in the batcher thread.
+        self._templates_lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HunyuanEngine:
+        return cls(settings)
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        try:
+            import torch
+            from transformers import AutoProcessor, HunYuanVLForConditionalGeneration
+        except ImportError as exc:
+            raise ImportError(
+                "the hunyuan engine needs torch, torchvision and transformers>=5.13: "
+                "pip install 'ocrq[hunyuan]'"
+            ) from exc
+
+        started = time.perf_counter()
+        s = self.settings
+        path = resolve_model_dir(s.model, s.model_revision, s.model_subfolder)
+        device = self._pick_device(torch)
+        dtype = self._pick_dtype(torch, device)
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        processor.tokenizer.padding_side = "left"
+        model = HunYuanVLForConditionalGeneration.from_pretrained(
+            path,
+            local_files_only=True,
+            dtype=dtype,
+            attn_implementation=s.attention,
+        )
+        model.to(device).eval()  # no device_map: that would require accelerate
+        _isolate_rows(model)
+
+        gen = copy.deepcopy(model.generation_config)
+        gen.do_sample = False
+        gen.num_beams = 1
+        gen.temperature = gen.top_p = gen.top_k = None
+        pad = processor.tokenizer.pad_token_id
+        gen.pad_token_id = pad if pad is not None else gen.pad_token_id
+        eos = gen.eos_token_id
+        eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        if not eos_ids:
+            eos_ids = {processor.tokenizer.eos_token_id}
+        gen.eos_token_id = sorted(eos_ids)
+
+        image_processor = processor.image_processor
+        size = image_processor.size
+        self.geometry = ImageGeometry(
+            patch_size=int(image_processor.patch_size),
+            merge_size=int(image_processor.merge_size),
+            min_pixels=int(size["shortest_edge"]),
+            max_pixels=int(size["longest_edge"]),
+            extra_tokens=2 if getattr(processor, "cat_extra_token", True) else 0,
+        )
+        self.model, self.processor, self.model_dir, self.device = model, processor, path, device
+        self._generation_config = gen
+        self._eos_ids = eos_ids
+        self._pad_id = int(gen.pad_token_id)
+        self.max_pixels = self.geometry.max_pixels
+        with self._templates_lock:
+            self._templates.clear()
+        log.info(
+            "hunyuan engine loaded %s on %s (%s, %s attention) in %.1f s",
+            path, device, dtype, s.attention, time.perf_counter() - started,
+        )
+
+    def _pick_device(self, torch: Any) -> str:
+        wanted = self.settings.device
+        if wanted == "auto":
+            return "cuda:0" if torch.cuda.is_available() else "cpu"
+        if wanted.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"OCRQ_DEVICE={wanted} but torch sees no CUDA device")
+        return wanted
+
+    def _pick_dtype(self, torch: Any, device: str) -> Any:
+        name = self.settings.dtype
+        if name == "auto":
+            return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"OCRQ_DTYPE={name!r} is no torch dtype (bfloat16, float16, float32)")
+        return dtype
+
+    def default_budget_bytes(self) -> int:
+        """On a GPU, a share of the memory left free after loading; elsewhere the base default."""
+        if self.device is None or not self.device.startswith("cuda"):
+            return super().default_budget_bytes()
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(self.device))
+        return int(free * DEFAULT_FREE_SHARE)
+
+    def fragmentation_bytes(self) -> int | None:
+        if self.device is None or not self.device.startswith("cuda"):
+            return None
+        import torch
+
+        torch.cuda.empty_cache()
+        dev = torch.device(self.device)
+        return int(torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+
+    def close(self) -> None:
+        self.model = self.processor = None
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+
+    def describe(self) -> dict[str, str]:
+        s = self.settings
+        facts = {
+            "engine": self.name,
+            "model": s.model,
+            "revision": s.model_revision or "main",
+            "subfolder": s.model_subfolder or "",
+            "dtype": s.dtype,
+            "attention": s.attention,
+            "device": self.device or s.device,
+            "max_new_tokens": str(s.max_new_tokens),
+        }
+        try:
+            import torch
+            import transformers
+
+            facts["torch"] = torch.__version__
+            facts["transformers"] = transformers.__version__
+            if self.device and self.device.startswith("cuda"):
+                facts["gpu"] = torch.cuda.get_device_name(torch.device(self.device))
+        except ImportError:
+            pass
+        return facts
+
+    # -- planning ----------------------------------------------------------------------------
+
+    @staticmethod
+    def prompt_of(item: PreparedImage) -> str:
+        """The instruction the model sees: the item's final prompt, else its task's preset."""
+        if item.prompt:
+            return item.prompt
+        if item.task in TASK_PRESETS:
+            return TASK_PRESETS[item.task]
+        raise UnsupportedTask(f"task {item.task!r} is no preset and the item carries no prompt")
+
+    def _template(self, prompt: str) -> tuple[str, int]:
+        """(templated text, its token count without the image placeholder), cached per prompt."""
+        with self._templates_lock:
+            hit = self._templates.get(prompt)
+            if hit is not None:
+                self._templates.move_to_end(prompt)
+                return hit
+        messages = [
+            {"role": "system", "content": ""},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]},
+        ]
+        text = self.processor.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        ids = self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        entry = (text, len(ids) - 1)  # the single image placeholder becomes N image tokens
+        with self._templates_lock:
+            self._templates[prompt] = entry
+            if len(self._templates) > _PROMPT_CACHE_SIZE:
+                self._templates.popitem(last=False)
+        return entry
+
+    def estimate(self, item: PreparedImage) -> ItemCost:
+        """Tokens, patches and pixels of `item`, by arithmetic (raises ImageShapeError for an
+        image the processor would refuse)."""
+        prompt = self.prompt_of(item)
+        if self.processor is not None:
+            prompt_tokens = self._template(prompt)[1]
+        else:
+            prompt_tokens = rough_prompt_tokens(prompt)
+        width, height = item.size
+        return item_cost(
+            width,
+            height,
+            prompt_tokens=prompt_tokens,
+            max_new_tokens=self.settings.max_new_tokens,
+            geometry=self.geometry,
+        )
+
+    def cost_model(self) -> CostModel:
+        return CostModel(
+            fixed_bytes=DEFAULT_WEIGHTS_BYTES + DEFAULT_FRAMEWORK_BYTES,
+            per_token_bytes=float(DEFAULT_PER_TOKEN_BYTES),
+            source="default",
+        )
+
+    # -- running -----------------------------------------------------------------------------
+
+    def preprocess(self, item: PreparedImage) -> EncodedImage:
+        """Run the processor on one image (CPU only; safe to call from a prefetch thread once
+        the engine is loaded)."""
+        if self.processor is None:
+            raise RuntimeError("HunyuanEngine.load() must run before preprocess()")
+        image = item.image if item.image.mode == "RGB" else item.image.convert("RGB")
+        self.geometry.resized(*image.size)  # a clear ImageShapeError before the processor's own
+        text, _ = self._template(self.prompt_of(item))
+        enc = self.processor(text=[text], images=[image], return_tensors="pt")
+        return EncodedImage(
+            input_ids=enc["input_ids"][0],
+            mm_token_type_ids=enc["mm_token_type_ids"][0],
+            pixel_values=enc["pixel_values"],
+            image_grid_thw=enc["image_grid_thw"],
+        )
+
+    def prepare(self, item: PreparedImage) -> None:
+        """Preprocess in the prefetch thread; `run` then skips the processor for this item."""
+        item.encoded = self.preprocess(item)
+
+    def _preprocess_or_error(self, item: PreparedImage) -> EncodedImage | Exception:
+        if isinstance(item.encoded, EncodedImage):
+            return item.encoded
+        try:
+            return self.preprocess(item)
+        except Exception as exc:  # bad image or prompt: this item fails alone
+            return exc
+
+    def collate(self, rows: Sequence[EncodedImage], padding_side: str = "left") -> dict[str, Any]:
+        """One batch of model inputs from encoded rows, padded to the longest row.
+
+        Left padding is the only correct choice for generation (the next token is read at the
+        last position of every row); `padding_side="right"` exists so tests can show that the
+        equality checks catch broken padding.
+        """
+        import torch
+
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
+        longest = max(len(r.input_ids) for r in rows)
+        input_ids = torch.full((len(rows), longest), self._pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), longest), dtype=torch.long)
+        types = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.input_ids)
+            cols = slice(longest - n, longest) if padding_side == "left" else slice(0, n)
+            input_ids[i, cols] = r.input_ids
+            attention[i, cols] = 1
+            types[i, cols] = r.mm_token_type_ids
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "mm_token_type_ids": types,
+            "pixel_values": torch.cat([r.pixel_values for r in rows], dim=0),
+            "image_grid_thw": torch.cat([r.image_grid_thw for r in rows], dim=0),
+        }
+
+    def generate(
+        self,
+        batch: Sequence[PreparedImage],
+        *,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int | None = None,
+        output_logits: bool = False,
+        padding_side: str = "left",
+        encoded: Sequence[EncodedImage | Exception] | None = None,
+    ) -> BatchOutput:
+        """Greedy generation for a batch; the building block of `run`, the tests and the bench.
+
+        `min_new_tokens` (the bench sets it equal to max_new_tokens) forces a fixed length;
+        `output_logits` keeps every step's raw logits per row (tests only: they take
+        steps x vocab x 4 bytes per row). `encoded` hands in rows already preprocessed (by
+        `preprocess`, in another thread say), one per item of `batch`.
+        """
+        import torch
+
+        if self.model is None:
+            raise RuntimeError("HunyuanEngine.load() must run before generate()")
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if encoded is None:
+            encoded = [self._preprocess_or_error(item) for item in batch]
+        elif len(encoded) != len(batch):
+            raise ValueError(f"{len(encoded)} encoded rows for a batch of {len(batch)}")
+        good = [i for i, e in enumerate(encoded) if not isinstance(e, Exception)]
+        # Filled in below for the rows that run; failed items keep their exception.
+        items: list[Any] = [e if isinstance(e, Exception) else None for e in encoded]
+        if not good:
+            return BatchOutput(items=items, timings={"preprocess": time.perf_counter() - t0})
+        rows = [encoded[i] for i in good]
+        inputs = self.collate(rows, padding_side)  # type: ignore[arg-type]
+        # Pixels travel in the model's dtype: half the bytes of float32 to copy and to hold.
+        inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        device = self.model.device
+        inputs = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+        padded = int(inputs["input_ids"].shape[1])
+        t1 = time.perf_counter()
+        timings["preprocess"] = t1 - t0
+
+        gen = copy.copy(self._generation_config)
+        gen.max_new_tokens = max_new_tokens or self.settings.max_new_tokens
+        gen.min_new_tokens = min_new_tokens
+        gen.return_dict_in_generate = True
+        gen.output_logits = output_logits
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, generation_config=gen)
+        new = out.sequences[:, padded:].cpu()
+        t2 = time.perf_counter()
+        timings["generate"] = t2 - t1
+
+        token_rows: list[list[int]] = []
+        capped: list[bool] = []
+        for row in new.tolist():
+            end = next((k for k, t in enumerate(row) if t in self._eos_ids), None)
+            token_rows.append(row if end is None else row[:end])
+            capped.append(end is None)
+        texts = self.processor.batch_decode(
+            token_rows, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        logits = torch.stack(out.logits, dim=1).float().cpu() if output_logits else None
+        for j, i in enumerate(good):
+            steps = len(token_rows[j]) + (0 if capped[j] else 1)  # the eos step has logits too
+            items[i] = Generated(
+                text=texts[j],
+                token_ids=token_rows[j],
+                capped=capped[j],
+                prompt_tokens=len(rows[j].input_ids),
+                logits=logits[j, :steps] if logits is not None else None,
+            )
+        timings["decode"] = time.perf_counter() - t2
+        return BatchOutput(items=items, timings=timings, padded_length=padded)
+
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        """OCR a batch: one OcrResult, or that image's own exception, per input, in order.
+
+        Errors that concern the whole batch (CUDA out of memory) propagate to the batcher.
+        """
+        output = self.generate(batch)
+        results: list[OcrResult | Exception] = []
+        for item, gen in zip(batch, output.items, strict=True):
+            if isinstance(gen, Exception):
+                results.append(gen)
+                continue
+            try:
+                task = "spotting" if self.prompt_of(item) == TASK_PRESETS["spotting"] else item.task
+                results.append(
+                    build_result(
+                        gen.text, task=task, original_size=item.original_size, capped=gen.capped
+                    )
+                )
+            except Exception as exc:
+                results.append(exc)
+        return results

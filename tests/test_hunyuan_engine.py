@@ -1,0 +1,305 @@
+"""HunyuanEngine on a tiny random HunYuanVL, loaded through the same path as the real checkpoint.
+
+The checkpoint is written at test time (tests/tiny_hunyuan.py) into a fake Hugging Face cache as
+tencent/HunyuanOCR, revision main, subfolder v1.0, and the engine loads it by that id with
+HF_HUB_OFFLINE=1: the code path a worker takes in production.
+
+Batched == single is checked on per-step logits, not only token ids, and the checks are shown to
+be able to fail: different images move the logits by orders of magnitude more than the tolerance,
+and right padding breaks the padded rows.
+
+torch is imported inside the tests so that collection works where it is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from models.base import OcrResult, PreparedImage
+from models.hunyuan import Generated, HunyuanEngine, ModelNotFound, resolve_model_dir
+from models.hunyuan_tokens import ImageGeometry, ImageShapeError
+from ocrq.contract import TASK_PRESETS
+from ocrq.settings import Settings
+
+pytestmark = pytest.mark.hunyuan
+
+MODEL_ID = "tencent/HunyuanOCR"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+MAX_NEW = 8
+# fp32 logits of a row move by ~1e-5 here between a batch and a batch of one (other BLAS builds
+# have shown ~3e-3); different images move them by > 1.
+TOLERANCE = 1e-2
+
+
+def fake_hf_cache(root: Path, build: Any) -> Path:
+    """A Hugging Face cache holding MODEL_ID at COMMIT, with the checkpoint under v1.0/."""
+    repo = root / ("models--" + MODEL_ID.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    build(repo / "snapshots" / COMMIT / "v1.0")
+    return root
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    from tests.tiny_hunyuan import TINY, build_checkpoint
+
+    root = fake_hf_cache(tmp_path_factory.mktemp("hf"), lambda p: build_checkpoint(p, TINY))
+    with pytest.MonkeyPatch.context() as mp:
+        import huggingface_hub.constants as hf_constants
+
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(hf_constants, "HF_HUB_CACHE", str(root))
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        yield root
+
+
+@pytest.fixture(scope="module")
+def engine(hf_cache: Path) -> HunyuanEngine:
+    settings = Settings(
+        model=MODEL_ID,
+        model_revision=None,
+        model_subfolder="v1.0",
+        dtype="float32",
+        device="cpu",
+        max_new_tokens=MAX_NEW,
+    )
+    eng = HunyuanEngine.from_settings(settings)
+    eng.load()
+    return eng
+
+
+def noise(w: int, h: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+
+
+def item(w: int, h: int, seed: int, task: str = "text", prompt: str = "") -> PreparedImage:
+    return PreparedImage(f"img{seed}", noise(w, h, seed), (w * 3, h * 3), task=task, prompt=prompt)
+
+
+@pytest.fixture(scope="module")
+def mixed_batch() -> list[PreparedImage]:
+    """Mixed resolutions and prompts, so the rows have different lengths and get padded."""
+    return [
+        item(100, 150, 1),
+        item(160, 90, 2, task="spotting"),
+        item(64, 64, 3),
+        item(300, 40, 4, task="custom", prompt="Read the line."),
+    ]
+
+
+@pytest.fixture(scope="module")
+def batched(engine: HunyuanEngine, mixed_batch: list[PreparedImage]) -> Any:
+    return engine.generate(mixed_batch, output_logits=True)
+
+
+@pytest.fixture(scope="module")
+def singles(engine: HunyuanEngine, mixed_batch: list[PreparedImage]) -> list[Generated]:
+    return [engine.generate([it], output_logits=True).items[0] for it in mixed_batch]
+
+
+def max_diff(a: Generated, b: Generated) -> float:
+    steps = min(len(a.logits), len(b.logits))  # type: ignore[arg-type]
+    return float((a.logits[:steps] - b.logits[:steps]).abs().max())  # type: ignore[index]
+
+
+def test_loaded_through_the_cache_by_id(engine: HunyuanEngine, hf_cache: Path) -> None:
+    assert engine.model_dir == hf_cache / f"models--tencent--HunyuanOCR/snapshots/{COMMIT}/v1.0"
+    assert engine.model.config._attn_implementation == "sdpa"
+    assert engine.processor.tokenizer.padding_side == "left"
+    assert engine.geometry == ImageGeometry(min_pixels=64 * 64, max_pixels=160 * 160)
+    assert engine.max_pixels == 160 * 160
+
+
+def test_batch_is_padded(batched: Any, singles: list[Generated]) -> None:
+    lengths = {g.prompt_tokens for g in singles}
+    assert len(lengths) == len(singles)  # every row a different length
+    assert batched.padded_length == max(lengths)
+
+
+def test_batched_equals_single(batched: Any, singles: list[Generated]) -> None:
+    for got, alone in zip(batched.items, singles, strict=True):
+        assert got.token_ids == alone.token_ids
+        assert got.text == alone.text
+        assert got.logits.shape == alone.logits.shape == (MAX_NEW, 320)
+        assert max_diff(got, alone) < TOLERANCE
+
+
+def test_different_images_differ_far_beyond_tolerance(singles: list[Generated]) -> None:
+    for other in singles[1:]:
+        assert max_diff(singles[0], other) > 100 * TOLERANCE
+    assert len({tuple(g.token_ids) for g in singles}) > 1
+
+
+def test_right_padding_is_caught(
+    engine: HunyuanEngine, mixed_batch: list[PreparedImage], singles: list[Generated]
+) -> None:
+    broken = engine.generate(mixed_batch, output_logits=True, padding_side="right")
+    longest = max(range(len(singles)), key=lambda i: singles[i].prompt_tokens)
+    for i, (got, alone) in enumerate(zip(broken.items, singles, strict=True)):
+        if i == longest:  # the one row without padding is unaffected
+            assert max_diff(got, alone) < TOLERANCE
+        else:
+            assert max_diff(got, alone) > 100 * TOLERANCE
+
+
+def test_rope_positions_are_per_row(
+    engine: HunyuanEngine, mixed_batch: list[PreparedImage]
+) -> None:
+    """Row i of a batch gets the multimodal positions it gets alone (image index 0).
+
+    transformers' own get_rope_index numbers images across the batch; the class method shows it.
+    """
+    import torch
+    from transformers.models.hunyuan_vl.modeling_hunyuan_vl import HunYuanVLModel
+
+    rows = [engine.preprocess(it) for it in mixed_batch]
+    inputs = engine.collate(rows)
+    args = {k: inputs[k] for k in ("mm_token_type_ids", "image_grid_thw", "attention_mask")}
+    together, deltas = engine.model.model.get_rope_index(inputs["input_ids"], **args)
+    unpatched, _ = HunYuanVLModel.get_rope_index(engine.model.model, inputs["input_ids"], **args)
+    for i, row in enumerate(rows):
+        alone, delta = engine.model.model.get_rope_index(
+            row.input_ids[None],
+            mm_token_type_ids=row.mm_token_type_ids[None],
+            image_grid_thw=row.image_grid_thw,
+            attention_mask=torch.ones_like(row.input_ids)[None],
+        )
+        n = len(row.input_ids)
+        assert torch.equal(together[:, i, -n:], alone[:, 0])
+        assert int(deltas[i]) == int(delta[0])
+        if i > 0:
+            assert not torch.equal(unpatched[:, i, -n:], alone[:, 0])
+
+
+def test_estimate_matches_the_processor(
+    engine: HunyuanEngine, mixed_batch: list[PreparedImage], singles: list[Generated]
+) -> None:
+    for it, alone in zip(mixed_batch, singles, strict=True):
+        cost = engine.estimate(it)
+        row = engine.preprocess(it)
+        assert cost.tokens == alone.prompt_tokens + MAX_NEW == len(row.input_ids) + MAX_NEW
+        assert cost.patches == row.pixel_values.shape[0]
+        _, gh, gw = row.image_grid_thw[0].tolist()
+        assert cost.pixels == gh * gw * 16 * 16
+
+
+@pytest.mark.parametrize(
+    "size",
+    [(1, 1), (10, 10), (511, 513), (1024, 1024), (886, 1699), (1248, 1760), (2049, 2047),
+     (4961, 7016), (3000, 20), (20, 3000), (33, 4000), (1700, 31)],
+)
+def test_estimator_matches_the_released_processor_settings(
+    engine: HunyuanEngine, size: tuple[int, int]
+) -> None:
+    """With the released limits (512²..2048²): tokens and patches as the real processor counts."""
+    from transformers import HunYuanVLImageProcessor, HunYuanVLProcessor
+
+    from models.hunyuan_tokens import DEFAULT_GEOMETRY
+
+    processor = HunYuanVLProcessor(
+        image_processor=HunYuanVLImageProcessor(
+            size={"shortest_edge": 512 * 512, "longest_edge": 2048 * 2048}
+        ),
+        tokenizer=engine.processor.tokenizer,
+        chat_template=engine.processor.chat_template,
+    )
+    text, prompt_tokens = engine._template(TASK_PRESETS["text"])
+    enc = processor(text=[text], images=[Image.new("RGB", size, "white")], return_tensors="pt")
+    assert DEFAULT_GEOMETRY.image_tokens(*size) == enc["input_ids"].shape[1] - prompt_tokens
+    assert DEFAULT_GEOMETRY.vit_patches(*size) == enc["pixel_values"].shape[0]
+    assert int((enc["mm_token_type_ids"] == 1).sum()) == DEFAULT_GEOMETRY.image_tokens(*size)
+
+
+def test_processor_and_estimator_refuse_the_same_aspect(engine: HunyuanEngine) -> None:
+    img = Image.new("RGB", (4020, 20), "white")
+    with pytest.raises(ValueError, match="aspect ratio"):
+        engine.processor.image_processor(images=[img])
+    with pytest.raises(ImageShapeError):
+        engine.estimate(PreparedImage("wide", img, img.size))
+
+
+def test_run_returns_results_and_fails_bad_items_alone(
+    engine: HunyuanEngine, mixed_batch: list[PreparedImage], singles: list[Generated]
+) -> None:
+    wide = PreparedImage("wide", Image.new("RGB", (4020, 20)), (4020, 20))
+    gray = PreparedImage("gray", mixed_batch[0].image.convert("L"), mixed_batch[0].original_size)
+    results = engine.run([mixed_batch[0], wide, mixed_batch[2], gray])
+    assert isinstance(results[1], ImageShapeError)
+    for res in (results[0], results[2], results[3]):
+        assert isinstance(res, OcrResult)
+    assert results[0].text == singles[0].text.strip()
+    assert results[2].text == singles[2].text.strip()
+
+
+def test_unknown_task_without_prompt_fails_alone(engine: HunyuanEngine) -> None:
+    results = engine.run([item(64, 64, 9, task="custom"), item(64, 64, 9)])
+    assert isinstance(results[0], ValueError)
+    assert isinstance(results[1], OcrResult)
+
+
+# --- model resolution -------------------------------------------------------------------------
+
+
+def test_missing_model_names_id_and_fetch_command(hf_cache: Path) -> None:
+    with pytest.raises(ModelNotFound) as err:
+        resolve_model_dir("tencent/NoSuchOCR", "abc123", "v1.0")
+    msg = str(err.value)
+    assert "tencent/NoSuchOCR" in msg and "abc123" in msg and str(hf_cache) in msg
+    assert "hf download tencent/NoSuchOCR --revision abc123 --include 'v1.0/*'" in msg
+
+
+def test_missing_subfolder_in_cache_is_reported(hf_cache: Path) -> None:
+    with pytest.raises(ModelNotFound, match="subfolder v9"):
+        resolve_model_dir(MODEL_ID, None, "v9")
+
+
+def test_missing_local_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFound, match="does not exist"):
+        resolve_model_dir(str(tmp_path / "nowhere"), None, "v1.0")
+    with pytest.raises(ModelNotFound, match="no HunyuanOCR checkpoint"):
+        resolve_model_dir(str(tmp_path), None, "v1.0")
+
+
+def test_engine_load_fails_at_startup_without_weights(hf_cache: Path) -> None:
+    eng = HunyuanEngine(Settings(model="tencent/NoSuchOCR", device="cpu"))
+    with pytest.raises(ModelNotFound, match="hf download"):
+        eng.load()
+
+
+def test_local_directory_with_and_without_subfolder(engine: HunyuanEngine) -> None:
+    ckpt = engine.model_dir
+    assert ckpt is not None
+    assert resolve_model_dir(str(ckpt.parent), None, "v1.0") == ckpt
+    assert resolve_model_dir(str(ckpt), None, "v1.0") == ckpt  # pointed at the folder itself
+
+
+def test_eager_attention_is_refused() -> None:
+    with pytest.raises(ValueError, match="eager"):
+        HunyuanEngine(Settings(attention="eager"))
+
+
+def test_default_cost_model_covers_the_h200_measurements() -> None:
+    """The default model never predicts less than the benchmark measured, nor 20% more."""
+    import json
+
+    results = Path(__file__).resolve().parents[1] / "bench/results/hunyuan_engine_h200.json"
+    report = json.loads(results.read_text())
+    engine = HunyuanEngine(Settings(max_new_tokens=report["meta"]["new_tokens"]))
+    model = engine.cost_model()
+    assert model.source == "default"
+    used_after_load = report["meta"]["device_used_after_load_gib"] * 1024**3
+    assert used_after_load <= model.fixed_bytes <= used_after_load * 1.05
+    for run in report["runs"]:
+        size = (run["width"], run["height"])
+        cost = engine.estimate(PreparedImage("p", Image.new("RGB", size), size))
+        predicted = model.batch_bytes([cost] * run["batch"])
+        measured = run["increment_gib"] * 1024**3
+        assert measured <= predicted <= measured * 1.2, run
