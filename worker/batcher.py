@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from models.base import Engine, OcrResult, PreparedImage
-from models.costs import GiB, ItemCost
+from models.costs import CostModel, GiB, ItemCost
 from worker import metrics
 from worker.images import downscale
 from worker.planner import Plan, Waiting, plan
@@ -83,11 +83,14 @@ class Batcher:
         engine: Engine,
         config: BatchConfig,
         on_batch: Callable[[BatchRecord], None] | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         if config.max_items < 1 or config.budget_bytes <= 0:
             raise ValueError(f"invalid batch config: {config}")
         self.engine = engine
         self.config = config
+        # A tuned profile's model when the runtime found one, else the engine's default.
+        self.cost_model = cost_model or engine.cost_model()
         self._on_batch = on_batch
         self._state = _State()
         self._cond = threading.Condition()
@@ -163,12 +166,12 @@ class Batcher:
     def _plan(self, waiting: dict[str, _Entry]) -> Plan:
         items = [Waiting(key, e.cost, e.seq) for key, e in waiting.items()]
         return plan(
-            items, self.config.budget_bytes, self.engine.cost_model(), self.config.max_items
+            items, self.budget_bytes, self.cost_model, self.config.max_items
         )
 
     def _shrink(self, entry: _Entry) -> None:
         """Halve an image over the budget alone until it fits; fail it if it never does."""
-        model = self.engine.cost_model()
+        model = self.cost_model
         for _ in range(self.config.max_shrinks):
             w, h = entry.item.image.size
             if w * h <= 64 * 64:
@@ -199,7 +202,7 @@ class Batcher:
     def _execute(self, entries: list[_Entry]) -> None:
         batch_id = str(uuid.uuid4())
         started = time.monotonic()
-        predicted = self.engine.cost_model().batch_bytes([e.cost for e in entries])
+        predicted = self.cost_model.batch_bytes([e.cost for e in entries])
         ooms_before = self.oom_events
         failed = 0
         try:
@@ -247,7 +250,7 @@ class Batcher:
         except BaseException as exc:
             if not self.engine.is_oom(exc):
                 raise
-            predicted = self.engine.cost_model().batch_bytes([e.cost for e in entries])
+            predicted = self.cost_model.batch_bytes([e.cost for e in entries])
             self._record_oom(len(entries), predicted, exc)
             if len(entries) > 1:
                 mid = len(entries) // 2
