@@ -347,3 +347,21 @@ def test_flower_lists_each_image(
         flower.terminate()
         flower.wait(20)
         log.close()
+
+
+def test_worker_with_missing_model_stops_with_clear_error(
+    service_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A missing model is a start-up error: the worker says so and exits; no restart loop."""
+    env = {
+        **service_env,
+        "OCRQ_ENGINE": "hunyuan",
+        "OCRQ_MODEL": str(tmp_path / "no-such-model"),
+        "OCRQ_QUEUE": f"ocr-missing-{uuid.uuid4().hex[:6]}",
+    }
+    proc = subprocess.run(
+        [str(BIN / "ocrq"), "worker"], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert "does not exist" in proc.stderr and "OCRQ_MODEL" in proc.stderr
+    assert proc.stderr.count("started worker process") == 1

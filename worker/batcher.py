@@ -165,9 +165,7 @@ class Batcher:
 
     def _plan(self, waiting: dict[str, _Entry]) -> Plan:
         items = [Waiting(key, e.cost, e.seq) for key, e in waiting.items()]
-        return plan(
-            items, self.budget_bytes, self.cost_model, self.config.max_items
-        )
+        return plan(items, self.budget_bytes, self.cost_model, self.config.max_items)
 
     def _shrink(self, entry: _Entry) -> None:
         """Halve an image over the budget alone until it fits; fail it if it never does."""

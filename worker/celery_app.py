@@ -48,10 +48,13 @@ app = make_app()
 @signals.worker_ready.connect
 def _load_engine_at_start(**_: object) -> None:
     """Load the model before the first message, so a missing model fails at start-up."""
-    from worker.lifecycle import request_recycle
+    from worker.lifecycle import request_recycle, startup_failed
     from worker.runtime import get_runtime
 
-    get_runtime(on_recycle=request_recycle)
+    try:
+        get_runtime(on_recycle=request_recycle)
+    except Exception as exc:  # a missing model or bad settings: stop now, loudly
+        startup_failed(exc)
 
 
 @signals.worker_shutdown.connect

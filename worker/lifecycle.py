@@ -24,20 +24,34 @@ from worker.recycle import RECYCLE_EXIT_CODE
 
 log = logging.getLogger(__name__)
 
-_recycle_reason: str | None = None
-_recycle_lock = threading.Lock()
+STARTUP_FAILED_EXIT_CODE = 78  # EX_CONFIG: restarting will not help (a missing model, say)
+
+_exit_code: int | None = None
+_exit_lock = threading.Lock()
+
+
+def _request_exit(code: int, reason: str) -> bool:
+    """Ask this worker process for a warm shutdown (SIGTERM is Celery's), remembering why."""
+    global _exit_code
+    with _exit_lock:
+        if _exit_code is not None:
+            return False
+        _exit_code = code
+    log.warning("worker exit requested (%d): %s", code, reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def request_recycle(reason: str) -> None:
-    """Ask this worker process for a warm shutdown (SIGTERM is Celery's warm shutdown)."""
-    global _recycle_reason
-    with _recycle_lock:
-        if _recycle_reason is not None:
-            return
-        _recycle_reason = reason
-    metrics.RECYCLES.labels(reason.split(" ")[0]).inc()
-    log.warning("worker recycle requested: %s", reason)
-    os.kill(os.getpid(), signal.SIGTERM)
+    """Recycle: a fresh process replaces this one (see the module docstring)."""
+    if _request_exit(RECYCLE_EXIT_CODE, f"recycle: {reason}"):
+        metrics.RECYCLES.labels(reason.split(" ")[0]).inc()
+
+
+def startup_failed(exc: BaseException) -> None:
+    """The engine could not be loaded: exit with a code that tells supervisors not to retry."""
+    log.critical("worker cannot start: %s: %s", type(exc).__name__, exc)
+    _request_exit(STARTUP_FAILED_EXIT_CODE, f"startup failed: {exc}")
 
 
 def run_worker(argv: Sequence[str]) -> int:
@@ -49,10 +63,7 @@ def run_worker(argv: Sequence[str]) -> int:
         app.worker_main(list(argv))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    if _recycle_reason is not None:
-        log.warning("worker exiting to recycle: %s", _recycle_reason)
-        return RECYCLE_EXIT_CODE
-    return code
+    return _exit_code if _exit_code is not None else code
 
 
 def supervise(child_argv: Sequence[str], max_crash_backoff_s: float = 30.0) -> int:
@@ -82,6 +93,13 @@ def supervise(child_argv: Sequence[str], max_crash_backoff_s: float = 30.0) -> i
         code = child.wait()
         if stopping.is_set():
             return 0 if code in (0, RECYCLE_EXIT_CODE, -signal.SIGTERM) else code
+        if code == STARTUP_FAILED_EXIT_CODE:
+            print(
+                "ocrq supervisor: worker cannot start (see above); not restarting",
+                file=sys.stderr,
+                flush=True,
+            )
+            return code
         if code == RECYCLE_EXIT_CODE:
             recycles += 1
             print(
