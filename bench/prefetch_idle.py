@@ -5,9 +5,10 @@ kept full (every job is submitted at once); the batcher stamps each batch's star
 idle = the gaps between one batch's end and the next one's start, over the wall time from the
 first batch's start to the last one's end.
 
-Prefetch off = at most one batch's worth of decoded images may exist (OCRQ_PREFETCH_IMAGES =
-max_batch), so the next batch's images are fetched and decoded only after the current batch
-returns. Prefetch on = two batches' worth (the default): decoding overlaps the engine.
+Prefetch off = as many task threads as one batch holds (a Celery worker with concurrency =
+max_batch): every thread waits on the running batch, so the next batch's images are fetched,
+decoded and preprocessed only after it returns. Prefetch on = twice that (and the default cap
+of two batches' worth of decoded images): the next batch is made ready while this one runs.
 
     python bench/prefetch_idle.py --engine rapid --data ../shared/data/ocr-eval --out bench/results
 """
@@ -31,6 +32,33 @@ from ocrq.metrics import load_manifest
 from ocrq.settings import Settings
 from ocrq.store import JobStore
 from worker.runtime import build_runtime
+
+
+def synthetic_workload(sizes_tsv: Path, folder: Path, count: int) -> list[Path]:
+    """Drawn text images at the eval set's sizes (for machines without the data, e.g. a GPU).
+
+    JPEG like the originals, so decoding costs what it costs on real scans.
+    """
+    from PIL import Image, ImageDraw
+
+    rows = [
+        line.split("\t")
+        for line in sizes_tsv.read_text().splitlines()
+        if line and not line.startswith("#") and not line.startswith("dataset")
+    ]
+    rows.sort(key=lambda r: zlib.crc32("".join(r).encode()))
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(count):
+        _, w, h = rows[i % len(rows)]
+        image = Image.new("RGB", (int(w), int(h)), "white")
+        draw = ImageDraw.Draw(image)
+        for y in range(8, int(h) - 20, 40):
+            draw.text((8, y), f"LINE {y} OF IMAGE {i} TOTAL 12.50", fill="black")
+        path = folder / f"synth{i:04d}.jpg"
+        image.save(path, quality=90)
+        paths.append(path)
+    return paths
 
 
 def workload(data: Path, count: int) -> list[Path]:
@@ -82,27 +110,53 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path("../shared/data/ocr-eval"))
     ap.add_argument("--count", type=int, default=96)
     ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--concurrency", type=int, default=24)
+    ap.add_argument("--budget-gib", type=float, default=None)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument(
+        "--sizes",
+        type=Path,
+        default=None,
+        help="draw images at the sizes in this TSV instead of reading --data",
+    )
+    ap.add_argument("--model", default=None, help="OCRQ_MODEL for the hunyuan engine")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
     args = ap.parse_args()
-    paths = workload(args.data, args.count)
     results = {}
+    extra: dict[str, Any] = {}
+    if args.model:
+        extra["model"] = args.model
+    if args.max_new_tokens:
+        extra["max_new_tokens"] = args.max_new_tokens
     with tempfile.TemporaryDirectory() as tmp:
+        if args.sizes:
+            paths = synthetic_workload(args.sizes, Path(tmp) / "images", args.count)
+            root = Path(tmp).resolve()
+        else:
+            paths = workload(args.data, args.count)
+            root = args.data.resolve()
         db_url = f"sqlite:///{tmp}/bench.sqlite"
         JobStore(get_engine(db_url)).create_tables()
-        for mode, prefetch in (("off", args.max_batch), ("on", 2 * args.max_batch)):
+        for mode, threads in (("off", args.max_batch), ("on", 2 * args.max_batch)):
             settings = Settings(
-                engine=args.engine, max_batch=args.max_batch, concurrency=args.concurrency,
-                prefetch_images=prefetch, allowed_roots=[args.data.resolve()], batch_wait_ms=20,
+                engine=args.engine,
+                max_batch=args.max_batch,
+                concurrency=threads,
+                allowed_roots=[root],
+                **extra,
+                batch_wait_ms=20,
+                **({"memory_budget_gib": args.budget_gib} if args.budget_gib else {}),
             )
             results[mode] = measure(settings, paths, db_url)
             print(mode, results[mode], flush=True)
     report = {
         "engine": args.engine,
         "hardware": f"{platform.processor() or platform.machine()}, {_cpus()} CPUs",
-        "settings": {"max_batch": args.max_batch, "concurrency": args.concurrency,
-                     "count": args.count},
+        "settings": {
+            "max_batch": args.max_batch,
+            "count": args.count,
+            "threads": {"off": args.max_batch, "on": 2 * args.max_batch},
+        },
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)

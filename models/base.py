@@ -76,6 +76,29 @@ def available_host_bytes() -> int:
     return 4 * GiB
 
 
+def _proc_status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status in bytes (VmRSS, VmHWM), None where unreadable."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _trim_malloc() -> None:
+    """Hand freed heap back to the OS (glibc), so a peak measured next is this window's own and
+    not memory a previous, larger batch left in malloc's arenas."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class UnsupportedTask(ValueError):
     """The engine cannot do what the job asks (a free prompt on the CPU engine, say)."""
 
@@ -137,6 +160,38 @@ class Engine(ABC):
 
     def release_memory(self) -> None:  # noqa: B027 - optional hook
         """Return cached device memory after an OOM, before the retry."""
+
+    # -- memory measurement, for `ocrq tune` and the benchmarks ----------------------------------
+    # Host engines measure the process's peak RSS; device engines override all three with their
+    # device's counters. Probing goes through these so that tune knows nothing about torch.
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak-memory window (host: VmHWM is reset to the current RSS)."""
+        _trim_malloc()
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+        except OSError:  # not Linux, or a sandbox without clear_refs: the peak keeps its history
+            pass
+
+    def peak_memory_bytes(self) -> int:
+        """Peak memory since `reset_peak_memory`, in the unit the cost model predicts."""
+        return _proc_status_bytes("VmHWM") or _proc_status_bytes("VmRSS") or 0
+
+    def memory_capacity_bytes(self) -> int:
+        """What `--budget-fraction` is a fraction of: host memory available to this process now
+        plus what it already holds (device engines: the device's total memory)."""
+        return available_host_bytes() + (_proc_status_bytes("VmRSS") or 0)
+
+    def probe(self, batch: Sequence[PreparedImage]) -> list[ItemCost]:
+        """Run a batch the way that costs the most memory and return each item's cost as run.
+
+        `ocrq tune` fits the cost model on these costs and the measured peak. The default is a
+        plain `run`; an engine whose cost depends on how long it generates forces that length
+        (and may cap it to keep probing bounded in time, returning the costs it actually ran).
+        """
+        self.run(batch)
+        return [self.estimate(item) for item in batch]
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release device memory and sessions."""

@@ -17,6 +17,11 @@ Design notes (the why):
   item; the survivors still run as one batch.
 * Attention is sdpa (or flash) and never eager: eager takes 13.1 GiB for one A4 page on the
   H200 where sdpa takes ~0.35 GiB.
+* Decoding runs in models/hunyuan_decode.py by default (OCRQ_DECODE=fast): the model's own
+  prefill, then a static KV cache and one CUDA graph per batch, 3.4 ms a step at batch 64 on an
+  H200 where `generate()` takes ~71 ms (bench/results/decode_speed_h200.md), same greedy tokens,
+  same peak memory. OCRQ_DECODE=generate keeps transformers' loop, and a generation config the
+  fast loop cannot honour (a repetition penalty, say) falls back to it on its own.
 """
 
 from __future__ import annotations
@@ -28,12 +33,20 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models.base import Engine, OcrResult, PreparedImage, UnsupportedTask
 from models.costs import CostModel, GiB, ItemCost
+from models.hunyuan_decode import (
+    DecodeStats,
+    HunyuanDecoder,
+    attention_mode_from_env,
+    batch_vision_attention,
+    decode_mode_from_env,
+    unsupported_reason,
+)
 from models.hunyuan_output import build_result
 from models.hunyuan_tokens import (
     DEFAULT_GEOMETRY,
@@ -70,6 +83,9 @@ DEFAULT_PER_TOKEN_BYTES = 148 * KiB
 DEFAULT_FREE_SHARE = 0.85
 
 _PROMPT_CACHE_SIZE = 256
+# New tokens `probe` forces at most (see there): enough decode steps to reach the cache's
+# growth, few enough that `ocrq tune` stays within seconds per probe.
+PROBE_NEW_TOKENS = 64
 _REFUSED_ATTENTION = {"eager"}
 
 
@@ -214,7 +230,9 @@ class HunyuanEngine(Engine):
     # larger images to that before they wait in memory (updated from the loaded processor).
     max_pixels: int | None = MAX_PIXELS
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, decode: str | None = None) -> None:
+        """`decode`: "fast" (models/hunyuan_decode.py) or "generate" (transformers' loop); by
+        default OCRQ_DECODE, else "fast". Kept off Settings while both paths are compared."""
         if settings.attention in _REFUSED_ATTENTION:
             raise ValueError(
                 "OCRQ_ATTENTION=eager is refused: it needs ~13 GiB for one A4 page; "
@@ -234,6 +252,12 @@ class HunyuanEngine(Engine):
         self._templates: OrderedDict[str, tuple[str, int]] = OrderedDict()
         # estimate() runs in the Celery task threads, run() in the batcher thread.
         self._templates_lock = threading.Lock()
+        self.decode = decode or decode_mode_from_env()
+        if self.decode not in ("fast", "generate"):
+            raise ValueError(f"decode must be 'fast' or 'generate', not {self.decode!r}")
+        self._decoder: HunyuanDecoder | None = None
+        self.last_decode: DecodeStats | None = None  # stats of the last fast batch (bench, logs)
+        self._position_offset = 0  # tests only: a wrong decode RoPE offset must be caught
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HunyuanEngine:
@@ -266,6 +290,7 @@ class HunyuanEngine(Engine):
         )
         model.to(device).eval()  # no device_map: that would require accelerate
         _isolate_rows(model)
+        batch_vision_attention(model)
 
         gen = copy.deepcopy(model.generation_config)
         gen.do_sample = False
@@ -292,6 +317,15 @@ class HunyuanEngine(Engine):
         self._generation_config = gen
         self._eos_ids = eos_ids
         self._pad_id = int(gen.pad_token_id)
+        self._decoder = None
+        why_not = unsupported_reason(gen)
+        if why_not:
+            log.warning("fast decode cannot honour %s in the generation config; using generate()",
+                        why_not)
+        else:
+            self._decoder = HunyuanDecoder(
+                model, eos_ids=eos_ids, pad_id=self._pad_id, attention=attention_mode_from_env()
+            )
         self.max_pixels = self.geometry.max_pixels
         with self._templates_lock:
             self._templates.clear()
@@ -335,6 +369,57 @@ class HunyuanEngine(Engine):
         dev = torch.device(self.device)
         return int(torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
 
+    # -- memory measurement (`ocrq tune`): the device's own counters on a GPU --------------------
+
+    def _cuda(self) -> bool:
+        return self.device is not None and self.device.startswith("cuda")
+
+    def release_memory(self) -> None:
+        """After an OOM: drop the failed batch's garbage and return cached blocks to the device."""
+        gc.collect()
+        if self._cuda():
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def reset_peak_memory(self) -> None:
+        if not self._cuda():
+            return super().reset_peak_memory()
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory_bytes(self) -> int:
+        """Peak bytes allocated by tensors on the device (weights included): what the cost
+        model predicts. The allocator reserves a few percent more; budgets leave room for it."""
+        if not self._cuda():
+            return super().peak_memory_bytes()
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def memory_capacity_bytes(self) -> int:
+        if not self._cuda():
+            return super().memory_capacity_bytes()
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(self.device))[1])
+
+    def probe(self, batch: Sequence[PreparedImage]) -> list[ItemCost]:
+        """Generate exactly min(max_new_tokens, PROBE_NEW_TOKENS) tokens per image.
+
+        Forcing the length measures the worst case (a real model may stop early). The cap keeps
+        a probe within seconds: the peak comes from prefill (bench/results/hunyuan_engine_h200.md),
+        and the per-token coefficient fitted there (~148 KiB on the H200) over-covers the KV cache
+        a longer generation adds (96 KiB per token), so the model extrapolates safely.
+        """
+        n = min(self.settings.max_new_tokens, PROBE_NEW_TOKENS)
+        self.generate(batch, max_new_tokens=n, min_new_tokens=n)
+        unused = self.settings.max_new_tokens - n
+        return [replace(c, tokens=c.tokens - unused) for c in map(self.estimate, batch)]
+
     def close(self) -> None:
         self.model = self.processor = None
         gc.collect()
@@ -357,6 +442,7 @@ class HunyuanEngine(Engine):
             "attention": s.attention,
             "device": self.device or s.device,
             "max_new_tokens": str(s.max_new_tokens),
+            "decode": self.decode if self._decoder or self.model is None else "generate",
         }
         try:
             import torch
@@ -495,13 +581,16 @@ class HunyuanEngine(Engine):
         output_logits: bool = False,
         padding_side: str = "left",
         encoded: Sequence[EncodedImage | Exception] | None = None,
+        decode: str | None = None,
     ) -> BatchOutput:
         """Greedy generation for a batch; the building block of `run`, the tests and the bench.
 
         `min_new_tokens` (the bench sets it equal to max_new_tokens) forces a fixed length;
         `output_logits` keeps every step's raw logits per row (tests only: they take
         steps x vocab x 4 bytes per row). `encoded` hands in rows already preprocessed (by
-        `preprocess`, in another thread say), one per item of `batch`.
+        `preprocess`, in another thread say), one per item of `batch`. `decode` overrides the
+        engine's decode mode for this call ("fast" falls back to "generate" where the generation
+        config needs it).
         """
         import torch
 
@@ -528,14 +617,28 @@ class HunyuanEngine(Engine):
         t1 = time.perf_counter()
         timings["preprocess"] = t1 - t0
 
-        gen = copy.copy(self._generation_config)
-        gen.max_new_tokens = max_new_tokens or self.settings.max_new_tokens
-        gen.min_new_tokens = min_new_tokens
-        gen.return_dict_in_generate = True
-        gen.output_logits = output_logits
-        with torch.inference_mode():
-            out = self.model.generate(**inputs, generation_config=gen)
-        new = out.sequences[:, padded:].cpu()
+        n_new = max_new_tokens or self.settings.max_new_tokens
+        logits: torch.Tensor | None = None
+        if (decode or self.decode) == "fast" and self._decoder is not None:
+            new, logits, self.last_decode = self._decoder.generate(
+                inputs,
+                max_new_tokens=n_new,
+                min_new_tokens=min_new_tokens,
+                output_logits=output_logits,
+                position_offset=self._position_offset,
+            )
+        else:
+            gen = copy.copy(self._generation_config)
+            gen.max_new_tokens = n_new
+            gen.min_new_tokens = min_new_tokens
+            gen.return_dict_in_generate = True
+            gen.output_logits = output_logits
+            with torch.inference_mode():
+                out = self.model.generate(**inputs, generation_config=gen)
+            new = out.sequences[:, padded:].cpu()
+            if output_logits:
+                logits = torch.stack(out.logits, dim=1).float().cpu()
+            del out
         t2 = time.perf_counter()
         timings["generate"] = t2 - t1
 
@@ -548,7 +651,6 @@ class HunyuanEngine(Engine):
         texts = self.processor.batch_decode(
             token_rows, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
-        logits = torch.stack(out.logits, dim=1).float().cpu() if output_logits else None
         for j, i in enumerate(good):
             steps = len(token_rows[j]) + (0 if capped[j] else 1)  # the eos step has logits too
             items[i] = Generated(

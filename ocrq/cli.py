@@ -213,6 +213,77 @@ def migrate() -> None:
 
 
 @app.command()
+def tune(
+    engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
+    budget: Annotated[
+        float | None, typer.Option(help="GiB the engine may use in all, fixed part included.")
+    ] = None,
+    budget_fraction: Annotated[
+        float | None,
+        typer.Option(help="Share of the device's memory (host memory for rapid); default 0.8."),
+    ] = None,
+    max_seconds: Annotated[float, typer.Option(help="Time for all probes together.")] = 90.0,
+    max_batch: Annotated[
+        int | None, typer.Option(help="Largest batch probed (default OCRQ_MAX_BATCH).")
+    ] = None,
+    profile_dir: Annotated[
+        Path | None, typer.Option(help="Where profiles go (default OCRQ_PROFILE_DIR).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="Logging level on stderr.")] = "WARNING",
+) -> None:
+    """Probe the device with real batches, fit the memory cost model, write the profile that
+    workers load at start (plus a PNG of throughput and peak memory against batch size)."""
+    from models.costs import GiB
+    from models.registry import create_engine
+    from worker.tune import resolve_budget, table
+    from worker.tune import tune as run_tune
+
+    _logging(log_level)
+    try:  # checked before minutes of probing, not after
+        import matplotlib  # noqa: F401
+    except ImportError:
+        err.print("ocrq tune draws its plot with matplotlib: pip install 'ocrq[tune]'")
+        raise typer.Exit(2) from None
+    settings = _settings(engine=engine, profile_dir=profile_dir, max_batch=max_batch)
+    eng = create_engine(settings.engine, settings)
+    eng.load()
+    try:
+        total = resolve_budget(eng, budget, budget_fraction)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    err.print(
+        f"probing {settings.engine} within {total / GiB:.2f} GiB and {max_seconds:.0f} s "
+        f"(batches up to {settings.max_batch})"
+    )
+
+    def show(p) -> None:  # type: ignore[no-untyped-def]
+        peak = f"{p.peak_bytes / GiB:.3f} GiB" if p.peak_bytes is not None else "-"
+        err.print(f"  {p.label} x{p.batch}: {p.status}, {p.seconds:.2f} s, peak {peak}")
+
+    outcome = run_tune(
+        eng,
+        settings.profile_dir,
+        total,
+        max_seconds=max_seconds,
+        max_batch=settings.max_batch,
+        on_result=show,
+    )
+    eng.close()
+    fitted = outcome.report.fit
+    assert fitted is not None
+    Console(width=140).print(table(outcome.report, f"ocrq tune: {settings.engine}"))
+    m = fitted.model
+    typer.echo(
+        f"model: fixed {m.fixed_bytes / GiB:.3f} GiB, per item {m.per_item_bytes / 2**20:.3f} MiB,"
+        f" per token {m.per_token_bytes / 1024:.2f} KiB, per patch {m.per_patch_bytes / 1024:.2f}"
+        f" KiB; largest error on the probes {fitted.max_rel_error:.1%}"
+        f" (per-image part scaled x{fitted.cover_factor:.3f} to cover them all)"
+    )
+    typer.echo(f"profile: {outcome.profile}")
+    typer.echo(f"plot: {outcome.plot}")
+
+
+@app.command()
 def samples(
     folder: Annotated[Path, typer.Argument(help="Where to write the sample images.")] = Path(
         "samples"

@@ -243,20 +243,26 @@ class Batcher:
         A single image that still runs out of memory is halved in pixels and retried; only an
         image that fails at the smallest size fails, alone. An OOM never fails a whole batch.
         """
+        oom: str | None = None
         try:
             results = self.engine.run([e.item for e in entries])
         except BaseException as exc:
             if not self.engine.is_oom(exc):
                 raise
+            oom = str(exc)
+        if oom is not None:
+            # Recover outside the except clause: until it ends, the exception's traceback keeps
+            # the failed call's frames alive, and with them its device tensors (activations of
+            # the batch that did not fit), so a retry inside it would run out of memory again.
             predicted = self.cost_model.batch_bytes([e.cost for e in entries])
-            self._record_oom(len(entries), predicted, exc)
+            self._record_oom(len(entries), predicted, oom)
             if len(entries) > 1:
                 mid = len(entries) // 2
                 return self._run_recovering(entries[:mid]) + self._run_recovering(entries[mid:])
             entry = entries[0]
             w, h = entry.item.image.size
             if w * h <= 64 * 64:
-                return [MemoryError(f"out of memory even at {w}x{h}: {exc}")]
+                return [MemoryError(f"out of memory even at {w}x{h}: {oom}")]
             entry.item.image = downscale(entry.item.image, (w * h) // 2)
             entry.item.encoded = None
             entry.cost = self.engine.estimate(entry.item)
@@ -268,7 +274,7 @@ class Batcher:
             )
         return list(results)
 
-    def _record_oom(self, size: int, predicted: int, exc: BaseException) -> None:
+    def _record_oom(self, size: int, predicted: int, error: str) -> None:
         self.oom_events += 1
         metrics.OOM_EVENTS.inc()
         self.engine.release_memory()
@@ -282,7 +288,7 @@ class Batcher:
             size,
             predicted / GiB,
             self.budget_bytes / GiB,
-            exc,
+            error,
         )
 
     def _adapt_budget(self, ooms: int) -> None:

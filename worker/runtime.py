@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.base import Engine
-from models.costs import GiB
+from models.costs import CostModel, GiB
 from models.registry import create_engine
 from ocrq.db import get_engine
 from ocrq.settings import Settings
@@ -21,6 +21,7 @@ from ocrq.store import JobStore
 from worker import metrics
 from worker.batcher import BatchConfig, Batcher, BatchRecord
 from worker.jobs import JobRunner
+from worker.profiles import choose_cost_model
 from worker.recycle import RecyclePolicy, Recycler
 
 log = logging.getLogger(__name__)
@@ -39,14 +40,18 @@ class Runtime:
         self.engine.close()
 
 
-def batch_config(settings: Settings, engine: Engine) -> BatchConfig:
-    """The budget a batch may use above the engine's fixed part."""
+def batch_config(
+    settings: Settings, engine: Engine, model: CostModel | None = None
+) -> BatchConfig:
+    """The budget a batch may use above the fixed part of `model` (a tuned profile's, when the
+    worker found one; else the engine's default)."""
+    fixed = (model or engine.cost_model()).fixed_bytes
     if settings.memory_budget_gib is not None:
-        budget = int(settings.memory_budget_gib * GiB) - engine.cost_model().fixed_bytes
+        budget = int(settings.memory_budget_gib * GiB) - fixed
         if budget <= 0:
             raise ValueError(
                 f"OCRQ_MEMORY_BUDGET_GIB={settings.memory_budget_gib} does not cover the engine's "
-                f"fixed part ({engine.cost_model().fixed_bytes / GiB:.2f} GiB)"
+                f"fixed part ({fixed / GiB:.2f} GiB)"
             )
     else:
         budget = engine.default_budget_bytes()
@@ -76,7 +81,9 @@ def build_runtime(
     """Load the engine and start its batcher; with `on_recycle`, watch for recycling too."""
     engine = create_engine(settings.engine, settings)
     engine.load()
-    config = batch_config(settings, engine)
+    choice = choose_cost_model(engine, settings.profile_dir)
+    log.info(choice.describe())
+    config = batch_config(settings, engine, choice.model)
     recycler = None
     if on_recycle is not None:
         recycler = Recycler(
@@ -90,7 +97,7 @@ def build_runtime(
         for hook in hooks:
             hook(record)
 
-    batcher = Batcher(engine, config, on_batch=on_batch).start()
+    batcher = Batcher(engine, config, on_batch=on_batch, cost_model=choice.model).start()
     store = store or JobStore(get_engine(settings.database_url))
     name = worker_name or f"{settings.engine}@{socket.gethostname()}"
     prefetch = settings.prefetch_images or 2 * config.max_items
@@ -100,8 +107,8 @@ def build_runtime(
         engine.name,
         config.max_items,
         config.budget_bytes / GiB,
-        engine.cost_model().fixed_bytes / GiB,
-        engine.cost_model().source,
+        choice.model.fixed_bytes / GiB,
+        choice.model.source,
     )
     return Runtime(settings, engine, batcher, runner, recycler)
 

@@ -1,0 +1,232 @@
+"""Attention for one decode step over a static KV cache: each row's real keys read once.
+
+Why a kernel of our own: at batch >= 64 the decode step of HunyuanOCR is bound by reading the KV
+cache (96 KiB per token, ~8 GB per step at batch 64 of 1024² pages). transformers' sdpa path
+passes a padding mask, which rules out the flash backend and makes it expand the 8 KV heads to
+16 (`repeat_kv`: the cache is read, written twice as large and read again), and a static cache
+padded to its full length is read whole every step. Here:
+
+* `attend_torch` is the reference (CPU, tests, any device without Triton): sdpa with
+  `enable_gqa=True` and a boolean key mask. Inside a CUDA graph it reads the whole static cache;
+  eagerly the caller slices the cache to the current length first.
+* `attend_triton` is split-K "flash decoding": one program per (row, KV head, key range) loads
+  each K/V block once and scores it against all query heads of its group (GQA as a small matrix
+  product, no expansion); a second tiny kernel merges the ranges with their softmax statistics.
+  The key range of each row is [start[row], end) with `end` read from device memory, so a CUDA
+  graph captured once serves every step of a batch while reading only keys written so far, and
+  left padding is skipped instead of masked.
+
+Triton is imported lazily so that this module imports on hosts without it; set TRITON_INTERPRET=1
+before the first import to run the kernels on the CPU (tests do, in a subprocess).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def attend_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Reference decode attention.
+
+    q (B, H, D); k, v (B, KVH, L, D); valid (B, L) bool, True on keys a row may see.
+    Returns (B, H, D) in q's dtype.
+    """
+    import torch.nn.functional as F
+
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the split kernel (the bench may try others)."""
+
+    block_n: int = 64  # keys per loop iteration
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4  # split the key range until about this many programs run per SM
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@lru_cache(maxsize=1)
+def _kernels() -> tuple[Any, Any]:
+    """Define the two kernels on first use (triton's jit needs triton at decoration time)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(
+        Q, K, V, Start, End, Acc, Mx, Sm, Out,
+        s_qb, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+        s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
+        scale, split_len,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, SINGLE: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
+        start = tl.load(Start + b)
+        end = tl.load(End)
+        lo = tl.maximum(start, s * split_len)
+        hi = tl.minimum(end, (s + 1) * split_len)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        heads = kvh * G + offs_g
+        g_ok = offs_g < G
+        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=g_ok[:, None],
+                    other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        k_base = K + b * s_kb + kvh * s_kh
+        v_base = V + b * s_vb + kvh * s_vh
+        for n0 in range(lo, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=n_ok[:, None],
+                        other=0.0)
+            if UPCAST:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(n_ok[None, :], scores * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * s_vl + offs_d[None, :], mask=n_ok[:, None],
+                        other=0.0)
+            if UPCAST:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if SINGLE:  # one key range: normalise here, no merge kernel
+            out = acc / l_i[:, None]
+            tl.store(Out + b * s_ob + heads[:, None] * s_oh + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            tl.store(Acc + b * s_ab + heads[:, None] * s_ah + s * s_as + offs_d[None, :], acc,
+                     mask=g_ok[:, None])
+            tl.store(Mx + b * s_mb + heads * s_mh + s, m_i, mask=g_ok)
+            tl.store(Sm + b * s_mb + heads * s_mh + s, l_i, mask=g_ok)
+
+    @triton.jit
+    def merge_kernel(
+        Acc, Mx, Sm, Out,
+        s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
+        S, SP: tl.constexpr, D: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, SP)
+        offs_d = tl.arange(0, D)
+        s_ok = offs_s < S
+        m = tl.load(Mx + b * s_mb + h * s_mh + offs_s, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(Sm + b * s_mb + h * s_mh + offs_s, mask=s_ok, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.where(s_ok, tl.exp(m - m_max), 0.0)  # empty ranges: exp(-inf) = 0
+        denom = tl.sum(w * l_s, 0)
+        acc = tl.load(Acc + b * s_ab + h * s_ah + offs_s[:, None] * s_as + offs_d[None, :],
+                      mask=s_ok[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / denom
+        tl.store(Out + b * s_ob + h * s_oh + offs_d, out.to(Out.dtype.element_ty))
+
+    return split_kernel, merge_kernel
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+class TritonDecodeAttention:
+    """Split-K decode attention for one batch shape: buffers sized once, so it can be graphed.
+
+    `start` (B,) int32: first key of each row (left padding skipped); `end` (1,) int32: one past
+    the last key written, the same for every row since rows advance in lockstep.
+    """
+
+    def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, cache_len: int,
+                 device: Any, config: KernelConfig = DEFAULT_CONFIG, sm_count: int | None = None
+                 ) -> None:
+        import torch
+
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads do not group over {kv_heads} KV heads")
+        if head_dim != _pow2(head_dim) or head_dim < 16:
+            raise ValueError(f"head_dim {head_dim} must be a power of two >= 16")
+        self.group = heads // kv_heads
+        self.group_pad = max(16, _pow2(self.group))  # tl.dot needs >= 16 rows
+        self.config = config
+        if sm_count is None:
+            sm_count = (
+                torch.cuda.get_device_properties(device).multi_processor_count
+                if torch.device(device).type == "cuda" else 4
+            )
+        programs = batch * kv_heads
+        splits = max(1, min(-(-config.programs_per_sm * sm_count // programs),
+                            -(-cache_len // (4 * config.block_n))))
+        per_split = -(-cache_len // splits)
+        self.split_len = -(-per_split // config.block_n) * config.block_n
+        self.splits = -(-cache_len // self.split_len)
+        self.grid = (batch, kv_heads, self.splits)
+        self.heads, self.head_dim = heads, head_dim
+        f32 = torch.float32
+        self.acc = torch.empty(batch, heads, self.splits, head_dim, dtype=f32, device=device)
+        self.mx = torch.empty(batch, heads, self.splits, dtype=f32, device=device)
+        self.sm = torch.empty(batch, heads, self.splits, dtype=f32, device=device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
+                 end: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (B, H, D) with unit last stride; k, v (B, KVH, L, D); returns (B, H, D)."""
+        import torch
+
+        split_kernel, merge_kernel = _kernels()
+        out = torch.empty_like(q)
+        c = self.config
+        single = self.splits == 1
+        split_kernel[self.grid](
+            q, k, v, start, end, self.acc, self.mx, self.sm, out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            self.acc.stride(0), self.acc.stride(1), self.acc.stride(2),
+            self.mx.stride(0), self.mx.stride(1), out.stride(0), out.stride(1),
+            scale, self.split_len,
+            G=self.group, GP=self.group_pad, D=self.head_dim, BLOCK_N=c.block_n,
+            UPCAST=q.dtype == torch.float32, SINGLE=single,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+        if single:
+            return out
+        merge_kernel[(q.shape[0], self.heads)](
+            self.acc, self.mx, self.sm, out,
+            self.acc.stride(0), self.acc.stride(1), self.acc.stride(2),
+            self.mx.stride(0), self.mx.stride(1), out.stride(0), out.stride(1),
+            self.splits, SP=_pow2(self.splits), D=self.head_dim,
+            num_warps=1,
+        )
+        return out

@@ -1,0 +1,316 @@
+"""The fast decode loop (models/hunyuan_decode.py) against transformers' generate(), on the CPU.
+
+Both paths run on the same tiny random HunYuanVL and the same mixed-resolution, left-padded
+batch; they must agree on token ids AND on every step's raw logits. The checks are shown to be
+able to fail: a decode RoPE position off by one (the prefill is untouched, so step 0 still agrees)
+moves later logits by orders of magnitude more than the tolerance. The Triton kernel is checked
+against the torch reference in Triton's CPU interpreter, in a subprocess (the interpreter is
+chosen when triton is first imported).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from models.base import PreparedImage
+from models.hunyuan import BatchOutput, HunyuanEngine
+from models.hunyuan_decode import decode_mode_from_env, unsupported_reason
+from ocrq.settings import Settings
+
+pytestmark = pytest.mark.hunyuan
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_NEW = 12
+# fp32 on the CPU: the two paths differ by ~5e-6 (sdpa with a bool mask and enable_gqa against
+# transformers' float mask and repeat_kv); a wrong position moves logits by > 1.
+TOLERANCE = 1e-3
+
+
+def noise(w: int, h: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+
+
+def item(w: int, h: int, seed: int, task: str = "text", prompt: str = "") -> PreparedImage:
+    return PreparedImage(f"img{seed}", noise(w, h, seed), (w, h), task=task, prompt=prompt)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
+    from tests.tiny_hunyuan import TINY, build_checkpoint
+
+    path = build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", TINY)
+    settings = Settings(
+        model=str(path), model_subfolder=None, dtype="float32", device="cpu",
+        max_new_tokens=MAX_NEW,
+    )
+    eng = HunyuanEngine(settings, decode="fast")
+    eng.load()
+    return eng
+
+
+@pytest.fixture(scope="module")
+def mixed_batch() -> list[PreparedImage]:
+    return [
+        item(100, 150, 11),
+        item(160, 90, 12, task="spotting"),
+        item(64, 64, 13),
+        item(300, 40, 14, task="custom", prompt="Read the line."),
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain(engine: HunyuanEngine, mixed_batch: list[PreparedImage]) -> BatchOutput:
+    return engine.generate(mixed_batch, output_logits=True, decode="generate")
+
+
+@pytest.fixture(scope="module")
+def fast(engine: HunyuanEngine, mixed_batch: list[PreparedImage]) -> BatchOutput:
+    return engine.generate(mixed_batch, output_logits=True, decode="fast")
+
+
+def max_diff(a: Any, b: Any, steps: slice = slice(None)) -> float:
+    return float((a.logits[steps] - b.logits[steps]).abs().max())
+
+
+@contextmanager
+def eos_ids(engine: HunyuanEngine, ids: set[int]) -> Iterator[None]:
+    """Treat `ids` as end-of-sequence tokens on both paths (the random model never emits the
+    real eos, so finished rows are made by naming tokens it does emit)."""
+    import torch
+
+    saved = (engine._eos_ids, engine._generation_config.eos_token_id, engine._decoder.eos)
+    engine._eos_ids = ids
+    engine._generation_config.eos_token_id = sorted(ids)
+    engine._decoder.eos = torch.tensor(sorted(ids), dtype=torch.long)
+    try:
+        yield
+    finally:
+        engine._eos_ids, engine._generation_config.eos_token_id, engine._decoder.eos = saved
+
+
+def test_engine_uses_the_fast_loop(engine: HunyuanEngine, fast: BatchOutput) -> None:
+    assert engine.describe()["decode"] == "fast"
+    stats = engine.last_decode
+    assert stats is not None and stats.steps == MAX_NEW - 1
+    assert stats.attention == "torch" and not stats.graph  # CPU: eager steps, torch attention
+
+
+def test_fast_equals_generate(plain: BatchOutput, fast: BatchOutput) -> None:
+    assert fast.padded_length == plain.padded_length
+    assert len({g.prompt_tokens for g in plain.items}) == len(plain.items)  # all padded apart
+    for a, b in zip(plain.items, fast.items, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.text == a.text and b.capped == a.capped
+        assert b.logits.shape == a.logits.shape == (MAX_NEW, 320)
+        assert max_diff(a, b) < TOLERANCE
+
+
+def test_wrong_rope_offset_is_caught(
+    engine: HunyuanEngine, mixed_batch: list[PreparedImage], plain: BatchOutput
+) -> None:
+    engine._position_offset = 1
+    try:
+        broken = engine.generate(mixed_batch, output_logits=True, decode="fast")
+    finally:
+        engine._position_offset = 0
+    for a, b in zip(plain.items, broken.items, strict=True):
+        assert max_diff(a, b, slice(0, 1)) < TOLERANCE  # the prefill does not use the offset
+        assert max_diff(a, b, slice(1, None)) > 100 * TOLERANCE
+
+
+def test_finished_rows_get_pad_and_the_loop_exits_early(
+    engine: HunyuanEngine, mixed_batch: list[PreparedImage], plain: BatchOutput
+) -> None:
+    # Every row emits one of these by its third token, so all rows finish early, at different
+    # steps; generate() stops there, the fast loop at its next all-finished check.
+    stop = {g.token_ids[2] for g in plain.items}
+    with eos_ids(engine, stop):
+        want = engine.generate(mixed_batch, max_new_tokens=24, decode="generate")
+        got = engine.generate(mixed_batch, max_new_tokens=24, decode="fast")
+        assert engine.last_decode is not None and engine.last_decode.steps < 23
+        banned = engine.generate(mixed_batch, max_new_tokens=9, min_new_tokens=6, decode="fast")
+        banned_ref = engine.generate(
+            mixed_batch, max_new_tokens=9, min_new_tokens=6, decode="generate"
+        )
+    for a, b in zip(want.items, got.items, strict=True):
+        assert b.token_ids == a.token_ids and not a.capped and not b.capped
+        assert len(a.token_ids) <= 2
+    for a, b in zip(banned_ref.items, banned.items, strict=True):
+        assert b.token_ids == a.token_ids and b.capped == a.capped
+        assert len(b.token_ids) >= 6
+
+
+def test_unsupported_generation_configs_take_generate() -> None:
+    from transformers import GenerationConfig
+
+    assert unsupported_reason(GenerationConfig(do_sample=False)) is None
+    assert unsupported_reason(GenerationConfig(repetition_penalty=1.1)) == "repetition_penalty=1.1"
+    assert unsupported_reason(GenerationConfig(do_sample=True)) == "sampling"
+    assert unsupported_reason(GenerationConfig(num_beams=2)) == "beam search"
+
+
+def test_decode_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OCRQ_DECODE", raising=False)
+    assert decode_mode_from_env() == "fast"
+    monkeypatch.setenv("OCRQ_DECODE", "generate")
+    assert HunyuanEngine(Settings()).decode == "generate"
+    assert HunyuanEngine(Settings(), decode="fast").decode == "fast"
+    monkeypatch.setenv("OCRQ_DECODE", "beam")
+    with pytest.raises(ValueError, match="OCRQ_DECODE"):
+        HunyuanEngine(Settings())
+
+
+KERNEL_CHECK = textwrap.dedent(
+    """
+    import torch
+    from transformers.models.hunyuan_vl.modeling_hunyuan_vl import (
+        HunYuanVLRMSNorm, apply_rotary_pos_emb)
+    from models.decode_attention import KernelConfig, TritonDecodeAttention, attend_torch
+    from models.decode_kernels import add_rms_norm, rope_rms_norm
+
+    torch.manual_seed(0)
+    B, H, KVH, D, L, END = 3, 8, 2, 32, 150, 121
+    q, k, v = torch.randn(B, H, D), torch.randn(B, KVH, L, D), torch.randn(B, KVH, L, D)
+    start = torch.tensor([0, 17, 60], dtype=torch.int32)
+    end = torch.tensor([END], dtype=torch.int32)
+    valid = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        valid[b, int(start[b]):END] = True
+    ref = attend_torch(q, k, v, valid, 0.3)
+    for config in (KernelConfig(block_n=16, programs_per_sm=1), KernelConfig(block_n=16)):
+        attention = TritonDecodeAttention(B, H, KVH, D, L, "cpu", config, sm_count=4)
+        out = attention(q, k, v, start, end, 0.3)
+        print("splits", attention.splits, "diff", float((out - ref).abs().max()))
+    unpadded = attention(q, k, v, torch.zeros_like(start), end, 0.3)  # ignores the padding
+    print("ignoring padding", float((unpadded - ref).abs().max()))
+
+    # Fused norms and RoPE against transformers' own modules (float32: the interpreter
+    # truncates when it rounds to bfloat16, the GPU rounds to nearest like torch).
+    norm = HunYuanVLRMSNorm(64, eps=1e-5)
+    norm.weight.data = torch.randn(64) * 0.5 + 1
+    x, r = torch.randn(5, 64), torch.randn(5, 64)
+    h, y = add_rms_norm(x, r, norm.weight, norm.variance_epsilon)
+    print("add_rms_norm", float((h - (r + x)).abs().max() + (y - norm(r + x)).abs().max()))
+    qn = HunYuanVLRMSNorm(D, eps=1e-5)
+    qn.weight.data = torch.randn(D) * 0.5 + 1
+    angle = (torch.arange(B).float()[:, None] * 7 + 3) / 10000 ** (torch.arange(0, D, 2) / D)
+    cos, sin = torch.cat([angle, angle], -1).cos(), torch.cat([angle, angle], -1).sin()
+    rot, _ = apply_rotary_pos_emb(q[:, :, None], q[:, :, None], cos[:, None], sin[:, None])
+    want = qn(rot)[:, :, 0]
+    got = rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon)
+    print("rope_rms_norm", float((got - want).abs().max()))
+    kc, vc = torch.zeros(B, H, 10, D), torch.zeros(B, H, 10, D)
+    vrow = torch.randn(B, H, D)
+    rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon, cache=kc,
+                  slot=torch.tensor([6]), v=vrow, v_cache=vc)
+    untouched = float(kc[:, :, :6].abs().sum() + kc[:, :, 7:].abs().sum()
+                      + vc[:, :, 7:].abs().sum())
+    print("slot", float((kc[:, :, 6] - want).abs().max() + (vc[:, :, 6] - vrow).abs().max()
+                        + untouched))
+    """
+)
+
+ENGINE_CHECK = textwrap.dedent(
+    """
+    import sys
+    from models.hunyuan import HunyuanEngine
+    from ocrq.settings import Settings
+    from tests.test_hunyuan_decode import MAX_NEW, item
+
+    engine = HunyuanEngine(Settings(model=sys.argv[1], model_subfolder=None, dtype="float32",
+                                    device="cpu", max_new_tokens=MAX_NEW), decode="fast")
+    engine.load()
+    batch = [item(100, 150, 11), item(160, 90, 12, task="spotting"), item(64, 64, 13)]
+    plain = engine.generate(batch, output_logits=True, decode="generate")
+    fast = engine.generate(batch, output_logits=True, decode="fast")
+    stats = engine.last_decode
+    print("path", stats.attention, stats.fused)
+    for a, b in zip(plain.items, fast.items, strict=True):
+        print("row", int(a.token_ids == b.token_ids), float((a.logits - b.logits).abs().max()))
+    """
+)
+
+
+def interpret(script: str, *args: str) -> list[str]:
+    """Run `script` with Triton's CPU interpreter in a fresh process; its stdout lines."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO),
+           "OCRQ_DECODE_ATTENTION": "triton"}
+    run = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+        timeout=240, cwd=REPO,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.split("\n")
+
+
+@pytest.fixture(scope="module")
+def interpreted(engine: HunyuanEngine) -> list[str]:
+    """Both scripts in one interpreter process (importing torch and transformers is most of it)."""
+    return interpret(KERNEL_CHECK + ENGINE_CHECK, str(engine.model_dir))
+
+
+def test_triton_kernels_match_references_in_interpreter(interpreted: list[str]) -> None:
+    lines = interpreted
+    diffs = [(int(ln.split()[1]), float(ln.split()[3])) for ln in lines if ln.startswith("splits")]
+    assert [s for s, _ in diffs] == [1, 3]  # one key range; three, the last empty for every row
+    assert all(d < 1e-5 for _, d in diffs), diffs
+    names = ("ignoring", "add_rms_norm", "rope_rms_norm")
+    value = {ln.split()[0]: float(ln.split()[-1]) for ln in lines if ln.startswith(names)}
+    assert value["ignoring"] > 100 * 1e-5  # the check can fail
+    assert value["add_rms_norm"] < 1e-5 and value["rope_rms_norm"] < 1e-5
+    slot = next(float(ln.split()[-1]) for ln in lines if ln.startswith("slot"))
+    assert slot < 1e-5
+
+
+def test_triton_decode_path_equals_generate_in_interpreter(interpreted: list[str]) -> None:
+    """The GPU configuration (Triton attention + fused kernels) on the CPU, end to end."""
+    lines = interpreted
+    assert "path triton True" in lines
+    rows = [(int(ln.split()[1]), float(ln.split()[2])) for ln in lines if ln.startswith("row")]
+    assert len(rows) == 3
+    assert all(same == 1 and diff < TOLERANCE for same, diff in rows), rows
+
+
+def test_grouped_vision_attention_equals_the_per_image_loop(engine: HunyuanEngine) -> None:
+    """Runs of equal-sized images share one sdpa call; features match the library's loop."""
+    import torch
+
+    from models.hunyuan_decode import batch_vision_attention
+
+    sizes = [(100, 150), (150, 100), (64, 64), (100, 150), (100, 150), (100, 150)]
+    rows = [engine.preprocess(item(w, h, 20 + i)) for i, (w, h) in enumerate(sizes)]
+    pixels = torch.cat([r.pixel_values for r in rows])
+    grid = torch.cat([r.image_grid_thw for r in rows])
+    model = engine.model.model
+    calls = []
+    handle = torch.nn.functional.scaled_dot_product_attention
+    try:
+        with torch.inference_mode():
+            torch.nn.functional.scaled_dot_product_attention = (  # count calls
+                lambda *a, **k: calls.append(1) or handle(*a, **k)
+            )
+            grouped = model.get_image_features(pixels, grid, return_dict=True).pooler_output
+            n_grouped = len(calls)
+            batch_vision_attention(engine.model, enabled=False)
+            looped = model.get_image_features(pixels, grid, return_dict=True).pooler_output
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = handle
+        batch_vision_attention(engine.model, enabled=True)
+    grouped = torch.cat(list(grouped)) if isinstance(grouped, (list, tuple)) else grouped
+    looped = torch.cat(list(looped)) if isinstance(looped, (list, tuple)) else looped
+    assert n_grouped == 3  # runs of 60, 16, 60 patches: 2, 1, 3 images (one layer here)
+    assert float((grouped - looped).abs().max()) < 1e-5
+    assert float(looped.abs().max()) > 1e-2

@@ -1,0 +1,378 @@
+"""Cost-model calibration: the fit, `ocrq tune` end to end, workers loading profiles, OOM recovery.
+
+Real parts throughout: `ocrq tune` runs as a subprocess on the real CPU engine and on the tiny
+random HunyuanOCR (CPU), measuring host memory; the worker's runtime is built from the profile
+it wrote. The one fake is the engine that raises torch's OutOfMemoryError above N images, since a
+CUDA OOM cannot happen here; it is the real tiny HunyuanEngine otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import weakref
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from models.base import OcrResult, PreparedImage
+from models.calibration import Sample, fit, relative_error
+from models.costs import CostModel, GiB, ItemCost
+from ocrq.db import get_engine
+from ocrq.settings import Settings
+from ocrq.store import JobStore
+from worker.batcher import BatchConfig, Batcher
+from worker.profiles import KEY_FIELDS, load_profile, profile_key, profile_path
+from worker.runtime import build_runtime
+
+OCRQ = Path(sys.executable).parent / "ocrq"
+MiB = 1024**2
+TRUE = CostModel(
+    fixed_bytes=2 * GiB, per_item_bytes=1.5 * MiB, per_token_bytes=148 * 1024.0,
+    per_patch_bytes=3 * 1024.0,
+)
+CROP = ItemCost(tokens=320, patches=1024, pixels=512 * 512)
+PAGE = ItemCost(tokens=1090, patches=4096, pixels=1024 * 1024)
+A4 = ItemCost(tokens=2250, patches=8580, pixels=1248 * 1760)
+
+
+def measured(model: CostModel, costs: Sequence[ItemCost], noise: float = 0.0) -> Sample:
+    return Sample(tuple(costs), round(model.peak_bytes(list(costs)) * (1.0 + noise)))
+
+
+def probe_like(model: CostModel) -> list[Sample]:
+    """What tune measures: series of one image each, and a padded mix of a long and short ones."""
+    samples = [measured(model, [c] * n) for c in (CROP, PAGE, A4) for n in (1, 4, 16, 64)]
+    samples.append(measured(model, [A4] + [CROP] * 31))
+    return samples
+
+
+# -- the fit -------------------------------------------------------------------------------------
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    got = fit(probe_like(TRUE), cover=False).model
+    assert got.fixed_bytes == pytest.approx(TRUE.fixed_bytes, rel=1e-6)
+    assert got.per_item_bytes == pytest.approx(TRUE.per_item_bytes, rel=1e-4)
+    assert got.per_token_bytes == pytest.approx(TRUE.per_token_bytes, rel=1e-6)
+    assert got.per_patch_bytes == pytest.approx(TRUE.per_patch_bytes, rel=1e-4)
+    # Exact data needs no cover, and predicts an unseen batch exactly.
+    covered = fit(probe_like(TRUE))
+    assert covered.cover_factor == 1.0 and covered.max_rel_error < 1e-6
+    unseen = [PAGE] * 7 + [CROP] * 50
+    assert covered.model.peak_bytes(unseen) == pytest.approx(TRUE.peak_bytes(unseen), rel=1e-6)
+
+
+def test_without_the_padded_probe_tokens_and_patches_cannot_be_told_apart() -> None:
+    """Why tune runs the mixed batch: series of one image each leave the split undetermined,
+    and a wrong split under-predicts padded batches (what happened on the H200, see
+    bench/results/planner_vs_fixed_h200.md)."""
+    # Patches proportional to tokens in every series: any split fits them equally well.
+    images = [ItemCost(t, 4 * t, 0) for t in (320, 1090, 2250)]
+    series = [measured(TRUE, [c] * n) for c in images for n in (1, 4, 16)]
+    wrong = CostModel(TRUE.fixed_bytes, TRUE.per_item_bytes, 0.0,
+                      TRUE.per_patch_bytes + TRUE.per_token_bytes / 4)
+    assert all(abs(relative_error(wrong, s)) < 1e-6 for s in series)
+    padded = [images[2]] + [images[0]] * 31
+    assert wrong.peak_bytes(padded) < 0.5 * TRUE.peak_bytes(padded)
+    with_mix = fit([*series, measured(TRUE, padded)], cover=False).model
+    assert with_mix.per_token_bytes == pytest.approx(TRUE.per_token_bytes, rel=1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fixed=st.integers(100 * MiB, 40 * GiB),
+    per_item=st.floats(0.0, 50 * MiB),
+    per_token=st.floats(1.0, 512 * 1024.0),
+    per_patch=st.floats(0.0, 64 * 1024.0),
+    noise=st.lists(st.floats(-0.03, 0.03), min_size=13, max_size=13),
+)
+def test_fit_property_recovers_and_covers(
+    fixed: int, per_item: float, per_token: float, per_patch: float, noise: list[float]
+) -> None:
+    true = CostModel(fixed, per_item, per_token, per_patch)
+    exact = fit(probe_like(true), cover=False).model
+    for batch in ([CROP] * 100, [A4] * 9 + [PAGE], [PAGE] * 3):
+        assert exact.peak_bytes(batch) == pytest.approx(true.peak_bytes(batch), rel=1e-6)
+    # Measured peaks are noisy: the covered model predicts at least every one of them, and
+    # stays close to them (the noise spans 6%, the fit may lean on it a little more).
+    noisy = [
+        Sample(s.costs, round(s.peak_bytes * (1 + e)))
+        for s, e in zip(probe_like(true), noise, strict=True)
+    ]
+    covered = fit(noisy)
+    for s in noisy:
+        assert covered.model.peak_bytes(list(s.costs)) >= s.peak_bytes
+    assert covered.max_rel_error <= 0.10
+    for field in ("per_item_bytes", "per_token_bytes", "per_patch_bytes"):
+        assert getattr(covered.model, field) >= 0.0
+
+
+def test_fit_keeps_coefficients_nonnegative_and_fixed_above_the_baseline() -> None:
+    """Peaks that do not grow with the batch (the CPU engine reads images one at a time) would
+    want a negative per-image term; the fit drops it, and never goes below the baseline."""
+    samples = [
+        Sample((PAGE,) * n, 600 * MiB + (80 * MiB if n == 1 else 40 * MiB)) for n in (1, 2, 4)
+    ]
+    result = fit(samples, min_fixed_bytes=700 * MiB)
+    m = result.model
+    assert m.fixed_bytes >= 700 * MiB
+    assert min(m.per_item_bytes, m.per_token_bytes, m.per_patch_bytes) >= 0.0
+    assert all(relative_error(m, s) >= 0 for s in samples)
+
+
+# -- host memory measurement ---------------------------------------------------------------------
+
+
+def test_host_peak_memory_follows_allocations() -> None:
+    from models.rapid import RapidEngine
+
+    engine = RapidEngine()
+    engine.reset_peak_memory()
+    before = engine.peak_memory_bytes()
+    block = np.ones(300 * MiB, dtype=np.uint8)  # touched, so resident
+    grown = engine.peak_memory_bytes()
+    del block
+    engine.reset_peak_memory()
+    after = engine.peak_memory_bytes()
+    assert grown - before >= 280 * MiB
+    assert after < grown - 200 * MiB  # the reset starts a new window
+    assert engine.memory_capacity_bytes() > after
+
+
+# -- `ocrq tune` on the CPU engine, and workers loading its profile --------------------------
+
+
+def run_tune(env: dict[str, str], *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(OCRQ), "tune", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def rapid_tune(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    profiles = tmp_path_factory.mktemp("profiles")
+    env = {**os.environ, "OCRQ_PROFILE_DIR": str(profiles), "COLUMNS": "160"}
+    proc = run_tune(env, "--engine", "rapid", "--budget", "2", "--max-seconds", "40")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return profiles, proc
+
+
+def only_profile(folder: Path) -> Path:
+    found = sorted(folder.glob("rapid-*.json"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_tune_rapid_prints_table_and_writes_plot_and_profile(rapid_tune: tuple[Path, Any]) -> None:
+    profiles, proc = rapid_tune
+    for column in ("batch", "seconds", "peak GiB", "images/s", "status"):
+        assert column in proc.stdout
+    assert "a4-1240x1754" in proc.stdout and "ok" in proc.stdout
+    path = only_profile(profiles)
+    assert f"profile: {path}" in proc.stdout
+    body = json.loads(path.read_text())
+    assert set(body["key"]) == set(KEY_FIELDS)
+    assert body["key"]["engine"] == "rapid" and body["key"]["device"]
+    assert body["budget_bytes"] == 2 * GiB
+    model = body["model"]
+    assert model["fixed_bytes"] >= body["baseline_bytes"] > 0
+    ran = [p for p in body["probes"] if p["status"] == "ok"]
+    assert len(ran) >= 3
+    assert max(p["batch"] for p in ran) >= 2
+    # Every probe that ran is covered by the fitted model, and none passed the budget.
+    for p in ran:
+        assert p["fit_bytes"] >= p["peak_bytes"]
+        assert p["peak_bytes"] < 2 * GiB
+    png = Path(body["plot"])
+    assert png == path.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def sqlite_store(tmp_path: Path) -> JobStore:
+    return JobStore(get_engine(f"sqlite:///{tmp_path / 'jobs.sqlite'}"))
+
+
+def test_worker_uses_the_tuned_profile(
+    rapid_tune: tuple[Path, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    profiles, _ = rapid_tune
+    path = only_profile(profiles)
+    caplog.set_level(logging.INFO, logger="worker.runtime")
+    runtime = build_runtime(
+        Settings(engine="rapid", profile_dir=profiles, memory_budget_gib=2.0),
+        store=sqlite_store(tmp_path),
+    )
+    try:
+        model = runtime.batcher.cost_model
+        assert model.source == str(path)
+        stored = json.loads(path.read_text())["model"]
+        assert model.fixed_bytes == stored["fixed_bytes"]
+        assert model.per_patch_bytes == pytest.approx(stored["per_patch_bytes"])
+        # The budget is measured from the profile's fixed part, not the engine default's.
+        assert runtime.batcher.config.budget_bytes == 2 * GiB - stored["fixed_bytes"]
+        assert f"cost model: profile {path}" in caplog.text
+    finally:
+        runtime.close()
+
+
+def test_worker_without_profile_uses_the_default(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="worker.runtime")
+    runtime = build_runtime(
+        Settings(engine="rapid", profile_dir=tmp_path / "empty"), store=sqlite_store(tmp_path)
+    )
+    try:
+        assert runtime.batcher.cost_model == runtime.engine.cost_model()
+        assert runtime.batcher.cost_model.source == "default"
+        assert "cost model: default (no profile for" in caplog.text
+        assert '"engine": "rapid"' in caplog.text
+    finally:
+        runtime.close()
+
+
+def test_profile_of_another_key_is_ignored(rapid_tune: tuple[Path, Any], tmp_path: Path) -> None:
+    profiles, _ = rapid_tune
+    body = json.loads(only_profile(profiles).read_text())
+    key = dict(body["key"])
+    assert load_profile(profiles, key) is not None
+    other = {**key, "max_new_tokens": "2048"}
+    assert load_profile(profiles, other) is None  # no file under that key's name
+    # A file under the right name but written for another key (copied by hand, say).
+    forged = tmp_path / "forged"
+    target = profile_path(forged, key)
+    forged.mkdir()
+    target.write_text(json.dumps({**body, "key": other}))
+    assert load_profile(forged, key) is None
+
+
+# -- the tiny HunyuanOCR on the CPU --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tiny checkpoint in a fake HF cache as tencent/HunyuanOCR (see test_hunyuan_engine)."""
+    pytest.importorskip("transformers")
+    from tests.test_hunyuan_engine import fake_hf_cache
+    from tests.tiny_hunyuan import TINY, build_checkpoint
+
+    root = fake_hf_cache(tmp_path_factory.mktemp("hf"), lambda p: build_checkpoint(p, TINY))
+    with pytest.MonkeyPatch.context() as mp:
+        import huggingface_hub.constants as hf_constants
+
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(hf_constants, "HF_HUB_CACHE", str(root))
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        yield root
+
+
+def tiny_settings(**extra: Any) -> Settings:
+    return Settings(engine="hunyuan", model="tencent/HunyuanOCR", model_subfolder="v1.0",
+                    dtype="float32", device="cpu", max_new_tokens=4, **extra)
+
+
+@pytest.mark.hunyuan
+def test_tune_tiny_hunyuan_writes_a_profile_the_worker_loads(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    profiles = tmp_path / "profiles"
+    env = {
+        **os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tiny_cache),
+        "OCRQ_PROFILE_DIR": str(profiles), "OCRQ_DEVICE": "cpu", "OCRQ_DTYPE": "float32",
+        "OCRQ_MAX_NEW_TOKENS": "4", "COLUMNS": "160",
+    }
+    proc = run_tune(env, "--engine", "hunyuan", "--budget-fraction", "0.5",
+                    "--max-seconds", "20", "--max-batch", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [path] = sorted(profiles.glob("hunyuan-*.json"))
+    body = json.loads(path.read_text())
+    key = body["key"]
+    assert (key["engine"], key["model"], key["revision"]) == ("hunyuan", "tencent/HunyuanOCR",
+                                                              "main")
+    assert (key["dtype"], key["attention"], key["max_new_tokens"]) == ("float32", "sdpa", "4")
+    statuses = [p["status"] for p in body["probes"]]
+    assert statuses.count("ok") >= 4
+    assert any(p["label"].startswith("mixed") and p["status"] == "ok" for p in body["probes"])
+    assert Path(body["plot"]).is_file()
+
+    # The same key from an engine loaded in this process: the worker finds the profile.
+    runtime = build_runtime(tiny_settings(profile_dir=profiles), store=sqlite_store(tmp_path))
+    try:
+        assert profile_key(runtime.engine.describe()) == key
+        assert runtime.batcher.cost_model.source == str(path)
+    finally:
+        runtime.close()
+
+
+class OomAboveN:
+    """Mixin: `run` raises torch's OutOfMemoryError for batches over `limit` images, as a device
+    of that size would, after allocating a tensor in its frame as a failing forward does."""
+
+    limit = 3
+
+    def setup_oom(self) -> None:
+        self.sizes: list[int] = []
+        self.failed_tensors: list[weakref.ref] = []
+        self.alive_at_retry: list[bool] = []
+
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        import torch
+
+        self.sizes.append(len(batch))
+        self.alive_at_retry.append(any(ref() is not None for ref in self.failed_tensors))
+        if len(batch) > self.limit:
+            activations = torch.ones(1024)
+            self.failed_tensors.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError(f"CUDA out of memory: {len(batch)} > {self.limit}")
+        return super().run(batch)  # type: ignore[misc]
+
+
+def noise_item(key: str, w: int, h: int, seed: int) -> PreparedImage:
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+    return PreparedImage(key, image, (w, h))
+
+
+@pytest.mark.hunyuan
+def test_oom_recovery_end_to_end_on_the_tiny_model(tiny_cache: Path) -> None:
+    from models.hunyuan import HunyuanEngine
+
+    class OomHunyuan(OomAboveN, HunyuanEngine):
+        pass
+
+    engine = OomHunyuan(tiny_settings())
+    engine.setup_oom()
+    engine.load()
+    sizes = [(64, 64), (100, 150), (160, 90), (120, 120), (70, 140), (150, 60), (90, 90),
+             (140, 100)]
+    items = [noise_item(f"k{i}", w, h, i) for i, (w, h) in enumerate(sizes)]
+    # Unconstrained: the whole batch at once through the plain engine.
+    plain = HunyuanEngine(tiny_settings())
+    plain.load()
+    expected = plain.run([noise_item(f"k{i}", w, h, i) for i, (w, h) in enumerate(sizes)])
+
+    config = BatchConfig(max_items=8, wait_s=0.5, budget_bytes=64 * GiB)
+    batcher = Batcher(engine, config).start()
+    futures = [batcher.submit(it) for it in items]
+    outcomes = [f.result(timeout=120) for f in futures]
+    batcher.stop()
+    assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+    assert [o.result for o in outcomes] == expected
+    # 8 and both halves of 4 ran out of memory; the quarters of 2 ran.
+    assert engine.sizes == [8, 4, 2, 2, 4, 2, 2]
+    assert batcher.oom_events == 3
+    # The failed batch's tensors were freed before any retry ran (the traceback is dropped
+    # before recovering): otherwise a retry on a GPU would run short of the memory they hold.
+    assert engine.failed_tensors and not any(engine.alive_at_retry)
+    assert all(ref() is None for ref in engine.failed_tensors)
+    assert [p.image.size for p in items] == sizes  # no image had to be shrunk

@@ -1,0 +1,423 @@
+"""`ocrq tune`: probe the device with real batches, fit the cost model, write a profile.
+
+Why probe instead of computing: the bytes per image depend on the device, the framework, the
+attention kernels and the allocator, none of which arithmetic sees. The probing is built to be
+safe and bounded:
+
+* every batch size after the first is predicted from what the same image already measured
+  (linear in the batch, with a safety factor) and skipped when the prediction passes FILL of
+  the budget, so tune stops before an OOM by its own prediction (an OOM, should one still
+  happen, ends that series and is reported, never fatal);
+* every probe's time is predicted the same way and skipped when it would pass the deadline.
+
+Per image kind it runs batches of 1, 4, a quarter of the largest predicted to fit and that
+largest (each image preprocessed once, so probe times are the engine's own), plus one mixed batch
+(the longest image padded together with short ones) that separates the padding term from the
+per-patch term. The fit is `models.calibration.fit` over those peaks, with the fixed part never
+below the baseline reading (engine loaded, nothing running).
+
+Memory is read through the engine (`reset_peak_memory` / `peak_memory_bytes`): host RSS peak for
+the CPU engine, the CUDA allocator's peak for a GPU engine. matplotlib and rich are imported only
+where the plot and the table are made.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageDraw, ImageFont
+
+from models.base import Engine, PreparedImage
+from models.calibration import Fit, Sample, fit
+from models.costs import GiB, ItemCost
+from worker.profiles import profile_key, profile_path, write_profile
+
+log = logging.getLogger(__name__)
+
+SAFETY = 1.15  # a prediction from one series' measurements is inflated by this before comparing
+FILL = 0.8  # probes stay below this share of the budget (by that inflated prediction)
+WARM_UP = "warm-up"
+
+
+def draw_page(width: int, height: int, lines: Sequence[str], size: int) -> Image.Image:
+    """A white page of `width` x `height` with a few lines of black text (a probe image).
+
+    Few lines on purpose: the memory follows the page's pixels, while the CPU engine's time
+    follows the number of lines it reads.
+    """
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    try:
+        font: ImageFont.ImageFont | ImageFont.FreeTypeFont = ImageFont.load_default(size=size)
+    except (TypeError, OSError, ImportError):  # a Pillow without FreeType: fixed-size bitmap font
+        font = ImageFont.load_default()
+    for i, line in enumerate(lines):
+        draw.text((size, size + int(i * size * 1.6)), line, fill="black", font=font)
+    return image
+
+
+def probe_images(engine_name: str) -> list[tuple[str, Image.Image]]:
+    """Representative images per engine, smallest first (the first also warms the engine up).
+
+    hunyuan: a word crop (upscaled to 512² by the processor), a 1024² page, a 886x1699 receipt
+    and an A4 scan at 150 dpi (1248x1760), the sizes of bench/results/hunyuan_engine_h200.md.
+    rapid: a receipt-like strip and an A4 page, whose detector inputs span its range.
+    """
+    text = ["INVOICE 2026-0142", "TOTAL 134.90", "THANK YOU"]
+    if engine_name == "hunyuan":
+        return [
+            ("crop-240x64", draw_page(240, 64, ["STATION"], 24)),
+            ("page-1024", draw_page(1024, 1024, text, 40)),
+            ("receipt-886x1699", draw_page(886, 1699, text, 32)),
+            ("a4-1248x1760", draw_page(1248, 1760, text, 40)),
+        ]
+    return [
+        ("receipt-576x1600", draw_page(576, 1600, ["ACME STORE", "MILK 1.20", "TOTAL 3.40"], 28)),
+        ("a4-1240x1754", draw_page(1240, 1754, text, 40)),
+    ]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One probe batch as it ran (or why it did not)."""
+
+    label: str
+    batch: int
+    status: str  # "ok", "warm-up", "oom", or "skipped: <why>"
+    seconds: float = 0.0
+    peak_bytes: int | None = None
+    predicted_bytes: int | None = None  # tune's own prediction before running it
+    costs: tuple[ItemCost, ...] = ()
+
+    @property
+    def ran(self) -> bool:
+        return self.status in ("ok", "warm-up")
+
+    @property
+    def images_per_s(self) -> float:
+        return self.batch / self.seconds if self.ran and self.seconds > 0 else 0.0
+
+
+@dataclass
+class TuneReport:
+    budget_bytes: int
+    baseline_bytes: int = 0
+    probes: list[ProbeResult] = field(default_factory=list)
+    fit: Fit | None = None
+    seconds: float = 0.0
+
+    def samples(self) -> list[Sample]:
+        """Every clean probe; the warm-up is left out (it holds first-call allocations)."""
+        return [
+            Sample(p.costs, p.peak_bytes)
+            for p in self.probes
+            if p.status == "ok" and p.peak_bytes is not None
+        ]
+
+
+def run_probes(
+    engine: Engine,
+    budget_bytes: int,
+    *,
+    max_seconds: float,
+    max_batch: int,
+    images: Sequence[tuple[str, Image.Image]] | None = None,
+    on_result: Callable[[ProbeResult], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> TuneReport:
+    """Probe a loaded engine within `budget_bytes` (total, fixed part included) and time."""
+    started = clock()
+    deadline = started + max_seconds
+    report = TuneReport(budget_bytes=budget_bytes)
+    images = list(images or probe_images(engine.name))
+    if not images:
+        raise ValueError("no probe images")
+
+    def emit(result: ProbeResult) -> ProbeResult:
+        report.probes.append(result)
+        log.info("probe %s x%d: %s", result.label, result.batch, result.status)
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    def measure(label: str, batch: list[PreparedImage], predicted: int | None,
+                status: str = "ok") -> ProbeResult:
+        engine.release_memory()
+        engine.reset_peak_memory()
+        t0 = time.perf_counter()
+        try:
+            costs = engine.probe(batch)
+        except Exception as exc:
+            if not engine.is_oom(exc):
+                raise
+            oom = True
+        else:
+            oom = False
+        seconds = time.perf_counter() - t0
+        if oom:  # handled outside the except clause, so the failed batch's frames are gone
+            engine.release_memory()
+            return emit(ProbeResult(label, len(batch), "oom", seconds, None, predicted))
+        peak = engine.peak_memory_bytes()
+        return emit(ProbeResult(label, len(batch), status, seconds, peak, predicted, tuple(costs)))
+
+    prepared: dict[str, PreparedImage] = {}
+
+    def items(label: str, image: Image.Image, n: int) -> list[PreparedImage]:
+        """n copies of one image, preprocessed once (as prefetch threads would do it), so a
+        probe's time is the engine's alone."""
+        if label not in prepared:
+            prepared[label] = PreparedImage(label, image, image.size)
+            engine.prepare(prepared[label])
+        one = prepared[label]
+        return [
+            PreparedImage(f"{label}-{i}", image, image.size, encoded=one.encoded) for i in range(n)
+        ]
+
+    # Warm-up: first calls allocate workspaces and caches that then stay; not a sample.
+    label0, image0 = images[0]
+    measure(label0, items(label0, image0, 1), None, status=WARM_UP)
+    engine.release_memory()
+    engine.reset_peak_memory()
+    report.baseline_bytes = engine.peak_memory_bytes()
+    base = report.baseline_bytes
+    limit = FILL * budget_bytes
+    image_of = dict(images)
+    costs = {label: engine.estimate(PreparedImage(label, im, im.size)) for label, im in images}
+
+    def size(label: str) -> tuple[int, int]:
+        return costs[label].tokens, costs[label].patches
+
+    per_image: dict[str, int] = {}  # label -> measured bytes one image adds
+    largest: dict[str, int] = {}  # label -> largest batch that ran
+
+    def series(label: str) -> None:
+        """Batches of 1, 4, 16, ... up to the largest predicted to fit. Growing by 4x at most
+        bounds each probe's time by 4x the last one's, even where time grows with the batch."""
+        image = image_of[label]
+        if clock() >= deadline:
+            emit(ProbeResult(label, 1, "skipped: time budget spent"))
+            return
+        last = measure(label, items(label, image, 1), None)
+        if not last.ran or last.peak_bytes is None:
+            return
+        inc = max(last.peak_bytes - base, 1)
+        per_image[label] = inc
+        largest[label] = 1
+        n_big = min(max_batch, int((limit - base) / (inc * SAFETY)))
+        # Geometric steps below the largest, dropping one within 25% of it (64 next to 65).
+        steps = [n for n in (4, 16, 64, 256, 1024) if n * 1.25 <= n_big]
+        sizes = [*steps, n_big] if n_big >= 2 else []
+        for n in sizes:
+            n = min(n, 4 * last.batch)
+            if n <= last.batch:
+                continue
+            predicted = int(base + inc * n * SAFETY)
+            seconds = last.seconds * n / last.batch  # worst case: time proportional to batch
+            if clock() + seconds > deadline:
+                emit(ProbeResult(label, n, f"skipped: needs up to {seconds:.0f} s, past the "
+                                 "time budget", 0.0, None, predicted))
+                return
+            probe = measure(label, items(label, image, n), predicted)
+            if not probe.ran:
+                return
+            last = probe
+            largest[label] = n
+        beyond = 2 * largest[label]
+        if beyond <= max_batch:  # the next size the rule refused, to show where it stops
+            predicted = int(base + inc * beyond * SAFETY)
+            if predicted > limit:
+                emit(ProbeResult(label, beyond, f"skipped: predicted {predicted / GiB:.2f} GiB "
+                                 f"> {FILL:.0%} of budget", 0.0, None, predicted))
+
+    def padded(long_label: str, short_label: str) -> None:
+        """The longest image with many short ones: every row padded to the long one. Without
+        it, tokens and patches move together in every probe and the fit cannot tell which of
+        them costs the memory (on the H200 it is the padded tokens)."""
+        if long_label not in per_image or size(long_label) == size(short_label):
+            return
+        # As many rows as the long image ran alone: a padded short row costs at most as much.
+        n = max(2, largest[long_label])
+        predicted = int(base + per_image[long_label] * n * SAFETY)
+        label = f"mixed: 1 {long_label} + {n - 1} {short_label}"
+        runs = [p for p in report.probes if p.label == long_label and p.ran]
+        seconds = max(p.seconds for p in runs) * n / max(p.batch for p in runs)
+        if predicted > limit:
+            emit(ProbeResult(label, n, "skipped: predicted over budget", 0.0, None, predicted))
+        elif clock() + seconds > deadline:
+            emit(ProbeResult(label, n, "skipped: time budget spent", 0.0, None, predicted))
+        else:
+            batch = items(long_label, image_of[long_label], 1) + items(
+                short_label, image_of[short_label], n - 1
+            )
+            measure(label, batch, predicted)
+
+    # Priority under the time budget: the shortest and the longest image, the padded batch
+    # that separates the two cost terms, then the sizes in between.
+    order = sorted(image_of, key=size)
+    shortest, longest = order[0], order[-1]
+    series(shortest)
+    if longest != shortest:
+        series(longest)
+        padded(longest, shortest)
+    for label in order[1:-1]:
+        series(label)
+
+    samples = report.samples()
+    if not samples:
+        raise RuntimeError("no probe ran within the budget and time; nothing to fit")
+    report.fit = fit(samples, min_fixed_bytes=base, source="tune")
+    report.seconds = clock() - started
+    return report
+
+
+def resolve_budget(engine: Engine, budget_gib: float | None, fraction: float | None) -> int:
+    """Total bytes the engine may use: --budget GiB, else --budget-fraction of its memory
+    (device memory for a GPU engine, available + own host memory for the CPU engine)."""
+    if budget_gib is not None and fraction is not None:
+        raise ValueError("give --budget or --budget-fraction, not both")
+    if budget_gib is not None:
+        if budget_gib <= 0:
+            raise ValueError("--budget must be positive")
+        return int(budget_gib * GiB)
+    fraction = 0.8 if fraction is None else fraction
+    if not 0 < fraction <= 1:
+        raise ValueError("--budget-fraction must be within (0, 1]")
+    return int(fraction * engine.memory_capacity_bytes())
+
+
+def predicted_peak(report: TuneReport, probe: ProbeResult) -> int | None:
+    """The fitted model's prediction for a probe that ran (None otherwise)."""
+    if report.fit is None or not probe.costs:
+        return None
+    return report.fit.model.peak_bytes(list(probe.costs))
+
+
+def table(report: TuneReport, title: str = "ocrq tune") -> Any:
+    """A rich Table of the probes, with the fitted model's prediction beside each peak."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("images", "batch", "seconds", "peak GiB", "fit GiB", "images/s", "status"):
+        t.add_column(col, justify="left" if col in ("images", "status") else "right")
+    for p in report.probes:
+        fitted = predicted_peak(report, p)
+        t.add_row(
+            p.label,
+            str(p.batch),
+            f"{p.seconds:.2f}" if p.ran or p.status == "oom" else "-",
+            f"{p.peak_bytes / GiB:.3f}" if p.peak_bytes is not None else "-",
+            f"{fitted / GiB:.3f}" if fitted is not None else "-",
+            f"{p.images_per_s:.2f}" if p.ran else "-",
+            p.status,
+        )
+    return t
+
+
+def plot(report: TuneReport, path: Path, title: str) -> Path:
+    """PNG: throughput and peak memory against batch size per image kind, model and budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series: dict[str, list[ProbeResult]] = {}
+    for p in report.probes:
+        if p.status == "ok" and not p.label.startswith("mixed"):
+            series.setdefault(p.label, []).append(p)
+    for label, runs in series.items():
+        runs = sorted(runs, key=lambda p: p.batch)
+        xs = [p.batch for p in runs]
+        (line,) = ax_t.plot(xs, [p.images_per_s for p in runs], "o-", label=label)
+        ax_m.plot(xs, [p.peak_bytes / GiB for p in runs], "o", color=line.get_color(),
+                  label=f"{label} measured")
+        if report.fit is not None and runs[0].costs:
+            top = max(xs)
+            grid = sorted({1, *range(1, top + 1, max(1, top // 40)), top})
+            model = report.fit.model
+            ax_m.plot(grid, [model.peak_bytes([runs[0].costs[0]] * n) / GiB for n in grid], "-",
+                      color=line.get_color(), alpha=0.6)
+    for p in report.probes:
+        if p.status == "ok" and p.label.startswith("mixed"):
+            ax_m.plot([p.batch], [p.peak_bytes / GiB], "k*", markersize=10, label="mixed batch")
+    ax_m.axhline(report.budget_bytes / GiB, color="red", linestyle="--", label="budget")
+    ax_t.set_xlabel("batch size")
+    ax_t.set_ylabel("images / s")
+    ax_t.set_title("throughput")
+    ax_m.set_xlabel("batch size")
+    ax_m.set_ylabel("peak GiB (lines: fitted model)")
+    ax_m.set_title("peak memory")
+    for ax in (ax_t, ax_m):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@dataclass(frozen=True)
+class TuneOutcome:
+    report: TuneReport
+    key: dict[str, str]
+    profile: Path
+    plot: Path
+
+
+def save(report: TuneReport, engine: Engine, profile_dir: Path) -> TuneOutcome:
+    """Write the profile JSON (the fitted model, keyed for workers) and the PNG beside it."""
+    if report.fit is None:
+        raise ValueError("nothing fitted")
+    facts = engine.describe()
+    key = profile_key(facts)
+    png = profile_path(profile_dir, key).with_suffix(".png")
+    title = ", ".join(f"{k}={v}" for k, v in key.items() if v)
+    plot(report, png, title)
+    probes = []
+    for p in report.probes:
+        row = asdict(p)
+        row["costs"] = [asdict(c) for c in p.costs]
+        row["fit_bytes"] = predicted_peak(report, p)
+        row["images_per_s"] = p.images_per_s
+        probes.append(row)
+    extra = {
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "budget_bytes": report.budget_bytes,
+        "baseline_bytes": report.baseline_bytes,
+        "fit": {
+            "cover_factor": report.fit.cover_factor,
+            "max_rel_error": report.fit.max_rel_error,
+            "samples": report.fit.samples,
+        },
+        "seconds": round(report.seconds, 2),
+        "engine_facts": facts,
+        "plot": str(png),
+        "probes": probes,
+    }
+    path = write_profile(profile_dir, key, report.fit.model, extra)
+    return TuneOutcome(report, key, path, png)
+
+
+def tune(
+    engine: Engine,
+    profile_dir: Path,
+    budget_bytes: int,
+    *,
+    max_seconds: float,
+    max_batch: int,
+    on_result: Callable[[ProbeResult], None] | None = None,
+) -> TuneOutcome:
+    """Probe a loaded engine, fit, and write its profile + plot under `profile_dir`."""
+    report = run_probes(
+        engine, budget_bytes, max_seconds=max_seconds, max_batch=max_batch, on_result=on_result
+    )
+    return save(report, engine, profile_dir)
+
