@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -275,6 +276,10 @@ class HunyuanEngine(Engine):
                 "pip install 'ocrq[hunyuan]'"
             ) from exc
 
+        # Expandable segments let the caching allocator grow blocks in place instead of
+        # stranding reserved-but-unusable memory between batches of different shapes. Read at
+        # the first CUDA allocation, so it must be set before any.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         started = time.perf_counter()
         s = self.settings
         path = resolve_model_dir(s.model, s.model_revision, s.model_subfolder)

@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     max_batch: int = 32  # hard cap on images per engine call, whatever the budget allows
     batch_wait_ms: int = 50  # how long the batcher lingers for more items once one is waiting
     memory_budget_gib: float | None = None  # None: the engine's default budget
+    # Share of that budget batches are planned to; the rest is the allocator's slack.
+    memory_utilization: float = Field(default=0.85, gt=0.1, le=1.0)
     # Where `ocrq tune` writes cost-model profiles and workers look for theirs at start.
     profile_dir: Path = Path("~/.cache/ocrq/profiles")
     concurrency: int = 16  # Celery task threads: images being fetched + waiting for the batcher

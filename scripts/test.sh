@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # torch + torchvision pinned to the builds that import together on CPU (see README).
-bash scripts/venv.sh "cpu,hunyuan,api,monitor,test" "torch==2.14.1" "torchvision==0.29.1"
+bash scripts/venv.sh "cpu,hunyuan,api,monitor,tune,test" "torch==2.14.1" "torchvision==0.29.1"
 bash scripts/services.sh
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
