@@ -18,8 +18,8 @@ Departures from the library's own pipeline, each measured on the shared eval set
   crop has a blank gap of at least SPACE_GAP_RATIO x its height between two characters.
 * Crops are cut from the image as handed in, not from the detector's downscaled copy: a 4961x7016
   receipt is detected at 1414x2000 but its lines are read at full resolution.
-* Boxes on one row are merged into one Line when close (PP-OCR splits lines at wide spaces);
-  lines come back top-to-bottom, left-to-right.
+* Lines come back top-to-bottom, left-to-right; boxes on one row a word space apart are merged
+  into one Line, boxes further apart (page columns, the two sides of a receipt line) are not.
 
 Nothing is downloaded: the model files ship with the wheel, and `load()` fails at start-up with a
 clear error when they are missing.
@@ -68,18 +68,24 @@ LINE_PAD = 0.5
 LINE_DET_MAX_SIDE = 960
 # A crop read whole that is narrower than WIDEN_TO_RATIO:1 is stretched horizontally (by at most
 # WIDEN_MAX) before recognition: the recogniser emits one step per 8 input pixels, and short
-# words in near-square crops got too few (SVT 0.888 -> 0.912; flat for ratios 2.5-3, 1.25-2x).
+# words in near-square crops got too few (SVT crops read whole: 0.888 -> 0.912 in a sweep of the
+# recogniser alone, flat for target ratios 2.5-3 and caps 1.25-2x).
 WIDEN_TO_RATIO = 3.0
 WIDEN_MAX = 1.5
 # Blank column runs at least this many crop heights wide are word spaces (SROIE token F1
 # 0.57 -> 0.80; 0.76-0.80 for ratios 0.25-0.4; page CER on eurotext unchanged at 0.024).
 SPACE_GAP_RATIO = 0.3
-# A recogniser call pads its crops to the widest; see `_chunks`.
+# A recogniser call pads its crops to the widest; see `_chunks`. Measured peak RSS growth of
+# one call (batch x 48 x width): 16x320 95 MiB, 16x1920 315 MiB, 16x3840 540 MiB, 1x7680 148 MiB,
+# so ~55 MiB + 8 KiB per padded column; 15,360 columns (16 crops of 960) keep a call near 180 MiB.
 MAX_PAD_GROWTH = 1.5
+REC_MAX_CALL_COLUMNS = 15_360
 
-# Memory model, measured on the 2-core CI machine; see `cost_model()` for how.
-SESSIONS_RSS_BYTES = 200 * 1024**2
-PER_PATCH_BYTES = 600 * 1024.0
+# Host-memory model (see `cost_model()` for how it was measured): the process with the engine
+# loaded, the workspace one run() needs whatever its size, and a term per detector patch.
+LOADED_RSS_BYTES = 192 * 1024**2
+RUN_WORKSPACE_BYTES = 512 * 1024**2
+PER_PATCH_BYTES = 64 * 1024.0
 
 Box = tuple[float, float, float, float]
 
@@ -264,10 +270,12 @@ def merge_rows(
 ) -> list[tuple[str, Box, float]]:
     """Reading order, with close neighbours on one row merged into one line.
 
-    Neighbours merge when the gap between them is at most `merge_gap` line heights: PP-OCR splits
-    a line at a wide space, while page columns (or the two sides of a receipt line) lie further
-    apart and stay separate lines whose boxes still mean something. The merged score is the
-    character-weighted mean.
+    Neighbours merge when the gap between them is at most `merge_gap` line heights, about a word
+    space: the detector sometimes splits a line there. Page columns (or the two sides of a
+    receipt line) lie further apart and stay separate lines whose boxes still mean something:
+    on the 3-column tesseract page, merging gaps up to 1.0 line height glued columns together
+    (zoned CER 0.58), 0.5 still did on some rows (0.05), 0.3 kept them apart (0.0095). The
+    merged score is the character-weighted mean.
     """
     boxes = [p[1] for p in pieces]
     merged: list[tuple[str, Box, float]] = []
@@ -335,7 +343,7 @@ class RapidEngine(Engine):
         rec_batch_size: int = 16,
         text_score: float = 0.5,
         intra_op_threads: int | None = None,
-        merge_gap: float = 1.0,
+        merge_gap: float = 0.3,
         box_thresh: float = 0.5,
         unclip_ratio: float = 1.6,
         model_dir: Path | None = None,
@@ -466,14 +474,37 @@ class RapidEngine(Engine):
         return ItemCost(tokens=0, patches=math.ceil(pixels / 1024), pixels=pixels)
 
     def cost_model(self) -> CostModel:
-        """Peak host RSS = loaded sessions + PER_PATCH_BYTES per 1024 detector-input pixels.
+        """Peak host RSS = loaded process + one run's workspace + 64 KiB per detector patch.
 
-        How measured (2-core AMD EPYC CI VM, onnxruntime 1.32, CPU arena off as the library sets
-        it): RSS from /proc/self/status before and after `load()`; peak RSS (VmHWM, reset through
-        /proc/self/clear_refs) around `run()` on batches of rendered text pages. See
-        bench/results/accuracy_rapid.md for the probe figures.
+        Measured on the 2-core CI VM (AMD EPYC, onnxruntime 1.32, the library's session options:
+        CPU arena off, so freed activations go back to the OS between calls). Each probe in a
+        fresh process: load, `reset_peak_memory()`, one `run()` of real eval images, then
+        `peak_memory_bytes()` (VmHWM) minus the RSS at the reset. The images were decoded before
+        the reset, so their pixels are not in the growth.
+
+            process RSS with the engine loaded     181-183 MiB (the three sessions: 79-81 MiB)
+            probe (images)                patches  peak growth
+            SVT word crops x32              1,977    203 MiB
+            SVT word crops x128             6,584    278 MiB
+            receipt 522x954 x1                966    425 MiB
+            receipt 522x954 x8              7,728    473 MiB
+            dense text page 1240x1754 x1    2,145    430 MiB   (47 lines of 83 characters)
+            dense text page 1240x1754 x4    8,580    613 MiB
+            4 + 4 receipts ~600-900 wide   12,512    484 MiB
+            page 3312x2550 (bilevel) x1     2,976    533 MiB
+            receipt 4961x7016 x1            2,728    619 MiB
+            receipt 4961x7016 x2            5,456    713 MiB
+            2 x 4961x7016 + 6 receipts     14,688    696 MiB
+
+        Growth is mostly a per-run workspace (the detector's activations for the largest image,
+        a full-resolution BGR copy of it, one recogniser call bounded by REC_MAX_CALL_COLUMNS),
+        growing slowly with the batch. The line 512 MiB + 64 KiB/patch lies above every probe
+        (4961x7016: 682 predicted vs 619; two of them: 853 vs 713) and over-predicts large
+        batches of small images, which is the safe side. `ocrq tune` refits it on the host.
         """
-        return CostModel(fixed_bytes=SESSIONS_RSS_BYTES, per_patch_bytes=PER_PATCH_BYTES)
+        return CostModel(
+            fixed_bytes=LOADED_RSS_BYTES + RUN_WORKSPACE_BYTES, per_patch_bytes=PER_PATCH_BYTES
+        )
 
     # ---------------------------------------------------------------------------- running
 
@@ -576,17 +607,21 @@ class RapidEngine(Engine):
             self._recognise(chunk)
 
     def _chunks(self, ordered: list[_Piece]) -> list[list[_Piece]]:
-        """Recogniser calls of up to rec_batch_size crops, none padded past MAX_PAD_GROWTH times
-        its own width: every call pads to its widest crop, and padding is compute spent on
-        nothing (a receipt mixes 1:1 and 30:1 crops)."""
+        """Recogniser calls of up to rec_batch_size crops.
+
+        Every call pads its crops to the widest, so none is padded past MAX_PAD_GROWTH times its
+        own width (padding is compute spent on nothing; a receipt mixes 1:1 and 30:1 crops), and
+        a call holds at most REC_MAX_CALL_COLUMNS padded columns, which bounds its memory.
+        """
         chunks: list[list[_Piece]] = []
-        floor = REC_MIN_WIDTH / REC_HEIGHT
-        for piece in ordered:
+        for piece in ordered:  # narrowest first, so `piece` sets the chunk's padded width
             if chunks:
                 chunk = chunks[-1]
-                narrowest = max(floor, _aspect(chunk[0].crop))
-                if len(chunk) < self.rec_batch_size and _aspect(piece.crop) <= (
-                    MAX_PAD_GROWTH * narrowest
+                width = _rec_width(piece.crop)
+                if (
+                    len(chunk) < self.rec_batch_size
+                    and width <= MAX_PAD_GROWTH * _rec_width(chunk[0].crop)
+                    and width * (len(chunk) + 1) <= REC_MAX_CALL_COLUMNS
                 ):
                     chunk.append(piece)
                     continue
@@ -661,6 +696,11 @@ def _union(boxes: Sequence[Box]) -> Box:
         max(b[2] for b in boxes),
         max(b[3] for b in boxes),
     )
+
+
+def _rec_width(img: np.ndarray) -> float:
+    """Columns the recogniser's input has for this crop (it pads to at least REC_MIN_WIDTH)."""
+    return max(REC_MIN_WIDTH, REC_HEIGHT * _aspect(img))
 
 
 def _aspect(img: np.ndarray) -> float:
