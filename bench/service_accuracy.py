@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +71,14 @@ def score(entries: list, texts: dict[str, str]) -> dict[str, float | int]:
     return out
 
 
+def worst_task_seconds(worker_log: Path) -> float:
+    """Longest `succeeded in Xs` in the worker's log: with the threads pool a task starts when
+    its message is delivered and acks when it returns, so this is the worst delivery-to-ack
+    time, the figure OCRQ_VISIBILITY_TIMEOUT_S must stay above."""
+    found = re.findall(r"succeeded in ([0-9.]+)s", worker_log.read_text(errors="replace"))
+    return round(max((float(x) for x in found), default=0.0), 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=Path("../shared/data/ocr-eval"))
@@ -119,6 +128,7 @@ def main() -> None:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(120)
         log.close()
+    worst = worst_task_seconds(args.out / f"service_accuracy_{args.engine}.worker.log")
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     texts = {r["path"]: r["text"] or "" for r in rows}
     statuses = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed")}
@@ -130,6 +140,7 @@ def main() -> None:
         **statuses,
         "wall_s": round(wall, 1),
         "images_per_s": round(len(rows) / wall, 3),
+        "worst_delivery_to_ack_s": worst,
         **score(entries, texts),
     }
     args.out.mkdir(parents=True, exist_ok=True)
