@@ -60,6 +60,42 @@ class Client:
         )
         return kwargs["job_id"]
 
+    def requeue(self, older_than_s: float) -> list[str]:
+        """Send again every job still `queued` (never claimed by a worker) after `older_than_s`.
+
+        The job table, not the broker, is the record of what was submitted: kombu's Redis
+        transport pops a message and marks it unacked in two steps, so a Redis restart between
+        them loses that message. A re-sent job that was not lost after all is harmless: the
+        worker's claim finds its row done and skips it. Inline (b64) jobs cannot be re-sent.
+        """
+        from sqlalchemy import select
+
+        from ocrq.db import ocr_jobs
+        from ocrq.store import now
+
+        cutoff = now().timestamp() - older_than_s
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(
+                select(
+                    ocr_jobs.c.id, ocr_jobs.c.task, ocr_jobs.c.source, ocr_jobs.c.created_at
+                ).where(ocr_jobs.c.status == "queued")
+            ).all()
+        sent = []
+        for job_id, task, source, created in rows:
+            if created.timestamp() > cutoff or source == "b64":
+                continue
+            image = (
+                {"url": source} if source.startswith(("http://", "https://")) else {"path": source}
+            )
+            self.app.send_task(
+                TASK_NAME,
+                kwargs={"image": image, "task": task, "job_id": job_id},
+                queue=self.settings.queue or DEFAULT_QUEUE,
+                task_id=job_id,
+            )
+            sent.append(job_id)
+        return sent
+
     def status(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
         rows = self.store.get(job_ids)
         return [

@@ -203,6 +203,21 @@ def status(
 
 
 @app.command()
+def requeue(
+    older_than: Annotated[
+        float, typer.Option(help="Seconds a job may stay queued before it is sent again.")
+    ] = 600.0,
+) -> None:
+    """Send again jobs still queued (never claimed) after --older-than seconds."""
+    from api.client import Client
+
+    sent = Client(Settings()).requeue(older_than)
+    err.print(f"re-sent {len(sent)} queued job(s)")
+    for job_id in sent:
+        typer.echo(job_id)
+
+
+@app.command()
 def migrate() -> None:
     """Create the database if missing and apply every Alembic revision."""
     from ocrq.migrate import upgrade

@@ -193,6 +193,12 @@ def test_kill_9_mid_batch(
 def test_redis_restart_mid_run(
     service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
 ) -> None:
+    """Redis stops and starts again under a running worker; jobs submitted through the client
+    (which records them as queued) all finish, with `ocrq requeue` re-sending any job whose
+    message died in kombu's pop-then-mark-unacked window."""
+    from api.client import Client
+    from ocrq.settings import Settings
+
     private = PrivateRedis(tmp_path)
     private.start()
     store = JobStore(get_engine(database_url))
@@ -200,7 +206,9 @@ def test_redis_restart_mid_run(
     worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8")
     try:
         worker.wait_ready()
-        ids = send_all(private.url, make_images(image_root / "redis", 150, lines=3))
+        client = Client(Settings(broker_url=private.url, database_url=database_url))
+        paths = make_images(image_root / "redis", 150, lines=3)
+        ids = [client.submit({"path": str(p)}) for p in paths]
         t0 = time.monotonic()
         while len(final_rows(store, ids)) < 20:
             time.sleep(0.1)
@@ -208,14 +216,21 @@ def test_redis_restart_mid_run(
         time.sleep(5)
         assert worker.alive()
         private.start()
-        rows = wait_all(store, ids, timeout=300)
+        try:
+            rows = wait_all(store, ids, timeout=90)
+            requeued: list[str] = []
+        except TimeoutError:
+            requeued = client.requeue(older_than_s=30)
+            rows = wait_all(store, ids, timeout=240)
         seconds = time.monotonic() - t0
     finally:
         worker.stop()
         private.stop()
     figures = report("redis-restart", ids, rows, store, seconds)
+    print(f"[redis-restart] re-sent by ocrq requeue: {len(requeued)}")
     assert figures["done"] == len(ids) and figures["lost"] == 0 and figures["duplicated"] == 0
     assert len(child_pids(worker)) == 1  # the same process reconnected
+    assert "Connected to" in worker.text().split("Connection to broker lost")[-1]
 
 
 def test_postgres_down_30s(

@@ -20,6 +20,10 @@ from ocrq.settings import Settings
 def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings()
     app = Celery("ocrq", broker=settings.broker_url, include=["worker.tasks"])
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        from worker.broker import TRANSPORT
+
+        app.conf.broker_transport = TRANSPORT  # survives a Redis restart (see worker/broker.py)
     app.conf.update(
         task_default_queue=settings.queue or DEFAULT_QUEUE,
         task_routes={TASK_NAME: {"queue": settings.queue or DEFAULT_QUEUE}},
@@ -35,7 +39,13 @@ def make_app(settings: Settings | None = None) -> Celery:
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            # The lock that serialises restoring expired unacked messages outlives a Redis
+            # restart (the append-only file keeps it): a short expiry lets the reconnected
+            # worker restore them within a minute instead of kombu's default five.
+            "unacked_mutex_expire": 60,
+        },
         task_serializer="json",
         accept_content=["json"],
     )

@@ -28,7 +28,14 @@ log = logging.getLogger(__name__)
 
 # "decode" is the HunyuanOCR decode loop (its own or transformers' generate): their caches differ.
 KEY_FIELDS = (
-    "device", "engine", "model", "revision", "dtype", "attention", "max_new_tokens", "decode"
+    "device",
+    "engine",
+    "model",
+    "revision",
+    "dtype",
+    "attention",
+    "max_new_tokens",
+    "decode",
 )
 SCHEMA = 1
 
@@ -71,8 +78,9 @@ def model_to_json(model: CostModel) -> dict[str, float | int]:
     }
 
 
-def write_profile(profile_dir: Path, key: dict[str, str], model: CostModel,
-                  extra: dict[str, Any]) -> Path:
+def write_profile(
+    profile_dir: Path, key: dict[str, str], model: CostModel, extra: dict[str, Any]
+) -> Path:
     """Write (atomically: a worker may be reading) the profile for `key`; returns its path."""
     path = profile_path(profile_dir, key)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,9 +40,7 @@ class Runtime:
         self.engine.close()
 
 
-def batch_config(
-    settings: Settings, engine: Engine, model: CostModel | None = None
-) -> BatchConfig:
+def batch_config(settings: Settings, engine: Engine, model: CostModel | None = None) -> BatchConfig:
     """The budget a batch may use above the fixed part of `model` (a tuned profile's, when the
     worker found one; else the engine's default)."""
     fixed = (model or engine.cost_model()).fixed_bytes

@@ -5,31 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Task
-from celery.utils.log import get_task_logger
-from celery.worker.request import Request
 from pydantic import ValidationError
 
 from ocrq.contract import TASK_NAME, JobRequest
 from worker.celery_app import app
 from worker.runtime import get_runtime
-
-logger = get_task_logger(__name__)
-
-
-class BrokerLossTolerantRequest(Request):
-    """Acks that survive the broker going away mid-task.
-
-    When Redis restarts, kombu's channel drops its connection object, and an ack attempted then
-    raises AttributeError instead of a connection error, which Celery treats as unrecoverable
-    and the whole worker dies. Counted as a connection error, it is logged and the worker goes
-    on reconnecting; the message stays in Redis's unacked set and comes back after the
-    visibility timeout, where the job's done row makes the redelivery a no-op.
-    """
-
-    def acknowledge(self) -> None:
-        if not self.acknowledged:
-            self._on_ack(logger, (*self._connection_errors, AttributeError))
-            self.acknowledged = True
 
 
 class JobFailed(Exception):
@@ -41,7 +21,6 @@ class JobFailed(Exception):
     bind=True,
     acks_late=True,
     reject_on_worker_lost=True,
-    Request=BrokerLossTolerantRequest,
 )
 def recognize(
     self: Task, image: Any = None, task: str = "text", job_id: str | None = None, **_: Any

@@ -146,8 +146,9 @@ def run_probes(
             on_result(result)
         return result
 
-    def measure(label: str, batch: list[PreparedImage], predicted: int | None,
-                status: str = "ok") -> ProbeResult:
+    def measure(
+        label: str, batch: list[PreparedImage], predicted: int | None, status: str = "ok"
+    ) -> ProbeResult:
         engine.release_memory()
         engine.reset_peak_memory()
         t0 = time.perf_counter()
@@ -220,8 +221,16 @@ def run_probes(
             predicted = int(base + inc * n * SAFETY)
             seconds = last.seconds * n / last.batch  # worst case: time proportional to batch
             if clock() + seconds > deadline:
-                emit(ProbeResult(label, n, f"skipped: needs up to {seconds:.0f} s, past the "
-                                 "time budget", 0.0, None, predicted))
+                emit(
+                    ProbeResult(
+                        label,
+                        n,
+                        f"skipped: needs up to {seconds:.0f} s, past the time budget",
+                        0.0,
+                        None,
+                        predicted,
+                    )
+                )
                 return
             probe = measure(label, items(label, image, n), predicted)
             if not probe.ran:
@@ -232,8 +241,16 @@ def run_probes(
         if beyond <= max_batch:  # the next size the rule refused, to show where it stops
             predicted = int(base + inc * beyond * SAFETY)
             if predicted > limit:
-                emit(ProbeResult(label, beyond, f"skipped: predicted {predicted / GiB:.2f} GiB "
-                                 f"> {FILL:.0%} of budget", 0.0, None, predicted))
+                emit(
+                    ProbeResult(
+                        label,
+                        beyond,
+                        f"skipped: predicted {predicted / GiB:.2f} GiB > {FILL:.0%} of budget",
+                        0.0,
+                        None,
+                        predicted,
+                    )
+                )
 
     def padded(long_label: str, short_label: str) -> None:
         """The longest image with many short ones: every row padded to the long one. Without
@@ -335,14 +352,24 @@ def plot(report: TuneReport, path: Path, title: str) -> Path:
         runs = sorted(runs, key=lambda p: p.batch)
         xs = [p.batch for p in runs]
         (line,) = ax_t.plot(xs, [p.images_per_s for p in runs], "o-", label=label)
-        ax_m.plot(xs, [p.peak_bytes / GiB for p in runs], "o", color=line.get_color(),
-                  label=f"{label} measured")
+        ax_m.plot(
+            xs,
+            [p.peak_bytes / GiB for p in runs],
+            "o",
+            color=line.get_color(),
+            label=f"{label} measured",
+        )
         if report.fit is not None and runs[0].costs:
             top = max(xs)
             grid = sorted({1, *range(1, top + 1, max(1, top // 40)), top})
             model = report.fit.model
-            ax_m.plot(grid, [model.peak_bytes([runs[0].costs[0]] * n) / GiB for n in grid], "-",
-                      color=line.get_color(), alpha=0.6)
+            ax_m.plot(
+                grid,
+                [model.peak_bytes([runs[0].costs[0]] * n) / GiB for n in grid],
+                "-",
+                color=line.get_color(),
+                alpha=0.6,
+            )
     for p in report.probes:
         if p.status == "ok" and p.label.startswith("mixed"):
             ax_m.plot([p.batch], [p.peak_bytes / GiB], "k*", markersize=10, label="mixed batch")
@@ -420,4 +447,3 @@ def tune(
         engine, budget_bytes, max_seconds=max_seconds, max_batch=max_batch, on_result=on_result
     )
     return save(report, engine, profile_dir)
-
