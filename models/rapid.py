@@ -3,7 +3,7 @@
 Why not call `RapidOCR()` per image: it reads one image at a time, so the classifier and the
 recogniser would see a handful of crops per call. Here detection runs per image (sizes differ),
 then the crops of ALL images of the batch go through the classifier and the recogniser together,
-sorted by aspect ratio so the padding inside each ONNX call stays small.
+grouped by padded input width so that no crop's reading depends on its batch-mates.
 
 Departures from the library's own pipeline, each measured on the shared eval set
 (bench/results/accuracy_rapid.md has the figures):
@@ -14,8 +14,9 @@ Departures from the library's own pipeline, each measured on the shared eval set
   finds two or more rows of text the whole image is read as one line. Any image the detector
   finds nothing on is read whole too.
 * The recogniser (a Chinese+English model) seldom emits the space between English words on
-  receipts, which ruins token-level results (SROIE token F1 0.57). A space is inserted where the
-  crop has a blank gap of at least SPACE_GAP_RATIO x its height between two characters.
+  receipts, which ruins token-level results (SROIE token F1 0.57). A space is inserted where a
+  blank gap in the crop, wide for the text's size and for its letter spacing, lies between two
+  characters (`word_gaps`).
 * Crops are cut from the image as handed in, not from the detector's downscaled copy: a 4961x7016
   receipt is detected at 1414x2000 but its lines are read at full resolution.
 * Lines come back top-to-bottom, left-to-right; boxes on one row a word space apart are merged
@@ -72,13 +73,20 @@ LINE_DET_MAX_SIDE = 960
 # recogniser alone, flat for target ratios 2.5-3 and caps 1.25-2x).
 WIDEN_TO_RATIO = 3.0
 WIDEN_MAX = 1.5
-# Blank column runs at least this many crop heights wide are word spaces (SROIE token F1
-# 0.57 -> 0.80; 0.76-0.80 for ratios 0.25-0.4; page CER on eurotext unchanged at 0.024).
+# A blank column run is a word space when at least SPACE_GAP_RATIO x the ink height and
+# SPACE_GAP_OVER_MEDIAN x the crop's median blank run (see `word_gaps`). SROIE token F1: 0.57
+# without spaces, 0.80 with these; 0.73-0.81 over ratios 0.2-0.35 x multiples 1.5-3 and 0.50-0.74
+# without the median term; page CER unchanged. A multiple of 2 missed the space of "LINE 42" in
+# Pillow's default font (letter gaps up to 7 px, that space 11 px at 40 px).
 SPACE_GAP_RATIO = 0.3
-# A recogniser call pads its crops to the widest; see `_chunks`. Measured peak RSS growth of
-# one call (batch x 48 x width): 16x320 95 MiB, 16x1920 315 MiB, 16x3840 540 MiB, 1x7680 148 MiB,
-# so ~55 MiB + 8 KiB per padded column; 15,360 columns (16 crops of 960) keep a call near 180 MiB.
-MAX_PAD_GROWTH = 1.5
+SPACE_GAP_OVER_MEDIAN = 1.75
+# The recogniser's input width for a crop depends on that crop alone (its own width rounded up
+# to REC_WIDTH_STEP), never on its batch-mates: what the model reads shifts with the padding, so
+# padding to the widest crop of a call (as the library does) made results depend on the batch.
+# Measured peak RSS growth of one call (batch x 48 x width): 16x320 95 MiB, 16x1920 315 MiB,
+# 16x3840 540 MiB, 1x7680 148 MiB, so ~55 MiB + 8 KiB per padded column: a call holds at most
+# REC_MAX_CALL_COLUMNS (16 crops of 960), about 180 MiB.
+REC_WIDTH_STEP = 64
 REC_MAX_CALL_COLUMNS = 15_360
 
 # Host-memory model (see `cost_model()` for how it was measured): the process with the engine
@@ -106,10 +114,6 @@ class DetPlan:
     pad: tuple[int, int]
     det_input: tuple[int, int]
     line_candidate: bool
-
-    @property
-    def canvas(self) -> tuple[int, int]:
-        return self.resized[0] + 2 * self.pad[0], self.resized[1] + 2 * self.pad[1]
 
 
 def _round32(x: float) -> int:
@@ -211,25 +215,50 @@ def shrink_to_rec_height(img: np.ndarray) -> np.ndarray:
     return cv2.resize(img, size, interpolation=cv2.INTER_AREA)
 
 
+def rec_input_width(crop: np.ndarray) -> int:
+    """Padded recogniser input width for a crop: its width at REC_HEIGHT, rounded up to
+    REC_WIDTH_STEP, at least REC_MIN_WIDTH (the library's narrowest input)."""
+    h, w = crop.shape[:2]
+    own = math.ceil(REC_HEIGHT * w / h)
+    return max(REC_MIN_WIDTH, math.ceil(own / REC_WIDTH_STEP) * REC_WIDTH_STEP)
+
+
+def rec_input(crop: np.ndarray, width: int) -> np.ndarray:
+    """The recogniser's input for one crop: REC_HEIGHT tall, scaled to [-1, 1], left-aligned and
+    zero-padded (mid-grey once scaled) to `width` columns, as the model was trained."""
+    h, w = crop.shape[:2]
+    resized_w = min(width, math.ceil(REC_HEIGHT * w / h))
+    resized = cv2.resize(crop, (resized_w, REC_HEIGHT)).astype(np.float32)
+    out = np.zeros((3, REC_HEIGHT, width), dtype=np.float32)
+    out[:, :, :resized_w] = (resized.transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
+    return out
+
+
 def word_gaps(crop: np.ndarray) -> list[float]:
     """Centres (x) of blank column runs wide enough to be spaces between words.
 
-    Ink is the minority class after Otsu binarisation, so dark-on-light and light-on-dark text
-    both work; blank runs before the first and after the last ink column are margins, not gaps.
+    A run is a space when it is at least SPACE_GAP_RATIO x the height of the ink (the text's own
+    size, whatever margin the crop has) and SPACE_GAP_OVER_MEDIAN x the crop's median blank run
+    (the gap between letters, wide in the monospaced print of receipts). Ink is the minority
+    class after Otsu binarisation, so dark-on-light and light-on-dark text both work; blank runs
+    before the first and after the last ink column are margins, not gaps.
     """
     gray = cv2.cvtColor(crop, cv2.COLOR_BGR2GRAY)
     _, binary = cv2.threshold(gray, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
     ink = binary == 0
     if ink.mean() > 0.5:
         ink = ~ink
-    inked = np.flatnonzero(ink.any(axis=0))
-    if inked.size < 2:
+    cols = np.flatnonzero(ink.any(axis=0))
+    rows = np.flatnonzero(ink.any(axis=1))
+    if cols.size < 2:
         return []
-    min_gap = SPACE_GAP_RATIO * crop.shape[0]
-    steps = np.diff(inked)  # a step > 1 spans a blank run of (step - 1) columns
-    return [
-        float(inked[i] + steps[i] / 2) for i in np.flatnonzero(steps - 1 >= min_gap).tolist()
-    ]
+    blanks = np.diff(cols) - 1  # blank columns between consecutive inked columns
+    runs = blanks[blanks > 0]
+    if runs.size == 0:
+        return []
+    ink_height = rows[-1] - rows[0] + 1
+    min_gap = max(SPACE_GAP_RATIO * ink_height, SPACE_GAP_OVER_MEDIAN * float(np.median(runs)))
+    return [float(cols[i] + (blanks[i] + 1) / 2) for i in np.flatnonzero(blanks >= min_gap)]
 
 
 def is_wide_char(ch: str) -> bool:
@@ -528,7 +557,10 @@ class RapidEngine(Engine):
             results[i] = exc
             del pieces[i]
         for i, item_pieces in pieces.items():
-            results[i] = self._assemble(batch[i], item_pieces)
+            try:
+                results[i] = self._assemble(batch[i], item_pieces)
+            except Exception as exc:
+                results[i] = exc
         lost = RuntimeError("engine 'rapid' lost this image's result")
         return [r if r is not None else lost for r in results]
 
@@ -595,51 +627,47 @@ class RapidEngine(Engine):
             return failed
 
     def _read(self, pieces: list[_Piece]) -> None:
-        """Turn upside-down detected lines over, then recognise every crop in batches."""
-        detected = [p for p in pieces if not p.whole]
-        if detected:
-            turned, _, _ = self._cls([p.crop for p in detected])
-            for piece, crop in zip(detected, turned, strict=True):
-                piece.crop = crop
-        for piece in pieces:
-            piece.crop = shrink_to_rec_height(piece.crop)
-        for chunk in self._chunks(sorted(pieces, key=lambda p: _aspect(p.crop))):
-            self._recognise(chunk)
+        """Turn upside-down detected lines over, then recognise every crop in batches.
 
-    def _chunks(self, ordered: list[_Piece]) -> list[list[_Piece]]:
-        """Recogniser calls of up to rec_batch_size crops.
-
-        Every call pads its crops to the widest, so none is padded past MAX_PAD_GROWTH times its
-        own width (padding is compute spent on nothing; a receipt mixes 1:1 and 30:1 crops), and
-        a call holds at most REC_MAX_CALL_COLUMNS padded columns, which bounds its memory.
+        Works on copies of the crops and only sets text and score, so reading the same pieces
+        again (after a shared call failed) starts from the same pixels.
         """
-        chunks: list[list[_Piece]] = []
-        for piece in ordered:  # narrowest first, so `piece` sets the chunk's padded width
-            if chunks:
-                chunk = chunks[-1]
-                width = _rec_width(piece.crop)
-                if (
-                    len(chunk) < self.rec_batch_size
-                    and width <= MAX_PAD_GROWTH * _rec_width(chunk[0].crop)
-                    and width * (len(chunk) + 1) <= REC_MAX_CALL_COLUMNS
-                ):
-                    chunk.append(piece)
-                    continue
-            chunks.append([piece])
+        crops = [p.crop for p in pieces]
+        detected = [k for k, p in enumerate(pieces) if not p.whole]
+        if detected:
+            turned, _, _ = self._cls([crops[k] for k in detected])
+            for k, crop in zip(detected, turned, strict=True):
+                crops[k] = crop
+        crops = [shrink_to_rec_height(c) for c in crops]
+        for width, chunk in self._chunks(crops):
+            readings = self._recognise([crops[k] for k in chunk], width)
+            for k, (text, score) in zip(chunk, readings, strict=True):
+                pieces[k].text, pieces[k].score = text, score
+
+    def _chunks(self, crops: list[np.ndarray]) -> list[tuple[int, list[int]]]:
+        """Recogniser calls as (padded width, crop indices): crops of one `rec_input_width`, up
+        to rec_batch_size of them and at most REC_MAX_CALL_COLUMNS columns in all, which bounds
+        a call's memory."""
+        by_width: dict[int, list[int]] = {}
+        for k, crop in enumerate(crops):
+            by_width.setdefault(rec_input_width(crop), []).append(k)
+        chunks = []
+        for width in sorted(by_width):
+            group = by_width[width]
+            size = max(1, min(self.rec_batch_size, REC_MAX_CALL_COLUMNS // width))
+            chunks += [(width, group[i : i + size]) for i in range(0, len(group), size)]
         return chunks
 
-    def _recognise(self, chunk: list[_Piece]) -> None:
-        """One recogniser call: crops padded to the widest aspect ratio of the chunk."""
-        max_ratio = max(REC_MIN_WIDTH / REC_HEIGHT, *(_aspect(p.crop) for p in chunk))
-        net_in = np.stack([self._rec.resize_norm_img(p.crop, max_ratio) for p in chunk])
-        probs = self._rec.session(net_in.astype(np.float32))[0]
-        step = net_in.shape[3] / probs.shape[1]  # input pixels per output step
-        for piece, piece_probs in zip(chunk, probs, strict=True):
-            h, w = piece.crop.shape[:2]
-            content_w = min(math.ceil(REC_HEIGHT * w / h), net_in.shape[3])
-            piece.text, piece.score = self._decode(
-                piece_probs, step * w / content_w, word_gaps(piece.crop)
-            )
+    def _recognise(self, crops: list[np.ndarray], width: int) -> list[tuple[str, float]]:
+        """One recogniser call on crops that share the padded input width `width`."""
+        probs = self._rec.session(np.stack([rec_input(c, width) for c in crops]))[0]
+        step = width / probs.shape[1]  # input pixels per output step
+        readings = []
+        for crop, crop_probs in zip(crops, probs, strict=True):
+            h, w = crop.shape[:2]
+            content_w = min(math.ceil(REC_HEIGHT * w / h), width)
+            readings.append(self._decode(crop_probs, step * w / content_w, word_gaps(crop)))
+        return readings
 
     def _decode(self, probs: np.ndarray, x_scale: float, gaps: list[float]) -> tuple[str, float]:
         """Greedy CTC decoding, plus a space wherever a word gap lies between two characters.
@@ -696,15 +724,6 @@ def _union(boxes: Sequence[Box]) -> Box:
         max(b[2] for b in boxes),
         max(b[3] for b in boxes),
     )
-
-
-def _rec_width(img: np.ndarray) -> float:
-    """Columns the recogniser's input has for this crop (it pads to at least REC_MIN_WIDTH)."""
-    return max(REC_MIN_WIDTH, REC_HEIGHT * _aspect(img))
-
-
-def _aspect(img: np.ndarray) -> float:
-    return img.shape[1] / img.shape[0]
 
 
 def _clamp(value: int, limit: int) -> int:
