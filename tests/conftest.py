@@ -28,6 +28,17 @@ TEST_PG = os.environ.get(
 )
 
 
+# Figures the fault tests measure (jobs, done, lost, ...), printed at the end of every run.
+FIGURES: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FIGURES:
+        terminalreporter.section("ocrq fault-test figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)
+
+
 def eval_data() -> Path:
     """The shared evaluation images; their absence is a setup error, not a skip."""
     if not (EVAL_DATA / "manifest.tsv").is_file():

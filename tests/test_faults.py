@@ -22,7 +22,7 @@ from sqlalchemy import func, select
 from ocrq.db import get_engine, ocr_jobs
 from ocrq.samples import draw_text_image
 from ocrq.store import JobStore
-from tests.conftest import BIN, WorkerProcess
+from tests.conftest import BIN, FIGURES, WorkerProcess
 from tests.servers import PrivatePostgres, PrivateRedis
 
 WORDS = [
@@ -112,7 +112,9 @@ def report(
         "recycles": recycles,
         "seconds": round(seconds, 1),
     }
-    print(f"\n[{name}] " + " ".join(f"{k}={v}" for k, v in figures.items()))
+    line = f"[{name}] " + " ".join(f"{k}={v}" for k, v in figures.items())
+    print("\n" + line)
+    FIGURES.append(line)  # shown in pytest's terminal summary (tests/conftest.py)
     return figures
 
 
@@ -227,7 +229,7 @@ def test_redis_restart_mid_run(
         worker.stop()
         private.stop()
     figures = report("redis-restart", ids, rows, store, seconds)
-    print(f"[redis-restart] re-sent by ocrq requeue: {len(requeued)}")
+    FIGURES.append(f"[redis-restart] re-sent by ocrq requeue: {len(requeued)}")
     assert figures["done"] == len(ids) and figures["lost"] == 0 and figures["duplicated"] == 0
     assert len(child_pids(worker)) == 1  # the same process reconnected
     assert "Connected to" in worker.text().split("Connection to broker lost")[-1]
@@ -280,7 +282,7 @@ def test_postgres_down_30s(
             worker.stop()
         figures = report("postgres-down-30s", ids, rows, store, seconds)
         stored_before = sum(1 for row in rows.values() if row["finished_at"] <= stopped_at)
-        print(
+        FIGURES.append(
             f"[postgres-down-30s] during the outage: acked={acked} queued={queued} "
             f"unacked={unacked}; rows stored before it: {stored_before}"
         )
