@@ -77,6 +77,9 @@ class Run:
     outcomes: dict[str, list[Outcome]] = field(default_factory=dict)
     timing: dict[str, Timing] = field(default_factory=dict)
     load_s: float = 0.0
+    # 1-minute load average before and after: the CPU is shared, and throughput means little
+    # without knowing what else ran.
+    loadavg: tuple[float, float] = (0.0, 0.0)
 
 
 # ------------------------------------------------------------------------------------ running
@@ -276,6 +279,7 @@ def build_report(engine: Engine, run: Run, batch_size: int, command: str) -> dic
         "command": command,
         "batch_size": batch_size,
         "hardware": hardware(),
+        "loadavg_1min": {"before": run.loadavg[0], "after": run.loadavg[1]},
         "summary": summary,
         "targets": {k: {"min": v, "met": (summary.get(k) or 0) >= v} for k, v in TARGETS.items()},
         "scores": scores,
@@ -335,7 +339,19 @@ def markdown(report: dict) -> str:
                 f"| {kind} | {t['images']} | {t['engine_s']} | {t['images_per_s']} "
                 f"| {t['decode_s']} |"
             )
-    out += ["", f"Engine load: {timing['load_s']} s.", ""]
+    load = report["loadavg_1min"]
+    out += [
+        "",
+        f"Engine load: {timing['load_s']} s. 1-minute load average {load['before']} before and "
+        f"{load['after']} after the run on these {report['hardware'].get('CPU(s)', '?')} CPUs: "
+        "other processes sharing the machine slow the figures above down.",
+        "",
+        "Notes: page CER compares the text read inside each transcribed zone of the page's .uzn "
+        "(zone order, reading order within a zone) with the transcript, whitespace collapsed; "
+        "scene recall counts annotated words found among the whitespace-separated words read "
+        "(both normalised to upper-case letters and digits).",
+        "",
+    ]
     if "sroie" in scores:
         out += ["## SROIE receipts", "", "| receipt | size | P | R | F1 |", "|---|---|---|---|---|"]
         for r in scores["sroie"]["per_image"]:
@@ -407,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    load_before = os.getloadavg()[0]
     engine = make_engine(args)
     t0 = time.perf_counter()
     engine.load()
@@ -414,6 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(f"engine {args.engine} loaded in {load_s:.1f} s; {len(entries)} images")
     run = run_engine(engine, entries, args.batch_size, progress)
     run.load_s = load_s
+    run.loadavg = (round(load_before, 2), round(os.getloadavg()[0], 2))
     report = build_report(engine, run, args.batch_size, command)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"accuracy_{args.engine}"

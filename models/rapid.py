@@ -58,7 +58,7 @@ DET_LIMIT_SIDE_LEN = 736
 LETTERBOX_MIN_HEIGHT = 30
 LETTERBOX_MAX_RATIO = 8
 REC_HEIGHT = 48
-REC_MIN_WIDTH = 320  # the recogniser pads every batch to at least this width (library's shape)
+REC_MIN_WIDTH = 320  # the recogniser input is at least this wide (the library's shape)
 
 # Possible word/line crops: shorter side <= LINE_MAX_SIDE (SVT word crops are 17..247 px tall).
 # They are detected unscaled, on a canvas padded by LINE_PAD x their shorter side, capped at
@@ -512,24 +512,24 @@ class RapidEngine(Engine):
         the reset, so their pixels are not in the growth.
 
             process RSS with the engine loaded     181-183 MiB (the three sessions: 79-81 MiB)
-            probe (images)                patches  peak growth
-            SVT word crops x32              1,977    203 MiB
-            SVT word crops x128             6,584    278 MiB
-            receipt 522x954 x1                966    425 MiB
-            receipt 522x954 x8              7,728    473 MiB
-            dense text page 1240x1754 x1    2,145    430 MiB   (47 lines of 83 characters)
-            dense text page 1240x1754 x4    8,580    613 MiB
-            4 + 4 receipts ~600-900 wide   12,512    484 MiB
-            page 3312x2550 (bilevel) x1     2,976    533 MiB
-            receipt 4961x7016 x1            2,728    619 MiB
-            receipt 4961x7016 x2            5,456    713 MiB
-            2 x 4961x7016 + 6 receipts     14,688    696 MiB
+            probe (images)                patches  peak growth  predicted growth
+            SVT word crops x32              1,977    163 MiB      636 MiB
+            SVT word crops x128             6,584    259 MiB      924 MiB
+            receipt 522x954 x1                966    265 MiB      572 MiB
+            receipt 522x954 x8              7,728    504 MiB      995 MiB
+            dense text page 1240x1754 x1    2,145    465 MiB      646 MiB  (47 lines of 83 chars)
+            dense text page 1240x1754 x4    8,580    589 MiB    1,048 MiB
+            4 + 4 receipts ~600-900 wide   12,512    550 MiB    1,294 MiB
+            page 3312x2550 (bilevel) x1     2,976    509 MiB      698 MiB
+            receipt 4961x7016 x1            2,728    624 MiB      682 MiB
+            receipt 4961x7016 x2            5,456    739 MiB      853 MiB
+            2 x 4961x7016 + 6 receipts     14,688    633 MiB    1,430 MiB
 
         Growth is mostly a per-run workspace (the detector's activations for the largest image,
         a full-resolution BGR copy of it, one recogniser call bounded by REC_MAX_CALL_COLUMNS),
         growing slowly with the batch. The line 512 MiB + 64 KiB/patch lies above every probe
-        (4961x7016: 682 predicted vs 619; two of them: 853 vs 713) and over-predicts large
-        batches of small images, which is the safe side. `ocrq tune` refits it on the host.
+        (closest: one 4961x7016 receipt, 9% over) and over-predicts large batches of small
+        images, which is the safe side. `ocrq tune` refits it on the host.
         """
         return CostModel(
             fixed_bytes=LOADED_RSS_BYTES + RUN_WORKSPACE_BYTES, per_patch_bytes=PER_PATCH_BYTES
