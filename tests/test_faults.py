@@ -19,8 +19,10 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select
 
+from api.client import Client
 from ocrq.db import get_engine, ocr_jobs
 from ocrq.samples import draw_text_image
+from ocrq.settings import Settings
 from ocrq.store import JobStore
 from tests.conftest import BIN, FIGURES, WorkerProcess
 from tests.servers import PrivatePostgres, PrivateRedis
@@ -170,9 +172,6 @@ def test_kill_9_mid_batch(
         # Through the client, so each job has a queued row: kombu pops a message and marks it
         # unacked in two steps, and a kill between them loses that message; `ocrq requeue`
         # re-sends such jobs from their rows.
-        from api.client import Client
-        from ocrq.settings import Settings
-
         client = Client(Settings(broker_url=broker_url, database_url=database_url))
         ids = [client.submit({"path": str(p)}) for p in paths]
         # Wait until some jobs are done and a batch is in flight, then kill -9 the worker.
@@ -209,9 +208,6 @@ def test_redis_restart_mid_run(
     """Redis stops and starts again under a running worker; jobs submitted through the client
     (which records them as queued) all finish, with `ocrq requeue` re-sending any job whose
     message died in kombu's pop-then-mark-unacked window."""
-    from api.client import Client
-    from ocrq.settings import Settings
-
     private = PrivateRedis(tmp_path)
     private.start()
     store = JobStore(get_engine(database_url))
