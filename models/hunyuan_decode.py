@@ -4,7 +4,7 @@ Why not `model.generate()`: its decode step costs ~70-90 ms on an H200 at every 
 of it host time (Python, a DynamicCache that grows by `torch.cat`, per-step masks, logits
 processors, a host sync per step); the memory-bandwidth floor of that step is ~4 ms at batch 128.
 This loop keeps the model's own prefill (vision tower, text prefill, the multimodal RoPE
-positions from the engine's row-isolated `get_rope_index`) and replaces only the decode steps:
+positions each row brings from the engine's preprocessing) and replaces only the decode steps:
 
 * the prefill's KV cache moves layer by layer into a static cache sized prompt + new tokens,
   so the peak stays the prefill's (the per-token cost model still holds);
@@ -225,12 +225,15 @@ class HunyuanDecoder:
         ids = inputs["input_ids"]
         mask = inputs["attention_mask"]
         batch, prompt = ids.shape
-        positions, _ = self.model.model.get_rope_index(
-            ids,
-            mm_token_type_ids=inputs["mm_token_type_ids"],
-            image_grid_thw=inputs.get("image_grid_thw"),
-            attention_mask=mask,
-        )
+        inputs = dict(inputs)
+        positions = inputs.pop("position_ids", None)  # the engine's collate brings them
+        if positions is None:
+            positions, _ = self.model.model.get_rope_index(
+                ids,
+                mm_token_type_ids=inputs["mm_token_type_ids"],
+                image_grid_thw=inputs.get("image_grid_thw"),
+                attention_mask=mask,
+            )
         out = self.model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1)
         first_logits = out.logits[:, -1, :]
         cache = getattr(out, "cache", None)  # transformers >= 5.2x names it `cache`

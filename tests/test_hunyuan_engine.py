@@ -179,6 +179,26 @@ def test_rope_positions_are_per_row(
             assert not torch.equal(unpatched[:, i, -n:], alone[:, 0])
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_collated_positions_equal_the_librarys(
+    engine: HunyuanEngine, mixed_batch: list[PreparedImage], side: str
+) -> None:
+    """Positions computed per row in preprocess and padded by collate are exactly what the
+    row-isolated get_rope_index gives for the whole padded batch, padding columns included."""
+    import torch
+
+    rows = [engine.preprocess(it) for it in mixed_batch]
+    assert all(r.positions is not None for r in rows)
+    inputs = engine.collate(rows, padding_side=side)
+    args = {k: inputs[k] for k in ("mm_token_type_ids", "image_grid_thw", "attention_mask")}
+    library, _ = engine.model.model.get_rope_index(inputs["input_ids"], **args)
+    assert inputs["position_ids"].shape == library.shape
+    assert torch.equal(inputs["position_ids"], library)
+    # The image grid really is on the positions: a row's image tokens are not 0..n-1.
+    n = len(rows[0].input_ids)
+    assert not torch.equal(rows[0].positions[-1], torch.arange(n))
+
+
 def test_estimate_matches_the_processor(
     engine: HunyuanEngine, mixed_batch: list[PreparedImage], singles: list[Generated]
 ) -> None:
