@@ -34,6 +34,7 @@ import time
 import traceback
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -425,6 +426,40 @@ def run_one(torch: Any, engine: HunyuanEngine, clock: StepClock, mode: str, page
     }
 
 
+def memory_decode_bound(torch: Any, engine: HunyuanEngine, size: tuple[int, int], batch: int,
+                        new: int) -> dict[str, Any]:
+    """A batch whose KV cache outgrows its prefill (small pages, long forced generation): the
+    cost model's decode part against the measured peak, fast path."""
+    w, h = size
+    item = PreparedImage("small", page_image(w, h), (w, h))
+    row = engine.preprocess(item)
+    batch_vision_attention(engine.model, enabled=True)
+    engine._decoder.fused = engine._decoder.attention == "triton"
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    out = engine.generate([item] * batch, encoded=[row] * batch, max_new_tokens=new,
+                          min_new_tokens=new, decode="fast")
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    assert all(len(g.token_ids) == new for g in out.items), "forced length not reached"
+    peak = torch.cuda.max_memory_allocated()
+    cost = engine.estimate(item)
+    cost = replace(cost, tokens=cost.tokens - cost.new_tokens + new, new_tokens=new)
+    model = engine.cost_model()
+    n = batch
+    prefill_part = (model.per_item_bytes * n + model.per_token_bytes * n * cost.prompt_tokens
+                    + model.per_patch_bytes * n * cost.patches)
+    decode_part = model.per_cache_token_bytes * n * cost.tokens
+    predicted = model.batch_bytes([cost] * batch)
+    return {"size": size, "batch": batch, "new_tokens": new, "prompt_tokens": out.padded_length,
+            "seconds": seconds, "increment_gib": (peak - before) / GiB,
+            "predicted_increment_gib": predicted / GiB,
+            "predicted_prefill_gib": prefill_part / GiB, "predicted_decode_gib": decode_part / GiB,
+            "predicted_vs_measured": predicted / (peak - before)}
+
+
 def profile_markdown(d: dict[str, Any]) -> str:
     """The torch.profiler breakdown of one decode step, plain and fast."""
     m = d["meta"]
@@ -501,6 +536,15 @@ def markdown(d: dict[str, Any]) -> str:
         for a in d["attention"]:
             lines.append(f"| {a['batch']} | {a['keys']} | {a['kernel']} | {a.get('splits', '')} "
                          f"| {a['ms']:.3f} | {a['tb_s']:.2f} | {a['max_err']:.4f} |")
+    mem = d.get("memory_decode")
+    if mem:
+        lines += ["", "## Memory when the KV cache outgrows the prefill (fast path)", "",
+                  f"{mem['batch']} pages of {mem['size'][0]}x{mem['size'][1]} "
+                  f"({mem['prompt_tokens']} prompt tokens), {mem['new_tokens']} new tokens forced "
+                  f"({mem['seconds']:.1f} s): measured increment {mem['increment_gib']:.2f} GiB; "
+                  f"predicted {mem['predicted_increment_gib']:.2f} GiB = max(prefill "
+                  f"{mem['predicted_prefill_gib']:.2f}, decode {mem['predicted_decode_gib']:.2f}); "
+                  f"pred/meas {mem['predicted_vs_measured']:.3f}."]
     c = d["check"]
     if c:
         lines += ["", "## Fast vs plain token ids (mixed, left-padded batch)", "",
@@ -539,6 +583,8 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--memory-new-tokens", type=int, default=1024,
+                    help="new tokens of the decode-bound memory check (0: skip it)")
     ap.add_argument("--threads", type=int, default=16,
                     help="prefetch threads preprocessing the next batch during each run")
     ap.add_argument("--unfused-pages", default="", help="pages also run fast without fusion")
@@ -636,6 +682,9 @@ def main() -> None:
             part("profile", profiles)
         report.data["check"] = part(
             "check", lambda: check_outputs(torch, engine, args.check_tokens)) or {}
+        if cuda and args.memory_new_tokens:
+            report.data["memory_decode"] = part("memory_decode", lambda: memory_decode_bound(
+                torch, engine, (640, 480), args.profile_batch, args.memory_new_tokens))
         if cuda and engine._decoder.fused:
             report.data["check"]["fused_kernels_bf16"] = part(
                 "kernel_equality", lambda: kernel_equality(torch, engine))

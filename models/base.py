@@ -123,6 +123,12 @@ class Engine(ABC):
     def cost_model(self) -> CostModel:
         """The memory model the planner uses; its coefficients may come from `ocrq tune`."""
 
+    def cache_token_bytes(self) -> float:
+        """Bytes each token of a generated sequence holds while decoding (its KV cache): the
+        decode coefficient of the cost model, from the model's shape rather than a fit.
+        0 for engines that generate nothing."""
+        return 0.0
+
     def prepare(self, item: PreparedImage) -> None:  # noqa: B027 - optional hook
         """CPU preprocessing worth doing in the prefetch threads, off the device's critical path.
 

@@ -1,9 +1,11 @@
 """Fit a CostModel's coefficients to measured probe batches: a pure function, no device.
 
-Why least squares on the model's own features: `CostModel.peak_bytes` is linear in
-(1, n, n * max(tokens), sum(patches)), so probes of a few batch sizes and image sizes pin the
-coefficients down, and checking the fit is the same arithmetic the planner does. Two guards make
-the result safe to plan with:
+Why least squares on the model's own features: the prefill part of `CostModel.peak_bytes` is
+linear in (1, n, n * max(prompt tokens), sum(patches)), so probes of a few batch sizes and image
+sizes pin the coefficients down, and checking the fit is the same arithmetic the planner does.
+Probes generate few tokens, so they measure the prefill; the decode part's bytes per cached
+token are the engine's KV-cache arithmetic (`Engine.cache_token_bytes`), passed in, not fitted.
+Two guards make the result safe to plan with:
 
 * coefficients are kept non-negative (a negative byte count per image would let a big enough
   batch predict less than a small one); a feature that would need a negative weight is dropped
@@ -56,7 +58,7 @@ def features(costs: Sequence[ItemCost]) -> list[float]:
     return [
         1.0,
         float(n),
-        float(n * max(c.tokens for c in costs)),
+        float(n * max(c.prompt_tokens for c in costs)),
         float(sum(c.patches for c in costs)),
     ]
 
@@ -78,12 +80,13 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarra
     return coef
 
 
-def _model(coef: np.ndarray, source: str) -> CostModel:
+def _model(coef: np.ndarray, source: str, cache_token_bytes: float) -> CostModel:
     return CostModel(
         fixed_bytes=round(float(coef[0])),
         per_item_bytes=float(coef[1]),
         per_token_bytes=float(coef[2]),
         per_patch_bytes=float(coef[3]),
+        per_cache_token_bytes=float(cache_token_bytes),
         source=source,
     )
 
@@ -94,6 +97,7 @@ def fit(
     min_fixed_bytes: int = 0,
     cover: bool = True,
     source: str = "fit",
+    cache_token_bytes: float = 0.0,
 ) -> Fit:
     """The CostModel that best explains `samples` (see the module docstring for the guards).
 
@@ -102,6 +106,9 @@ def fit(
     the other coefficients (it then also holds what every batch allocates once, whatever its
     size), but never below `min_fixed_bytes`, the memory measured resident before any batch:
     when the free fit would go lower, it is pinned there and the rest refitted above it.
+
+    `cache_token_bytes` becomes the model's decode coefficient as given (see the module
+    docstring).
 
     Covering every sample combines two moves, see `_cover`: scaling the per-image part (right
     when big batches are under-predicted) and raising the fixed part (right when a constant,
@@ -119,7 +126,7 @@ def fit(
     factor = 1.0
     if cover:
         coef, factor = _cover(x, y, coef)
-    model = _model(coef, source)
+    model = _model(coef, source, cache_token_bytes)
     if cover:  # the planner's integer arithmetic rounds: cover to the byte
         short = max(s.peak_bytes - model.peak_bytes(list(s.costs)) for s in samples)
         if short > 0:

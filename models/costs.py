@@ -18,6 +18,7 @@ class ItemCost:
 
     tokens: sequence length the text model holds for it (prompt + image tokens + max new
         tokens); batches pad every sequence to the longest, so the planner groups similar ones.
+    new_tokens: the generated part of `tokens` (0 for engines that generate nothing).
     patches: vision-encoder patches (or, for the CPU engine, detector input pixels / 1024).
     pixels: pixels after the engine's own resize, for logs and downscaling decisions.
     """
@@ -25,19 +26,33 @@ class ItemCost:
     tokens: int
     patches: int
     pixels: int
+    new_tokens: int = 0  # of `tokens`, those generated: held only once the prompt is processed
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.tokens - self.new_tokens
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Predicted peak bytes = fixed + per_item*n + per_token*n*max(tokens) + per_patch*sum(patches).
+    """Predicted peak bytes = fixed + max(prefill, decode), where
 
-    `fixed_bytes` is weights + framework + workspace: what is resident before any image arrives.
+    prefill = per_item*n + per_token*n*max(prompt tokens) + per_patch*sum(patches)
+    decode  = per_cache_token*n*max(tokens)
+
+    Why two phases: a generating engine's peak is its prefill's activations (vision tower, text
+    prefill) until the KV cache of prompt + new tokens outgrows them. Charging the new tokens at
+    the prefill's rate over-predicted by 15% at 256 new tokens on an H200
+    (bench/results/decode_speed_h200.md) and by ~50% at 1024; charging them nothing would
+    under-predict a long generation. `fixed_bytes` is weights + framework + workspace: what is
+    resident before any image arrives. Engines that generate nothing leave per_cache_token at 0.
     """
 
     fixed_bytes: int
     per_item_bytes: float = 0.0
     per_token_bytes: float = 0.0
     per_patch_bytes: float = 0.0
+    per_cache_token_bytes: float = 0.0
     source: str = "default"  # "default" or the profile the coefficients were fitted from
 
     def batch_bytes(self, costs: Sequence[ItemCost]) -> int:
@@ -45,13 +60,16 @@ class CostModel:
         if not costs:
             return 0
         n = len(costs)
+        prompt = max(c.prompt_tokens for c in costs)
         longest = max(c.tokens for c in costs)
         patches = sum(c.patches for c in costs)
-        return int(
+        prefill = (
             self.per_item_bytes * n
-            + self.per_token_bytes * n * longest
+            + self.per_token_bytes * n * prompt
             + self.per_patch_bytes * patches
         )
+        decode = self.per_cache_token_bytes * n * longest
+        return int(max(prefill, decode))
 
     def peak_bytes(self, costs: Sequence[ItemCost]) -> int:
         return self.fixed_bytes + self.batch_bytes(costs)

@@ -68,16 +68,19 @@ KiB = 1024
 
 # Default memory model, measured on an H200 with the 1.0 shape in bf16 and sdpa
 # (bench/results/hunyuan_engine_h200.md, transformers 5.17): 1.88 GiB of weights allocated and
-# 2.52 GiB of device memory in use once loaded (CUDA context, allocator). Peak memory per image
-# is linear in the batch size (1024² page 0.163 GiB, 886x1699 receipt 0.237, A4 0.338 at 256
-# new tokens) and is reached during prefill. One coefficient per sequence token, 148 KiB, covers
-# all three from above (by 3-15%) and, applied to max_new_tokens too, over-covers the KV cache a
-# longer generation adds (96 KiB per token for this shape). A two-coefficient fit (tokens and
-# patches) is closer on these pages but extrapolates badly to longer generations, since the
-# patch and token counts of pages move together; `ocrq tune` can fit a device's own profile.
+# 2.52 GiB of device memory in use once loaded (CUDA context, allocator). The peak of a batch is
+# reached in its prefill and is linear in the batch's prompt tokens: 159.9-160.1 KiB per prompt
+# token (image tokens included; the vision tower's activations scale with them) for 1024² pages,
+# 886x1699 receipts and A4 pages at batch 16 to 256 alike, up to 161.2 KiB at batch 1 (a
+# per-call workspace; bench/results/hunyuan_engine_h200.json, decode_speed_h200.json): 162 KiB
+# covers every one of them from above, by at most 1.3%.
+# Decoding then holds the KV cache of prompt + new tokens: 96 KiB per token for this shape, plus
+# one layer's prefill cache while it is copied (models/hunyuan_decode.py), hence x 25/24; that
+# outgrows the prefill only for long generations (past ~640 new tokens on a 1024² page).
 DEFAULT_WEIGHTS_BYTES = int(1.88 * GiB)
 DEFAULT_FRAMEWORK_BYTES = int(0.64 * GiB)
-DEFAULT_PER_TOKEN_BYTES = 148 * KiB
+DEFAULT_PER_TOKEN_BYTES = 162 * KiB
+DEFAULT_CACHE_TOKEN_BYTES = 96 * KiB * 25 / 24
 
 # Share of the device memory still free after loading that batches may use by default; the rest
 # covers the allocator's fragmentation (reserved minus allocated) and cuBLAS/cuDNN workspaces.
@@ -418,14 +421,16 @@ class HunyuanEngine(Engine):
         """Generate exactly min(max_new_tokens, PROBE_NEW_TOKENS) tokens per image.
 
         Forcing the length measures the worst case (a real model may stop early). The cap keeps
-        a probe within seconds: the peak comes from prefill (bench/results/hunyuan_engine_h200.md),
-        and the per-token coefficient fitted there (~148 KiB on the H200) over-covers the KV cache
-        a longer generation adds (96 KiB per token), so the model extrapolates safely.
+        a probe within seconds: the peak comes from the prefill, which is what the fit measures;
+        the longer generation's KV cache is the cost model's decode part, computed from the
+        model's shape (`cache_token_bytes`).
         """
         n = min(self.settings.max_new_tokens, PROBE_NEW_TOKENS)
         self.generate(batch, max_new_tokens=n, min_new_tokens=n)
         unused = self.settings.max_new_tokens - n
-        return [replace(c, tokens=c.tokens - unused) for c in map(self.estimate, batch)]
+        return [
+            replace(c, tokens=c.tokens - unused, new_tokens=n) for c in map(self.estimate, batch)
+        ]
 
     def close(self) -> None:
         self.model = self.processor = None
@@ -517,8 +522,20 @@ class HunyuanEngine(Engine):
         return CostModel(
             fixed_bytes=DEFAULT_WEIGHTS_BYTES + DEFAULT_FRAMEWORK_BYTES,
             per_token_bytes=float(DEFAULT_PER_TOKEN_BYTES),
+            per_cache_token_bytes=self.cache_token_bytes(),
             source="default",
         )
+
+    def cache_token_bytes(self) -> float:
+        """K and V of every layer for one token, in the model's dtype, plus one layer's share
+        (the prefill cache of the layer being copied into the static cache coexists with it)."""
+        if self.model is None:
+            return float(DEFAULT_CACHE_TOKEN_BYTES)
+        cfg = self.model.config.text_config
+        layers = int(cfg.num_hidden_layers)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        per_layer = 2 * int(cfg.num_key_value_heads) * head_dim * self.model.dtype.itemsize
+        return float(per_layer * (layers + 1))
 
     # -- running -----------------------------------------------------------------------------
 

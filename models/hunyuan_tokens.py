@@ -113,4 +113,5 @@ def item_cost(
         tokens=prompt_tokens + geometry.image_tokens(width, height) + max_new_tokens,
         patches=geometry.vit_patches(width, height),
         pixels=w * h,
+        new_tokens=max_new_tokens,
     )

@@ -72,6 +72,38 @@ def test_fit_recovers_known_coefficients() -> None:
     assert covered.model.peak_bytes(unseen) == pytest.approx(TRUE.peak_bytes(unseen), rel=1e-6)
 
 
+def test_prefill_and_decode_phases() -> None:
+    """The prefill is charged for prompt tokens only; the new tokens count once their KV cache
+    outgrows the prefill, and then at the cache's rate, padded to the longest sequence."""
+    model = CostModel(fixed_bytes=GiB, per_token_bytes=160 * 1024.0,
+                      per_cache_token_bytes=100 * 1024.0)
+    short = ItemCost(tokens=1071 + 256, patches=4096, pixels=0, new_tokens=256)
+    assert short.prompt_tokens == 1071
+    assert model.batch_bytes([short] * 8) == (8 * 1071 * 160 * 1024)
+    long = ItemCost(tokens=1071 + 1024, patches=4096, pixels=0, new_tokens=1024)
+    assert model.batch_bytes([long] * 8) == (8 * 2095 * 100 * 1024)
+    # Mixed: the longest prompt drives the prefill, the longest sequence the cache.
+    mixed = [ItemCost(tokens=330 + 1024, patches=1200, pixels=0, new_tokens=1024), short]
+    assert model.batch_bytes(mixed) == int(max(2 * 1071 * 160, 2 * 1354 * 100) * 1024)
+    # A model without the decode term (engines that generate nothing) is unchanged.
+    assert CostModel(0, per_token_bytes=1.0).batch_bytes([long]) == 1071
+
+
+def test_fit_uses_prompt_tokens_and_keeps_the_cache_rate() -> None:
+    """Probes generate a few tokens: the per-token coefficient is fitted on the prompt part,
+    and the decode coefficient is the engine's, passed through."""
+    truth = CostModel(fixed_bytes=2 * GiB, per_token_bytes=160 * 1024.0,
+                      per_cache_token_bytes=100 * 1024.0)
+    probes = [ItemCost(t + 64, 4 * t, 0, new_tokens=64) for t in (330, 1071, 2215)]
+    samples = [measured(truth, [c] * n) for c in probes for n in (1, 4, 16)]
+    got = fit(samples, cover=False, cache_token_bytes=100 * 1024.0).model
+    assert got.per_token_bytes + 4 * got.per_patch_bytes == pytest.approx(160 * 1024.0, rel=1e-6)
+    assert got.per_cache_token_bytes == 100 * 1024.0
+    serving = ItemCost(1071 + 1024, 4 * 1071, 0, new_tokens=1024)
+    assert got.peak_bytes([serving] * 32) == pytest.approx(truth.peak_bytes([serving] * 32),
+                                                           rel=1e-6)
+
+
 def test_without_the_padded_probe_tokens_and_patches_cannot_be_told_apart() -> None:
     """Why tune runs the mixed batch: series of one image each leave the split undetermined,
     and a wrong split under-predicts padded batches (what happened on the H200, see

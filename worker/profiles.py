@@ -37,7 +37,8 @@ KEY_FIELDS = (
     "max_new_tokens",
     "decode",
 )
-SCHEMA = 1
+# 2: per_token_bytes counts prompt tokens only, per_cache_token_bytes added (models/costs.py).
+SCHEMA = 2
 
 
 def host_cpu_name() -> str:
@@ -75,6 +76,7 @@ def model_to_json(model: CostModel) -> dict[str, float | int]:
         "per_item_bytes": model.per_item_bytes,
         "per_token_bytes": model.per_token_bytes,
         "per_patch_bytes": model.per_patch_bytes,
+        "per_cache_token_bytes": model.per_cache_token_bytes,
     }
 
 
@@ -124,6 +126,7 @@ def load_profile(profile_dir: Path, key: dict[str, str]) -> CostModel | None:
         per_item_bytes=float(m["per_item_bytes"]),
         per_token_bytes=float(m["per_token_bytes"]),
         per_patch_bytes=float(m["per_patch_bytes"]),
+        per_cache_token_bytes=float(m["per_cache_token_bytes"]),
         source=str(path),
     )
 

@@ -288,7 +288,9 @@ def run_probes(
     samples = report.samples()
     if not samples:
         raise RuntimeError("no probe ran within the budget and time; nothing to fit")
-    report.fit = fit(samples, min_fixed_bytes=base, source="tune")
+    report.fit = fit(
+        samples, min_fixed_bytes=base, source="tune", cache_token_bytes=engine.cache_token_bytes()
+    )
     report.seconds = clock() - started
     return report
 
