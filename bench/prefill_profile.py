@@ -74,18 +74,16 @@ class PhaseClock:
 
 
 def install_clock(torch: Any, engine: HunyuanEngine, cuda: bool) -> PhaseClock:
-    """Stamps named for the phase that ends at them."""
+    """Stamps named for the phase that ends at them. The fast path's fused text prefill calls
+    the vision tower and the lm_head but not the model's forward: those are its landmarks."""
     clock = PhaseClock(torch, cuda)
     model = engine.model
     tower = model.model.vision_tower
-    clock.hook(model, "collate+h2d+rope_index", None)
-    clock.hook(tower, "text_embed", None)
+    clock.hook(tower, "collate+h2d+embed_tokens", None)
     clock.hook(tower.embeddings, None, "vision_patch_embed")
     clock.hook(tower.layers[-1], None, "vision_blocks")
     clock.hook(tower.patch_merger, None, "vision_mergers")
-    lm = model.model.language_model
-    clock.hook(lm, "scatter_image_embeds", "text_decoder")
-    clock.hook(model.lm_head, "after_decoder", "lm_head")
+    clock.hook(model.lm_head, "image_scatter+text_decoder", "lm_head")
     return clock
 
 

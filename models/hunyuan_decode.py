@@ -3,11 +3,12 @@
 Why not `model.generate()`: its decode step costs ~70-90 ms on an H200 at every batch size, all
 of it host time (Python, a DynamicCache that grows by `torch.cat`, per-step masks, logits
 processors, a host sync per step); the memory-bandwidth floor of that step is ~4 ms at batch 128.
-This loop keeps the model's own prefill (vision tower, text prefill, the multimodal RoPE
-positions each row brings from the engine's preprocessing) and replaces only the decode steps:
+This loop keeps the model's own vision tower and attention arithmetic, takes the multimodal RoPE
+positions each row brings from the engine's preprocessing, runs the text prefill with fused
+norm/RoPE kernels when the step does (`_prefill_fused`), and replaces the decode steps:
 
 * the prefill's KV cache moves layer by layer into a static cache sized prompt + new tokens,
-  so the peak stays the prefill's (the per-token cost model still holds);
+  so the peak stays the prefill's until that cache outgrows it (models/costs.py);
 * after the prompt every RoPE axis carries the same text position, so each row's position is its
   last prompt position + 1 + step, advanced on the device (no recomputation of mrope indices);
 * a step calls the model's own submodules (norms, projections, MLP, lm_head) with the same
@@ -219,7 +220,7 @@ class HunyuanDecoder:
     def _prefill(
         self, inputs: dict[str, torch.Tensor], n_new: int, offset: int
     ) -> tuple[_State, torch.Tensor]:
-        """Run the model over the prompt; move its KV cache into a static one."""
+        """Run the prompt through the model; move its KV cache into a static one."""
         import torch
 
         ids = inputs["input_ids"]
@@ -234,20 +235,16 @@ class HunyuanDecoder:
                 image_grid_thw=inputs.get("image_grid_thw"),
                 attention_mask=mask,
             )
-        out = self.model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1)
-        first_logits = out.logits[:, -1, :]
-        cache = getattr(out, "cache", None)  # transformers >= 5.2x names it `cache`
-        if cache is None:
-            cache = getattr(out, "past_key_values", None)
-        if cache is None:
-            raise RuntimeError("the model returned no KV cache from its prefill")
-        del out
+        if self.fused:
+            prompt_kv, first_logits = self._prefill_fused(inputs, positions)
+        else:
+            prompt_kv, first_logits = self._prefill_model(inputs, positions)
 
         cache_len = prompt + max(n_new - 1, 0)  # the last new token is never fed back
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        for index in range(_cache_depth(cache)):
-            k_dyn, v_dyn = _cache_layer(cache, index)
+        for index in range(len(prompt_kv)):
+            k_dyn, v_dyn = prompt_kv[index]
             shape = (batch, k_dyn.shape[1], cache_len, k_dyn.shape[3])
             k = torch.empty(shape, dtype=k_dyn.dtype, device=k_dyn.device)
             v = torch.empty(shape, dtype=v_dyn.dtype, device=v_dyn.device)
@@ -260,8 +257,8 @@ class HunyuanDecoder:
             keys.append(k)
             values.append(v)
             del k_dyn, v_dyn
-            _drop_layer(cache, index)
-        del cache
+            prompt_kv[index] = None  # type: ignore[call-overload]  # free the layer now
+        del prompt_kv
 
         valid = torch.zeros(batch, cache_len, dtype=torch.bool, device=ids.device)
         valid[:, :prompt] = mask.bool()
@@ -283,6 +280,100 @@ class HunyuanDecoder:
             full_cache=False,
         )
         return state, first_logits
+
+    def _prefill_model(
+        self, inputs: dict[str, torch.Tensor], positions: torch.Tensor
+    ) -> tuple[list[Any], torch.Tensor]:
+        """The model's own forward over the prompt: per-layer (keys, values) of the prompt as
+        (B, kv_heads, L, D), and the last position's logits."""
+        out = self.model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1)
+        first_logits = out.logits[:, -1, :]
+        cache = getattr(out, "cache", None)  # transformers >= 5.2x names it `cache`
+        if cache is None:
+            cache = getattr(out, "past_key_values", None)
+        if cache is None:
+            raise RuntimeError("the model returned no KV cache from its prefill")
+        del out
+        layers = [_cache_layer(cache, index) for index in range(_cache_depth(cache))]
+        for index in range(len(layers)):
+            _drop_layer(cache, index)  # the list holds the only references now
+        return layers, first_logits
+
+    def _prefill_fused(
+        self, inputs: dict[str, torch.Tensor], positions: torch.Tensor
+    ) -> tuple[list[Any], torch.Tensor]:
+        """The text prefill with the decode step's fused kernels; same outputs as
+        `_prefill_model`.
+
+        Why: transformers' text layers spend most of their prefill time outside the matmuls and
+        the attention: RMSNorm, RoPE and the q/k norms as ~30 float32 elementwise kernels a
+        layer over every prompt token (bench/results/prefill_profile_h200*.md). Here they are
+        the three Triton kernels of models.decode_kernels, with transformers' rounding points.
+        The vision tower, the image scatter and the attention kernel are the library's; the
+        attention mask is the library's too (causal, left padding), except that a padding row
+        also sees itself, so that no row's softmax is empty (its output is never read).
+        """
+        import torch
+        import torch.nn.functional as F
+
+        ids = inputs["input_ids"]
+        mask = inputs["attention_mask"]
+        batch, prompt = ids.shape
+        n = batch * prompt
+        inner = self.model.model
+        h = self.embed(ids)
+        pixels = inputs.get("pixel_values")
+        if pixels is not None:
+            feats = inner.get_image_features(
+                pixels, inputs["image_grid_thw"], return_dict=True
+            ).pooler_output
+            if isinstance(feats, (list, tuple)):
+                feats = torch.cat(list(feats), dim=0)
+            image = (ids == inner.config.image_token_id)[..., None].expand_as(h)
+            h = h.masked_scatter(image, feats.to(h.device, h.dtype))
+            del feats, image
+        h = h.reshape(n, -1)
+        cos, sin = self._rope(positions.reshape(positions.shape[0], n))
+        cos = cos[:, 0].float().contiguous()
+        sin = sin[:, 0].float().contiguous()
+        attn_mask = None
+        if not bool(mask.bool().all()):
+            cols = torch.arange(prompt, device=ids.device)
+            attn_mask = (cols[None, :] <= cols[:, None])[None, None] & mask.bool()[:, None, None]
+            attn_mask |= torch.eye(prompt, dtype=torch.bool, device=ids.device)
+        groups = self.heads // self.kv_heads
+        prompt_kv: list[Any] = []
+        pending: torch.Tensor | None = None
+        for layer in self.layers:
+            attn = layer.self_attn
+            norm = layer.input_layernorm
+            h, x = add_rms_norm(h, pending, norm.weight, norm.variance_epsilon)
+            q = attn.q_proj(x).view(n, self.heads, self.head_dim)
+            k = attn.k_proj(x).view(n, self.kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(batch, prompt, self.kv_heads, self.head_dim).transpose(1, 2)
+            qn, kn = attn.query_layernorm, attn.key_layernorm
+            q = rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon)
+            k = rope_rms_norm(k, cos, sin, kn.weight, kn.variance_epsilon)
+            k = k.view(batch, prompt, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q.view(batch, prompt, self.heads, self.head_dim).transpose(1, 2)
+            if attn_mask is None:  # what transformers' sdpa integration does without padding
+                o = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scale, enable_gqa=groups > 1
+                )
+            else:  # and with a mask: key/value heads repeated
+                o = F.scaled_dot_product_attention(
+                    q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=attn_mask,
+                    scale=self.scale,
+                )
+            prompt_kv.append((k, v))
+            o = o.transpose(1, 2).reshape(n, self.heads * self.head_dim)
+            post = layer.post_attention_layernorm
+            h, x = add_rms_norm(h, attn.o_proj(o), post.weight, post.variance_epsilon)
+            pending = layer.mlp(x)
+        assert pending is not None
+        last = slice(prompt - 1, n, prompt)  # each row's last position
+        _, x = add_rms_norm(h[last], pending[last], self.norm.weight, self.norm.variance_epsilon)
+        return prompt_kv, self.lm_head(x)
 
     def _contiguous_rows(self, state: _State, prompt: int) -> bool:
         """True when every row's real keys are one run ending at the prompt's end (left padding),
@@ -465,6 +556,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = xf.shape[-1] // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
     return ((xf * cos) + (rotated * sin)).to(x.dtype)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, kv_heads, L, D) -> (B, kv_heads * groups, L, D), each key/value head repeated."""
+    if groups == 1:
+        return x
+    b, heads, length, dim = x.shape
+    return x[:, :, None].expand(b, heads, groups, length, dim).reshape(b, heads * groups, length,
+                                                                      dim)
 
 
 def _cache_depth(cache: Any) -> int:
