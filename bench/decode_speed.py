@@ -400,7 +400,10 @@ def run_one(torch: Any, engine: HunyuanEngine, clock: StepClock, mode: str, page
         step_ms = stats.decode_s / max(stats.timed_steps, 1) * 1e3
         extra = {"capture_s": stats.capture_s, "graph": stats.graph,
                  "attention": stats.attention, "cache_len": stats.cache_len,
-                 "fused": stats.fused}
+                 "fused": stats.fused, "decode_s": stats.decode_s,
+                 "timed_steps": stats.timed_steps,
+                 "prefill_peak_increment_gib": (stats.prefill_peak_bytes - before) / GiB
+                 if cuda else None}
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     reserved = torch.cuda.max_memory_reserved() if cuda else 0
     cost = engine.estimate(PreparedImage(page, Image.new("RGB", (width, height)), (width, height)))
@@ -416,6 +419,7 @@ def run_one(torch: Any, engine: HunyuanEngine, clock: StepClock, mode: str, page
         "floor_ms_measured_bw": (weights + kv) / bw * 1e3 if bw else None,
         "ratio_to_floor": step_ms / floor_ms, "weights_read_gb": weights / 1e9,
         "kv_read_gb": kv / 1e9, "generate_s": gen_s, "end_to_end_s": e2e_s,
+        "collate_s": out.timings["preprocess"], "generate_call_s": out.timings["generate"],
         "prefetch_threads": threads, "prefetch_waited_s": prefetched - generated,
         "prefetch_errors": prep_errors,
         "images_per_s": batch / e2e_s, "generate_images_per_s": batch / gen_s,

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,46 @@ def preprocessing(engine: HunyuanEngine, page: str, count: int, threads: int
             "image_processor": type(engine.processor.image_processor).__name__}
 
 
+def contention(torch: Any, engine: HunyuanEngine, page: str, batch: int, threads: int
+               ) -> list[dict[str, Any]]:
+    """A fast generate() (32 new tokens) of `batch` rows alone, and while a pool of `threads`
+    preprocesses `batch` more images as the worker's prefetch does, under torch intra-op threads
+    1 and one per core: does the prefetch slow the batch down, and does oversubscription
+    (threads x intra-op threads on the cores) explain it?"""
+    w, h = PAGES[page]
+    image = page_image(w, h)
+    row = engine.preprocess(PreparedImage(page, image, (w, h)))
+    item = PreparedImage("p", BLANK, (8, 8))
+    default = torch.get_num_threads()
+    rows = []
+    try:
+        for intra in (1, os.cpu_count() or 1):
+            torch.set_num_threads(intra)
+            for with_pool in (False, True):
+                upcoming = [PreparedImage(f"u{i}", image.copy(), (w, h)) for i in range(batch)]
+                t = time.perf_counter()
+                pool = ThreadPoolExecutor(threads) if with_pool else None
+                pending = [pool.submit(engine.preprocess, it) for it in upcoming] if pool else []
+                out = engine.generate([item] * batch, encoded=[row] * batch, max_new_tokens=32,
+                                      min_new_tokens=32, decode="fast")
+                torch.cuda.synchronize()
+                gen = time.perf_counter() - t
+                wait(pending)
+                both = time.perf_counter() - t
+                if pool:
+                    pool.shutdown()
+                stats = engine.last_decode
+                rows.append({"page": page, "batch": batch, "intra_op_threads": intra,
+                             "prefetch_pool": threads if with_pool else 0, "generate_s": gen,
+                             "until_both_s": both, "collate_s": out.timings["preprocess"],
+                             "prefill_s": stats.prefill_s if stats else None,
+                             "decode_s": stats.decode_s if stats else None})
+                del upcoming, pending
+    finally:
+        torch.set_num_threads(default)
+    return rows
+
+
 def markdown(d: dict[str, Any]) -> str:
     m = d["meta"]
     lines = [f"# Prefill breakdown on {m.get('gpu')}", "",
@@ -223,6 +264,15 @@ def markdown(d: dict[str, Any]) -> str:
     for mm in d["matmul"]:
         lines.append(f"- linear {mm['tokens']}x{mm['in']} -> {mm['out']}: {mm['ms']:.2f} ms, "
                      f"{mm['tflops']:.0f} TFLOP/s")
+    if d.get("contention"):
+        lines += ["", "## Prefetch beside a batch (fast path, 32 new tokens)", "",
+                  "| page | batch | intra-op threads | prefetch pool | generate s | until both s "
+                  "| collate s | prefill s | decode s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in d["contention"]:
+            lines.append(f"| {c['page']} | {c['batch']} | {c['intra_op_threads']} | "
+                         f"{c['prefetch_pool']} | {c['generate_s']:.3f} | {c['until_both_s']:.3f} "
+                         f"| {c['collate_s']:.3f} | {c['prefill_s']:.3f} | {c['decode_s']:.3f} |")
     if d["preprocess"]:
         lines += ["", "## Preprocessing (CPU)", "",
                   "| page | processor | alone ms/img | threads | pool ms/img |",
@@ -261,7 +311,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__},
         "phases": {}, "profile": {}, "attention": [], "matmul": [], "preprocess": [],
-        "errors": []}
+        "contention": [], "errors": []}
 
     def write() -> None:
         (args.out / f"{args.stem}.json").write_text(json.dumps(d, indent=1, default=str))
@@ -318,6 +368,9 @@ def main() -> None:
                 engine, page, args.batch, args.threads))
             if pre:
                 d["preprocess"].append(pre)
+            if cuda:
+                d["contention"] += part(f"contention_{page}", lambda page=page: contention(
+                    torch, engine, page, args.batch, args.threads)) or []
         d["meta"]["total_s"] = round(time.perf_counter() - started, 1)
         write()
         print(markdown(d), flush=True)

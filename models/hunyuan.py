@@ -80,6 +80,9 @@ KiB = 1024
 DEFAULT_WEIGHTS_BYTES = int(1.88 * GiB)
 DEFAULT_FRAMEWORK_BYTES = int(0.64 * GiB)
 DEFAULT_PER_TOKEN_BYTES = 162 * KiB
+# The fused text prefill (models/hunyuan_decode.py) keeps fewer float32 intermediates: 137.8-137.9
+# KiB per prompt token at batch 64 and 128 of every page size on the same H200.
+DEFAULT_PER_TOKEN_BYTES_FUSED = 139 * KiB
 DEFAULT_CACHE_TOKEN_BYTES = 96 * KiB * 25 / 24
 
 # Share of the device memory still free after loading that batches may use by default; the rest
@@ -290,6 +293,12 @@ class HunyuanEngine(Engine):
         path = resolve_model_dir(s.model, s.model_revision, s.model_subfolder)
         device = self._pick_device(torch)
         dtype = self._pick_dtype(torch, device)
+        if device.startswith("cuda"):
+            # The CPU work here is preprocessing, done by many prefetch threads at once (one per
+            # task thread); torch's intra-op pool in each call would put threads x cores workers
+            # on the cores and slow the thread that feeds the GPU. One intra-op thread each:
+            # the prefetch threads are the parallelism (bench/results/prefill_profile_h200.md).
+            torch.set_num_threads(1)
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
         processor.tokenizer.padding_side = "left"
         model = HunYuanVLForConditionalGeneration.from_pretrained(
@@ -454,7 +463,7 @@ class HunyuanEngine(Engine):
             "attention": s.attention,
             "device": self.device or s.device,
             "max_new_tokens": str(s.max_new_tokens),
-            "decode": self.decode if self._decoder or self.model is None else "generate",
+            "decode": self.decode_path(),
         }
         try:
             import torch
@@ -518,10 +527,22 @@ class HunyuanEngine(Engine):
             geometry=self.geometry,
         )
 
+    def decode_path(self) -> str:
+        """"fast-fused" (fused prefill and step kernels), "fast" (the lean loop on torch
+        attention) or "generate": each holds different activations, so each has its own memory
+        profile. Before loading, the configured mode."""
+        if self.model is None:
+            return self.decode
+        if self.decode != "fast" or self._decoder is None:
+            return "generate"
+        return "fast-fused" if self._decoder.fused else "fast"
+
     def cost_model(self) -> CostModel:
+        fused = self.decode_path() == "fast-fused"
+        per_token = DEFAULT_PER_TOKEN_BYTES_FUSED if fused else DEFAULT_PER_TOKEN_BYTES
         return CostModel(
             fixed_bytes=DEFAULT_WEIGHTS_BYTES + DEFAULT_FRAMEWORK_BYTES,
-            per_token_bytes=float(DEFAULT_PER_TOKEN_BYTES),
+            per_token_bytes=float(per_token),
             per_cache_token_bytes=self.cache_token_bytes(),
             source="default",
         )

@@ -91,6 +91,7 @@ class DecodeStats:
     attention: str = "torch"
     fused: bool = False
     cache_len: int = 0
+    prefill_peak_bytes: int = 0  # device memory allocated at most up to the prefill's end (CUDA)
 
 
 @dataclass
@@ -207,6 +208,7 @@ class HunyuanDecoder:
             del first_logits
             if self.is_cuda:
                 torch.cuda.synchronize(self.device)
+                stats.prefill_peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             t1 = time.perf_counter()
             stats.prefill_s = t1 - t0
             stats.cache_len = int(state.keys[0].shape[2]) if state.keys else 0
