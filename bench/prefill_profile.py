@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -191,40 +190,43 @@ def preprocessing(engine: HunyuanEngine, page: str, count: int, threads: int
 def contention(torch: Any, engine: HunyuanEngine, page: str, batch: int, threads: int
                ) -> list[dict[str, Any]]:
     """A fast generate() (32 new tokens) of `batch` rows alone, and while a pool of `threads`
-    preprocesses `batch` more images as the worker's prefetch does, under torch intra-op threads
-    1 and one per core: does the prefetch slow the batch down, and does oversubscription
-    (threads x intra-op threads on the cores) explain it?"""
+    preprocesses `batch` more images as the worker's prefetch does, with the engine letting
+    1, 2, 4 or `threads` of them run the processor at once (`PREPROCESS_SLOTS`): how much does
+    the prefetch slow the batch (GIL), and how many slots keep it from doing so?"""
+    import threading
+
     w, h = PAGES[page]
     image = page_image(w, h)
     row = engine.preprocess(PreparedImage(page, image, (w, h)))
     item = PreparedImage("p", BLANK, (8, 8))
-    default = torch.get_num_threads()
+    default = engine._preprocess_slots
     rows = []
     try:
-        for intra in (1, os.cpu_count() or 1):
-            torch.set_num_threads(intra)
-            for with_pool in (False, True):
-                upcoming = [PreparedImage(f"u{i}", image.copy(), (w, h)) for i in range(batch)]
-                t = time.perf_counter()
-                pool = ThreadPoolExecutor(threads) if with_pool else None
-                pending = [pool.submit(engine.preprocess, it) for it in upcoming] if pool else []
-                out = engine.generate([item] * batch, encoded=[row] * batch, max_new_tokens=32,
-                                      min_new_tokens=32, decode="fast")
+        for slots in (0, 1, 2, 4, threads):
+            engine._preprocess_slots = threading.BoundedSemaphore(max(slots, 1))
+            upcoming = [PreparedImage(f"u{i}", image.copy(), (w, h)) for i in range(batch)]
+            t = time.perf_counter()
+            pool = ThreadPoolExecutor(threads) if slots else None
+            pending = [pool.submit(engine.preprocess, it) for it in upcoming] if pool else []
+            out = engine.generate([item] * batch, encoded=[row] * batch, max_new_tokens=32,
+                                  min_new_tokens=32, decode="fast")
+            if torch.cuda.is_available():
                 torch.cuda.synchronize()
-                gen = time.perf_counter() - t
-                wait(pending)
-                both = time.perf_counter() - t
-                if pool:
-                    pool.shutdown()
-                stats = engine.last_decode
-                rows.append({"page": page, "batch": batch, "intra_op_threads": intra,
-                             "prefetch_pool": threads if with_pool else 0, "generate_s": gen,
-                             "until_both_s": both, "collate_s": out.timings["preprocess"],
-                             "prefill_s": stats.prefill_s if stats else None,
-                             "decode_s": stats.decode_s if stats else None})
-                del upcoming, pending
+            gen = time.perf_counter() - t
+            wait(pending)
+            both = time.perf_counter() - t
+            if pool:
+                pool.shutdown()
+            stats = engine.last_decode
+            rows.append({"page": page, "batch": batch, "intra_op_threads": torch.get_num_threads(),
+                         "prefetch_pool": threads if slots else 0, "slots": slots,
+                         "generate_s": gen, "until_both_s": both,
+                         "collate_s": out.timings["preprocess"],
+                         "prefill_s": stats.prefill_s if stats else None,
+                         "decode_s": stats.decode_s if stats else None})
+            del upcoming, pending
     finally:
-        torch.set_num_threads(default)
+        engine._preprocess_slots = default
     return rows
 
 
@@ -266,12 +268,14 @@ def markdown(d: dict[str, Any]) -> str:
                      f"{mm['tflops']:.0f} TFLOP/s")
     if d.get("contention"):
         lines += ["", "## Prefetch beside a batch (fast path, 32 new tokens)", "",
-                  "| page | batch | intra-op threads | prefetch pool | generate s | until both s "
+                  "| page | batch | intra-op threads | prefetch pool | slots | generate s "
+                  "| until both s "
                   "| collate s | prefill s | decode s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for c in d["contention"]:
             lines.append(f"| {c['page']} | {c['batch']} | {c['intra_op_threads']} | "
-                         f"{c['prefetch_pool']} | {c['generate_s']:.3f} | {c['until_both_s']:.3f} "
+                         f"{c['prefetch_pool']} | {c.get('slots', '')} | {c['generate_s']:.3f} | "
+                         f"{c['until_both_s']:.3f} "
                          f"| {c['collate_s']:.3f} | {c['prefill_s']:.3f} | {c['decode_s']:.3f} |")
     if d["preprocess"]:
         lines += ["", "## Preprocessing (CPU)", "",

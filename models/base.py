@@ -129,6 +129,10 @@ class Engine(ABC):
         0 for engines that generate nothing."""
         return 0.0
 
+    def decode_fixed_bytes(self) -> float:
+        """What the decode phase holds whatever the batch size (the cost model's decode_fixed)."""
+        return 0.0
+
     def prepare(self, item: PreparedImage) -> None:  # noqa: B027 - optional hook
         """CPU preprocessing worth doing in the prefetch threads, off the device's critical path.
 

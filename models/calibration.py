@@ -80,13 +80,16 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarra
     return coef
 
 
-def _model(coef: np.ndarray, source: str, cache_token_bytes: float) -> CostModel:
+def _model(
+    coef: np.ndarray, source: str, cache_token_bytes: float, decode_fixed_bytes: float
+) -> CostModel:
     return CostModel(
         fixed_bytes=round(float(coef[0])),
         per_item_bytes=float(coef[1]),
         per_token_bytes=float(coef[2]),
         per_patch_bytes=float(coef[3]),
         per_cache_token_bytes=float(cache_token_bytes),
+        decode_fixed_bytes=float(decode_fixed_bytes),
         source=source,
     )
 
@@ -98,6 +101,7 @@ def fit(
     cover: bool = True,
     source: str = "fit",
     cache_token_bytes: float = 0.0,
+    decode_fixed_bytes: float = 0.0,
 ) -> Fit:
     """The CostModel that best explains `samples` (see the module docstring for the guards).
 
@@ -107,8 +111,8 @@ def fit(
     size), but never below `min_fixed_bytes`, the memory measured resident before any batch:
     when the free fit would go lower, it is pinned there and the rest refitted above it.
 
-    `cache_token_bytes` becomes the model's decode coefficient as given (see the module
-    docstring).
+    `cache_token_bytes` and `decode_fixed_bytes` become the model's decode part as given (see
+    the module docstring).
 
     Covering every sample combines two moves, see `_cover`: scaling the per-image part (right
     when big batches are under-predicted) and raising the fixed part (right when a constant,
@@ -126,7 +130,7 @@ def fit(
     factor = 1.0
     if cover:
         coef, factor = _cover(x, y, coef)
-    model = _model(coef, source, cache_token_bytes)
+    model = _model(coef, source, cache_token_bytes, decode_fixed_bytes)
     if cover:  # the planner's integer arithmetic rounds: cover to the byte
         short = max(s.peak_bytes - model.peak_bytes(list(s.costs)) for s in samples)
         if short > 0:

@@ -38,14 +38,16 @@ class CostModel:
     """Predicted peak bytes = fixed + max(prefill, decode), where
 
     prefill = per_item*n + per_token*n*max(prompt tokens) + per_patch*sum(patches)
-    decode  = per_cache_token*n*max(tokens)
+    decode  = per_cache_token*n*max(tokens) + decode_fixed
 
     Why two phases: a generating engine's peak is its prefill's activations (vision tower, text
     prefill) until the KV cache of prompt + new tokens outgrows them. Charging the new tokens at
     the prefill's rate over-predicted by 15% at 256 new tokens on an H200
     (bench/results/decode_speed_h200.md) and by ~50% at 1024; charging them nothing would
     under-predict a long generation. `fixed_bytes` is weights + framework + workspace: what is
-    resident before any image arrives. Engines that generate nothing leave per_cache_token at 0.
+    resident before any image arrives. `decode_fixed_bytes` is what the decode phase holds
+    whatever the batch (workspaces of the graphed step): it only shows when the cache term wins,
+    at batch 1 say. Engines that generate nothing leave both decode coefficients at 0.
     """
 
     fixed_bytes: int
@@ -53,6 +55,7 @@ class CostModel:
     per_token_bytes: float = 0.0
     per_patch_bytes: float = 0.0
     per_cache_token_bytes: float = 0.0
+    decode_fixed_bytes: float = 0.0
     source: str = "default"  # "default" or the profile the coefficients were fitted from
 
     def batch_bytes(self, costs: Sequence[ItemCost]) -> int:
@@ -69,6 +72,8 @@ class CostModel:
             + self.per_patch_bytes * patches
         )
         decode = self.per_cache_token_bytes * n * longest
+        if decode:
+            decode += self.decode_fixed_bytes
         return int(max(prefill, decode))
 
     def peak_bytes(self, costs: Sequence[ItemCost]) -> int:

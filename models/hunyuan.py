@@ -61,6 +61,7 @@ from ocrq.settings import Settings
 
 if TYPE_CHECKING:
     import torch
+    from PIL import Image
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,18 @@ DEFAULT_PER_TOKEN_BYTES = 162 * KiB
 # KiB per prompt token at batch 64 and 128 of every page size on the same H200.
 DEFAULT_PER_TOKEN_BYTES_FUSED = 139 * KiB
 DEFAULT_CACHE_TOKEN_BYTES = 96 * KiB * 25 / 24
+DEFAULT_DECODE_FIXED_BYTES = 40 * 1024 * KiB
 
 # Share of the device memory still free after loading that batches may use by default; the rest
 # covers the allocator's fragmentation (reserved minus allocated) and cuBLAS/cuDNN workspaces.
 DEFAULT_FREE_SHARE = 0.85
 
 _PROMPT_CACHE_SIZE = 256
+# Prefetch threads that may run the processor at once. Its Python holds the GIL, and the thread
+# that feeds the GPU needs the GIL to launch each batch's thousands of kernels: 16 prefetch
+# threads at once slowed a batch of 64 pages by 15-30% on the H200 (prefill_profile_h200.md,
+# "Prefetch beside a batch"). Two still preprocess several times faster than the GPU consumes.
+PREPROCESS_SLOTS = 2
 # New tokens `probe` forces at most (see there): enough decode steps to reach the cache's
 # growth, few enough that `ocrq tune` stays within seconds per probe.
 PROBE_NEW_TOKENS = 64
@@ -261,6 +268,7 @@ class HunyuanEngine(Engine):
         self._templates: OrderedDict[str, tuple[str, int]] = OrderedDict()
         # estimate() runs in the Celery task threads, run() in the batcher thread.
         self._templates_lock = threading.Lock()
+        self._preprocess_slots = threading.BoundedSemaphore(PREPROCESS_SLOTS)
         self.decode = decode or decode_mode_from_env()
         if self.decode not in ("fast", "generate"):
             raise ValueError(f"decode must be 'fast' or 'generate', not {self.decode!r}")
@@ -544,8 +552,15 @@ class HunyuanEngine(Engine):
             fixed_bytes=DEFAULT_WEIGHTS_BYTES + DEFAULT_FRAMEWORK_BYTES,
             per_token_bytes=float(per_token),
             per_cache_token_bytes=self.cache_token_bytes(),
+            decode_fixed_bytes=self.decode_fixed_bytes(),
             source="default",
         )
+
+    def decode_fixed_bytes(self) -> float:
+        """The graphed decode phase's per-batch constant on a GPU, measured at batch 1 where the
+        cache term is the peak: 0.166 GiB peak increment against 0.126 GiB of cache
+        (bench/results/decode_speed_h200.json); 0 for the CPU's plain loop."""
+        return float(DEFAULT_DECODE_FIXED_BYTES) if self._cuda() else 0.0
 
     def cache_token_bytes(self) -> float:
         """K and V of every layer for one token, in the model's dtype, plus one layer's share
@@ -568,6 +583,10 @@ class HunyuanEngine(Engine):
         image = item.image if item.image.mode == "RGB" else item.image.convert("RGB")
         self.geometry.resized(*image.size)  # a clear ImageShapeError before the processor's own
         text, _ = self._template(self.prompt_of(item))
+        with self._preprocess_slots:
+            return self._encode(text, image)
+
+    def _encode(self, text: str, image: Image.Image) -> EncodedImage:
         enc = self.processor(text=[text], images=[image], return_tensors="pt")
         return EncodedImage(
             input_ids=enc["input_ids"][0],
@@ -638,24 +657,22 @@ class HunyuanEngine(Engine):
 
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
-        longest = max(len(r.input_ids) for r in rows)
-        input_ids = torch.full((len(rows), longest), self._pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), longest), dtype=torch.long)
-        types = torch.zeros((len(rows), longest), dtype=torch.long)
-        with_positions = all(r.positions is not None for r in rows)
+        from torch.nn.utils.rnn import pad_sequence
+
+        # One call per tensor kind, not a Python loop over rows: this runs in the thread that
+        # feeds the GPU, while prefetch threads compete for the GIL.
+        def padded(tensors: list[torch.Tensor], value: int) -> torch.Tensor:
+            return pad_sequence(
+                tensors, batch_first=True, padding_value=value, padding_side=padding_side
+            )
+
+        input_ids = padded([r.input_ids for r in rows], self._pad_id)
+        attention = padded([torch.ones_like(r.input_ids) for r in rows], 0)
+        types = padded([r.mm_token_type_ids for r in rows], 0)
         positions = None
-        if with_positions:
-            axes = rows[0].positions.shape[0]  # type: ignore[union-attr]
-            # Padding columns hold position 0 on every axis, as the library leaves them.
-            positions = torch.zeros((axes, len(rows), longest), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r.input_ids)
-            cols = slice(longest - n, longest) if padding_side == "left" else slice(0, n)
-            input_ids[i, cols] = r.input_ids
-            attention[i, cols] = 1
-            types[i, cols] = r.mm_token_type_ids
-            if positions is not None:
-                positions[:, i, cols] = r.positions
+        if all(r.positions is not None for r in rows):
+            # (axes, B, L); padding columns hold position 0 on every axis, as the library's do.
+            positions = padded([r.positions.t() for r in rows], 0).permute(2, 0, 1)  # type: ignore[union-attr]
         inputs = {
             "input_ids": input_ids,
             "attention_mask": attention,

@@ -291,7 +291,8 @@ def tune(
     typer.echo(
         f"model: fixed {m.fixed_bytes / GiB:.3f} GiB, per item {m.per_item_bytes / 2**20:.3f} MiB,"
         f" per token {m.per_token_bytes / 1024:.2f} KiB, per patch {m.per_patch_bytes / 1024:.2f}"
-        f" KiB, per cached token {m.per_cache_token_bytes / 1024:.2f} KiB;"
+        f" KiB, per cached token {m.per_cache_token_bytes / 1024:.2f} KiB"
+        f" (+{m.decode_fixed_bytes / 2**20:.0f} MiB while decoding);"
         f" largest error on the probes {fitted.max_rel_error:.1%}"
         f" (per-image part scaled x{fitted.cover_factor:.3f} to cover them all)"
     )

@@ -37,7 +37,7 @@ KEY_FIELDS = (
     "max_new_tokens",
     "decode",
 )
-# 2: per_token_bytes counts prompt tokens only, per_cache_token_bytes added (models/costs.py).
+# 2: per_token_bytes counts prompt tokens only; the decode part is new (models/costs.py).
 SCHEMA = 2
 
 
@@ -77,6 +77,7 @@ def model_to_json(model: CostModel) -> dict[str, float | int]:
         "per_token_bytes": model.per_token_bytes,
         "per_patch_bytes": model.per_patch_bytes,
         "per_cache_token_bytes": model.per_cache_token_bytes,
+        "decode_fixed_bytes": model.decode_fixed_bytes,
     }
 
 
@@ -127,6 +128,7 @@ def load_profile(profile_dir: Path, key: dict[str, str]) -> CostModel | None:
         per_token_bytes=float(m["per_token_bytes"]),
         per_patch_bytes=float(m["per_patch_bytes"]),
         per_cache_token_bytes=float(m["per_cache_token_bytes"]),
+        decode_fixed_bytes=float(m["decode_fixed_bytes"]),
         source=str(path),
     )
 

@@ -289,7 +289,11 @@ def run_probes(
     if not samples:
         raise RuntimeError("no probe ran within the budget and time; nothing to fit")
     report.fit = fit(
-        samples, min_fixed_bytes=base, source="tune", cache_token_bytes=engine.cache_token_bytes()
+        samples,
+        min_fixed_bytes=base,
+        source="tune",
+        cache_token_bytes=engine.cache_token_bytes(),
+        decode_fixed_bytes=engine.decode_fixed_bytes(),
     )
     report.seconds = clock() - started
     return report
