@@ -1,7 +1,7 @@
 """Where a batch's prefill goes on one GPU: phases, kernels, and the preprocessing beside it.
 
 Why: with the graphed decode loop (models/hunyuan_decode.py) the prefill is most of a batch
-(decode_speed_h200.md: 7.8 s of 9.8 s for 128 A4 pages), so the next lever must be found by
+(decode_speed_h200_128tok.md: 7.8 s of 9.8 s for 128 A4 pages), so the next lever must be found by
 measurement, not guessed. One call measures, for each page size at one batch:
 
 * the prefill split into phases by forward hooks that synchronise the device: multimodal RoPE

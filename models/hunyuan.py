@@ -18,10 +18,11 @@ Design notes (the why):
 * Attention is sdpa (or flash) and never eager: eager takes 13.1 GiB for one A4 page on the
   H200 where sdpa takes ~0.35 GiB.
 * Decoding runs in models/hunyuan_decode.py by default (OCRQ_DECODE=fast): the model's own
-  prefill, then a static KV cache and one CUDA graph per batch, 3.4 ms a step at batch 64 on an
-  H200 where `generate()` takes ~71 ms (bench/results/decode_speed_h200.md), same greedy tokens,
-  same peak memory. OCRQ_DECODE=generate keeps transformers' loop, and a generation config the
-  fast loop cannot honour (a repetition penalty, say) falls back to it on its own.
+  vision tower, a text prefill with fused norm/RoPE kernels, then a static KV cache and one CUDA
+  graph per batch, 3.5 ms a step at batch 64 on an H200 where `generate()` takes 62-105 ms
+  (bench/results/decode_speed_h200*.md), same greedy tokens, less peak memory.
+  OCRQ_DECODE=generate keeps transformers' loop, and a generation config the fast loop cannot
+  honour (a repetition penalty, say) falls back to it on its own.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ DEFAULT_PER_TOKEN_BYTES = 162 * KiB
 # KiB per prompt token at batch 64 and 128 of every page size on the same H200.
 DEFAULT_PER_TOKEN_BYTES_FUSED = 139 * KiB
 DEFAULT_CACHE_TOKEN_BYTES = 96 * KiB * 25 / 24
-DEFAULT_DECODE_FIXED_BYTES = 40 * 1024 * KiB
+DEFAULT_DECODE_FIXED_BYTES = 42 * 1024 * KiB
 
 # Share of the device memory still free after loading that batches may use by default; the rest
 # covers the allocator's fragmentation (reserved minus allocated) and cuBLAS/cuDNN workspaces.
@@ -94,13 +95,30 @@ DEFAULT_FREE_SHARE = 0.85
 _PROMPT_CACHE_SIZE = 256
 # Prefetch threads that may run the processor at once. Its Python holds the GIL, and the thread
 # that feeds the GPU needs the GIL to launch each batch's thousands of kernels: 16 prefetch
-# threads at once slowed a batch of 64 pages by 15-30% on the H200 (prefill_profile_h200.md,
-# "Prefetch beside a batch"). Two still preprocess several times faster than the GPU consumes.
+# threads at once slowed a batch of 64 pages by 14-25% on the H200, 2 at once by nothing
+# measurable, while 1 could not keep up (bench/results/prefill_profile_h200.md, "Prefetch
+# beside a batch").
 PREPROCESS_SLOTS = 2
 # New tokens `probe` forces at most (see there): enough decode steps to reach the cache's
 # growth, few enough that `ocrq tune` stays within seconds per probe.
 PROBE_NEW_TOKENS = 64
 _REFUSED_ATTENTION = {"eager"}
+
+
+def default_cost_model(
+    decode_path: str,
+    cache_token_bytes: float = DEFAULT_CACHE_TOKEN_BYTES,
+    decode_fixed_bytes: float = DEFAULT_DECODE_FIXED_BYTES,
+) -> CostModel:
+    """The measured default memory model for a decode path (see the constants above)."""
+    fused = decode_path == "fast-fused"
+    return CostModel(
+        fixed_bytes=DEFAULT_WEIGHTS_BYTES + DEFAULT_FRAMEWORK_BYTES,
+        per_token_bytes=float(DEFAULT_PER_TOKEN_BYTES_FUSED if fused else DEFAULT_PER_TOKEN_BYTES),
+        per_cache_token_bytes=float(cache_token_bytes),
+        decode_fixed_bytes=float(decode_fixed_bytes),
+        source="default",
+    )
 
 
 class ModelNotFound(RuntimeError):
@@ -305,7 +323,9 @@ class HunyuanEngine(Engine):
             # The CPU work here is preprocessing, done by many prefetch threads at once (one per
             # task thread); torch's intra-op pool in each call would put threads x cores workers
             # on the cores and slow the thread that feeds the GPU. One intra-op thread each:
-            # the prefetch threads are the parallelism (bench/results/prefill_profile_h200.md).
+            # the prefetch threads are the parallelism. With 16 prefetch threads beside a batch
+            # of 64 pages, that batch took 6-7% longer at 16 intra-op threads than at 1
+            # (bench/results/prefill_profile_h200_threads.md).
             torch.set_num_threads(1)
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
         processor.tokenizer.padding_side = "left"
@@ -546,20 +566,14 @@ class HunyuanEngine(Engine):
         return "fast-fused" if self._decoder.fused else "fast"
 
     def cost_model(self) -> CostModel:
-        fused = self.decode_path() == "fast-fused"
-        per_token = DEFAULT_PER_TOKEN_BYTES_FUSED if fused else DEFAULT_PER_TOKEN_BYTES
-        return CostModel(
-            fixed_bytes=DEFAULT_WEIGHTS_BYTES + DEFAULT_FRAMEWORK_BYTES,
-            per_token_bytes=float(per_token),
-            per_cache_token_bytes=self.cache_token_bytes(),
-            decode_fixed_bytes=self.decode_fixed_bytes(),
-            source="default",
+        return default_cost_model(
+            self.decode_path(), self.cache_token_bytes(), self.decode_fixed_bytes()
         )
 
     def decode_fixed_bytes(self) -> float:
         """The graphed decode phase's per-batch constant on a GPU, measured at batch 1 where the
-        cache term is the peak: 0.166 GiB peak increment against 0.126 GiB of cache
-        (bench/results/decode_speed_h200.json); 0 for the CPU's plain loop."""
+        cache term is the peak: a 0.166 GiB peak increment after a 0.142 GiB prefill, against
+        0.126 GiB of cache (bench/results/decode_speed_h200.json); 0 on the CPU."""
         return float(DEFAULT_DECODE_FIXED_BYTES) if self._cuda() else 0.0
 
     def cache_token_bytes(self) -> float:
@@ -601,8 +615,9 @@ class HunyuanEngine(Engine):
 
         Why in the prefetch thread: the batcher thread then neither casts nor concatenates a
         batch on the CPU while the GPU waits, and copies each row to the device asynchronously
-        (pinned memory). Collating 128 A4 pages the plain way (float32 cast, one CPU `cat`, one
-        pageable copy) left the H200 idle ~1.4 s per batch (bench/results/decode_speed_h200.md).
+        (pinned memory). Collated the plain way (float32 cast, one CPU `cat`, one pageable copy)
+        with prefetch running beside it, a batch of 128 pages spent 0.75 s (1024²) to 1.4 s (A4)
+        outside its prefill and decode (bench/results/decode_speed_h200_step1.json).
         """
         import torch
 
@@ -617,8 +632,8 @@ class HunyuanEngine(Engine):
         Why here: the positions depend on the row alone (`_isolate_rows`), and the library
         computes them with a Python loop over every prompt token with a device sync per row,
         0.28 s (1024² pages) to 0.45 s (A4) of an idle GPU per batch of 64 measured on an H200
-        (bench/results/prefill_profile_h200.md). In the prefetch thread that cost overlaps the
-        GPU's work on the batch before.
+        (bench/results/prefill_profile_h200_before.md). In the prefetch thread that cost overlaps
+        the GPU's work on the batch before.
         """
         import torch
 

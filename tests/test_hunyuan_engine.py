@@ -333,3 +333,33 @@ def test_cache_token_bytes_follow_the_models_shape(engine: HunyuanEngine) -> Non
     assert engine.cache_token_bytes() == per_layer * (cfg.num_hidden_layers + 1)
     assert engine.cost_model().per_cache_token_bytes == engine.cache_token_bytes()
     assert HunyuanEngine(Settings()).cache_token_bytes() == 2 * 8 * 128 * 2 * 25 == 100 * 1024
+
+
+def test_default_cost_model_covers_the_fast_path_measurements() -> None:
+    """The fast path's own default (fused prefill, graphed decode) against the decode bench on
+    the H200: never below the measured increment, at most 3% above, prefill- and decode-bound
+    batches alike."""
+    import json
+
+    from models.costs import ItemCost
+    from models.hunyuan import default_cost_model
+
+    results = Path(__file__).resolve().parents[1] / "bench/results/decode_speed_h200.json"
+    report = json.loads(results.read_text())
+    model = default_cost_model("fast-fused")
+    checked = 0
+    for run in [*report["runs"], report["memory_decode"]]:
+        if run.get("mode", "fast") != "fast":
+            continue
+        new = run["new_tokens"]
+        cost = ItemCost(run["prompt_tokens"] + new, 0, 0, new_tokens=new)
+        predicted = model.batch_bytes([cost] * run["batch"])
+        measured = run["increment_gib"] * 1024**3
+        assert measured <= predicted <= measured * 1.03, run
+        checked += 1
+    assert checked == 8
+    # The plain path's default would over-predict the fused prefill by more than 10%.
+    plain = default_cost_model("generate")
+    run = next(r for r in report["runs"] if r["mode"] == "fast" and r["batch"] == 128)
+    cost = ItemCost(run["prompt_tokens"] + 256, 0, 0, new_tokens=256)
+    assert plain.batch_bytes([cost] * 128) > 1.1 * run["increment_gib"] * 1024**3
