@@ -112,7 +112,7 @@ def fit(
     when the free fit would go lower, it is pinned there and the rest refitted above it.
 
     `cache_token_bytes` and `decode_fixed_bytes` become the model's decode part as given (see
-    the module docstring).
+    the module docstring); samples that part explains better are left out of the prefill fit.
 
     Covering every sample combines two moves, see `_cover`: scaling the per-image part (right
     when big batches are under-predicted) and raising the fixed part (right when a constant,
@@ -123,13 +123,20 @@ def fit(
     x = np.array([features(s.costs) for s in samples], dtype=np.float64)
     y = np.array([float(s.peak_bytes) for s in samples], dtype=np.float64)
     w = 1.0 / np.maximum(y, 1.0)
-    coef = _nonnegative_lstsq(x, y, w)
-    if coef[0] < min_fixed_bytes:
-        coef[0] = float(min_fixed_bytes)
-        coef[1:] = _nonnegative_lstsq(x[:, 1:], y - coef[0], w)
+    decode = np.array([_decode_part(s.costs, cache_token_bytes, decode_fixed_bytes)
+                       for s in samples])
+    # Samples whose peak is the decode's (small batches of short prompts) say nothing about the
+    # prefill coefficients: fit those on the others, found by fitting twice.
+    keep = np.ones(len(samples), dtype=bool)
+    coef = _solve(x, y, w, min_fixed_bytes)
+    if np.any(decode > 0):
+        bound = decode > x @ coef - coef[0]
+        if np.count_nonzero(~bound) >= 2 and np.any(bound):
+            keep = ~bound
+            coef = _solve(x[keep], y[keep], w[keep], min_fixed_bytes)
     factor = 1.0
     if cover:
-        coef, factor = _cover(x, y, coef)
+        coef, factor = _cover(x[keep], y[keep], coef)
     model = _model(coef, source, cache_token_bytes, decode_fixed_bytes)
     if cover:  # the planner's integer arithmetic rounds: cover to the byte
         short = max(s.peak_bytes - model.peak_bytes(list(s.costs)) for s in samples)
@@ -137,6 +144,21 @@ def fit(
             model = replace(model, fixed_bytes=model.fixed_bytes + short)
     errors = [relative_error(model, s) for s in samples]
     return Fit(model, float(factor), float(max(abs(e) for e in errors)), len(samples))
+
+
+def _solve(x: np.ndarray, y: np.ndarray, w: np.ndarray, min_fixed_bytes: int) -> np.ndarray:
+    coef = _nonnegative_lstsq(x, y, w)
+    if coef[0] < min_fixed_bytes:
+        coef[0] = float(min_fixed_bytes)
+        coef[1:] = _nonnegative_lstsq(x[:, 1:], y - coef[0], w)
+    return coef
+
+
+def _decode_part(costs: Sequence[ItemCost], per_cache_token: float, fixed: float) -> float:
+    """The decode term of CostModel.batch_bytes for these costs (0 without a cache rate)."""
+    if not costs or not per_cache_token:
+        return 0.0
+    return per_cache_token * len(costs) * max(c.tokens for c in costs) + fixed
 
 
 def _cover(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> tuple[np.ndarray, float]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,17 @@ def test_fit_uses_prompt_tokens_and_keeps_the_cache_rate() -> None:
     got = fit(samples, cover=False, cache_token_bytes=100 * 1024.0).model
     assert got.per_token_bytes + 4 * got.per_patch_bytes == pytest.approx(160 * 1024.0, rel=1e-6)
     assert got.per_cache_token_bytes == 100 * 1024.0
+    # Small probes of short prompts peak in the decode: left out of the prefill fit, they
+    # leave the coefficients as they are.
+    small = ItemCost(330 + 64, 4 * 330, 0, new_tokens=64)
+    truth_d = replace(truth, decode_fixed_bytes=40 * MiB)
+    assert truth_d.batch_bytes([small]) > 160 * 1024 * 330  # the decode part is the peak
+    mixed = [measured(truth_d, [c] * n) for c in (*probes, small) for n in (1, 4, 16)]
+    refit = fit(mixed, cover=False, cache_token_bytes=100 * 1024.0,
+                decode_fixed_bytes=40 * MiB).model
+    assert refit.per_token_bytes + 4 * refit.per_patch_bytes == pytest.approx(160 * 1024.0,
+                                                                              rel=1e-6)
+    assert refit.fixed_bytes == pytest.approx(2 * GiB, rel=1e-6)
     serving = ItemCost(1071 + 1024, 4 * 1071, 0, new_tokens=1024)
     assert got.peak_bytes([serving] * 32) == pytest.approx(truth.peak_bytes([serving] * 32),
                                                            rel=1e-6)
