@@ -363,3 +363,39 @@ def test_default_cost_model_covers_the_fast_path_measurements() -> None:
     run = next(r for r in report["runs"] if r["mode"] == "fast" and r["batch"] == 128)
     cost = ItemCost(run["prompt_tokens"] + 256, 0, 0, new_tokens=256)
     assert plain.batch_bytes([cost] * 128) > 1.1 * run["increment_gib"] * 1024**3
+
+
+def test_at_most_preprocess_slots_threads_run_the_processor(
+    engine: HunyuanEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many prefetch threads, at most PREPROCESS_SLOTS of them in the processor at once (the
+    GIL is left to the thread that feeds the GPU), and every one of them still gets its row."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from models.hunyuan import PREPROCESS_SLOTS
+
+    inside = 0
+    most = 0
+    lock = threading.Lock()
+    encode = engine._encode
+
+    def counted(*args: Any) -> Any:
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        try:
+            time.sleep(0.02)  # long enough for the other threads to pile up at the door
+            return encode(*args)
+        finally:
+            with lock:
+                inside -= 1
+
+    monkeypatch.setattr(engine, "_encode", counted)
+    items = [item(64 + i, 64, 40 + i) for i in range(12)]
+    with ThreadPoolExecutor(8) as pool:
+        rows = list(pool.map(engine.preprocess, items))
+    assert most == PREPROCESS_SLOTS == 2
+    assert all(r.positions is not None and len(r.input_ids) > 0 for r in rows)
