@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
 CHECK_EVERY = 16  # steps between host checks for "every row has finished"
+PADDED_ROWS = 8  # rows per attention call of a padded prefill (see `_padded_attention`)
 DECODE_MODES = ("fast", "generate")
 ATTENTION_MODES = ("auto", "triton", "torch")
 
@@ -311,9 +312,8 @@ class HunyuanDecoder:
         the attention: RMSNorm, RoPE and the q/k norms as ~30 float32 elementwise kernels a
         layer over every prompt token (bench/results/prefill_profile_h200*.md). Here they are
         the three Triton kernels of models.decode_kernels, with transformers' rounding points.
-        The vision tower, the image scatter and the attention kernel are the library's; the
-        attention mask is the library's too (causal, left padding), except that a padding row
-        also sees itself, so that no row's softmax is empty (its output is never read).
+        The vision tower, the image scatter and the attention kernel are the library's; so is
+        the attention mask (causal, left padding; see `_padded_attention`).
         """
         import torch
         import torch.nn.functional as F
@@ -338,11 +338,7 @@ class HunyuanDecoder:
         cos, sin = self._rope(positions.reshape(positions.shape[0], n))
         cos = cos[:, 0].float().contiguous()
         sin = sin[:, 0].float().contiguous()
-        attn_mask = None
-        if not bool(mask.bool().all()):
-            cols = torch.arange(prompt, device=ids.device)
-            attn_mask = (cols[None, :] <= cols[:, None])[None, None] & mask.bool()[:, None, None]
-            attn_mask |= torch.eye(prompt, dtype=torch.bool, device=ids.device)
+        padded = not bool(mask.bool().all())
         groups = self.heads // self.kv_heads
         prompt_kv: list[Any] = []
         pending: torch.Tensor | None = None
@@ -358,14 +354,11 @@ class HunyuanDecoder:
             k = rope_rms_norm(k, cos, sin, kn.weight, kn.variance_epsilon)
             k = k.view(batch, prompt, self.kv_heads, self.head_dim).transpose(1, 2)
             q = q.view(batch, prompt, self.heads, self.head_dim).transpose(1, 2)
-            if attn_mask is None:  # what transformers' sdpa integration does without padding
+            if padded:
+                o = self._padded_attention(q, k, v, mask.bool(), groups)
+            else:  # what transformers' sdpa integration does without padding
                 o = F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.scale, enable_gqa=groups > 1
-                )
-            else:  # and with a mask: key/value heads repeated
-                o = F.scaled_dot_product_attention(
-                    q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=attn_mask,
-                    scale=self.scale,
                 )
             prompt_kv.append((k, v))
             o = o.transpose(1, 2).reshape(n, self.heads * self.head_dim)
@@ -376,6 +369,34 @@ class HunyuanDecoder:
         last = slice(prompt - 1, n, prompt)  # each row's last position
         _, x = add_rms_norm(h[last], pending[last], self.norm.weight, self.norm.variance_epsilon)
         return prompt_kv, self.lm_head(x)
+
+    def _padded_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+        groups: int,
+    ) -> torch.Tensor:
+        """Causal attention over left-padded rows, as transformers' sdpa integration computes it
+        with a mask (key/value heads repeated, a boolean mask), `PADDED_ROWS` rows at a time.
+
+        Why in slices: the mask (rows x L x L) and the repeated heads exist only for a slice, so
+        a padded batch holds about what an unpadded one does, for which the cost model was
+        measured; rows are independent, so each row's output is the same. A padding row also
+        sees itself, so that no row's softmax is empty (its output is never read)."""
+        import torch
+        import torch.nn.functional as F
+
+        batch, _, prompt, _ = q.shape
+        cols = torch.arange(prompt, device=q.device)
+        causal = cols[None, :] <= cols[:, None]
+        itself = torch.eye(prompt, dtype=torch.bool, device=q.device)
+        out = torch.empty_like(q)
+        for lo in range(0, batch, PADDED_ROWS):
+            hi = min(lo + PADDED_ROWS, batch)
+            allowed = (causal[None, None] & valid[lo:hi, None, None, :]) | itself
+            out[lo:hi] = F.scaled_dot_product_attention(
+                q[lo:hi], _repeat_kv(k[lo:hi], groups), _repeat_kv(v[lo:hi], groups),
+                attn_mask=allowed, scale=self.scale,
+            )
+        return out
 
     def _contiguous_rows(self, state: _State, prompt: int) -> bool:
         """True when every row's real keys are one run ending at the prompt's end (left padding),

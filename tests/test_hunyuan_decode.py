@@ -225,6 +225,7 @@ KERNEL_CHECK = textwrap.dedent(
 ENGINE_CHECK = textwrap.dedent(
     """
     import sys
+    import models.hunyuan_decode
     from models.hunyuan import HunyuanEngine
     from ocrq.settings import Settings
     from tests.test_hunyuan_decode import MAX_NEW, item
@@ -232,6 +233,7 @@ ENGINE_CHECK = textwrap.dedent(
     engine = HunyuanEngine(Settings(model=sys.argv[1], model_subfolder=None, dtype="float32",
                                     device="cpu", max_new_tokens=MAX_NEW), decode="fast")
     engine.load()
+    models.hunyuan_decode.PADDED_ROWS = 2  # the padded prefill's attention in two slices
     batch = [item(100, 150, 11), item(160, 90, 12, task="spotting"), item(64, 64, 13)]
     plain = engine.generate(batch, output_logits=True, decode="generate")
     fast = engine.generate(batch, output_logits=True, decode="fast")
