@@ -171,6 +171,18 @@ def resolve_model_dir(
     return path
 
 
+def snapshot_commit(path: Path | None) -> str | None:
+    """The commit of the Hugging Face cache snapshot `path` lies in (…/snapshots/<commit>/…),
+    else None (a plain local directory, or nothing loaded)."""
+    if path is None:
+        return None
+    parts = Path(path).parts
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
+            return parts[i + 1]
+    return None
+
+
 @dataclass
 class EncodedImage:
     """One image after the processor: its prompt row and its vision inputs (CPU tensors)."""
@@ -485,7 +497,9 @@ class HunyuanEngine(Engine):
         facts = {
             "engine": self.name,
             "model": s.model,
-            "revision": s.model_revision or "main",
+            # The snapshot actually loaded, when it is one: a profile measured on an older
+            # snapshot of the same branch is not this model's.
+            "revision": snapshot_commit(self.model_dir) or s.model_revision or "main",
             "subfolder": s.model_subfolder or "",
             "dtype": s.dtype,
             "attention": s.attention,

@@ -399,3 +399,14 @@ def test_at_most_preprocess_slots_threads_run_the_processor(
         rows = list(pool.map(engine.preprocess, items))
     assert most == PREPROCESS_SLOTS == 2
     assert all(r.positions is not None and len(r.input_ids) > 0 for r in rows)
+
+
+def test_profile_key_names_the_loaded_snapshot(engine: HunyuanEngine, tmp_path: Path) -> None:
+    """describe() gives the cache snapshot's commit as the revision; a plain directory keeps
+    the configured one."""
+    from models.hunyuan import snapshot_commit
+
+    assert engine.describe()["revision"] == COMMIT
+    assert snapshot_commit(engine.model_dir) == COMMIT
+    assert snapshot_commit(tmp_path / "snapshots" / "abc" / "v1.0") is None  # not a cache
+    assert snapshot_commit(None) is None
