@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -43,7 +42,14 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.hunyuan_engine_bench import PAGES, StepClock, page_image  # noqa: E402
+from bench.hunyuan_engine_bench import (  # noqa: E402
+    PAGES,
+    StepClock,
+    add_model_args,
+    page_image,
+    random_checkpoint,
+    run_meta,
+)
 from models.base import PreparedImage  # noqa: E402
 from models.decode_attention import KernelConfig, TritonDecodeAttention, attend_torch  # noqa: E402
 from models.hunyuan import HunyuanEngine  # noqa: E402
@@ -385,7 +391,7 @@ def run_one(torch: Any, engine: HunyuanEngine, clock: StepClock, mode: str, page
     generated = time.perf_counter()
     wait(pending)
     pool.shutdown()
-    prefetched = max(generated, time.perf_counter())
+    prefetched = time.perf_counter()
     prep_errors = [repr(f.exception()) for f in pending if f.exception() is not None]
     del pending, upcoming
     assert all(len(g.token_ids) == new for g in out.items), "forced length not reached"
@@ -452,11 +458,9 @@ def memory_decode_bound(torch: Any, engine: HunyuanEngine, size: tuple[int, int]
     cost = engine.estimate(item)
     cost = replace(cost, tokens=cost.tokens - cost.new_tokens + new, new_tokens=new)
     model = engine.cost_model()
-    n = batch
-    prefill_part = (model.per_item_bytes * n + model.per_token_bytes * n * cost.prompt_tokens
-                    + model.per_patch_bytes * n * cost.patches)
-    decode_part = model.per_cache_token_bytes * n * cost.tokens
-    predicted = model.batch_bytes([cost] * batch)
+    costs = [cost] * batch
+    prefill_part, decode_part = model.prefill_bytes(costs), model.decode_bytes(costs)
+    predicted = model.batch_bytes(costs)
     return {"size": size, "batch": batch, "new_tokens": new, "prompt_tokens": out.padded_length,
             "seconds": seconds, "increment_gib": (peak - before) / GiB,
             "predicted_increment_gib": predicted / GiB,
@@ -577,9 +581,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stem", default="decode_speed_h200")
-    ap.add_argument("--shape", choices=("full", "tiny"), default="full")
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--pages", default=",".join(PAGES))
     ap.add_argument("--batches", default="64,128")
     ap.add_argument("--batch1-pages", default="page-1024", help="pages also run at batch 1")
@@ -595,22 +597,14 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    import transformers
-
-    from tests.tiny_hunyuan import HUNYUAN_OCR_1_0, TINY, build_checkpoint
 
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = args.device.startswith("cuda")
     report = Report(args.out, args.stem)
-    report.data["meta"] = {
-        "command": " ".join(["python", "bench/decode_speed.py", *sys.argv[1:]]),
-        "shape": "HunyuanOCR-1.0" if args.shape == "full" else "tiny",
-        "gpu": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "dtype": args.dtype, "new_tokens": args.new_tokens,
-        "threads": args.threads, "cpus": os.cpu_count(),
-    }
+    report.data["meta"] = {**run_meta(args, "bench/decode_speed.py"),
+                           "new_tokens": args.new_tokens, "threads": args.threads,
+                           "cpus": os.cpu_count()}
 
     def part(name: str, fn: Any) -> Any:
         t = time.perf_counter()
@@ -630,13 +624,7 @@ def main() -> None:
     bw = report.data["bandwidth"].get("copy_tb_s", 0) * 1e12
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "ckpt"
-        shape = HUNYUAN_OCR_1_0 if args.shape == "full" else TINY
-        try:
-            build_checkpoint(ckpt, shape, device=args.device, dtype=args.dtype)
-        except Exception as exc:
-            print(f"building on {args.device} failed ({exc!r}); building on the CPU", flush=True)
-            build_checkpoint(ckpt, shape, device="cpu", dtype=args.dtype)
+        ckpt = random_checkpoint(Path(tmp), args)
         settings = Settings(model=str(ckpt), model_subfolder=None, dtype=args.dtype,
                             device=args.device, max_new_tokens=args.new_tokens)
         engine = HunyuanEngine(settings, decode="fast")

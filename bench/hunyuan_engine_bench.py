@@ -42,6 +42,48 @@ GiB = 1024**3
 PAGES = {"page-1024": (1024, 1024), "receipt-886x1699": (886, 1699), "a4-1248x1760": (1248, 1760)}
 
 
+# -- what the GPU benchmarks share ---------------------------------------------------------------
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--shape, --device, --dtype: the random-weight model a benchmark runs."""
+    ap.add_argument("--shape", choices=("full", "tiny"), default="full")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="bfloat16")
+
+
+def run_meta(args: argparse.Namespace, script: str) -> dict[str, Any]:
+    """The facts every report starts with: how to rerun it, on what, with which libraries."""
+    import torch
+    import transformers
+
+    cuda = args.device.startswith("cuda")
+    return {
+        "command": " ".join(["python", script, *sys.argv[1:]]),
+        "shape": "HunyuanOCR-1.0" if args.shape == "full" else "tiny",
+        "gpu": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "dtype": args.dtype,
+    }
+
+
+def random_checkpoint(directory: Path, args: argparse.Namespace) -> Path:
+    """A checkpoint of --shape with random weights under `directory`, built on --device (much
+    faster on a GPU), on the CPU if that fails."""
+    from tests.tiny_hunyuan import HUNYUAN_OCR_1_0, TINY, build_checkpoint
+
+    ckpt = directory / "ckpt"
+    shape = HUNYUAN_OCR_1_0 if args.shape == "full" else TINY
+    try:
+        build_checkpoint(ckpt, shape, device=args.device, dtype=args.dtype)
+    except Exception as exc:
+        print(f"building on {args.device} failed ({exc!r}); building on the CPU", flush=True)
+        build_checkpoint(ckpt, shape, device="cpu", dtype=args.dtype)
+    return ckpt
+
+
 @dataclass
 class Run:
     page: str
@@ -145,9 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stem", default="hunyuan_engine_h200")
-    ap.add_argument("--shape", choices=("full", "tiny"), default="full")
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--attention", default="sdpa")
     ap.add_argument("--pages", default=",".join(PAGES))
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
@@ -158,36 +198,17 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    import transformers
-
-    from tests.tiny_hunyuan import HUNYUAN_OCR_1_0, TINY, build_checkpoint
 
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = args.device.startswith("cuda")
-    shape = HUNYUAN_OCR_1_0 if args.shape == "full" else TINY
     report = Report()
-    report.meta = {
-        "command": " ".join(["python", "bench/hunyuan_engine_bench.py", *sys.argv[1:]]),
-        "shape": "HunyuanOCR-1.0" if args.shape == "full" else "tiny",
-        "device": args.device,
-        "gpu": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "dtype": args.dtype,
-        "attention": args.attention,
-        "new_tokens": args.new_tokens,
-    }
+    report.meta = {**run_meta(args, "bench/hunyuan_engine_bench.py"), "device": args.device,
+                   "attention": args.attention, "new_tokens": args.new_tokens}
 
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        ckpt = Path(tmp) / "ckpt"
-        try:  # random init is much faster on the GPU
-            build_checkpoint(ckpt, shape, device=args.device, dtype=args.dtype)
-        except Exception as exc:
-            print(f"building on {args.device} failed ({exc!r}); building on the CPU", flush=True)
-            build_checkpoint(ckpt, shape, device="cpu", dtype=args.dtype)
+        ckpt = random_checkpoint(Path(tmp), args)
         report.meta["build_s"] = round(time.perf_counter() - t, 1)
         if cuda:
             torch.cuda.synchronize()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -34,7 +33,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.decode_speed import BLANK, _Dur, cuda_ms, kernel_events, top  # noqa: E402
-from bench.hunyuan_engine_bench import PAGES, page_image  # noqa: E402
+from bench.hunyuan_engine_bench import (  # noqa: E402
+    PAGES,
+    add_model_args,
+    page_image,
+    random_checkpoint,
+    run_meta,
+)
 from models.base import PreparedImage  # noqa: E402
 from models.hunyuan import HunyuanEngine  # noqa: E402
 from ocrq.settings import Settings  # noqa: E402
@@ -293,29 +298,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stem", default="prefill_profile_h200")
-    ap.add_argument("--shape", choices=("full", "tiny"), default="full")
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--pages", default="page-1024,a4-1248x1760")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=16)
     args = ap.parse_args()
 
     import torch
-    import transformers
-
-    from tests.tiny_hunyuan import HUNYUAN_OCR_1_0, TINY, build_checkpoint
 
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = args.device.startswith("cuda")
-    d: dict[str, Any] = {"meta": {
-        "command": " ".join(["python", "bench/prefill_profile.py", *sys.argv[1:]]),
-        "shape": "HunyuanOCR-1.0" if args.shape == "full" else "tiny",
-        "gpu": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__},
+    d: dict[str, Any] = {
+        "meta": run_meta(args, "bench/prefill_profile.py"),
         "phases": {}, "profile": {}, "attention": [], "matmul": [], "preprocess": [],
-        "contention": [], "errors": []}
+        "contention": [], "errors": [],
+    }
 
     def write() -> None:
         (args.out / f"{args.stem}.json").write_text(json.dumps(d, indent=1, default=str))
@@ -333,9 +331,7 @@ def main() -> None:
             print(f"[{time.perf_counter() - started:.0f} s] {name} done", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "ckpt"
-        shape = HUNYUAN_OCR_1_0 if args.shape == "full" else TINY
-        build_checkpoint(ckpt, shape, device=args.device if cuda else "cpu", dtype=args.dtype)
+        ckpt = random_checkpoint(Path(tmp), args)
         settings = Settings(model=str(ckpt), model_subfolder=None, dtype=args.dtype,
                             device=args.device, max_new_tokens=2)
         engine = HunyuanEngine(settings, decode="fast")
@@ -345,7 +341,7 @@ def main() -> None:
         for page in args.pages.split(","):
             w, h = PAGES[page]
             row = engine.preprocess(PreparedImage(page, page_image(w, h), (w, h)))
-            part(f"phases_{page}", lambda row=row: prefill_phases(torch, engine, row, 2, cuda))
+            part(f"warm_{page}", lambda row=row: prefill_phases(torch, engine, row, 2, cuda))
             found = part(f"phases_{page}", lambda row=row: prefill_phases(
                 torch, engine, row, args.batch, cuda))
             if found:

@@ -123,8 +123,9 @@ def fit(
     x = np.array([features(s.costs) for s in samples], dtype=np.float64)
     y = np.array([float(s.peak_bytes) for s in samples], dtype=np.float64)
     w = 1.0 / np.maximum(y, 1.0)
-    decode = np.array([_decode_part(s.costs, cache_token_bytes, decode_fixed_bytes)
-                       for s in samples])
+    decoding = CostModel(0, per_cache_token_bytes=cache_token_bytes,
+                         decode_fixed_bytes=decode_fixed_bytes)
+    decode = np.array([decoding.decode_bytes(s.costs) for s in samples])
     # Samples whose peak is the decode's (small batches of short prompts) say nothing about the
     # prefill coefficients: fit those on the others, found by fitting twice.
     keep = np.ones(len(samples), dtype=bool)
@@ -152,13 +153,6 @@ def _solve(x: np.ndarray, y: np.ndarray, w: np.ndarray, min_fixed_bytes: int) ->
         coef[0] = float(min_fixed_bytes)
         coef[1:] = _nonnegative_lstsq(x[:, 1:], y - coef[0], w)
     return coef
-
-
-def _decode_part(costs: Sequence[ItemCost], per_cache_token: float, fixed: float) -> float:
-    """The decode term of CostModel.batch_bytes for these costs (0 without a cache rate)."""
-    if not costs or not per_cache_token:
-        return 0.0
-    return per_cache_token * len(costs) * max(c.tokens for c in costs) + fixed
 
 
 def _cover(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> tuple[np.ndarray, float]:

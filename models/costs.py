@@ -61,21 +61,23 @@ class CostModel:
 
     def batch_bytes(self, costs: Sequence[ItemCost]) -> int:
         """Bytes the batch adds on top of `fixed_bytes`."""
+        return int(max(self.prefill_bytes(costs), self.decode_bytes(costs)))
+
+    def prefill_bytes(self, costs: Sequence[ItemCost]) -> float:
         if not costs:
-            return 0
+            return 0.0
         n = len(costs)
-        prompt = max(c.prompt_tokens for c in costs)
-        longest = max(c.tokens for c in costs)
-        patches = sum(c.patches for c in costs)
-        prefill = (
+        return (
             self.per_item_bytes * n
-            + self.per_token_bytes * n * prompt
-            + self.per_patch_bytes * patches
+            + self.per_token_bytes * n * max(c.prompt_tokens for c in costs)
+            + self.per_patch_bytes * sum(c.patches for c in costs)
         )
-        decode = self.per_cache_token_bytes * n * longest
-        if decode:
-            decode += self.decode_fixed_bytes
-        return int(max(prefill, decode))
+
+    def decode_bytes(self, costs: Sequence[ItemCost]) -> float:
+        if not costs or not self.per_cache_token_bytes:
+            return 0.0
+        longest = max(c.tokens for c in costs)
+        return self.per_cache_token_bytes * len(costs) * longest + self.decode_fixed_bytes
 
     def peak_bytes(self, costs: Sequence[ItemCost]) -> int:
         return self.fixed_bytes + self.batch_bytes(costs)

@@ -633,10 +633,8 @@ class HunyuanEngine(Engine):
         with prefetch running beside it, a batch of 128 pages spent 0.75 s (1024²) to 1.4 s (A4)
         outside its prefill and decode (bench/results/decode_speed_h200_step1.json).
         """
-        import torch
-
         pixels = pixels.to(self.model.dtype)
-        if self._cuda() and torch.cuda.is_available():
+        if self._cuda():
             pixels = pixels.pin_memory()  # torch's caching host allocator reuses these blocks
         return pixels
 

@@ -338,7 +338,8 @@ class HunyuanDecoder:
         cos, sin = self._rope(positions.reshape(positions.shape[0], n))
         cos = cos[:, 0].float().contiguous()
         sin = sin[:, 0].float().contiguous()
-        padded = not bool(mask.bool().all())
+        # Left padding: the causal mask per row, built once for every layer.
+        allowed = None if bool(mask.bool().all()) else _padded_causal_mask(mask.bool())
         groups = self.heads // self.kv_heads
         prompt_kv: list[Any] = []
         pending: torch.Tensor | None = None
@@ -354,8 +355,8 @@ class HunyuanDecoder:
             k = rope_rms_norm(k, cos, sin, kn.weight, kn.variance_epsilon)
             k = k.view(batch, prompt, self.kv_heads, self.head_dim).transpose(1, 2)
             q = q.view(batch, prompt, self.heads, self.head_dim).transpose(1, 2)
-            if padded:
-                o = self._padded_attention(q, k, v, mask.bool(), groups)
+            if allowed is not None:
+                o = self._padded_attention(q, k, v, allowed, groups)
             else:  # what transformers' sdpa integration does without padding
                 o = F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.scale, enable_gqa=groups > 1
@@ -371,30 +372,23 @@ class HunyuanDecoder:
         return prompt_kv, self.lm_head(x)
 
     def _padded_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-        groups: int,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Any, groups: int,
     ) -> torch.Tensor:
         """Causal attention over left-padded rows, as transformers' sdpa integration computes it
         with a mask (key/value heads repeated, a boolean mask), `PADDED_ROWS` rows at a time.
 
         Why in slices: the mask (rows x L x L) and the repeated heads exist only for a slice, so
         a padded batch holds about what an unpadded one does, for which the cost model was
-        measured; rows are independent, so each row's output is the same. A padding row also
-        sees itself, so that no row's softmax is empty (its output is never read)."""
+        measured; rows are independent, so each row's output is the same."""
         import torch
         import torch.nn.functional as F
 
-        batch, _, prompt, _ = q.shape
-        cols = torch.arange(prompt, device=q.device)
-        causal = cols[None, :] <= cols[:, None]
-        itself = torch.eye(prompt, dtype=torch.bool, device=q.device)
         out = torch.empty_like(q)
-        for lo in range(0, batch, PADDED_ROWS):
-            hi = min(lo + PADDED_ROWS, batch)
-            allowed = (causal[None, None] & valid[lo:hi, None, None, :]) | itself
+        for lo in range(0, q.shape[0], PADDED_ROWS):
+            hi = lo + PADDED_ROWS
             out[lo:hi] = F.scaled_dot_product_attention(
                 q[lo:hi], _repeat_kv(k[lo:hi], groups), _repeat_kv(v[lo:hi], groups),
-                attn_mask=allowed, scale=self.scale,
+                attn_mask=allowed(lo, hi), scale=self.scale,
             )
         return out
 
@@ -579,6 +573,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = xf.shape[-1] // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
     return ((xf * cos) + (rotated * sin)).to(x.dtype)
+
+
+def _padded_causal_mask(valid: torch.Tensor) -> Any:
+    """For left-padded rows (valid: B x L), a function giving rows lo:hi's boolean attention
+    mask (rows x 1 x L x L): causal, real keys only, and each padding row sees itself so that no
+    row's softmax is empty (its output is never read)."""
+    import torch
+
+    prompt = valid.shape[1]
+    cols = torch.arange(prompt, device=valid.device)
+    causal = (cols[None, :] <= cols[:, None])[None, None]
+    itself = torch.eye(prompt, dtype=torch.bool, device=valid.device)
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        return (causal & valid[lo:hi, None, None, :]) | itself
+
+    return rows
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

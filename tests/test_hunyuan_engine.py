@@ -14,6 +14,7 @@ torch is imported inside the tests so that collection works where it is not inst
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,17 +47,25 @@ def fake_hf_cache(root: Path, build: Any) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+@contextmanager
+def offline_tiny_cache(root: Path) -> Iterator[Path]:
+    """The tiny checkpoint as MODEL_ID in a fake cache at `root`, with huggingface_hub pointed
+    at it and offline for the duration."""
     from tests.tiny_hunyuan import TINY, build_checkpoint
 
-    root = fake_hf_cache(tmp_path_factory.mktemp("hf"), lambda p: build_checkpoint(p, TINY))
+    fake_hf_cache(root, lambda p: build_checkpoint(p, TINY))
     with pytest.MonkeyPatch.context() as mp:
         import huggingface_hub.constants as hf_constants
 
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setattr(hf_constants, "HF_HUB_CACHE", str(root))
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        yield root
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with offline_tiny_cache(tmp_path_factory.mktemp("hf")) as root:
         yield root
 
 

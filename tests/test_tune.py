@@ -309,16 +309,9 @@ def test_profile_of_another_key_is_ignored(rapid_tune: tuple[Path, Any], tmp_pat
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The tiny checkpoint in a fake HF cache as tencent/HunyuanOCR (see test_hunyuan_engine)."""
     pytest.importorskip("transformers")
-    from tests.test_hunyuan_engine import fake_hf_cache
-    from tests.tiny_hunyuan import TINY, build_checkpoint
+    from tests.test_hunyuan_engine import offline_tiny_cache
 
-    root = fake_hf_cache(tmp_path_factory.mktemp("hf"), lambda p: build_checkpoint(p, TINY))
-    with pytest.MonkeyPatch.context() as mp:
-        import huggingface_hub.constants as hf_constants
-
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(hf_constants, "HF_HUB_CACHE", str(root))
-        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with offline_tiny_cache(tmp_path_factory.mktemp("hf")) as root:
         yield root
 
 
