@@ -6,8 +6,10 @@ names and shapes here are the public API: change them only compatibly.
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Annotated, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -29,6 +31,33 @@ TASK_PRESETS: dict[str, str] = {
 
 JobStatus = Literal["queued", "running", "done", "failed"]
 
+# Query parameters whose values are secrets in common signed/tokened URLs (S3 and GCS presigned
+# URLs, OAuth access tokens, API keys): masked wherever a URL is shown or stored.
+_SECRET_PARAM = re.compile(r"sig|token|key|secret|passw|pwd|auth|credential|session", re.I)
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
+def redact_url(url: str) -> str:
+    """The URL as it may be stored, logged and shown: `user:pass@` becomes `***@`, and values of
+    query parameters named like secrets (signature, token, key, ...) become `***`.
+
+    The rest of the query stays, so a user can still tell which object a failed job named.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # unparseable (a bad IPv6 literal, say): strip anything like userinfo
+        return _USERINFO.sub(r"\1***@", url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    query = "&".join(_redact_param(p) for p in parts.query.split("&")) if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _redact_param(param: str) -> str:
+    name, eq, _ = param.partition("=")
+    return f"{name}=***" if eq and _SECRET_PARAM.search(name) else param
+
 
 class ImageRef(BaseModel):
     """Where the image comes from: exactly one of a path, a URL or inline base64."""
@@ -47,11 +76,12 @@ class ImageRef(BaseModel):
         return self
 
     def describe(self) -> str:
-        """A short, loggable description of the source (never the inline bytes)."""
+        """A short, loggable description of the source: never the inline bytes, never a URL's
+        credentials (this is what the job's row stores and the API returns)."""
         if self.path:
             return self.path
         if self.url:
-            return self.url
+            return redact_url(self.url)
         return f"b64:{len(self.b64 or '')} chars"
 
 

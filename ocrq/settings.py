@@ -6,6 +6,7 @@ their own and hand it in.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated
@@ -21,13 +22,34 @@ class Settings(BaseSettings):
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/ocrq"
     engine: str = "rapid"
     queue: str = "ocr"
-    # Directories that {"path": ...} images may be read from; empty means the current directory.
+    # Directories that {"path": ...} images may be read from. Empty: every path is refused, and
+    # a worker will not start (nor with `/` among them) unless allow_any_path says so; there is
+    # no fallback to the working directory, which is `/` under systemd.
     allowed_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    # The explicit opt-out: a worker may start with `/` among the roots, or with none (then `/`).
+    allow_any_path: bool = False
 
     # Image intake limits: a job over them fails alone with a clear error.
-    max_image_bytes: int = 50 * 1024 * 1024
-    max_image_pixels: int = 40_000_000  # 4961x7016 receipts (34.8 MP) still pass
-    url_timeout_s: float = 15.0
+    max_image_bytes: int = Field(default=50 * 1024 * 1024, ge=1)
+    max_image_pixels: int = Field(default=40_000_000, ge=1)  # 4961x7016 receipts (34.8 MP) pass
+    # Checked on the header before decoding: a 1x100000 strip costs nothing to refuse.
+    max_image_side: int = Field(default=20_000, ge=1, le=1_000_000)
+    # Longer side / shorter side. 200 passes a 13340x124 text line (108) with room to spare and
+    # a 6400x32 line (about 300 characters at the smallest legible height); the engines tile
+    # long strips, so intake only refuses absurd shapes.
+    max_aspect_ratio: float = Field(default=200.0, ge=1.0, le=1_000_000.0)
+    # Pillow formats Image.open may try (raster only: EPS would run Ghostscript).
+    image_formats: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF", "PPM"]
+    )
+    url_timeout_s: float = Field(default=15.0, gt=0, le=600)  # per connect / read / write
+    url_deadline_s: float = Field(default=30.0, gt=0, le=3600)  # whole fetch, redirects included
+    url_max_redirects: int = Field(default=5, ge=0, le=20)
+    # Addresses URLs may reach although internal (loopback, private, link-local, ...): e.g.
+    # "10.0.0.0/8,127.0.0.1/32". Empty: public addresses only.
+    url_allow_networks: Annotated[list[ipaddress.IPv4Network | ipaddress.IPv6Network], NoDecode] = (
+        Field(default_factory=list)
+    )
 
     # Batching.
     max_batch: int = 32  # hard cap on images per engine call, whatever the budget allows
@@ -68,6 +90,44 @@ class Settings(BaseSettings):
             return [p for p in value.split(os.pathsep) if p] if value else []
         return value
 
+    @field_validator("image_formats", mode="before")
+    @classmethod
+    def _split_formats(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list | tuple):
+            return [str(f).strip().upper() for f in value if str(f).strip()]
+        return value
+
+    @field_validator("url_allow_networks", mode="before")
+    @classmethod
+    def _split_networks(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if isinstance(value, list | tuple):
+            return [ipaddress.ip_network(str(v).strip(), strict=False) for v in value]
+        return value
+
     def roots(self) -> list[Path]:
-        """Resolved allowed roots; the working directory when none are configured."""
-        return [p.expanduser().resolve() for p in (self.allowed_roots or [Path.cwd()])]
+        """Resolved allowed roots; `/` only when none are set and allow_any_path says so."""
+        roots = self.allowed_roots or ([Path("/")] if self.allow_any_path else [])
+        return [p.expanduser().resolve() for p in roots]
+
+    def require_safe_roots(self) -> None:
+        """Refuse a worker configuration that would read any file on the host.
+
+        Raised at worker start-up, before any message is consumed: a missing OCRQ_ALLOWED_ROOTS
+        used to mean the working directory, which is `/` under systemd.
+        """
+        if self.allow_any_path:
+            return
+        if not self.allowed_roots:
+            raise ValueError(
+                "OCRQ_ALLOWED_ROOTS is not set: set it to the folders that path images may be "
+                f"read from ({os.pathsep!r}-separated), or OCRQ_ALLOW_ANY_PATH=true to allow any"
+            )
+        if Path("/") in self.roots():
+            raise ValueError(
+                "OCRQ_ALLOWED_ROOTS includes /: every file on the host would be readable; name "
+                "the image folders instead, or set OCRQ_ALLOW_ANY_PATH=true to mean it"
+            )

@@ -56,7 +56,14 @@ def startup_failed(exc: BaseException) -> None:
 
 def run_worker(argv: Sequence[str]) -> int:
     """Run `celery worker` here; the exit code says whether this was a recycle."""
+    from ocrq.settings import Settings
     from worker.celery_app import app
+
+    try:  # before consuming anything: a worker that could read any host file does not start
+        Settings().require_safe_roots()
+    except ValueError as exc:
+        log.critical("worker cannot start: %s", exc)
+        return STARTUP_FAILED_EXIT_CODE
 
     code = 0
     try:
