@@ -139,7 +139,7 @@ def _get(
     """One GET to the checked address: (status, Location, body of a 200)."""
     host = target.raw_host.decode("ascii")
     port = target.port or (443 if target.scheme == "https" else 80)
-    address = _checked_address(host, port, settings, deadline)
+    addresses = _checked_addresses(host, port, settings, deadline)
     headers = [
         (b"Host", target.netloc),  # brackets for IPv6; httpcore's own would lack them
         (b"Accept", b"image/*"),
@@ -152,7 +152,7 @@ def _get(
     )
     timeout = settings.url_timeout_s
     limit = settings.max_image_bytes
-    backend = PinnedBackend(host, address, deadline)
+    backend = PinnedBackend(host, addresses, deadline)
     with (
         httpcore.ConnectionPool(
             ssl_context=_ssl_context(), network_backend=backend, max_connections=1, retries=0
@@ -189,8 +189,8 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-def _checked_address(host: str, port: int, settings: Settings, deadline: Deadline) -> str:
-    """The address to connect to: every address the name resolves to must be allowed."""
+def _checked_addresses(host: str, port: int, settings: Settings, deadline: Deadline) -> list[str]:
+    """The addresses to connect to: every address the name resolves to must be allowed."""
     future = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
         infos = future.result(timeout=max(deadline.left(), 0.0))
@@ -203,7 +203,7 @@ def _checked_address(host: str, port: int, settings: Settings, deadline: Deadlin
         reason = refusal(ip, settings.url_allow_networks)
         if reason:
             raise _Refused(f"{host} resolves to {ip}: {reason}")
-    return str(addresses[0])
+    return list(dict.fromkeys(str(ip) for ip in addresses))
 
 
 def refusal(
@@ -245,12 +245,12 @@ def _ssl_context() -> ssl.SSLContext:
 
 
 class PinnedBackend(httpcore.SyncBackend):
-    """Connects `host` to the address checked for it and to nothing else; every socket
-    operation's timeout clamped to the fetch's deadline."""
+    """Connects `host` to the addresses checked for it (the first that answers) and to nothing
+    else; every socket operation's timeout clamped to the fetch's deadline."""
 
-    def __init__(self, host: str, address: str, deadline: Deadline) -> None:
+    def __init__(self, host: str, addresses: list[str], deadline: Deadline) -> None:
         self.host = host
-        self.address = address
+        self.addresses = addresses
         self.deadline = deadline
 
     def connect_tcp(
@@ -263,14 +263,21 @@ class PinnedBackend(httpcore.SyncBackend):
     ) -> httpcore.NetworkStream:
         if host != self.host:
             raise httpcore.ConnectError(f"{host} is not the checked host {self.host}")
-        stream = super().connect_tcp(
-            self.address,
-            port,
-            self.deadline.clamp(timeout, httpcore.ConnectTimeout),
-            local_address,
-            socket_options,
-        )
-        return _DeadlineStream(stream, self.deadline)
+        error: Exception = httpcore.ConnectError(f"{host} has no address")
+        for address in self.addresses:
+            try:
+                stream = super().connect_tcp(
+                    address,
+                    port,
+                    self.deadline.clamp(timeout, httpcore.ConnectTimeout),
+                    local_address,
+                    socket_options,
+                )
+            except httpcore.ConnectError as exc:  # refused on this address: try the next
+                error = exc
+                continue
+            return _DeadlineStream(stream, self.deadline)
+        raise error
 
     def connect_unix_socket(self, *args: typing.Any, **kwargs: typing.Any) -> typing.NoReturn:
         raise httpcore.ConnectError("unix sockets are not fetched")
