@@ -96,7 +96,16 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = value.split(",")
         if isinstance(value, list | tuple):
-            return [str(f).strip().upper() for f in value if str(f).strip()]
+            formats = [str(f).strip().upper() for f in value if str(f).strip()]
+            from PIL import Image  # only when the setting is given: loading every plugin costs
+
+            Image.init()
+            unknown = [f for f in formats if f not in Image.OPEN]
+            if unknown or not formats:
+                raise ValueError(
+                    f"unknown image formats {unknown}: choose among {', '.join(sorted(Image.OPEN))}"
+                )
+            return formats
         return value
 
     @field_validator("url_allow_networks", mode="before")
