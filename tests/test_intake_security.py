@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -55,7 +56,9 @@ PUBLIC = png(draw_text_image(["PUBLIC"]))
 class LoopServer:
     """An HTTP server on one loopback address, counting what reaches it."""
 
-    def __init__(self, host: str, body: bytes, port: int = 0) -> None:
+    def __init__(
+        self, host: str, body: bytes, port: int = 0, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.body = body
         self.hits: list[str] = []
         self.auth: list[str | None] = []
@@ -101,12 +104,15 @@ class LoopServer:
 
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
         self.port = self.server.server_address[1]
         self.host = host
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def url(self, path: str = "/secret.png", host: str | None = None) -> str:
-        return f"http://{host or self.host}:{self.port}{path}"
+        scheme = "https" if isinstance(self.server.socket, ssl.SSLSocket) else "http"
+        return f"{scheme}://{host or self.host}:{self.port}{path}"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -270,6 +276,37 @@ def test_connects_to_the_address_it_checked(
         assert inner.hits == [] and secret.hits == ["/img.png"]
     finally:
         inner.close()
+
+
+def test_https_checks_the_host_name_while_connecting_to_the_checked_address(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pinning the address keeps TLS honest: SNI and the certificate check use the URL's name."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"),
+            *("-addext", "subjectAltName=DNS:localhost"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    server = LoopServer("127.0.0.1", SECRET, tls=tls)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust this certificate alone
+    fetch._ssl_context.cache_clear()
+    try:
+        allowed = allowing(settings, "127.0.0.1/32", "::1/128")
+        assert images.read_bytes(ImageRef(url=server.url(host="localhost")), allowed) == SECRET
+        by_ip = server.url()  # the certificate names localhost, not 127.0.0.1
+        assert url_error(by_ip, allowed) == GENERIC + by_ip
+        assert server.hits == ["/secret.png"]
+    finally:
+        server.close()
+        monkeypatch.undo()
+        fetch._ssl_context.cache_clear()
 
 
 def test_open_closed_and_refused_look_the_same(secret: LoopServer, settings: Settings) -> None:
