@@ -235,7 +235,7 @@ def test_redirect_is_checked_like_the_first_request(
     secret: LoopServer, inner: LoopServer, settings: Settings
 ) -> None:
     allowed = allowing(settings, "127.0.0.1/32")
-    for target in (inner.url(), inner.url(host="localhost").replace("localhost", "127.0.0.2")):
+    for target in (inner.url(), inner.url(host="0x7f000002")):
         hop = secret.url(f"/redirect?to={target}")
         assert url_error(hop, allowed) == GENERIC + hop
     assert inner.hits == []
@@ -342,7 +342,7 @@ def test_slow_server_hits_the_total_deadline(
     slow = allowing(settings, "127.0.0.1/32", url_deadline_s=2.0, url_timeout_s=15.0)
     started = time.monotonic()
     assert url_error(secret.url(path), slow) == GENERIC + secret.url(path)
-    assert 1.9 < time.monotonic() - started < 2.6
+    assert 1.9 < time.monotonic() - started < 3.0
 
 
 def test_credentials_never_stored_shown_or_logged(
