@@ -86,7 +86,10 @@ def check_database() -> int | None:
         log.critical("worker cannot start: %s", exc)
         return STARTUP_FAILED_EXIT_CODE
     except OperationalError as exc:  # still down: exit, and let the supervisor try again
-        log.critical("worker cannot start: database unreachable: %s", exc.orig or exc)
+        log.critical(
+            "worker cannot start: database unreachable or missing (`ocrq migrate` creates it): %s",
+            exc.orig or exc,
+        )
         return 1
     return None
 
