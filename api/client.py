@@ -84,17 +84,43 @@ class Client:
         for job_id, task, source, created in rows:
             if created.timestamp() > cutoff or source == "b64":
                 continue
-            image = (
-                {"url": source} if source.startswith(("http://", "https://")) else {"path": source}
-            )
-            self.app.send_task(
-                TASK_NAME,
-                kwargs={"image": image, "task": task, "job_id": job_id},
-                queue=self.settings.queue or DEFAULT_QUEUE,
-                task_id=job_id,
-            )
+            self._resend(job_id, task, source)
             sent.append(job_id)
         return sent
+
+    def requeue_stalled(
+        self, stalled_after_s: float | None = None, exclude_worker: str | None = None
+    ) -> list[str]:
+        """Send again the `running` jobs of workers whose heartbeat is older than
+        `stalled_after_s` (default OCRQ_STALLED_AFTER_S): a worker killed mid-job leaves
+        them running, and its unacked messages would only come back after the visibility
+        timeout. A live worker's jobs are never touched. Each job is flipped to `queued` by
+        one UPDATE, so of several concurrent sweeps exactly one re-sends it; the original
+        message, if it comes back later, finds the row done (or runs it again: one row).
+        """
+        from ocrq import workers_table
+
+        after = self.settings.stalled_after_s if stalled_after_s is None else stalled_after_s
+        stalled = workers_table.flip_stalled(self.store.engine, after, exclude=exclude_worker)
+        sent: list[str] = []
+        try:
+            for job in stalled:
+                self._resend(job.id, job.task, job.source)
+                sent.append(job.id)
+        finally:  # the broker failed mid-way: leave the rest for the next sweep
+            workers_table.unflip(self.store.engine, [j.id for j in stalled[len(sent) :]])
+        workers_table.forget_dead(self.store.engine, after)
+        return sent
+
+    def _resend(self, job_id: str, task: str, source: str) -> None:
+        """A job's message rebuilt from its row (path or URL; the row holds no inline bytes)."""
+        image = {"url": source} if source.startswith(("http://", "https://")) else {"path": source}
+        self.app.send_task(
+            TASK_NAME,
+            kwargs={"image": image, "task": task, "job_id": job_id},
+            queue=self.settings.queue or DEFAULT_QUEUE,
+            task_id=job_id,
+        )
 
     def status(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
         rows = self.store.get(job_ids)

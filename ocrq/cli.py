@@ -207,12 +207,26 @@ def requeue(
     older_than: Annotated[
         float, typer.Option(help="Seconds a job may stay queued before it is sent again.")
     ] = 600.0,
+    stalled: Annotated[
+        bool,
+        typer.Option(
+            "--stalled",
+            help="Instead: send again the running jobs of dead workers (no heartbeat for "
+            "OCRQ_STALLED_AFTER_S); a live worker's jobs are never touched.",
+        ),
+    ] = False,
 ) -> None:
-    """Send again jobs still queued (never claimed) after --older-than seconds."""
+    """Send again jobs still queued (never claimed) after --older-than seconds, or with
+    --stalled the running jobs of workers that stopped beating."""
     from api.client import Client
 
-    sent = Client(Settings()).requeue(older_than)
-    err.print(f"re-sent {len(sent)} queued job(s)")
+    client = Client(Settings())
+    if stalled:
+        sent = client.requeue_stalled()
+        err.print(f"re-sent {len(sent)} stalled job(s)")
+    else:
+        sent = client.requeue(older_than)
+        err.print(f"re-sent {len(sent)} queued job(s)")
     for job_id in sent:
         typer.echo(job_id)
 

@@ -1,4 +1,4 @@
-"""The `ocr_jobs` table and engine construction, shared by workers (writes) and the api (reads).
+"""The job and worker tables and engine construction, shared by workers (writes) and the api.
 
 The schema itself is owned by Alembic (migrations/); this Table mirrors it for queries and for
 the embedded SQLite file, which is created from it directly.
@@ -47,6 +47,18 @@ ocr_jobs = Table(
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("started_at", DateTime(timezone=True)),
     Column("finished_at", DateTime(timezone=True)),
+)
+
+# One row per live worker process (migrations/versions/0002): `name` is what claim() writes to
+# ocr_jobs.worker; a stale `heartbeat_at` marks the process dead and its running jobs stalled.
+ocr_workers = Table(
+    "ocr_workers",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("hostname", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", DateTime(timezone=True), nullable=False),
+    Column("heartbeat_at", DateTime(timezone=True), nullable=False),
 )
 
 

@@ -11,12 +11,13 @@ import os
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="OCRQ_", extra="ignore")
+    # hide_input_in_errors: a bad setting's error must not print the others (tokens, passwords).
+    model_config = SettingsConfigDict(env_prefix="OCRQ_", extra="ignore", hide_input_in_errors=True)
 
     broker_url: str = "redis://localhost:6379/0"
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/ocrq"
@@ -74,6 +75,22 @@ class Settings(BaseSettings):
     recycle_patience: int = 3  # consecutive batches over a threshold before recycling
     metrics_port: int | None = None  # Prometheus metrics on this port when set
 
+    # Liveness (worker/heartbeat.py). Each worker process refreshes its row in ocr_workers
+    # every heartbeat_s; a worker silent for stalled_after_s is dead and its `running` jobs are
+    # re-sent by `ocrq requeue --stalled` and by every live worker's sweep (every
+    # stalled_sweep_s). stalled_after_s must cover a few missed beats (a GC pause, a slow
+    # database), or a live worker's jobs would be run a second time (still one row).
+    heartbeat_s: float = Field(default=10.0, ge=0.2, le=600)
+    stalled_after_s: float = Field(default=60.0, ge=1.0, le=86_400)
+    stalled_sweep_s: float = Field(default=30.0, ge=0.5, le=3600)
+
+    # HTTP api (api/http.py). Without a token the api refuses to start, unless
+    # api_allow_no_auth says an authenticating proxy stands in front of it.
+    api_token: SecretStr | None = None
+    api_allow_no_auth: bool = False
+    # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
+    api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
+
     # HunyuanOCR.
     model: str = "tencent/HunyuanOCR"
     model_revision: str | None = None
@@ -82,6 +99,15 @@ class Settings(BaseSettings):
     attention: str = "sdpa"
     dtype: str = "bfloat16"
     device: str = "auto"
+
+    @model_validator(mode="after")
+    def _liveness_margin(self) -> Settings:
+        if self.stalled_after_s < 3 * self.heartbeat_s:
+            raise ValueError(
+                f"OCRQ_STALLED_AFTER_S ({self.stalled_after_s}) must be at least three "
+                f"heartbeats (OCRQ_HEARTBEAT_S={self.heartbeat_s}), or live workers look dead"
+            )
+        return self
 
     @field_validator("allowed_roots", mode="before")
     @classmethod

@@ -17,7 +17,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
 from celery import Celery
 
 from ocrq.db import get_engine
@@ -260,16 +259,19 @@ def test_http_api(
     worker: WorkerProcess,
     service_env: dict[str, str],
     text_images: dict[str, Path],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from fastapi.testclient import TestClient
 
-    for key in ("OCRQ_BROKER_URL", "OCRQ_DATABASE_URL"):
-        monkeypatch.setenv(key, service_env[key])
-    from api import http
+    from api.http import create_app
+    from ocrq.settings import Settings
 
-    http.client.cache_clear()
-    api = TestClient(http.app)
+    token = uuid.uuid4().hex
+    settings = Settings(
+        broker_url=service_env["OCRQ_BROKER_URL"],
+        database_url=service_env["OCRQ_DATABASE_URL"],
+        api_token=token,
+    )
+    api = TestClient(create_app(settings), headers={"Authorization": f"Bearer {token}"})
     job_id = api.post("/jobs", json={"image": {"path": str(text_images["word"])}}).json()["job_id"]
     deadline = time.monotonic() + 60
     body: dict[str, Any] = {}

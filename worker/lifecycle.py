@@ -25,6 +25,7 @@ from worker.recycle import RECYCLE_EXIT_CODE
 log = logging.getLogger(__name__)
 
 STARTUP_FAILED_EXIT_CODE = 78  # EX_CONFIG: restarting will not help (a missing model, say)
+DATABASE_WAIT_S = 60.0  # how long a starting worker waits for an unreachable database
 
 _exit_code: int | None = None
 _exit_lock = threading.Lock()
@@ -54,16 +55,58 @@ def startup_failed(exc: BaseException) -> None:
     _request_exit(STARTUP_FAILED_EXIT_CODE, f"startup failed: {exc}")
 
 
+def check_database() -> int | None:
+    """Before the worker touches the broker: settings valid, database at the Alembic head.
+
+    Returns an exit code to stop with, or None to go on. A worker on an unmigrated database
+    would take each message, fail to claim its row and ack it: the job would be lost. Checked
+    here, before Celery starts, no message is ever fetched (at `worker_ready` the consumer has
+    already subscribed). Waits out a database still starting (compose, Kubernetes).
+    """
+    from sqlalchemy.exc import OperationalError
+    from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+    from ocrq.migrate import SchemaNotAtHead, check_at_head
+    from ocrq.settings import Settings
+
+    try:
+        settings = Settings()
+    except Exception as exc:
+        log.critical("worker cannot start: invalid settings: %s", exc)
+        return STARTUP_FAILED_EXIT_CODE
+    check = retry(
+        retry=retry_if_exception_type(OperationalError),
+        wait=wait_exponential(multiplier=0.5, max=5),
+        stop=stop_after_delay(DATABASE_WAIT_S),
+        reraise=True,
+    )(check_at_head)
+    try:
+        check(settings.database_url)
+    except SchemaNotAtHead as exc:
+        log.critical("worker cannot start: %s", exc)
+        return STARTUP_FAILED_EXIT_CODE
+    except OperationalError as exc:  # still down: exit, and let the supervisor try again
+        log.critical(
+            "worker cannot start: database unreachable or missing (`ocrq migrate` creates it): %s",
+            exc.orig or exc,
+        )
+        return 1
+    return None
+
+
 def run_worker(argv: Sequence[str]) -> int:
     """Run `celery worker` here; the exit code says whether this was a recycle."""
     from ocrq.settings import Settings
-    from worker.celery_app import app
 
     try:  # before consuming anything: a worker that could read any host file does not start
         Settings().require_safe_roots()
     except ValueError as exc:
         log.critical("worker cannot start: %s", exc)
         return STARTUP_FAILED_EXIT_CODE
+    refused = check_database()
+    if refused is not None:
+        return refused
+    from worker.celery_app import app
 
     code = 0
     try:

@@ -7,7 +7,6 @@ its pool, in the process that will run the engine, so CUDA is never initialised 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from ocrq.settings import Settings
 from ocrq.store import JobStore
 from worker import metrics
 from worker.batcher import BatchConfig, Batcher, BatchRecord
+from worker.heartbeat import Heartbeat, unique_worker_name
 from worker.jobs import JobRunner
 from worker.profiles import choose_cost_model
 from worker.recycle import RecyclePolicy, Recycler
@@ -34,10 +34,13 @@ class Runtime:
     batcher: Batcher
     runner: JobRunner
     recycler: Recycler | None = None
+    heartbeat: Heartbeat | None = None
 
     def close(self) -> None:
         self.batcher.stop()
         self.engine.close()
+        if self.heartbeat is not None:  # after the batcher: no job of ours is running now
+            self.heartbeat.stop()
 
 
 def batch_config(settings: Settings, engine: Engine, model: CostModel | None = None) -> BatchConfig:
@@ -101,7 +104,7 @@ def build_runtime(
 
     batcher = Batcher(engine, config, on_batch=on_batch, cost_model=choice.model).start()
     store = store or JobStore(get_engine(settings.database_url))
-    name = worker_name or f"{settings.engine}@{socket.gethostname()}"
+    name = worker_name or unique_worker_name(settings.engine)
     prefetch = settings.prefetch_images or 2 * config.max_items
     runner = JobRunner(settings, engine, batcher, store, name, prefetch_images=prefetch)
     log.info(
@@ -113,6 +116,19 @@ def build_runtime(
         choice.model.source,
     )
     return Runtime(settings, engine, batcher, runner, recycler)
+
+
+def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
+    """Beat for worker `name`, and sweep other workers' stalled jobs back to the queue."""
+    from api.client import Client  # the same re-send path as `ocrq requeue --stalled`
+
+    client = Client(settings)
+    return Heartbeat(
+        client.store.engine,
+        name,
+        settings,
+        sweep=lambda: client.requeue_stalled(exclude_worker=name),
+    ).start()
 
 
 def _count_batch(record: BatchRecord) -> None:
@@ -139,11 +155,16 @@ _runtime: Runtime | None = None
 def get_runtime(
     settings: Settings | None = None, on_recycle: Callable[[str], None] | None = None
 ) -> Runtime:
-    """The process's runtime, built on first use (worker start-up calls this early)."""
+    """The worker process's runtime, built on first use (worker start-up calls this early),
+    with its heartbeat; the name it claims jobs under is unique to this process."""
     global _runtime
     with _lock:
         if _runtime is None:
-            _runtime = build_runtime(settings or Settings(), on_recycle=on_recycle)
+            settings = settings or Settings()
+            name = unique_worker_name(settings.engine)
+            runtime = build_runtime(settings, worker_name=name, on_recycle=on_recycle)
+            runtime.heartbeat = start_heartbeat(settings, name)
+            _runtime = runtime
         return _runtime
 
 

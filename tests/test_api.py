@@ -1,0 +1,267 @@
+"""The HTTP api's safe defaults: bearer auth, body and field limits, 422s that echo nothing.
+
+FastAPI's TestClient for the rules, a real uvicorn process for what only a server shows: that it
+refuses to start unconfigured, and that a chunked body over the limit is cut off while it is
+still arriving. Real Redis and PostgreSQL behind it (conftest fixtures).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from api.http import create_app
+from ocrq.settings import Settings
+from tests.conftest import BIN, FIGURES
+from tests.servers import free_port
+
+TOKEN = "test-token-" + uuid.uuid4().hex
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LIMIT = 1024 * 1024  # a small body limit, so the tests move little data
+
+
+@pytest.fixture(scope="module")
+def queue() -> str:
+    """Jobs these tests enqueue go to a queue no worker reads."""
+    return f"ocr-api-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def settings(broker_url: str, database_url: str, queue: str) -> Settings:
+    return Settings(
+        broker_url=broker_url,
+        database_url=database_url,
+        queue=queue,
+        api_token=TOKEN,
+        api_max_body_bytes=LIMIT,
+    )
+
+
+@pytest.fixture(scope="module")
+def api(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def test_every_endpoint_but_healthz_needs_the_token(api: TestClient, image_root: Path) -> None:
+    job = {"image": {"path": str(image_root / "a.png")}}
+    assert api.get("/healthz").json() == {"status": "ok"}
+    assert api.post("/jobs", json=job).status_code == 401
+    assert api.post("/jobs", json=job, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert api.post("/jobs", json=job, headers={"Authorization": TOKEN}).status_code == 401
+    missing = api.get(f"/jobs/{uuid.uuid4()}")
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    for path in ("/docs", "/openapi.json", "/nope"):
+        assert api.get(path).status_code == 401
+    created = api.post("/jobs", json=job, headers=AUTH)
+    assert created.status_code == 202
+    job_id = created.json()["job_id"]
+    row = api.get(f"/jobs/{job_id}", headers=AUTH).json()
+    assert row["job_id"] == job_id and row["status"] == "queued"
+    assert api.get(f"/jobs/{job_id.upper()}", headers=AUTH).json()["job_id"] == job_id
+    assert api.get("/jobs/not-a-uuid", headers=AUTH).status_code == 404
+    assert api.get("/openapi.json", headers=AUTH).status_code == 404  # no docs at all
+
+
+def test_body_over_the_limit_is_413(api: TestClient) -> None:
+    big = {"image": {"b64": "A" * LIMIT}}
+    assert api.post("/jobs", json=big, headers=AUTH).status_code == 413
+    # A body without Content-Length (chunked) is counted while it is read.
+    chunks = (b'{"image": {"b64": "' + b"A" * 4096 for _ in range(LIMIT // 4096 + 8))
+    assert api.post("/jobs", content=chunks, headers=AUTH).status_code == 413
+    fits = {"image": {"b64": "A" * (LIMIT // 2)}}
+    assert api.post("/jobs", json=fits, headers=AUTH).status_code == 202
+
+
+def test_422_names_fields_and_echoes_nothing(broker_url: str, database_url: str) -> None:
+    """With the production default body limit a 10 MB task is read, refused by its length,
+    and the answer is a few hundred bytes, not the task sent back."""
+    app = create_app(Settings(broker_url=broker_url, database_url=database_url, api_token=TOKEN))
+    marker = "SECRET-" + uuid.uuid4().hex
+    with TestClient(app) as api:
+        task = marker + "x" * 10_000_000
+        r = api.post("/jobs", json={"image": {"path": "/a.png"}, "task": task}, headers=AUTH)
+        assert r.status_code == 422 and len(r.content) < 2000
+        assert marker not in r.text and "input" not in r.json()["detail"][0]
+        assert r.json()["detail"][0]["loc"] == ["body", "task"]
+        assert "4000" in r.json()["detail"][0]["msg"]
+        r = api.post(
+            "/jobs", json={"image": {"path": marker, "url": "http://" + marker}}, headers=AUTH
+        )
+        assert r.status_code == 422 and marker not in r.text
+        assert "exactly one" in r.text
+        key = marker * 5
+        r = api.post("/jobs", json={"image": {"path": "/a.png", key: 1}}, headers=AUTH)
+        assert r.status_code == 422 and key not in r.text  # a client's key is cut short
+        many = {"image": {f"k{i}": i for i in range(500)}}
+        body = api.post("/jobs", json=many, headers=AUTH).json()
+        assert len(body["detail"]) == 20 and body["more_errors"] > 0
+        r = api.post("/jobs", content=b'{"image": ' + marker.encode(), headers=AUTH)
+        assert r.status_code == 422 and marker not in r.text
+        for bad in ({"path": "/a\x00b.png"}, {"path": "/" + "a" * 9000}):
+            assert api.post("/jobs", json={"image": bad}, headers=AUTH).status_code == 422
+
+
+def test_app_without_lifespan_fails_closed(broker_url: str, database_url: str) -> None:
+    """Mounted by something that skips the startup check, an unconfigured app still serves
+    nothing but /healthz."""
+    app = create_app(Settings(broker_url=broker_url, database_url=database_url))
+    api = TestClient(app)  # not entered: no lifespan
+    assert api.get("/healthz").status_code == 200
+    assert api.post("/jobs", json={"image": {"path": "/a.png"}}).status_code == 503
+
+
+class Uvicorn:
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.port = free_port()
+        self.log = log
+        self.proc = subprocess.Popen(
+            [str(BIN / "uvicorn"), "api.http:app", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_up(self, timeout: float = 60) -> Uvicorn:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=1)
+                return self
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise TimeoutError(self.log.read_text())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
+
+
+def api_env(service_env: dict[str, str], queue: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in service_env.items() if not k.startswith("OCRQ_API_")}
+    return {**env, "OCRQ_QUEUE": queue, **extra}
+
+
+@pytest.mark.parametrize("token", [None, "Zq7-tiny"])
+def test_uvicorn_refuses_to_start_without_a_token(
+    token: str | None, service_env: dict[str, str], queue: str, tmp_path: Path
+) -> None:
+    env = api_env(service_env, queue, **({"OCRQ_API_TOKEN": token} if token else {}))
+    server = Uvicorn(env, tmp_path / "api.log")
+    try:
+        code = server.proc.wait(60)
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+    log = server.log.read_text()
+    assert code != 0, log
+    assert "ocrq api cannot start: OCRQ_API_TOKEN" in log
+    assert token is None or token not in log  # never printed
+
+
+def test_uvicorn_without_auth_only_when_told(
+    service_env: dict[str, str], queue: str, tmp_path: Path
+) -> None:
+    env = api_env(service_env, queue, OCRQ_API_ALLOW_NO_AUTH="true")
+    server = Uvicorn(env, tmp_path / "api.log").wait_up()
+    try:
+        r = httpx.post(
+            f"http://127.0.0.1:{server.port}/jobs", json={"image": {"path": "/a.png"}}, timeout=10
+        )
+    finally:
+        server.stop()
+    assert r.status_code == 202 and uuid.UUID(r.json()["job_id"])
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    data = b""
+    sock.settimeout(10)
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_uvicorn_cuts_off_a_chunked_body_over_the_limit(
+    service_env: dict[str, str], queue: str, tmp_path: Path
+) -> None:
+    """A client streams an endless chunked body: the server answers 413 once it has taken in
+    just over the limit and closes, instead of buffering what the client keeps sending."""
+    env = api_env(service_env, queue, OCRQ_API_TOKEN=TOKEN, OCRQ_API_MAX_BODY_BYTES=str(LIMIT))
+    server = Uvicorn(env, tmp_path / "api.log").wait_up()
+    try:
+        # Unauthenticated, with a 10 GB Content-Length and no body: answered from the headers.
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(
+                b"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 10000000000\r\n\r\n"
+            )
+            head = _read_response(sock)
+        assert head.startswith((b"HTTP/1.1 401", b"HTTP/1.1 413")), head
+
+        sent = 0
+        chunk = b"A" * 65536
+        frame = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+        opening = b'{"image": {"b64": "'
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(
+                b"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {TOKEN}\r\n".encode()
+                + b"Transfer-Encoding: chunked\r\n\r\n"
+                + f"{len(opening):x}\r\n".encode()
+                + opening
+                + b"\r\n"
+            )
+            sock.settimeout(0.05)
+            response = b""
+            while sent < 200 * LIMIT:  # 200 MiB if nothing stopped it
+                try:
+                    sock.sendall(frame)
+                    sent += len(chunk)
+                except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                    break
+                try:
+                    response = sock.recv(65536)
+                    if response:
+                        break
+                except TimeoutError:
+                    pass
+            if not response:
+                response = _read_response(sock)
+    finally:
+        server.stop()
+    FIGURES.append(f"[api-chunked-413] bytes sent before the 413: {sent} (limit {LIMIT})")
+    assert response.startswith(b"HTTP/1.1 413"), response[:200]
+    assert sent < 8 * LIMIT, f"server took {sent} bytes before answering"
+
+
+def test_post_and_get_through_uvicorn(
+    service_env: dict[str, str], queue: str, tmp_path: Path
+) -> None:
+    env = api_env(service_env, queue, OCRQ_API_TOKEN=TOKEN)
+    server = Uvicorn(env, tmp_path / "api.log").wait_up()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        created = httpx.post(
+            f"{base}/jobs", json={"image": {"url": "https://example.org/a.png"}}, headers=AUTH
+        )
+        job_id = created.json()["job_id"]
+        row = httpx.get(f"{base}/jobs/{job_id}", headers=AUTH).json()
+        denied = httpx.get(f"{base}/jobs/{job_id}")
+    finally:
+        server.stop()
+    assert created.status_code == 202 and row["status"] == "queued"
+    assert denied.status_code == 401 and "example.org" not in denied.text
+    assert json.loads(denied.text) == {"detail": "missing or wrong bearer token"}

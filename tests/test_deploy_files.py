@@ -1,0 +1,226 @@
+"""The shipped deploy files keep their safe defaults: nothing internal published, every
+secret required (none baked in), Flower behind basic auth, no root, allowed roots set.
+
+Read as data (PyYAML, the unit's lines); where the real tool is installed it checks the file
+too (`docker-compose config`, `systemd-analyze verify`), and Flower is started the way the
+files start it to show that its basic auth really is on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.conftest import BIN, REPO
+from tests.servers import free_port
+
+COMPOSE = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
+UNIT = REPO / "deploy" / "systemd" / "ocrq-worker@.service"
+K8S = sorted((REPO / "deploy" / "k8s").glob("*.yaml"))
+SECRETS = {
+    "REDIS_PASSWORD": "redis-secret-1",
+    "POSTGRES_PASSWORD": "pg-secret-1",
+    "OCRQ_API_TOKEN": "api-token-0123456789",
+    "FLOWER_BASIC_AUTH": "admin:flower-secret-1",
+}
+ROOT = {"root", "0", "0:0", "root:root"}
+
+
+def required(var: str) -> re.Pattern[str]:
+    """`${VAR:?message}`: compose stops with the message when VAR is unset or empty."""
+    return re.compile(r"\$\{" + var + r":\?[^}]+\}")
+
+
+def dockerfile_user() -> str:
+    users = [
+        line.split(None, 1)[1].strip()
+        for line in DOCKERFILE.read_text().splitlines()
+        if line.startswith("USER ")
+    ]
+    return users[-1] if users else "root"
+
+
+def test_dockerfile_runs_as_a_non_root_user() -> None:
+    lines = DOCKERFILE.read_text().splitlines()
+    user = dockerfile_user()
+    assert user not in ROOT and user.split(":")[0].isdigit()  # numeric: runAsNonRoot can check
+    last_run = max(i for i, line in enumerate(lines) if line.startswith("RUN "))
+    assert lines.index(f"USER {user}") > last_run  # installs as root, runs as the user
+
+
+def test_compose_publishes_nothing_internal_and_requires_secrets() -> None:
+    text = COMPOSE.read_text()
+    services: dict[str, dict[str, Any]] = yaml.safe_load(text)["services"]
+    assert "ports" not in services["redis"] and "ports" not in services["postgres"]
+    published = {name: s["ports"] for name, s in services.items() if "ports" in s}
+    assert set(published) == {"api", "flower"}
+    for ports in published.values():
+        assert all(str(p).startswith("127.0.0.1:") for p in ports), ports
+    # Secrets: required, never defaulted.
+    assert "--requirepass" in services["redis"]["command"]
+    assert required("REDIS_PASSWORD").fullmatch(services["redis"]["command"][-1])
+    pg_env = services["postgres"]["environment"]
+    assert "POSTGRES_HOST_AUTH_METHOD" not in pg_env and "trust" not in json.dumps(services)
+    assert required("POSTGRES_PASSWORD").fullmatch(pg_env["POSTGRES_PASSWORD"])
+    assert required("FLOWER_BASIC_AUTH").fullmatch(
+        services["flower"]["environment"]["FLOWER_BASIC_AUTH"]
+    )
+    assert required("OCRQ_API_TOKEN").fullmatch(services["api"]["environment"]["OCRQ_API_TOKEN"])
+    assert not re.search(r"\$\{[A-Z_]*(PASSWORD|TOKEN|AUTH)[A-Z_]*:?-", text)  # no defaults
+    for name in ("migrate", "worker", "api"):
+        env = services[name]["environment"]
+        assert required("REDIS_PASSWORD").search(env["OCRQ_BROKER_URL"])
+        assert required("POSTGRES_PASSWORD").search(env["OCRQ_DATABASE_URL"])
+    assert services["worker"]["environment"]["OCRQ_ALLOWED_ROOTS"] not in ("", "/")
+    # No service runs as root: built ones take the Dockerfile's USER, the others set `user`.
+    for name, service in services.items():
+        user = dockerfile_user() if "build" in service else str(service.get("user", "root"))
+        assert user not in ROOT, name
+
+
+def test_compose_config_resolves_only_with_every_secret(tmp_path: Path) -> None:
+    """docker-compose (Debian's 1.29 here) reads the file as Docker would, offline: it refuses
+    it while a secret is missing and resolves the ports to loopback when all are given."""
+    tool = shutil.which("docker-compose")
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    if tool is None:  # the same facts from the file alone: nothing here can default them
+        for var in SECRETS:
+            assert required(var).search(COMPOSE.read_text()), var
+        assert all(str(p).startswith("127.0.0.1:") for p in services["api"]["ports"])
+        return
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    for missing in SECRETS:
+        env = {**base, **{k: v for k, v in SECRETS.items() if k != missing}}
+        proc = subprocess.run(
+            [tool, "-f", str(COMPOSE), "config", "-q"], env=env, capture_output=True, text=True
+        )
+        assert proc.returncode != 0 and f"set {missing}" in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        [tool, "-f", str(COMPOSE), "config"],
+        env={**base, **SECRETS},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    resolved = yaml.safe_load(proc.stdout)["services"]
+    assert resolved["flower"]["environment"]["FLOWER_BASIC_AUTH"] == SECRETS["FLOWER_BASIC_AUTH"]
+    for name in ("api", "flower"):
+        ports = resolved[name]["ports"]  # "ip:host:container/tcp" in 1.29, mappings in v2
+        assert [p["host_ip"] if isinstance(p, dict) else p.split(":")[0] for p in ports] == [
+            "127.0.0.1"
+        ]
+    assert "ports" not in resolved["redis"] and "ports" not in resolved["postgres"]
+
+
+def k8s_documents() -> list[dict[str, Any]]:
+    return [doc for path in K8S for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_kubernetes_no_root_secrets_from_secrets_and_allowed_roots() -> None:
+    docs = k8s_documents()
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    assert {"ocrq-worker", "ocrq-api", "ocrq-flower"} <= set(deployments)
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        for container in pod["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False, name
+    worker = env_of(deployments["ocrq-worker"]["spec"]["template"]["spec"]["containers"][0])
+    assert worker["OCRQ_ALLOWED_ROOTS"]["value"] not in ("", "/")
+    api = env_of(deployments["ocrq-api"]["spec"]["template"]["spec"]["containers"][0])
+    assert "secretKeyRef" in api["OCRQ_API_TOKEN"]["valueFrom"]
+    flower = env_of(deployments["ocrq-flower"]["spec"]["template"]["spec"]["containers"][0])
+    assert "secretKeyRef" in flower["FLOWER_BASIC_AUTH"]["valueFrom"]
+    for service in (d for d in docs if d["kind"] == "Service"):
+        assert service["spec"].get("type", "ClusterIP") == "ClusterIP"  # never NodePort/LB
+    scaled = next(d for d in docs if d["kind"] == "ScaledObject")
+    assert all("authenticationRef" in t for t in scaled["spec"]["triggers"])  # Redis password
+
+
+def unit_entries() -> list[tuple[str, str]]:
+    """The unit's `Key=value` lines in order (repeated keys such as Environment= kept)."""
+    entries = []
+    for line in UNIT.read_text().splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            entries.append((key.strip(), value.strip()))
+    return entries
+
+
+def test_systemd_unit_is_hardened_and_sets_allowed_roots(tmp_path: Path) -> None:
+    entries = unit_entries()
+    settings = dict(entries)
+    env = dict(v.split("=", 1) for k, v in entries if k == "Environment")
+    assert env["OCRQ_ALLOWED_ROOTS"] not in ("", "/")
+    assert settings["User"] not in ROOT
+    assert settings["NoNewPrivileges"] == "yes" and settings["PrivateTmp"] == "yes"
+    assert settings["ProtectSystem"] == "strict" and settings["CacheDirectory"] == "ocrq"
+    assert "78" in settings["RestartPreventExitStatus"].split()  # start-up errors: no loop
+    assert "--no-supervise" in settings["ExecStart"]
+    tool = shutil.which("systemd-analyze")
+    if tool is not None:  # every key known and every value parsed, as systemd reads them
+        unit = tmp_path / UNIT.name
+        unit.write_text(UNIT.read_text())
+        proc = subprocess.run(
+            [tool, "verify", "--man=no", str(tmp_path / "ocrq-worker@0.service")],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+        problems = [
+            line
+            for line in (proc.stdout + proc.stderr).splitlines()
+            if "is not executable" not in line  # /opt/ocrq is not installed here
+        ]
+        assert not problems, problems
+
+
+def test_flower_started_as_deployed_requires_basic_auth(broker_url: str, tmp_path: Path) -> None:
+    """Flower reads FLOWER_BASIC_AUTH from its environment, as compose and Kubernetes set it."""
+    port = free_port()
+    user, password = SECRETS["FLOWER_BASIC_AUTH"].split(":")
+    log = (tmp_path / "flower.log").open("w")
+    flower = subprocess.Popen(
+        [
+            str(BIN / "celery"),
+            f"--broker={broker_url}",
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+        ],
+        env={"PATH": str(BIN), "FLOWER_BASIC_AUTH": SECRETS["FLOWER_BASIC_AUTH"]},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                anonymous = httpx.get(f"{base}/tasks", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and flower.poll() is None
+                time.sleep(0.3)
+        wrong = httpx.get(f"{base}/api/tasks", auth=(user, "nope"), timeout=5)
+        right = httpx.get(f"{base}/tasks", auth=(user, password), timeout=5)
+    finally:
+        flower.terminate()
+        flower.wait(20)
+        log.close()
+    assert anonymous.status_code == 401 and wrong.status_code == 401
+    assert right.status_code == 200

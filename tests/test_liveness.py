@@ -1,0 +1,282 @@
+"""Workers that must not consume (an unmigrated database) and workers that died mid-job.
+
+Real `ocrq worker` processes, Redis and PostgreSQL. The liveness tests set
+OCRQ_VISIBILITY_TIMEOUT_S to 3600, so the broker's redelivery cannot explain any recovery:
+only the heartbeat sweep can.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from alembic import command
+from sqlalchemy import create_engine, insert, text
+from sqlalchemy.engine import make_url
+
+from api.client import Client
+from ocrq import workers_table
+from ocrq.db import get_engine, ocr_jobs, ocr_workers
+from ocrq.migrate import alembic_config, head_revisions
+from ocrq.samples import draw_text_image
+from ocrq.settings import Settings
+from ocrq.store import JobStore, now
+from tests.conftest import BIN, FIGURES, TEST_PG, WorkerProcess
+from tests.test_faults import WORDS, report, wait_all
+
+# Fast liveness for tests: beats every second, dead after 6 s of silence, sweeps every second.
+LIVENESS = {
+    "OCRQ_HEARTBEAT_S": "1",
+    "OCRQ_STALLED_AFTER_S": "6",
+    "OCRQ_STALLED_SWEEP_S": "1",
+    "OCRQ_VISIBILITY_TIMEOUT_S": "3600",
+    "OCRQ_MAX_BATCH": "1",
+}
+
+
+@pytest.fixture
+def empty_database() -> Iterator[str]:
+    """A database that exists but was never migrated."""
+    name = f"ocrq_bare_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(TEST_PG, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    yield make_url(TEST_PG).set(database=name).render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.mark.parametrize("revision", [None, "0001"])
+def test_worker_refuses_unmigrated_database_and_leaves_messages(
+    revision: str | None,
+    empty_database: str,
+    service_env: dict[str, str],
+    broker_url: str,
+    text_images: dict[str, Path],
+) -> None:
+    """Without the check the worker takes the message, fails to claim (no table) and acks it."""
+    if revision is not None:
+        command.upgrade(alembic_config(empty_database), revision)
+    queue = f"ocr-unmigrated-{uuid.uuid4().hex[:6]}"
+    job_id = str(uuid.uuid4())
+    producer = Client(Settings(broker_url=broker_url, queue=queue))
+    producer.app.send_task(
+        "ocrq.recognize",
+        kwargs={"image": {"path": str(text_images["word"])}, "job_id": job_id},
+        queue=queue,
+        task_id=job_id,
+    )
+    env = {**service_env, "OCRQ_DATABASE_URL": empty_database, "OCRQ_QUEUE": queue}
+    proc = subprocess.run(
+        [str(BIN / "ocrq"), "worker"], env=env, capture_output=True, text=True, timeout=180
+    )
+    head = ", ".join(head_revisions())
+    expected = f"database at revision {revision or 'none'}, ocrq needs {head}: run `ocrq migrate`"
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert expected in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("started worker process") == 1  # the supervisor did not loop
+    r = redis.Redis.from_url(broker_url)
+    waiting = r.lrange(queue, 0, -1)
+    assert len(waiting) == 1 and job_id.encode() in waiting[0]  # still queued, never taken
+    assert not [v for v in r.hgetall("unacked").values() if job_id.encode() in v]
+
+
+def slow_images(folder: Path, n: int, lines: int = 24) -> list[Path]:
+    """Pages of many lines: a second or more each through the CPU engine on this machine."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        rows = [f"{WORDS[(i + k) % len(WORDS)]} {i}-{k} SLOW PAGE LINE" for k in range(lines)]
+        path = folder / f"slow{i:04d}.png"
+        draw_text_image(rows, size=28, margin=20).save(path)
+        paths.append(path)
+    return paths
+
+
+def running_rows(store: JobStore, ids: list[str]) -> dict[str, dict]:
+    return {k: v for k, v in store.get(ids).items() if v["status"] == "running"}
+
+
+def test_killed_worker_jobs_resent_by_live_worker_sweep(
+    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    queue = f"ocr-stalled-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue}
+    store = JobStore(get_engine(database_url))
+    client = Client(
+        Settings(broker_url=env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue)
+    )
+    r = redis.Redis.from_url(env["OCRQ_BROKER_URL"])
+    victim = WorkerProcess(env, tmp_path / "victim.log", "--concurrency", "4", "--no-supervise")
+    rescuer: WorkerProcess | None = None
+    try:
+        victim.wait_ready()
+        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "stall", 16)]
+        # Kill once the victim holds 4 running jobs and has no message it has not yet claimed
+        # (an unclaimed one would only come back after the visibility timeout, by design).
+        deadline = time.monotonic() + 120
+        stable = 0
+        held: set[str] = set()
+        while time.monotonic() < deadline and stable < 3:
+            statuses = {i: row["status"] for i, row in store.get(ids).items()}
+            running = {i for i, status in statuses.items() if status == "running"}
+            messages = list(r.hgetall("unacked").values())
+            unacked = {i for i in ids if any(i.encode() in m for m in messages)}
+            ok = len(running) == 4 and unacked == running and "done" in statuses.values()
+            stable = stable + 1 if ok and running == held else int(ok)
+            held = running
+            time.sleep(0.1)
+        assert stable >= 3, victim.text()[-3000:]
+        victim.stop(signal.SIGKILL)
+        killed_at = time.monotonic()
+        left = running_rows(store, ids)
+        assert set(left) >= held  # the -9 left them running
+        victim_name = {left[i]["worker"] for i in held}
+        assert len(victim_name) == 1
+        rescuer = WorkerProcess(env, tmp_path / "rescuer.log", "--concurrency", "4")
+        rescuer.wait_ready()
+        # Until the sweep takes them from the dead worker (flipped to queued, then claimed).
+        while any(
+            r["status"] == "running" and r["worker"] in victim_name
+            for r in store.get(list(held)).values()
+        ):
+            assert time.monotonic() - killed_at < 300, rescuer.text()[-3000:]
+            time.sleep(0.2)
+        resent_after = time.monotonic() - killed_at
+        rows = wait_all(store, ids, timeout=300)
+        seconds = time.monotonic() - killed_at
+    finally:
+        victim.stop(signal.SIGKILL)
+        if rescuer is not None:
+            rescuer.stop()
+    figures = report("stalled-sweep", ids, rows, store, seconds)
+    FIGURES.append(
+        f"[stalled-sweep] running at -9: {len(held)}; taken from the dead worker "
+        f"{resent_after:.0f} s after the kill (rescuer start-up + "
+        f"{LIVENESS['OCRQ_STALLED_AFTER_S']} s of silence); all done {seconds:.0f} s after it"
+    )
+    assert figures["done"] == len(ids) and figures["lost"] == 0 and figures["duplicated"] == 0
+    # Exactly the killed worker's running jobs ran a second time, each once more.
+    assert {i for i, row in rows.items() if row["attempts"] > 1} == held
+    assert all(rows[i]["attempts"] == 2 for i in held)
+    log = rescuer.text()
+    assert "stalled-job sweep: re-sent 4 running job(s)" in log, log[-3000:]
+    assert all(i in log for i in held)
+    assert resent_after < 120  # against a visibility timeout of 3600 s
+
+
+def test_live_workers_jobs_are_never_resent(
+    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    """Two busy workers sweep every second and `ocrq requeue --stalled` runs while their jobs
+    have been running for longer than OCRQ_STALLED_AFTER_S: nothing is re-sent."""
+    queue = f"ocr-live-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue}
+    store = JobStore(get_engine(database_url))
+    client = Client(
+        Settings(broker_url=env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue)
+    )
+    workers = [
+        WorkerProcess(env, tmp_path / f"live{k}.log", "--concurrency", "8") for k in range(2)
+    ]
+    try:
+        for w in workers:
+            w.wait_ready()
+        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "live", 32)]
+        stalled_after = float(LIVENESS["OCRQ_STALLED_AFTER_S"])
+        deadline = time.monotonic() + 180
+        oldest = 0.0
+        while time.monotonic() < deadline and oldest < stalled_after + 2:
+            started = [r["started_at"] for r in running_rows(store, ids).values()]
+            oldest = max(((now() - t).total_seconds() for t in started), default=0.0)
+            time.sleep(0.2)
+        assert oldest >= stalled_after + 2, "no job ran long enough to test anything"
+        cli = subprocess.run(
+            [str(BIN / "ocrq"), "requeue", "--stalled"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        busy = len(running_rows(store, ids))
+        rows = wait_all(store, ids, timeout=400)
+        names = {row["worker"] for row in rows.values()}
+    finally:
+        for w in workers:
+            w.stop()
+    assert cli.returncode == 0, cli.stderr
+    assert "re-sent 0 stalled job(s)" in cli.stderr and cli.stdout.strip() == ""
+    assert busy > 0
+    assert all(row["status"] == "done" and row["attempts"] == 1 for row in rows.values())
+    for w in workers:
+        assert "stalled-job sweep: re-sent" not in w.text()
+    # One name per process (both on this host), and a clean stop retires its heartbeat row.
+    assert len(names) == 2
+    assert not names & set(workers_table.heartbeats(store.engine))
+
+
+def test_concurrent_sweeps_resend_each_job_once(database_url: str) -> None:
+    """While one sweep's UPDATE holds the rows, a second one waits, then finds them no longer
+    running and returns nothing: a job is re-sent by one sweeper only."""
+    engine = get_engine(database_url)
+    dead = f"dead-{uuid.uuid4().hex[:6]}"
+    ids = [str(uuid.uuid4()) for _ in range(20)]
+    long_ago = now().replace(year=2000)
+    with engine.begin() as conn:
+        conn.execute(
+            insert(ocr_workers).values(
+                name=dead, hostname="h", pid=1, started_at=long_ago, heartbeat_at=long_ago
+            )
+        )
+        conn.execute(
+            insert(ocr_jobs),
+            [
+                {
+                    "id": i,
+                    "status": "running",
+                    "task": "text",
+                    "source": f"/x/{i}.png",
+                    "worker": dead,
+                    "attempts": 1,
+                    "created_at": long_ago,
+                    "started_at": long_ago,
+                }
+                for i in ids
+            ],
+        )
+    first = engine.connect()
+    tx = first.begin()
+    taken = first.execute(
+        text(
+            "UPDATE ocr_jobs SET status = 'queued' WHERE worker = :w AND status = 'running' "
+            "RETURNING id"
+        ),
+        {"w": dead},
+    ).all()
+    assert len(taken) == len(ids)
+    second: list[workers_table.StalledJob] = []
+    sweeper = threading.Thread(
+        target=lambda: second.extend(workers_table.flip_stalled(engine, 60)), daemon=True
+    )
+    sweeper.start()
+    time.sleep(1.0)
+    assert sweeper.is_alive()  # blocked behind the first sweep's row locks
+    tx.commit()
+    first.close()
+    sweeper.join(30)
+    assert not sweeper.is_alive()
+    assert not [j for j in second if j.id in ids]
+    # And with nobody holding them, a sweep does flip a dead worker's running rows.
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE ocr_jobs SET status = 'running' WHERE worker = :w"), {"w": dead})
+    assert {j.id for j in workers_table.flip_stalled(engine, 60)} >= set(ids)
+    assert workers_table.forget_dead(engine, 60) >= 1
+    assert dead not in workers_table.heartbeats(engine)
