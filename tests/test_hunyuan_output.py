@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from models.base import Line
-from models.hunyuan_output import (
+from models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageShapeError, item_cost
+from models.hunyuan.output import (
     SpottedText,
     build_result,
     parse_spotting,
     to_pixels,
     trim_repeated_tail,
 )
-from models.hunyuan_tokens import DEFAULT_GEOMETRY, ImageShapeError, item_cost
 
 REPO = Path(__file__).resolve().parents[1]
 
