@@ -31,7 +31,6 @@ from typing import Any
 
 from models.base import Engine, OcrResult, PreparedImage
 from models.costs import CostModel, ItemCost
-from models.hunyuan import prompts
 from models.hunyuan.checkpoint import (
     check_settings,
     library_facts,
@@ -62,6 +61,7 @@ from models.hunyuan.memory import (
 )
 from models.hunyuan.output import result_of
 from models.hunyuan.patches import batch_vision_attention, isolate_rows
+from models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
 from models.hunyuan.tokens import SpecialTokens
 from ocrq.settings import Settings
 
@@ -90,7 +90,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
         self.model_dir: Path | None = None
         self.device: str | None = None
         self.tokens: SpecialTokens | None = None  # the one place eos and pad ids live
-        self.templates: prompts.PromptTemplates | None = None
+        self.templates: PromptTemplates | None = None
         self.preprocess_row: Preprocessor | None = None
         self._generation_config: Any = None
         self._decoder: HunyuanDecoder | None = None
@@ -119,7 +119,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
             ckpt.device,
         )
         self._generation_config = gen
-        self.templates = prompts.PromptTemplates(processor)
+        self.templates = PromptTemplates(processor)
         self.preprocess_row = Preprocessor(
             model, processor, self.templates, self.geometry, pin=self._cuda()
         )
@@ -167,11 +167,11 @@ class HunyuanEngine(HunyuanMemory, Engine):
     def estimate(self, item: PreparedImage) -> ItemCost:
         """Tokens, patches and pixels of `item`, by arithmetic (raises ImageShapeError for an
         image the processor would refuse)."""
-        prompt = prompts.prompt_of(item)
+        prompt = prompt_of(item)
         if self.templates is not None:
             prompt_tokens = self.templates.prompt_tokens(prompt)
         else:
-            prompt_tokens = prompts.rough_prompt_tokens(prompt)
+            prompt_tokens = rough_prompt_tokens(prompt)
         return item_cost(
             *item.size,
             prompt_tokens=prompt_tokens,
