@@ -141,6 +141,7 @@ class HunyuanDecoder:
     def _prefill(
         self, inputs: dict[str, torch.Tensor], tokens: SpecialTokens, n_new: int
     ) -> tuple[DecodeState, torch.Tensor]:
+        """The prompt pass and the state the steps start from (models/hunyuan/prefill.py)."""
         return prefill(self.text, inputs, tokens, n_new, fused=self.fused)
 
     def _contiguous_rows(self, state: DecodeState, prompt: int) -> bool:

@@ -112,12 +112,8 @@ class HunyuanEngine(HunyuanMemory, Engine):
         self.tokens = SpecialTokens.read(gen, processor.tokenizer)
         self.geometry = geometry_of(processor)
         self.max_pixels = self.geometry.max_pixels
-        self.model, self.processor, self.model_dir, self.device = (
-            model,
-            processor,
-            ckpt.path,
-            ckpt.device,
-        )
+        self.model, self.processor = model, processor
+        self.model_dir, self.device = ckpt.path, ckpt.device
         self._generation_config = gen
         self.templates = PromptTemplates(processor)
         self.preprocess_row = Preprocessor(
