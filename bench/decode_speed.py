@@ -10,8 +10,8 @@ of that step, prefill seconds, end-to-end images/s and peak memory against the c
 
 "plain" is the engine as it was before the fast path: `generate()` with transformers' per-image
 vision attention loop. "fast" is the default engine now: grouped vision attention in the prefill
-(models.hunyuan_decode.batch_vision_attention) and the graphed decode loop. Random weights of the
-full HunyuanOCR-1.0 shape (tests/tiny_hunyuan.py), every run forces --new-tokens new tokens.
+(models/hunyuan/patches.py) and the graphed decode loop. Random weights of the full
+HunyuanOCR-1.0 shape (models/hunyuan/tiny.py), every run forces --new-tokens new tokens.
 
 The floor of a decode step is the bytes it must read over the bandwidth: the text decoder's and
 lm_head's weights (the vision tower is not read while decoding) plus every row's KV cache up to
@@ -31,7 +31,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
@@ -42,22 +41,26 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.hunyuan_engine_bench import (  # noqa: E402
+from bench.common import (  # noqa: E402
+    BLANK,
     PAGES,
+    DeviceSpan,
     StepClock,
     add_model_args,
+    cuda_ms,
+    kernel_events,
     page_image,
     random_checkpoint,
     run_meta,
+    top,
 )
 from models.base import PreparedImage  # noqa: E402
-from models.decode_attention import KernelConfig, TritonDecodeAttention, attend_torch  # noqa: E402
 from models.hunyuan import HunyuanEngine  # noqa: E402
-from models.hunyuan_decode import batch_vision_attention  # noqa: E402
+from models.hunyuan.attention import KernelConfig, TritonDecodeAttention, attend_torch  # noqa: E402
+from models.hunyuan.patches import batch_vision_attention  # noqa: E402
 from ocrq.settings import Settings  # noqa: E402
 
 GiB = 1024**3
-BLANK = Image.new("RGB", (8, 8))  # stands in for images whose rows are handed in preprocessed
 DATASHEET_BW = 4.8e12  # H200 HBM3e, bytes/s
 KERNEL_CONFIGS = [
     KernelConfig(),
@@ -88,22 +91,6 @@ def sync(torch: Any, cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def cuda_ms(torch: Any, fn: Any, reps: int, warm: int = 2) -> float:
-    """Median milliseconds of fn() by CUDA events."""
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def measure_bandwidth(torch: Any) -> dict[str, float]:
     """Device-to-device copy of 2 GiB: bytes read + written over time."""
     src = torch.empty(GiB, dtype=torch.uint8, device="cuda").random_()
@@ -117,7 +104,7 @@ def measure_bandwidth(torch: Any) -> dict[str, float]:
 def bench_attention(torch: Any, engine: HunyuanEngine, prompt: int, new: int,
                     batches: list[int]) -> list[dict[str, Any]]:
     """The decode attention alone at the last step (every key valid): configs vs reference."""
-    dec = engine._decoder
+    dec = engine._decoder.text  # the text decoder's shapes and RoPE
     rows = []
     length = prompt + new - 1
     for batch in batches:
@@ -150,29 +137,6 @@ def bench_attention(torch: Any, engine: HunyuanEngine, prompt: int, new: int,
         del k, v, q, ref, args, call
         torch.cuda.empty_cache()
     return rows
-
-
-def kernel_events(prof: Any) -> tuple[list[Any], list[Any]]:
-    """(device events, host events) of a torch.profiler run."""
-    from torch.autograd import DeviceType
-
-    device, host = [], []
-    for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
-            host.append(e)
-        elif not (getattr(e, "is_user_annotation", False) or e.name.startswith("step_")):
-            device.append(e)  # kernels, copies, memsets; not the GPU copy of our labels
-    return device, host
-
-
-def top(events: list[Any], attr: str, n: int = 12) -> list[dict[str, Any]]:
-    total: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    for e in events:
-        total[e.name] += getattr(e, attr)
-        count[e.name] += 1
-    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:n]
-    return [{"name": name[:90], "us": round(us, 1), "calls": count[name]} for name, us in ranked]
 
 
 def profile_plain(torch: Any, engine: HunyuanEngine, row: Any, batch: int) -> dict[str, Any]:
@@ -222,16 +186,8 @@ def profile_plain(torch: Any, engine: HunyuanEngine, row: Any, batch: int) -> di
         "top_cpu_self": [dict(d, us=round(d["us"] / steps, 1), calls=d["calls"] / steps)
                          for d in top(host_win, "self_cpu_time_total")],
         "top_gpu": [dict(d, us=round(d["us"] / steps, 1), calls=d["calls"] / steps)
-                    for d in top([_Dur(e) for e in in_win], "dur")],
+                    for d in top([DeviceSpan(e) for e in in_win], "dur")],
     }
-
-
-class _Dur:
-    """A device event with its duration as an attribute (for `top`)."""
-
-    def __init__(self, e: Any) -> None:
-        self.name = e.name
-        self.dur = e.time_range.end - e.time_range.start
 
 
 def profile_fast(torch: Any, engine: HunyuanEngine, row: Any, batch: int) -> dict[str, Any]:
@@ -261,7 +217,7 @@ def profile_fast(torch: Any, engine: HunyuanEngine, row: Any, batch: int) -> dic
         "gpu_busy_fraction": busy / replays / 1e3 / step_ms,
         "kernels_per_step": len(graph_kernels) / replays,
         "top_gpu": [dict(d, us=round(d["us"] / replays, 1), calls=d["calls"] / replays)
-                    for d in top([_Dur(e) for e in graph_kernels], "dur")],
+                    for d in top([DeviceSpan(e) for e in graph_kernels], "dur")],
     }
 
 
@@ -273,11 +229,11 @@ def kernel_equality(torch: Any, engine: HunyuanEngine) -> dict[str, float]:
 
 
 def _kernel_equality(torch: Any, engine: HunyuanEngine) -> dict[str, float]:
-    from models.decode_kernels import add_rms_norm, rope_rms_norm
-    from models.hunyuan_decode import _rotate
+    from models.hunyuan.kernels import add_rms_norm, rope_rms_norm
+    from models.hunyuan.text import rotate
 
     layer = engine.model.model.language_model.layers[3]
-    dec = engine._decoder
+    dec = engine._decoder.text  # the text decoder's shapes and RoPE
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(128, 1024, device="cuda", generator=g).to(torch.bfloat16)
     r = torch.randn(128, 1024, device="cuda", generator=g).to(torch.bfloat16)
@@ -286,11 +242,11 @@ def _kernel_equality(torch: Any, engine: HunyuanEngine) -> dict[str, float]:
     want = norm(r + x)
     q = torch.randn(128, dec.heads, dec.head_dim, device="cuda", generator=g).to(torch.bfloat16)
     pos = torch.randint(0, 3000, (dec.axes, 128), device="cuda", generator=g)
-    cos, sin = dec._rope(pos)
+    cos, sin = dec.rope(pos)
     qn = layer.self_attn.query_layernorm
     got_q = rope_rms_norm(q, cos[:, 0].float().contiguous(), sin[:, 0].float().contiguous(),
                           qn.weight, qn.variance_epsilon)
-    want_q = qn(_rotate(q, cos.float(), sin.float()))
+    want_q = qn(rotate(q, cos.float(), sin.float()))
     return {
         "residual_add_equal": float((h == r + x).float().mean()),
         "rms_norm_equal": float((y == want).float().mean()),

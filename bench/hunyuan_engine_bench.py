@@ -2,7 +2,7 @@
 
 Why random weights: speed and memory depend on shapes, not on weight values, and the benchmark
 must run where no checkpoint can be downloaded. The script writes a random-weight checkpoint of
-the full HunyuanOCR-1.0 shape (tests/tiny_hunyuan.py, HUNYUAN_OCR_1_0) to a temp dir and loads
+the full HunyuanOCR-1.0 shape (models/hunyuan/tiny.py, HUNYUAN_OCR_1_0) to a temp dir and loads
 it through `HunyuanEngine.load`, so every number comes from the engine's own code path
 (processor, left-padded collation, generate). Every run forces 256 new tokens
 (min_new_tokens = max_new_tokens) so runs compare with each other and with the baseline.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -34,54 +33,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import (  # noqa: E402
+    PAGES,
+    StepClock,
+    add_model_args,
+    page_image,
+    random_checkpoint,
+    run_meta,
+)
 from models.base import PreparedImage  # noqa: E402
 from models.hunyuan import HunyuanEngine  # noqa: E402
 from ocrq.settings import Settings  # noqa: E402
 
 GiB = 1024**3
-PAGES = {"page-1024": (1024, 1024), "receipt-886x1699": (886, 1699), "a4-1248x1760": (1248, 1760)}
-
-
-# -- what the GPU benchmarks share ---------------------------------------------------------------
-
-
-def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """--shape, --device, --dtype: the random-weight model a benchmark runs."""
-    ap.add_argument("--shape", choices=("full", "tiny"), default="full")
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--dtype", default="bfloat16")
-
-
-def run_meta(args: argparse.Namespace, script: str) -> dict[str, Any]:
-    """The facts every report starts with: how to rerun it, on what, with which libraries."""
-    import torch
-    import transformers
-
-    cuda = args.device.startswith("cuda")
-    return {
-        "command": " ".join(["python", script, *sys.argv[1:]]),
-        "shape": "HunyuanOCR-1.0" if args.shape == "full" else "tiny",
-        "gpu": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "dtype": args.dtype,
-    }
-
-
-def random_checkpoint(directory: Path, args: argparse.Namespace) -> Path:
-    """A checkpoint of --shape with random weights under `directory`, built on --device (much
-    faster on a GPU), on the CPU if that fails."""
-    from tests.tiny_hunyuan import HUNYUAN_OCR_1_0, TINY, build_checkpoint
-
-    ckpt = directory / "ckpt"
-    shape = HUNYUAN_OCR_1_0 if args.shape == "full" else TINY
-    try:
-        build_checkpoint(ckpt, shape, device=args.device, dtype=args.dtype)
-    except Exception as exc:
-        print(f"building on {args.device} failed ({exc!r}); building on the CPU", flush=True)
-        build_checkpoint(ckpt, shape, device="cpu", dtype=args.dtype)
-    return ckpt
 
 
 @dataclass
@@ -114,34 +78,6 @@ class Report:
     meta: dict[str, Any] = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
     stops: list[dict[str, Any]] = field(default_factory=list)
-
-
-class StepClock:
-    """Forward hook: times the first forward (prefill) and the steps after it."""
-
-    def __init__(self, torch: Any, device: str) -> None:
-        self.torch, self.device = torch, device
-        self.reset()
-
-    def reset(self) -> None:
-        self.started = time.perf_counter()
-        self.stamps: list[float] = []
-        self.prefill_peak = 0
-
-    def __call__(self, _module: Any, _args: Any, _output: Any) -> None:
-        if not self.stamps and self.device.startswith("cuda"):
-            self.torch.cuda.synchronize()
-            self.prefill_peak = self.torch.cuda.max_memory_allocated()
-        self.stamps.append(time.perf_counter())
-
-
-def page_image(width: int, height: int) -> Any:
-    """A page-like image: noise, so nothing about its content is special."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(width * 7919 + height)
-    return Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
 
 
 def write(report: Report, out: Path, stem: str) -> None:

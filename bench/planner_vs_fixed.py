@@ -19,7 +19,7 @@ the shared evaluation set (bench/data/ocr_eval_sizes.tsv, from its manifest), dr
 white, capped to the engine's max_pixels as the worker's prefetch does, and preprocessed once
 (in the service the prefetch threads do this while the GPU works, so it is left out of every
 mode's time alike). The model is a random-weight checkpoint of the full HunyuanOCR-1.0 shape
-(tests/tiny_hunyuan.py) loaded through HunyuanEngine.load; every image generates exactly
+(models/hunyuan/tiny.py) loaded through HunyuanEngine.load; every image generates exactly
 --new-tokens tokens (the engine's max_new_tokens, forced with min_new_tokens).
 
 Results are written after every phase (JSON + markdown) so a run cut short still reports.
@@ -53,6 +53,7 @@ import numpy as np  # noqa: E402
 from models.base import Engine, OcrResult, PreparedImage  # noqa: E402
 from models.costs import CostModel, GiB, ItemCost  # noqa: E402
 from models.hunyuan import HunyuanEngine  # noqa: E402
+from models.memory import ProbePage  # noqa: E402
 from ocrq.settings import Settings  # noqa: E402
 from worker.batcher import BatchConfig, Batcher  # noqa: E402
 from worker.images import downscale  # noqa: E402
@@ -155,11 +156,38 @@ class Metered(Engine):
     def cost_model(self) -> CostModel:
         return self.model
 
+    # The inner engine's memory side (models/memory.py, MemoryProbing), so that the batcher
+    # recovers from an OOM here exactly as it does with the engine alone.
+    @property
+    def profile_fields(self) -> tuple[str, ...]:
+        return self.inner.profile_fields
+
     def is_oom(self, exc: BaseException) -> bool:
         return self.inner.is_oom(exc)
 
     def release_memory(self) -> None:
         self.inner.release_memory()
+
+    def default_budget_bytes(self) -> int:
+        return self.inner.default_budget_bytes()
+
+    def fragmentation_bytes(self) -> int | None:
+        return self.inner.fragmentation_bytes()
+
+    def probe_pages(self) -> Sequence[ProbePage]:
+        return self.inner.probe_pages()
+
+    def reset_peak_memory(self) -> None:
+        self.inner.reset_peak_memory()
+
+    def peak_memory_bytes(self) -> int:
+        return self.inner.peak_memory_bytes()
+
+    def memory_capacity_bytes(self) -> int:
+        return self.inner.memory_capacity_bytes()
+
+    def probe(self, batch: Sequence[PreparedImage]) -> list[ItemCost]:
+        return self.inner.probe(batch)
 
     def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
         costs = [self.inner.estimate(i) for i in batch]
@@ -429,7 +457,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from tests.tiny_hunyuan import HUNYUAN_OCR_1_0, TINY, build_checkpoint
+    from models.hunyuan.tiny import HUNYUAN_OCR_1_0, TINY, build_checkpoint
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

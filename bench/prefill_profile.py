@@ -1,6 +1,6 @@
 """Where a batch's prefill goes on one GPU: phases, kernels, and the preprocessing beside it.
 
-Why: with the graphed decode loop (models/hunyuan_decode.py) the prefill is most of a batch
+Why: with the graphed decode loop (models/hunyuan/decode.py) the prefill is most of a batch
 (decode_speed_h200_128tok.md: 7.8 s of 9.8 s for 128 A4 pages), so the next lever must be found by
 measurement, not guessed. One call measures, for each page size at one batch:
 
@@ -32,13 +32,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.decode_speed import BLANK, _Dur, cuda_ms, kernel_events, top  # noqa: E402
-from bench.hunyuan_engine_bench import (  # noqa: E402
+from bench.common import (  # noqa: E402
+    BLANK,
     PAGES,
+    DeviceSpan,
     add_model_args,
+    cuda_ms,
+    kernel_events,
     page_image,
     random_checkpoint,
     run_meta,
+    top,
 )
 from models.base import PreparedImage  # noqa: E402
 from models.hunyuan import HunyuanEngine  # noqa: E402
@@ -128,7 +132,7 @@ def prefill_profile(torch: Any, engine: HunyuanEngine, row: Any, batch: int) -> 
     busy = sum(e.time_range.end - e.time_range.start for e in device) / 1e6
     return {"batch": batch, "wall_s_profiled": wall, "gpu_busy_s": busy,
             "kernels": len(device),
-            "top_gpu": top([_Dur(e) for e in device], "dur", n=20),
+            "top_gpu": top([DeviceSpan(e) for e in device], "dur", n=20),
             "top_cpu_self": top(host, "self_cpu_time_total", n=15)}
 
 
@@ -196,19 +200,21 @@ def contention(torch: Any, engine: HunyuanEngine, page: str, batch: int, threads
                ) -> list[dict[str, Any]]:
     """A fast generate() (32 new tokens) of `batch` rows alone, and while a pool of `threads`
     preprocesses `batch` more images as the worker's prefetch does, with the engine letting
-    1, 2, 4 or `threads` of them run the processor at once (`PREPROCESS_SLOTS`): how much does
-    the prefetch slow the batch (GIL), and how many slots keep it from doing so?"""
+    1, 2, 4 or `threads` of them run the processor at once (`PREPROCESS_SLOTS`,
+    models/hunyuan/inputs.py): how much does the prefetch slow the batch (GIL), and how many
+    slots keep it from doing so?"""
     import threading
 
     w, h = PAGES[page]
     image = page_image(w, h)
     row = engine.preprocess(PreparedImage(page, image, (w, h)))
     item = PreparedImage("p", BLANK, (8, 8))
-    default = engine._preprocess_slots
+    prep = engine.preprocess_row
+    default = prep.slots
     rows = []
     try:
         for slots in (0, 1, 2, 4, threads):
-            engine._preprocess_slots = threading.BoundedSemaphore(max(slots, 1))
+            prep.slots = threading.BoundedSemaphore(max(slots, 1))
             upcoming = [PreparedImage(f"u{i}", image.copy(), (w, h)) for i in range(batch)]
             t = time.perf_counter()
             pool = ThreadPoolExecutor(threads) if slots else None
@@ -231,7 +237,7 @@ def contention(torch: Any, engine: HunyuanEngine, page: str, batch: int, threads
                          "decode_s": stats.decode_s if stats else None})
             del upcoming, pending
     finally:
-        engine._preprocess_slots = default
+        prep.slots = default
     return rows
 
 

@@ -1,9 +1,18 @@
 """The engine interface every OCR backend implements, and the values that cross it.
 
-The batcher hands an engine a list of prepared images and gets back one result per image, in
-order. A failure that concerns one image comes back as that image's exception, so one bad page
-never fails the batch; an exception raised by `run` itself concerns the whole batch (a CUDA OOM,
-say) and the batcher decides what to do with it.
+Small on purpose (an engine should take an afternoon): load, estimate an image's cost without
+the device, say how memory grows with a batch (the cost model), run. Two kinds share that core:
+
+* `Engine` runs a whole batch per call: the batcher plans it by memory, `run` returns when
+  every row is done. HunyuanOCR through transformers and the CPU engine are of this kind.
+* `StreamingEngine` owns a running decode loop and takes rows while others finish (continuous
+  batching, vLLM): the batcher keeps planning what goes next, hands rows over and collects
+  finished ones.
+
+A failure that concerns one image comes back as that image's exception, so one bad page never
+fails the batch; an exception raised by `run` itself concerns the whole batch (a CUDA OOM, say)
+and the batcher decides what to do with it. OOM recovery, recycling and `ocrq tune` need more of
+an engine's memory than this: that is an optional protocol of its own (models/memory.py).
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from models.costs import CostModel, GiB, ItemCost
+from models.costs import CostModel, ItemCost
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,8 @@ class PreparedImage:
     key: str
     image: Image.Image
     original_size: tuple[int, int]
-    task: str = "text"
-    prompt: str = ""
+    task: str = "text"  # a task name of the contract (ocrq.contract.TASKS), or "custom"
+    prompt: str = ""  # the job's free prompt, for "custom"; engines hold the named tasks' own
     # Engine-private inputs made by `Engine.prepare` in a prefetch thread (a VLM's processor
     # output, say); cleared whenever the image changes, so `run` redoes what is missing.
     encoded: object | None = None
@@ -64,47 +73,12 @@ class PreparedImage:
         return ow / w, oh / h
 
 
-def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo; 4 GiB where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 * GiB
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    """A `kB` field of /proc/self/status in bytes (VmRSS, VmHWM), None where unreadable."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _trim_malloc() -> None:
-    """Hand freed heap back to the OS (glibc), so a peak measured next is this window's own and
-    not memory a previous, larger batch left in malloc's arenas."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class UnsupportedTask(ValueError):
     """The engine cannot do what the job asks (a free prompt on the CPU engine, say)."""
 
 
-class Engine(ABC):
-    """An OCR backend: load once, estimate each image's cost, run batches."""
+class EngineCore(ABC):
+    """What every engine does, whichever way it runs rows."""
 
     name: str = "engine"
     # Pixels above which prefetch threads downscale an image before it waits for the engine;
@@ -121,17 +95,7 @@ class Engine(ABC):
 
     @abstractmethod
     def cost_model(self) -> CostModel:
-        """The memory model the planner uses; its coefficients may come from `ocrq tune`."""
-
-    def cache_token_bytes(self) -> float:
-        """Bytes each token of a generated sequence holds while decoding (its KV cache): the
-        decode coefficient of the cost model, from the model's shape rather than a fit.
-        0 for engines that generate nothing."""
-        return 0.0
-
-    def decode_fixed_bytes(self) -> float:
-        """What the decode phase holds whatever the batch size (the cost model's decode_fixed)."""
-        return 0.0
+        """The memory model the planner uses (its default; `ocrq tune` may measure another)."""
 
     def prepare(self, item: PreparedImage) -> None:  # noqa: B027 - optional hook
         """CPU preprocessing worth doing in the prefetch threads, off the device's critical path.
@@ -140,72 +104,57 @@ class Engine(ABC):
         `item.encoded`. An exception here fails only this item.
         """
 
-    @abstractmethod
-    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
-        """OCR a batch; one result (or the image's own exception) per input, in order."""
-
-    def default_budget_bytes(self) -> int:
-        """Bytes a batch may use above the fixed part when the user sets no budget.
-
-        Host engines take 40% of the memory available now (at most 16 GiB): room for the
-        decoded images waiting in prefetch and for other processes. Device engines override.
-        """
-        return min(16 * GiB, int(0.4 * available_host_bytes()))
-
-    def fragmentation_bytes(self) -> int | None:
-        """Device memory reserved but not allocated after freeing caches; None if not a device.
-
-        The worker recycles itself when this stays high: a fresh process is the only cure for
-        an allocator's fragmentation that empty_cache cannot return.
-        """
-        return None
-
-    def is_oom(self, exc: BaseException) -> bool:
-        """Whether a batch failed for want of memory (then the batcher splits and retries).
-
-        Matched by name so that this module never imports torch: torch.OutOfMemoryError and
-        torch.cuda.OutOfMemoryError both carry it.
-        """
-        return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-
-    def release_memory(self) -> None:  # noqa: B027 - optional hook
-        """Return cached device memory after an OOM, before the retry."""
-
-    # -- memory measurement, for `ocrq tune` and the benchmarks ----------------------------------
-    # Host engines measure the process's peak RSS; device engines override all three with their
-    # device's counters. Probing goes through these so that tune knows nothing about torch.
-
-    def reset_peak_memory(self) -> None:
-        """Start a new peak-memory window (host: VmHWM is reset to the current RSS)."""
-        _trim_malloc()
-        try:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
-        except OSError:  # not Linux, or a sandbox without clear_refs: the peak keeps its history
-            pass
-
-    def peak_memory_bytes(self) -> int:
-        """Peak memory since `reset_peak_memory`, in the unit the cost model predicts."""
-        return _proc_status_bytes("VmHWM") or _proc_status_bytes("VmRSS") or 0
-
-    def memory_capacity_bytes(self) -> int:
-        """What `--budget-fraction` is a fraction of: host memory available to this process now
-        plus what it already holds (device engines: the device's total memory)."""
-        return available_host_bytes() + (_proc_status_bytes("VmRSS") or 0)
-
-    def probe(self, batch: Sequence[PreparedImage]) -> list[ItemCost]:
-        """Run a batch the way that costs the most memory and return each item's cost as run.
-
-        `ocrq tune` fits the cost model on these costs and the measured peak. The default is a
-        plain `run`; an engine whose cost depends on how long it generates forces that length
-        (and may cap it to keep probing bounded in time, returning the costs it actually ran).
-        """
-        self.run(batch)
-        return [self.estimate(item) for item in batch]
-
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release device memory and sessions."""
 
     def describe(self) -> dict[str, str]:
-        """Facts that key a tuning profile and go into logs."""
+        """Facts for logs; those named by `MemoryProbing.profile_fields` key a tuned profile."""
         return {"engine": self.name}
+
+
+class Engine(EngineCore):
+    """An engine that runs a whole batch per call."""
+
+    @abstractmethod
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        """OCR a batch; one result (or the image's own exception) per input, in order."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A row a streaming engine has finished, named by its PreparedImage's key."""
+
+    key: str
+    result: OcrResult | Exception
+
+
+class StreamingEngine(EngineCore):
+    """An engine that owns a running decode loop and takes rows while others finish.
+
+    Why a second kind: with continuous batching (vLLM, or a loop that refills the slots of
+    finished rows) the engine decides step by step which rows run, and a synchronous
+    `run(batch)` would make every batch wait for its longest row. The batcher drives it with the
+    same planner and a different loop (not built yet; `worker/batcher.py` drives `Engine`):
+
+    * the planner still decides which waiting images go next and downscales those too big;
+      the budget it plans against is the engine's budget minus the predicted bytes of the rows
+      in flight, which the batcher tracks from their `estimate`s;
+    * `submit(rows)` hands planned rows over and returns at once; the engine queues and
+      schedules them itself (vLLM: one request per row);
+    * `poll(timeout_s)` returns the rows finished since the last call, each exactly once and in
+      any order, waiting at most `timeout_s` for the first; the batcher resolves their futures
+      and gives their bytes back to the budget.
+
+    Memory inside the loop is the engine's business (vLLM preallocates its KV cache and preempts
+    rows itself): an out-of-memory error surfaces as the failed rows' exceptions, never from
+    `submit`. `close` stops the loop; rows still in flight come back from a last `poll` as
+    failures, so no future is left waiting.
+    """
+
+    @abstractmethod
+    def submit(self, rows: Sequence[PreparedImage]) -> None:
+        """Queue rows to the running loop; never blocks on the device."""
+
+    @abstractmethod
+    def poll(self, timeout_s: float) -> list[Finished]:
+        """Rows finished since the last call (possibly none after `timeout_s`)."""

@@ -41,7 +41,7 @@ from PIL import Image
 
 from models.base import Engine, Line, OcrResult, PreparedImage, UnsupportedTask
 from models.costs import CostModel, ItemCost
-from ocrq.contract import TASK_PRESETS
+from ocrq.contract import TASKS
 
 SUPPORTED_TASKS = ("text", "spotting", "parse")
 MODEL_FILES = {
@@ -334,7 +334,7 @@ def _join(group: Sequence[tuple[str, Box, float]]) -> tuple[str, Box, float]:
 
 def unsupported_task(task: str) -> UnsupportedTask:
     """The per-item error for a task this engine cannot do, naming the engine that can."""
-    what = f"task {task!r}" if task in TASK_PRESETS else "free prompts"
+    what = f"task {task!r}" if task in TASKS else "free prompts"
     return UnsupportedTask(
         f"engine 'rapid' supports tasks {', '.join(SUPPORTED_TASKS)}; "
         f"use --engine hunyuan for {what}"

@@ -1,21 +1,35 @@
-"""Engine names -> engine objects. Imports are lazy so the CPU path never loads torch."""
+"""Engine names -> factories: adding an engine is one entry here (see README, "Adding an engine").
+
+A plain mapping of functions that import their engine when called, so the CPU path never loads
+torch and an engine's optional dependencies are needed only where it runs.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from models.base import Engine
 from ocrq.settings import Settings
 
-ENGINES = ("rapid", "hunyuan")
+
+def _rapid(settings: Settings) -> Engine:
+    from models.rapid import RapidEngine
+
+    return RapidEngine()
+
+
+def _hunyuan(settings: Settings) -> Engine:
+    from models.hunyuan import HunyuanEngine
+
+    return HunyuanEngine.from_settings(settings)
+
+
+ENGINES: dict[str, Callable[[Settings], Engine]] = {"rapid": _rapid, "hunyuan": _hunyuan}
 
 
 def create_engine(name: str, settings: Settings) -> Engine:
     """Build (but do not load) the engine called `name`."""
-    if name == "rapid":
-        from models.rapid import RapidEngine
-
-        return RapidEngine()
-    if name == "hunyuan":
-        from models.hunyuan import HunyuanEngine
-
-        return HunyuanEngine.from_settings(settings)
-    raise ValueError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}")
+    factory = ENGINES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}")
+    return factory(settings)

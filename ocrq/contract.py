@@ -16,18 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 TASK_NAME = "ocrq.recognize"
 DEFAULT_QUEUE = "ocr"
 
-# HunyuanOCR's official prompts, verbatim: the model was trained on exactly these strings.
-TASK_PRESETS: dict[str, str] = {
-    "text": "提取图中的文字。",
-    "spotting": "检测并识别图片中的文字，将文本坐标格式化输出。",
-    "parse": (
-        "提取文档图片中正文的所有信息用 markdown 格式表示，其中页眉、页脚部分忽略，"
-        "表格用 html 格式表达，文档中公式用 latex 格式表示，按照阅读顺序组织进行解析。"
-    ),
-    "table": "把图中的表格解析为 HTML。",
-    "formula": "识别图片中的公式，用 LaTeX 格式表示。",
-    "subtitles": "提取图片中的字幕。",
-}
+# The task names a job may ask for; any other task string is a free prompt. Each engine holds
+# its own prompt for a name (HunyuanOCR's official ones: models/hunyuan/prompts.py).
+TASKS = ("text", "spotting", "parse", "table", "formula", "subtitles")
 
 JobStatus = Literal["queued", "running", "done", "failed"]
 
@@ -101,8 +92,9 @@ class JobRequest(BaseModel):
 
     @property
     def prompt(self) -> str:
-        """The prompt a VLM sees: a preset's text, or the free prompt itself."""
-        return TASK_PRESETS.get(self.task, self.task)
+        """The free prompt a VLM sees, when the task names none of TASKS; else "" (the engine
+        holds the named task's own prompt)."""
+        return "" if self.task in TASKS else self.task
 
 
 def job_kwargs(image: dict[str, str], task: str = "text", job_id: str | None = None) -> dict:

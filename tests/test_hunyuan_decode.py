@@ -1,4 +1,4 @@
-"""The fast decode loop (models/hunyuan_decode.py) against transformers' generate(), on the CPU.
+"""The fast decode loop (models/hunyuan/decode.py) against transformers' generate(), on the CPU.
 
 Both paths run on the same tiny random HunYuanVL and the same mixed-resolution, left-padded
 batch; they must agree on token ids AND on every step's raw logits. The checks are shown to be
@@ -10,6 +10,7 @@ chosen when triton is first imported).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,16 +18,14 @@ import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from models.base import PreparedImage
-from models.hunyuan import BatchOutput, HunyuanEngine
-from models.hunyuan_decode import decode_mode_from_env, unsupported_reason
+from models.hunyuan import HunyuanEngine
+from models.hunyuan.generation import BatchOutput, decode_mode_from_env, unsupported_reason
 from ocrq.settings import Settings
+from tests.tiny_hunyuan import ShiftedDecoder, cpu_settings, item, max_diff, mixed, tiny_checkpoint
 
 pytestmark = pytest.mark.hunyuan
 
@@ -37,37 +36,17 @@ MAX_NEW = 12
 TOLERANCE = 1e-3
 
 
-def noise(w: int, h: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
-
-
-def item(w: int, h: int, seed: int, task: str = "text", prompt: str = "") -> PreparedImage:
-    return PreparedImage(f"img{seed}", noise(w, h, seed), (w, h), task=task, prompt=prompt)
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
-    from tests.tiny_hunyuan import TINY, build_checkpoint
-
-    path = build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", TINY)
-    settings = Settings(
-        model=str(path), model_subfolder=None, dtype="float32", device="cpu",
-        max_new_tokens=MAX_NEW,
-    )
-    eng = HunyuanEngine(settings, decode="fast")
+    path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW), decode="fast")
     eng.load()
     return eng
 
 
 @pytest.fixture(scope="module")
 def mixed_batch() -> list[PreparedImage]:
-    return [
-        item(100, 150, 11),
-        item(160, 90, 12, task="spotting"),
-        item(64, 64, 13),
-        item(300, 40, 14, task="custom", prompt="Read the line."),
-    ]
+    return mixed(11)
 
 
 @pytest.fixture(scope="module")
@@ -80,24 +59,18 @@ def fast(engine: HunyuanEngine, mixed_batch: list[PreparedImage]) -> BatchOutput
     return engine.generate(mixed_batch, output_logits=True, decode="fast")
 
 
-def max_diff(a: Any, b: Any, steps: slice = slice(None)) -> float:
-    return float((a.logits[steps] - b.logits[steps]).abs().max())
-
-
 @contextmanager
 def eos_ids(engine: HunyuanEngine, ids: set[int]) -> Iterator[None]:
     """Treat `ids` as end-of-sequence tokens on both paths (the random model never emits the
-    real eos, so finished rows are made by naming tokens it does emit)."""
-    import torch
-
-    saved = (engine._eos_ids, engine._generation_config.eos_token_id, engine._decoder.eos)
-    engine._eos_ids = ids
-    engine._generation_config.eos_token_id = sorted(ids)
-    engine._decoder.eos = torch.tensor(sorted(ids), dtype=torch.long)
+    real eos, so finished rows are made by naming tokens it does emit): one assignment, since
+    both loops read the engine's one SpecialTokens."""
+    saved = engine.tokens
+    assert saved is not None
+    engine.tokens = dataclasses.replace(saved, eos=frozenset(ids))
     try:
         yield
     finally:
-        engine._eos_ids, engine._generation_config.eos_token_id, engine._decoder.eos = saved
+        engine.tokens = saved
 
 
 def test_engine_uses_the_fast_loop(engine: HunyuanEngine, fast: BatchOutput) -> None:
@@ -118,13 +91,15 @@ def test_fast_equals_generate(plain: BatchOutput, fast: BatchOutput) -> None:
 
 
 def test_wrong_rope_offset_is_caught(
-    engine: HunyuanEngine, mixed_batch: list[PreparedImage], plain: BatchOutput
+    engine: HunyuanEngine,
+    mixed_batch: list[PreparedImage],
+    plain: BatchOutput,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    engine._position_offset = 1
-    try:
+    shifted = ShiftedDecoder(engine.model, attention=engine._decoder.attention)
+    with monkeypatch.context() as m:
+        m.setattr(engine, "_decoder", shifted)
         broken = engine.generate(mixed_batch, output_logits=True, decode="fast")
-    finally:
-        engine._position_offset = 0
     for a, b in zip(plain.items, broken.items, strict=True):
         assert max_diff(a, b, slice(0, 1)) < TOLERANCE  # the prefill does not use the offset
         assert max_diff(a, b, slice(1, None)) > 100 * TOLERANCE
@@ -177,8 +152,8 @@ KERNEL_CHECK = textwrap.dedent(
     import torch
     from transformers.models.hunyuan_vl.modeling_hunyuan_vl import (
         HunYuanVLRMSNorm, apply_rotary_pos_emb)
-    from models.decode_attention import KernelConfig, TritonDecodeAttention, attend_torch
-    from models.decode_kernels import add_rms_norm, rope_rms_norm
+    from models.hunyuan.attention import KernelConfig, TritonDecodeAttention, attend_torch
+    from models.hunyuan.kernels import add_rms_norm, rope_rms_norm
 
     torch.manual_seed(0)
     B, H, KVH, D, L, END = 3, 8, 2, 32, 150, 121
@@ -225,15 +200,14 @@ KERNEL_CHECK = textwrap.dedent(
 ENGINE_CHECK = textwrap.dedent(
     """
     import sys
-    import models.hunyuan_decode
+    import models.hunyuan.prefill
     from models.hunyuan import HunyuanEngine
-    from ocrq.settings import Settings
-    from tests.test_hunyuan_decode import MAX_NEW, item
+    from tests.test_hunyuan_decode import MAX_NEW
+    from tests.tiny_hunyuan import cpu_settings, item
 
-    engine = HunyuanEngine(Settings(model=sys.argv[1], model_subfolder=None, dtype="float32",
-                                    device="cpu", max_new_tokens=MAX_NEW), decode="fast")
+    engine = HunyuanEngine(cpu_settings(sys.argv[1], MAX_NEW), decode="fast")
     engine.load()
-    models.hunyuan_decode.PADDED_ROWS = 2  # the padded prefill's attention in two slices
+    models.hunyuan.prefill.PADDED_ROWS = 2  # the padded prefill's attention in two slices
     batch = [item(100, 150, 11), item(160, 90, 12, task="spotting"), item(64, 64, 13)]
     plain = engine.generate(batch, output_logits=True, decode="generate")
     fast = engine.generate(batch, output_logits=True, decode="fast")
@@ -298,7 +272,7 @@ def test_grouped_vision_attention_equals_the_per_image_loop(engine: HunyuanEngin
     """Runs of equal-sized images share one sdpa call; features match the library's loop."""
     import torch
 
-    from models.hunyuan_decode import batch_vision_attention
+    from models.hunyuan.patches import batch_vision_attention
 
     sizes = [(100, 150), (150, 100), (64, 64), (100, 150), (100, 150), (100, 150)]
     rows = [engine.preprocess(item(w, h, 20 + i)) for i, (w, h) in enumerate(sizes)]

@@ -1,6 +1,6 @@
 """HunyuanEngine on a tiny random HunYuanVL, loaded through the same path as the real checkpoint.
 
-The checkpoint is written at test time (tests/tiny_hunyuan.py) into a fake Hugging Face cache as
+The checkpoint is written at test time (models/hunyuan/tiny.py) into a fake Hugging Face cache as
 tencent/HunyuanOCR, revision main, subfolder v1.0, and the engine loads it by that id with
 HF_HUB_OFFLINE=1: the code path a worker takes in production.
 
@@ -14,53 +14,37 @@ torch is imported inside the tests so that collection works where it is not inst
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from PIL import Image
 
 from models.base import OcrResult, PreparedImage
-from models.hunyuan import Generated, HunyuanEngine, ModelNotFound, resolve_model_dir
-from models.hunyuan_tokens import ImageGeometry, ImageShapeError
-from ocrq.contract import TASK_PRESETS
+from models.hunyuan import HunyuanEngine, ModelNotFound
+from models.hunyuan.checkpoint import resolve_model_dir
+from models.hunyuan.generation import Generated
+from models.hunyuan.geometry import ImageGeometry, ImageShapeError
+from models.hunyuan.inputs import collate
+from models.hunyuan.prompts import TASK_PRESETS
 from ocrq.settings import Settings
+from tests.tiny_hunyuan import (
+    COMMIT,
+    MODEL_ID,
+    RightPadded,
+    cpu_settings,
+    item,
+    max_diff,
+    mixed,
+    offline_tiny_cache,
+)
 
 pytestmark = pytest.mark.hunyuan
 
-MODEL_ID = "tencent/HunyuanOCR"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 MAX_NEW = 8
 # fp32 logits of a row move by ~1e-5 here between a batch and a batch of one (other BLAS builds
 # have shown ~3e-3); different images move them by > 1.
 TOLERANCE = 1e-2
-
-
-def fake_hf_cache(root: Path, build: Any) -> Path:
-    """A Hugging Face cache holding MODEL_ID at COMMIT, with the checkpoint under v1.0/."""
-    repo = root / ("models--" + MODEL_ID.replace("/", "--"))
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    build(repo / "snapshots" / COMMIT / "v1.0")
-    return root
-
-
-@contextmanager
-def offline_tiny_cache(root: Path) -> Iterator[Path]:
-    """The tiny checkpoint as MODEL_ID in a fake cache at `root`, with huggingface_hub pointed
-    at it and offline for the duration."""
-    from tests.tiny_hunyuan import TINY, build_checkpoint
-
-    fake_hf_cache(root, lambda p: build_checkpoint(p, TINY))
-    with pytest.MonkeyPatch.context() as mp:
-        import huggingface_hub.constants as hf_constants
-
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(hf_constants, "HF_HUB_CACHE", str(root))
-        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-        yield root
 
 
 @pytest.fixture(scope="module")
@@ -71,37 +55,15 @@ def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def engine(hf_cache: Path) -> HunyuanEngine:
-    settings = Settings(
-        model=MODEL_ID,
-        model_revision=None,
-        model_subfolder="v1.0",
-        dtype="float32",
-        device="cpu",
-        max_new_tokens=MAX_NEW,
-    )
-    eng = HunyuanEngine.from_settings(settings)
+    eng = HunyuanEngine.from_settings(cpu_settings(MODEL_ID, MAX_NEW, subfolder="v1.0"))
     eng.load()
     return eng
-
-
-def noise(w: int, h: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
-
-
-def item(w: int, h: int, seed: int, task: str = "text", prompt: str = "") -> PreparedImage:
-    return PreparedImage(f"img{seed}", noise(w, h, seed), (w * 3, h * 3), task=task, prompt=prompt)
 
 
 @pytest.fixture(scope="module")
 def mixed_batch() -> list[PreparedImage]:
     """Mixed resolutions and prompts, so the rows have different lengths and get padded."""
-    return [
-        item(100, 150, 1),
-        item(160, 90, 2, task="spotting"),
-        item(64, 64, 3),
-        item(300, 40, 4, task="custom", prompt="Read the line."),
-    ]
+    return mixed(1, scale=3)
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +74,6 @@ def batched(engine: HunyuanEngine, mixed_batch: list[PreparedImage]) -> Any:
 @pytest.fixture(scope="module")
 def singles(engine: HunyuanEngine, mixed_batch: list[PreparedImage]) -> list[Generated]:
     return [engine.generate([it], output_logits=True).items[0] for it in mixed_batch]
-
-
-def max_diff(a: Generated, b: Generated) -> float:
-    steps = min(len(a.logits), len(b.logits))  # type: ignore[arg-type]
-    return float((a.logits[:steps] - b.logits[:steps]).abs().max())  # type: ignore[index]
 
 
 def test_loaded_through_the_cache_by_id(engine: HunyuanEngine, hf_cache: Path) -> None:
@@ -150,7 +107,9 @@ def test_different_images_differ_far_beyond_tolerance(singles: list[Generated]) 
 def test_right_padding_is_caught(
     engine: HunyuanEngine, mixed_batch: list[PreparedImage], singles: list[Generated]
 ) -> None:
-    broken = engine.generate(mixed_batch, output_logits=True, padding_side="right")
+    right = RightPadded.from_settings(engine.settings)
+    right.load()
+    broken = right.generate(mixed_batch, output_logits=True)
     longest = max(range(len(singles)), key=lambda i: singles[i].prompt_tokens)
     for i, (got, alone) in enumerate(zip(broken.items, singles, strict=True)):
         if i == longest:  # the one row without padding is unaffected
@@ -170,7 +129,7 @@ def test_rope_positions_are_per_row(
     from transformers.models.hunyuan_vl.modeling_hunyuan_vl import HunYuanVLModel
 
     rows = [engine.preprocess(it) for it in mixed_batch]
-    inputs = engine.collate(rows)
+    inputs = collate(rows, engine.tokens.pad)
     args = {k: inputs[k] for k in ("mm_token_type_ids", "image_grid_thw", "attention_mask")}
     together, deltas = engine.model.model.get_rope_index(inputs["input_ids"], **args)
     unpatched, _ = HunYuanVLModel.get_rope_index(engine.model.model, inputs["input_ids"], **args)
@@ -198,7 +157,7 @@ def test_collated_positions_equal_the_librarys(
 
     rows = [engine.preprocess(it) for it in mixed_batch]
     assert all(r.positions is not None for r in rows)
-    inputs = engine.collate(rows, padding_side=side)
+    inputs = collate(rows, engine.tokens.pad, padding_side=side)
     args = {k: inputs[k] for k in ("mm_token_type_ids", "image_grid_thw", "attention_mask")}
     library, _ = engine.model.model.get_rope_index(inputs["input_ids"], **args)
     assert inputs["position_ids"].shape == library.shape
@@ -231,7 +190,7 @@ def test_estimator_matches_the_released_processor_settings(
     """With the released limits (512²..2048²): tokens and patches as the real processor counts."""
     from transformers import HunYuanVLImageProcessor, HunYuanVLProcessor
 
-    from models.hunyuan_tokens import DEFAULT_GEOMETRY
+    from models.hunyuan.geometry import DEFAULT_GEOMETRY
 
     processor = HunYuanVLProcessor(
         image_processor=HunYuanVLImageProcessor(
@@ -240,7 +199,7 @@ def test_estimator_matches_the_released_processor_settings(
         tokenizer=engine.processor.tokenizer,
         chat_template=engine.processor.chat_template,
     )
-    text, prompt_tokens = engine._template(TASK_PRESETS["text"])
+    text, prompt_tokens = engine.templates(TASK_PRESETS["text"])
     enc = processor(text=[text], images=[Image.new("RGB", size, "white")], return_tensors="pt")
     assert DEFAULT_GEOMETRY.image_tokens(*size) == enc["input_ids"].shape[1] - prompt_tokens
     assert DEFAULT_GEOMETRY.vit_patches(*size) == enc["pixel_values"].shape[0]
@@ -337,11 +296,14 @@ def test_default_cost_model_covers_the_h200_measurements() -> None:
 def test_cache_token_bytes_follow_the_models_shape(engine: HunyuanEngine) -> None:
     """The decode coefficient is K and V of every layer plus one layer's share, in the model's
     dtype; before loading, the 1.0 shape's (24 layers x 8 KV heads x 128, bf16) = 100 KiB."""
+    from models.hunyuan.memory import cache_token_bytes
+
     cfg = engine.model.config.text_config
     per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * engine.model.dtype.itemsize
-    assert engine.cache_token_bytes() == per_layer * (cfg.num_hidden_layers + 1)
-    assert engine.cost_model().per_cache_token_bytes == engine.cache_token_bytes()
-    assert HunyuanEngine(Settings()).cache_token_bytes() == 2 * 8 * 128 * 2 * 25 == 100 * 1024
+    assert cache_token_bytes(engine.model) == per_layer * (cfg.num_hidden_layers + 1)
+    assert engine.cost_model().per_cache_token_bytes == cache_token_bytes(engine.model)
+    unloaded = HunyuanEngine(Settings()).cost_model()
+    assert unloaded.per_cache_token_bytes == 2 * 8 * 128 * 2 * 25 == 100 * 1024
 
 
 def test_default_cost_model_covers_the_fast_path_measurements() -> None:
@@ -351,7 +313,7 @@ def test_default_cost_model_covers_the_fast_path_measurements() -> None:
     import json
 
     from models.costs import ItemCost
-    from models.hunyuan import default_cost_model
+    from models.hunyuan.memory import default_cost_model
 
     results = Path(__file__).resolve().parents[1] / "bench/results/decode_speed_h200.json"
     report = json.loads(results.read_text())
@@ -383,12 +345,12 @@ def test_at_most_preprocess_slots_threads_run_the_processor(
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from models.hunyuan import PREPROCESS_SLOTS
+    from models.hunyuan.inputs import PREPROCESS_SLOTS
 
     inside = 0
     most = 0
     lock = threading.Lock()
-    encode = engine._encode
+    encode = engine.preprocess_row.encode
 
     def counted(*args: Any) -> Any:
         nonlocal inside, most
@@ -402,7 +364,7 @@ def test_at_most_preprocess_slots_threads_run_the_processor(
             with lock:
                 inside -= 1
 
-    monkeypatch.setattr(engine, "_encode", counted)
+    monkeypatch.setattr(engine.preprocess_row, "encode", counted)
     items = [item(64 + i, 64, 40 + i) for i in range(12)]
     with ThreadPoolExecutor(8) as pool:
         rows = list(pool.map(engine.preprocess, items))
@@ -413,7 +375,7 @@ def test_at_most_preprocess_slots_threads_run_the_processor(
 def test_profile_key_names_the_loaded_snapshot(engine: HunyuanEngine, tmp_path: Path) -> None:
     """describe() gives the cache snapshot's commit as the revision; a plain directory keeps
     the configured one."""
-    from models.hunyuan import snapshot_commit
+    from models.hunyuan.checkpoint import snapshot_commit
 
     assert engine.describe()["revision"] == COMMIT
     assert snapshot_commit(engine.model_dir) == COMMIT

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from models.base import Line
-from models.hunyuan_output import (
+from models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageShapeError, item_cost
+from models.hunyuan.output import (
     SpottedText,
     build_result,
     parse_spotting,
     to_pixels,
     trim_repeated_tail,
 )
-from models.hunyuan_tokens import DEFAULT_GEOMETRY, ImageShapeError, item_cost
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -177,3 +177,46 @@ def test_cpu_path_never_imports_torch() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+# --- prompts, registry, the optional memory side ----------------------------------------------
+
+
+def test_named_tasks_get_the_engines_prompt_and_free_prompts_pass_through() -> None:
+    """The wire contract carries task names only; the engine holds HunyuanOCR's prompts."""
+    from PIL import Image
+
+    from models.base import PreparedImage
+    from models.hunyuan.prompts import TASK_PRESETS, answer_kind, prompt_of
+    from ocrq.contract import TASKS, JobRequest
+
+    assert set(TASKS) == set(TASK_PRESETS)
+    image = Image.new("RGB", (8, 8))
+    for name in TASKS:
+        request = JobRequest(image={"path": "/x.png"}, task=name)
+        assert request.prompt == ""  # the engine resolves the name
+        item = PreparedImage("k", image, (8, 8), task=name, prompt=request.prompt)
+        assert prompt_of(item) == TASK_PRESETS[name]
+    free = JobRequest(image={"path": "/x.png"}, task="Read the line.")
+    item = PreparedImage("k", image, (8, 8), task="custom", prompt=free.prompt)
+    assert prompt_of(item) == "Read the line." and answer_kind(item) == "custom"
+    # The spotting prompt spelled out is parsed as spotting too.
+    spelled = PreparedImage("k", image, (8, 8), task="custom", prompt=TASK_PRESETS["spotting"])
+    assert answer_kind(spelled) == "spotting"
+
+
+def test_registry_is_a_mapping_and_each_engine_has_its_memory_side() -> None:
+    from models.memory import HostMemory, MemoryProbing, memory_of
+    from models.registry import ENGINES, create_engine
+    from ocrq.settings import Settings
+
+    assert list(ENGINES) == ["rapid", "hunyuan"]
+    with pytest.raises(ValueError, match="choose one of: rapid, hunyuan"):
+        create_engine("nope", Settings())
+    hunyuan = create_engine("hunyuan", Settings())
+    assert isinstance(hunyuan, MemoryProbing) and memory_of(hunyuan) is hunyuan
+    assert hunyuan.probe_pages()[0].label == "crop-240x64"  # smallest first
+    assert "decode" in hunyuan.profile_fields
+    rapid = memory_of(create_engine("rapid", Settings()))  # no device: host memory
+    assert isinstance(rapid, HostMemory) and rapid.profile_fields == ()
+    assert rapid.is_oom(MemoryError()) and not rapid.is_oom(ValueError())

@@ -32,7 +32,7 @@ from ocrq.db import get_engine
 from ocrq.settings import Settings
 from ocrq.store import JobStore
 from worker.batcher import BatchConfig, Batcher
-from worker.profiles import KEY_FIELDS, load_profile, profile_key, profile_path
+from worker.profiles import KEY_FIELDS, engine_key, load_profile, profile_path
 from worker.runtime import build_runtime
 
 OCRQ = Path(sys.executable).parent / "ocrq"
@@ -178,9 +178,11 @@ def test_fit_keeps_coefficients_nonnegative_and_fixed_above_the_baseline() -> No
 
 
 def test_host_peak_memory_follows_allocations() -> None:
+    from models.memory import HostMemory, memory_of
     from models.rapid import RapidEngine
 
-    engine = RapidEngine()
+    engine = memory_of(RapidEngine())  # the CPU engine's memory is the host's
+    assert isinstance(engine, HostMemory)
     engine.reset_peak_memory()
     before = engine.peak_memory_bytes()
     block = np.ones(300 * MiB, dtype=np.uint8)  # touched, so resident
@@ -225,7 +227,7 @@ def test_tune_rapid_prints_table_and_writes_plot_and_profile(rapid_tune: tuple[P
     path = only_profile(profiles)
     assert f"profile: {path}" in proc.stdout
     body = json.loads(path.read_text())
-    assert set(body["key"]) == set(KEY_FIELDS)
+    assert set(body["key"]) == set(KEY_FIELDS)  # the CPU engine adds no fields of its own
     assert body["key"]["engine"] == "rapid" and body["key"]["device"]
     assert body["budget_bytes"] == 2 * GiB
     model = body["model"]
@@ -309,7 +311,7 @@ def test_profile_of_another_key_is_ignored(rapid_tune: tuple[Path, Any], tmp_pat
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The tiny checkpoint in a fake HF cache as tencent/HunyuanOCR (see test_hunyuan_engine)."""
     pytest.importorskip("transformers")
-    from tests.test_hunyuan_engine import offline_tiny_cache
+    from tests.tiny_hunyuan import offline_tiny_cache
 
     with offline_tiny_cache(tmp_path_factory.mktemp("hf")) as root:
         yield root
@@ -336,12 +338,15 @@ def test_tune_tiny_hunyuan_writes_a_profile_the_worker_loads(
     [path] = sorted(profiles.glob("hunyuan-*.json"))
     body = json.loads(path.read_text())
     key = body["key"]
-    from tests.test_hunyuan_engine import COMMIT
+    from tests.tiny_hunyuan import COMMIT
 
     # The loaded snapshot, not the branch name: a newer snapshot of main is another model.
     assert (key["engine"], key["model"], key["revision"]) == ("hunyuan", "tencent/HunyuanOCR",
                                                               COMMIT)
     assert (key["dtype"], key["attention"], key["max_new_tokens"]) == ("float32", "sdpa", "4")
+    from models.hunyuan import HunyuanEngine
+
+    assert list(key) == [*KEY_FIELDS, *HunyuanEngine.profile_fields]  # the engine names its own
     statuses = [p["status"] for p in body["probes"]]
     assert statuses.count("ok") >= 4
     assert any(p["label"].startswith("mixed") and p["status"] == "ok" for p in body["probes"])
@@ -350,7 +355,7 @@ def test_tune_tiny_hunyuan_writes_a_profile_the_worker_loads(
     # The same key from an engine loaded in this process: the worker finds the profile.
     runtime = build_runtime(tiny_settings(profile_dir=profiles), store=sqlite_store(tmp_path))
     try:
-        assert profile_key(runtime.engine.describe()) == key
+        assert engine_key(runtime.engine) == key
         assert runtime.batcher.cost_model.source == str(path)
     finally:
         runtime.close()

@@ -1,257 +1,131 @@
-"""Build a random-weight HunYuanVL checkpoint on disk, laid out like tencent/HunyuanOCR.
+"""What the HunyuanOCR tests share: the tiny checkpoint in a fake Hugging Face cache, images,
+engines, and the test-only ways to break an engine on purpose.
 
-Why: CI has no GPU and no weights, and the benchmark must not depend on a download either. Both
-need a checkpoint directory that the engine loads through exactly the code path a real one takes
-(`HunyuanEngine.load` -> AutoProcessor / HunYuanVLForConditionalGeneration, local files only).
-So this module writes one: a HunYuanVLConfig, random weights, a word-level `tokenizers` tokenizer
-that exposes the image start/image/image end/pad tokens the processor requires, the real
-HunYuanVL image processor and processor, a chat template of the real one's shape, and a
-generation config. `TINY` is a few-dimensional model for the unit tests; `HUNYUAN_OCR_1_0` has
-the full 1.0 shape (text 1024 x 24 layers, 16 heads / 8 KV heads, head_dim 128, vocab 120818;
-vision 1152 x 27 layers, patch 16, merge 2) for the GPU benchmark.
+The checkpoint itself is built by models/hunyuan/tiny.py (benchmarks use it too). The knobs that
+exist only to show a check can fail (right padding, a shifted decode position) live here, as
+subclasses, and not in the production engine.
 
-The tokenizer splits text into single characters and knows the characters of every official
-prompt, so prompts tokenise without unknowns. Token ids of the image tokens and the pad token are
-the real checkpoint's in the full shape; the names and ids of bos/eos/the role tokens are
-stand-ins (their exact values do not change any cost or shape).
-
-Imported by tests and by bench/hunyuan_engine_bench.py; needs torch + transformers.
+torch is imported inside functions so that collection works where it is not installed.
 """
 
 from __future__ import annotations
 
-import string
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from ocrq.contract import TASK_PRESETS
+import numpy as np
+import pytest
+from PIL import Image
 
-IMAGE_START = "<｜hy_place▁holder▁no▁100｜>"
-IMAGE_END = "<｜hy_place▁holder▁no▁101｜>"
-IMAGE = "<｜hy_place▁holder▁no▁102｜>"
-PAD = "<｜hy_▁pad▁｜>"
-BOS = "<｜hy_begin▁of▁sentence｜>"
-EOS = "<｜hy_place▁holder▁no▁2｜>"
-SYSTEM_END = "<｜hy_place▁holder▁no▁3｜>"
-USER = "<｜hy_User｜>"
-ASSISTANT = "<｜hy_Assistant｜>"
-UNK = "<｜hy_unk｜>"
+from models.base import PreparedImage
+from models.hunyuan import HunyuanEngine
+from models.hunyuan.decode import HunyuanDecoder
+from models.hunyuan.inputs import EncodedImage, collate
+from ocrq.settings import Settings
 
-# Same shape as the official template: bos, system text, a separator, the user's content
-# (image placeholder wrapped in start/end tokens, then the instruction) and the user tag that
-# opens the model's turn.
-CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for m in messages if m['role'] == 'system' -%}{{- m['content'] -}}{%- endfor -%}"
-    "{{- '" + SYSTEM_END + "' -}}"
-    "{%- for m in messages if m['role'] != 'system' -%}"
-    "{%- if m['content'] is string -%}{{- m['content'] -}}"
-    "{%- else -%}{%- for c in m['content'] -%}"
-    "{%- if c['type'] == 'image' -%}"
-    "{{- '" + IMAGE_START + IMAGE + IMAGE_END + "' -}}"
-    "{%- elif c['type'] == 'text' -%}{{- c['text'] -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{%- if m['role'] == 'user' -%}{{- '" + USER + "' -}}"
-    "{%- else -%}{{- eos_token -}}{%- endif -%}"
-    "{%- endfor -%}"
-)
+MODEL_ID = "tencent/HunyuanOCR"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-@dataclass(frozen=True)
-class Shape:
-    """Model dimensions plus the ids of the special tokens in the embedding table."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    mrope_section: tuple[int, ...]
-    vision_hidden_size: int
-    vision_intermediate_size: int
-    vision_layers: int
-    vision_heads: int
-    max_image_size: int
-    special_ids: dict[str, int] = field(default_factory=dict)
-    min_pixels: int = 512 * 512
-    max_pixels: int = 2048 * 2048
-    initializer_range: float = 0.02
+def fake_hf_cache(root: Path, build: Any) -> Path:
+    """A Hugging Face cache holding MODEL_ID at COMMIT, with the checkpoint under v1.0/."""
+    repo = root / ("models--" + MODEL_ID.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    build(repo / "snapshots" / COMMIT / "v1.0")
+    return root
 
 
-TINY = Shape(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    mrope_section=(2, 2, 2, 2),
-    vision_hidden_size=32,
-    vision_intermediate_size=64,
-    vision_layers=1,
-    vision_heads=2,
-    max_image_size=512,
-    special_ids={
-        UNK: 0, PAD: 1, BOS: 2, EOS: 3, SYSTEM_END: 4, USER: 5, ASSISTANT: 6,
-        IMAGE_START: 7, IMAGE_END: 8, IMAGE: 9,
-    },
-    # Small images keep the CPU tests fast; the engine reads these limits from the processor.
-    min_pixels=64 * 64,
-    max_pixels=160 * 160,
-    # Larger random weights so different images move the logits visibly.
-    initializer_range=0.2,
-)
+@contextmanager
+def offline_tiny_cache(root: Path) -> Iterator[Path]:
+    """The tiny checkpoint as MODEL_ID in a fake cache at `root`, with huggingface_hub pointed
+    at it and offline for the duration."""
+    from models.hunyuan.tiny import TINY, build_checkpoint
 
-HUNYUAN_OCR_1_0 = Shape(
-    vocab_size=120818,
-    hidden_size=1024,
-    intermediate_size=3584,
-    num_hidden_layers=24,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    mrope_section=(16, 16, 16, 16),
-    vision_hidden_size=1152,
-    vision_intermediate_size=4304,
-    vision_layers=27,
-    vision_heads=16,
-    max_image_size=2048,
-    special_ids={
-        UNK: 120000, PAD: 120002, BOS: 120000 + 6, EOS: 120020, SYSTEM_END: 120021,
-        USER: 120006 + 1, ASSISTANT: 120006 + 2,
-        IMAGE_START: 120118, IMAGE_END: 120119, IMAGE: 120120,
-    },
-)
+    fake_hf_cache(root, lambda p: build_checkpoint(p, TINY))
+    with pytest.MonkeyPatch.context() as mp:
+        import huggingface_hub.constants as hf_constants
+
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(hf_constants, "HF_HUB_CACHE", str(root))
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        yield root
 
 
-def _vocab(shape: Shape) -> dict[str, int]:
-    """Special tokens at their ids, then every prompt character and printable ASCII."""
-    vocab = dict(shape.special_ids)
-    chars = sorted(set("".join(TASK_PRESETS.values())) | set(string.printable) | {"（", "）"})
-    next_id = 0
-    taken = set(vocab.values())
-    for ch in chars:
-        while next_id in taken:
-            next_id += 1
-        vocab[ch] = next_id
-        taken.add(next_id)
-    if max(vocab.values()) >= shape.vocab_size:
-        raise ValueError(f"vocab of {len(vocab)} tokens does not fit vocab_size={shape.vocab_size}")
-    return vocab
+def tiny_checkpoint(folder: Path) -> Path:
+    """The tiny checkpoint as a plain local folder."""
+    from models.hunyuan.tiny import TINY, build_checkpoint
+
+    return build_checkpoint(folder / "tiny", TINY)
 
 
-def build_tokenizer(shape: Shape):  # -> PreTrainedTokenizerFast
-    """A character-level tokenizer that exposes the named image tokens HunYuanVLProcessor needs."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel(vocab=_vocab(shape), unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    # Registered on the backend so the pre-tokenizer never splits them into characters.
-    backend.add_special_tokens([AddedToken(t, special=True) for t in shape.special_ids])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        extra_special_tokens={
-            "image_token": IMAGE,
-            "image_start_token": IMAGE_START,
-            "image_end_token": IMAGE_END,
-        },
-        chat_template=CHAT_TEMPLATE,
+def cpu_settings(model: str, max_new_tokens: int, subfolder: str | None = None) -> Settings:
+    return Settings(
+        model=model,
+        model_subfolder=subfolder,
+        model_revision=None,
+        dtype="float32",
+        device="cpu",
+        max_new_tokens=max_new_tokens,
     )
 
 
-def build_config(shape: Shape):  # -> HunYuanVLConfig
-    from transformers import HunYuanVLConfig
+def noise(w: int, h: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
 
-    ids = shape.special_ids
-    text = {
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_hidden_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_key_value_heads,
-        "head_dim": shape.head_dim,
-        "max_position_embeddings": 32768,
-        "initializer_range": shape.initializer_range,
-        "tie_word_embeddings": True,
-        "pad_token_id": ids[PAD],
-        "bos_token_id": ids[BOS],
-        "eos_token_id": ids[EOS],
-        # The checkpoints' own spelling; the config maps it onto mrope_section / ntk-alpha.
-        "rope_parameters": {
-            "rope_type": "xdrope",
-            "rope_theta": 10000.0,
-            "alpha": 1000.0,
-            "factor": 1.0,
-            "xdrope_section": list(shape.mrope_section),
-        },
-    }
-    vision = {
-        "hidden_size": shape.vision_hidden_size,
-        "intermediate_size": shape.vision_intermediate_size,
-        "num_hidden_layers": shape.vision_layers,
-        "num_attention_heads": shape.vision_heads,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "max_image_size": shape.max_image_size,
-        "out_hidden_size": shape.hidden_size,
-        "initializer_range": shape.initializer_range,
-    }
-    return HunYuanVLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids[IMAGE],
-        im_start_id=ids[IMAGE_START],
-        im_end_id=ids[IMAGE_END],
-        tie_word_embeddings=True,
-        initializer_range=shape.initializer_range,
+
+def item(
+    w: int, h: int, seed: int, task: str = "text", prompt: str = "", scale: int = 1
+) -> PreparedImage:
+    """A noise image; `scale` makes its original size that many times larger (boxes then map
+    back to pixels the model never saw)."""
+    return PreparedImage(
+        f"img{seed}", noise(w, h, seed), (w * scale, h * scale), task=task, prompt=prompt
     )
 
 
-def build_checkpoint(path: str | Path, shape: Shape = TINY, *, seed: int = 0,
-                     device: str = "cpu", dtype: str = "float32") -> Path:
-    """Write config, random weights, tokenizer, processor and generation config to `path`."""
-    import torch
-    from transformers import (
-        GenerationConfig,
-        HunYuanVLForConditionalGeneration,
-        HunYuanVLImageProcessor,
-        HunYuanVLProcessor,
-    )
+def mixed(first_seed: int, scale: int = 1) -> list[PreparedImage]:
+    """Mixed resolutions and prompts, so the rows have different lengths and get padded."""
+    s = first_seed
+    return [
+        item(100, 150, s, scale=scale),
+        item(160, 90, s + 1, task="spotting", scale=scale),
+        item(64, 64, s + 2, scale=scale),
+        item(300, 40, s + 3, task="custom", prompt="Read the line.", scale=scale),
+    ]
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = build_config(shape)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = HunYuanVLForConditionalGeneration._from_config(
-            config, dtype=getattr(torch, dtype)
+
+def max_diff(a: Any, b: Any, steps: slice = slice(None)) -> float:
+    """Largest difference of two rows' per-step logits over `steps` (the shorter's length)."""
+    n = min(len(a.logits), len(b.logits))
+    return float((a.logits[:n][steps] - b.logits[:n][steps]).abs().max())
+
+
+class RightPadded(HunyuanEngine):
+    """Pads on the wrong side: the padded rows' outputs must then differ (the checks can fail)."""
+
+    def _collate(self, rows: Any) -> dict[str, Any]:
+        assert self.tokens is not None
+        return collate(
+            rows,
+            self.tokens.pad,
+            device=self.model.device,
+            dtype=self.model.dtype,
+            padding_side="right",
         )
-    ids = shape.special_ids
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD], do_sample=False
-    )
-    model.save_pretrained(path)
-    del model
 
-    # `size`, not min_pixels/max_pixels: transformers 5.17 writes those two into the class-wide
-    # default dict, changing every HunYuanVLImageProcessor built afterwards in the process.
-    image_processor = HunYuanVLImageProcessor(
-        size={"shortest_edge": shape.min_pixels, "longest_edge": shape.max_pixels}
-    )
-    processor = HunYuanVLProcessor(
-        image_processor=image_processor,
-        tokenizer=build_tokenizer(shape),
-        chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(path)
-    return path
+
+class ShiftedDecoder(HunyuanDecoder):
+    """Starts every row's decode positions one too far (the prefill is untouched)."""
+
+    def _prefill(self, *args: Any) -> Any:
+        state, logits = super()._prefill(*args)
+        state.pos += 1
+        return state, logits
+
+
+def rows(engine: HunyuanEngine, items: list[PreparedImage]) -> list[EncodedImage]:
+    return [engine.preprocess(it) for it in items]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from models.base import Engine, OcrResult, PreparedImage
 from models.costs import CostModel, GiB, ItemCost
+from models.memory import memory_of
 from worker import metrics
 from worker.images import downscale
 from worker.planner import Plan, Waiting, plan
@@ -88,6 +89,7 @@ class Batcher:
         if config.max_items < 1 or config.budget_bytes <= 0:
             raise ValueError(f"invalid batch config: {config}")
         self.engine = engine
+        self.memory = memory_of(engine)  # OOM test and release (host defaults if none)
         self.config = config
         # A tuned profile's model when the runtime found one, else the engine's default.
         self.cost_model = cost_model or engine.cost_model()
@@ -247,7 +249,7 @@ class Batcher:
         try:
             results = self.engine.run([e.item for e in entries])
         except BaseException as exc:
-            if not self.engine.is_oom(exc):
+            if not self.memory.is_oom(exc):
                 raise
             oom = str(exc)
         if oom is not None:
@@ -277,7 +279,7 @@ class Batcher:
     def _record_oom(self, size: int, predicted: int, error: str) -> None:
         self.oom_events += 1
         metrics.OOM_EVENTS.inc()
-        self.engine.release_memory()
+        self.memory.release_memory()
         floor = self.config.budget_bytes // 16
         self.budget_bytes = max(
             floor, min(self.budget_bytes, int(predicted * self.config.oom_backoff))

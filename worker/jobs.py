@@ -22,7 +22,7 @@ from tenacity import (
 )
 
 from models.base import Engine, PreparedImage
-from ocrq.contract import TASK_PRESETS, JobRequest
+from ocrq.contract import TASKS, JobRequest
 from ocrq.settings import Settings
 from ocrq.store import JobStore
 from worker import images, metrics
@@ -90,7 +90,7 @@ class JobRunner:
 
     def process(self, request: JobRequest) -> JobOutcome:
         source = request.image.describe()
-        task = request.task if request.task in TASK_PRESETS else "custom"
+        task = request.task if request.task in TASKS else "custom"
         claim = self._db(self.store.claim)(request.job_id, request.task, source, self.worker_name)
         if not claim.run:
             row = claim.row or {}

@@ -17,26 +17,20 @@ import json
 import logging
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from models.base import Engine
 from models.costs import CostModel
+from models.memory import memory_of
 
 log = logging.getLogger(__name__)
 
-# "decode" is the HunyuanOCR decode loop (its own or transformers' generate): their caches differ.
-KEY_FIELDS = (
-    "device",
-    "engine",
-    "model",
-    "revision",
-    "dtype",
-    "attention",
-    "max_new_tokens",
-    "decode",
-)
+# Every profile's key; each engine adds the settings that change its bytes per image
+# (`MemoryProbing.profile_fields`, from models/memory.py).
+KEY_FIELDS = ("device", "engine")
 # 2: per_token_bytes counts prompt tokens only; the decode part is new (models/costs.py).
 SCHEMA = 2
 
@@ -53,13 +47,18 @@ def host_cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def profile_key(facts: dict[str, str]) -> dict[str, str]:
-    """The fields a profile is keyed by, from a loaded engine's `describe()`.
+def engine_key(engine: Engine) -> dict[str, str]:
+    """The key of a loaded engine's profile."""
+    return profile_key(engine.describe(), memory_of(engine).profile_fields)
 
-    The device is the GPU's name when the engine runs on one, else the host CPU's name; fields
-    an engine does not have (the CPU engine has no dtype) are empty strings.
+
+def profile_key(facts: dict[str, str], fields: Sequence[str] = ()) -> dict[str, str]:
+    """KEY_FIELDS and the engine's `fields`, from a loaded engine's `describe()`.
+
+    The device is the GPU's name when the engine runs on one, else the host CPU's name; a field
+    the facts lack is an empty string.
     """
-    key = {field: str(facts.get(field, "")) for field in KEY_FIELDS}
+    key = {field: str(facts.get(field, "")) for field in (*KEY_FIELDS, *fields)}
     key["device"] = facts.get("gpu") or host_cpu_name()
     return key
 
@@ -135,7 +134,7 @@ def load_profile(profile_dir: Path, key: dict[str, str]) -> CostModel | None:
 
 def choose_cost_model(engine: Engine, profile_dir: Path) -> ProfileChoice:
     """The loaded engine's profile from `profile_dir` when one matches, else its default."""
-    key = profile_key(engine.describe())
+    key = engine_key(engine)
     model = load_profile(profile_dir, key)
     if model is not None:
         return ProfileChoice(model, Path(model.source), key)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from models.base import Engine
 from models.costs import CostModel, GiB
+from models.memory import memory_of
 from models.registry import create_engine
 from ocrq.db import get_engine
 from ocrq.settings import Settings
@@ -59,7 +60,7 @@ def batch_config(settings: Settings, engine: Engine, model: CostModel | None = N
                 f"({fixed / GiB:.2f} GiB)"
             )
     else:
-        budget = engine.default_budget_bytes()
+        budget = memory_of(engine).default_budget_bytes()
     return BatchConfig(
         max_items=settings.max_batch, wait_s=settings.batch_wait_ms / 1000, budget_bytes=budget
     )
@@ -91,9 +92,8 @@ def build_runtime(
     config = batch_config(settings, engine, choice.model)
     recycler = None
     if on_recycle is not None:
-        recycler = Recycler(
-            recycle_policy(settings), on_recycle, fragmentation=engine.fragmentation_bytes
-        )
+        fragmentation = memory_of(engine).fragmentation_bytes
+        recycler = Recycler(recycle_policy(settings), on_recycle, fragmentation=fragmentation)
     hooks: list[Callable[[BatchRecord], None]] = [_log_batch, _count_batch]
     if recycler is not None:
         hooks.append(recycler.after_batch)

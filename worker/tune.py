@@ -16,8 +16,9 @@ largest (each image preprocessed once, so probe times are the engine's own), plu
 per-patch term. The fit is `models.calibration.fit` over those peaks, with the fixed part never
 below the baseline reading (engine loaded, nothing running).
 
-Memory is read through the engine (`reset_peak_memory` / `peak_memory_bytes`): host RSS peak for
-the CPU engine, the CUDA allocator's peak for a GPU engine. matplotlib and rich are imported only
+Memory is read through the engine's MemoryProbing side (models/memory.py; `reset_peak_memory` /
+`peak_memory_bytes`): host RSS peak for the CPU engine, the CUDA allocator's peak for a GPU
+engine; the engine also names the pages it is probed with. matplotlib and rich are imported only
 where the plot and the table are made.
 """
 
@@ -36,7 +37,8 @@ from PIL import Image, ImageDraw, ImageFont
 from models.base import Engine, PreparedImage
 from models.calibration import Fit, Sample, fit
 from models.costs import GiB, ItemCost
-from worker.profiles import profile_key, profile_path, write_profile
+from models.memory import MemoryProbing, ProbePage, memory_of
+from worker.profiles import engine_key, profile_path, write_profile
 
 log = logging.getLogger(__name__)
 
@@ -62,25 +64,9 @@ def draw_page(width: int, height: int, lines: Sequence[str], size: int) -> Image
     return image
 
 
-def probe_images(engine_name: str) -> list[tuple[str, Image.Image]]:
-    """Representative images per engine, smallest first (the first also warms the engine up).
-
-    hunyuan: a word crop (upscaled to 512² by the processor), a 1024² page, a 886x1699 receipt
-    and an A4 scan at 150 dpi (1248x1760), the sizes of bench/results/hunyuan_engine_h200.md.
-    rapid: a receipt-like strip and an A4 page, whose detector inputs span its range.
-    """
-    text = ["INVOICE 2026-0142", "TOTAL 134.90", "THANK YOU"]
-    if engine_name == "hunyuan":
-        return [
-            ("crop-240x64", draw_page(240, 64, ["STATION"], 24)),
-            ("page-1024", draw_page(1024, 1024, text, 40)),
-            ("receipt-886x1699", draw_page(886, 1699, text, 32)),
-            ("a4-1248x1760", draw_page(1248, 1760, text, 40)),
-        ]
-    return [
-        ("receipt-576x1600", draw_page(576, 1600, ["ACME STORE", "MILK 1.20", "TOTAL 3.40"], 28)),
-        ("a4-1240x1754", draw_page(1240, 1754, text, 40)),
-    ]
+def probe_images(pages: Sequence[ProbePage]) -> list[tuple[str, Image.Image]]:
+    """The engine's probe pages drawn, smallest first (the first also warms the engine up)."""
+    return [(p.label, draw_page(p.width, p.height, p.lines, p.font_size)) for p in pages]
 
 
 @dataclass(frozen=True)
@@ -135,7 +121,8 @@ def run_probes(
     started = clock()
     deadline = started + max_seconds
     report = TuneReport(budget_bytes=budget_bytes)
-    images = list(images or probe_images(engine.name))
+    memory: MemoryProbing = memory_of(engine)
+    images = list(images or probe_images(memory.probe_pages()))
     if not images:
         raise ValueError("no probe images")
 
@@ -149,22 +136,22 @@ def run_probes(
     def measure(
         label: str, batch: list[PreparedImage], predicted: int | None, status: str = "ok"
     ) -> ProbeResult:
-        engine.release_memory()
-        engine.reset_peak_memory()
+        memory.release_memory()
+        memory.reset_peak_memory()
         t0 = time.perf_counter()
         try:
-            costs = engine.probe(batch)
+            costs = memory.probe(batch)
         except Exception as exc:
-            if not engine.is_oom(exc):
+            if not memory.is_oom(exc):
                 raise
             oom = True
         else:
             oom = False
         seconds = time.perf_counter() - t0
         if oom:  # handled outside the except clause, so the failed batch's frames are gone
-            engine.release_memory()
+            memory.release_memory()
             return emit(ProbeResult(label, len(batch), "oom", seconds, None, predicted))
-        peak = engine.peak_memory_bytes()
+        peak = memory.peak_memory_bytes()
         return emit(ProbeResult(label, len(batch), status, seconds, peak, predicted, tuple(costs)))
 
     prepared: dict[str, PreparedImage] = {}
@@ -183,9 +170,9 @@ def run_probes(
     # Warm-up: first calls allocate workspaces and caches that then stay; not a sample.
     label0, image0 = images[0]
     measure(label0, items(label0, image0, 1), None, status=WARM_UP)
-    engine.release_memory()
-    engine.reset_peak_memory()
-    report.baseline_bytes = engine.peak_memory_bytes()
+    memory.release_memory()
+    memory.reset_peak_memory()
+    report.baseline_bytes = memory.peak_memory_bytes()
     base = report.baseline_bytes
     limit = FILL * budget_bytes
     image_of = dict(images)
@@ -288,12 +275,14 @@ def run_probes(
     samples = report.samples()
     if not samples:
         raise RuntimeError("no probe ran within the budget and time; nothing to fit")
+    # The decode part is the engine's KV-cache arithmetic, not fitted (models/calibration.py).
+    default = engine.cost_model()
     report.fit = fit(
         samples,
         min_fixed_bytes=base,
         source="tune",
-        cache_token_bytes=engine.cache_token_bytes(),
-        decode_fixed_bytes=engine.decode_fixed_bytes(),
+        cache_token_bytes=default.per_cache_token_bytes,
+        decode_fixed_bytes=default.decode_fixed_bytes,
     )
     report.seconds = clock() - started
     return report
@@ -311,7 +300,7 @@ def resolve_budget(engine: Engine, budget_gib: float | None, fraction: float | N
     fraction = 0.8 if fraction is None else fraction
     if not 0 < fraction <= 1:
         raise ValueError("--budget-fraction must be within (0, 1]")
-    return int(fraction * engine.memory_capacity_bytes())
+    return int(fraction * memory_of(engine).memory_capacity_bytes())
 
 
 def predicted_peak(report: TuneReport, probe: ProbeResult) -> int | None:
@@ -410,7 +399,7 @@ def save(report: TuneReport, engine: Engine, profile_dir: Path) -> TuneOutcome:
     if report.fit is None:
         raise ValueError("nothing fitted")
     facts = engine.describe()
-    key = profile_key(facts)
+    key = engine_key(engine)
     png = profile_path(profile_dir, key).with_suffix(".png")
     title = ", ".join(f"{k}={v}" for k, v in key.items() if v)
     plot(report, png, title)

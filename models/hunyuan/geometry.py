@@ -26,10 +26,6 @@ MIN_PIXELS = 512 * 512
 MAX_PIXELS = 2048 * 2048
 MAX_ASPECT_RATIO = 200
 
-# Chat-template tokens around the instruction (bos, separator, image start/end, user tag, one
-# spare), used only where the engine has not counted the real template with its tokenizer.
-TEMPLATE_TOKENS = 6
-
 
 class ImageShapeError(ValueError):
     """The image cannot be fed to the model (aspect ratio beyond what the processor accepts)."""
@@ -86,16 +82,6 @@ class ImageGeometry:
 DEFAULT_GEOMETRY = ImageGeometry()
 
 
-def rough_prompt_tokens(prompt: str) -> int:
-    """A conservative count of a prompt's tokens when no tokenizer is at hand.
-
-    One token per character (a BPE token usually covers one or more characters; the official
-    prompts are Chinese, about one character per token) plus the template's own tokens. Next to
-    the ~1,000 image tokens of a page, an error of a few tokens here does not matter.
-    """
-    return len(prompt) + TEMPLATE_TOKENS
-
-
 def item_cost(
     width: int,
     height: int,
@@ -114,4 +100,18 @@ def item_cost(
         patches=geometry.vit_patches(width, height),
         pixels=w * h,
         new_tokens=max_new_tokens,
+    )
+
+
+def geometry_of(processor: object) -> ImageGeometry:
+    """The resize rule and token layout of a loaded HunYuanVLProcessor (tiny test checkpoints
+    have other limits than the released 512²..2048²)."""
+    image_processor = processor.image_processor  # type: ignore[attr-defined]
+    size = image_processor.size
+    return ImageGeometry(
+        patch_size=int(image_processor.patch_size),
+        merge_size=int(image_processor.merge_size),
+        min_pixels=int(size["shortest_edge"]),
+        max_pixels=int(size["longest_edge"]),
+        extra_tokens=2 if getattr(processor, "cat_extra_token", True) else 0,
     )

@@ -19,7 +19,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from models.base import Line, OcrResult
+from models.base import Line, OcrResult, PreparedImage
+from models.hunyuan.generation import Generated
+from models.hunyuan.prompts import answer_kind
 
 _COORD = r"\(\s*(\d+)\s*,\s*(\d+)\s*\)"
 _BOX = re.compile(_COORD + r"\s*,\s*" + _COORD + r"(?:\s*,\s*\(\s*\d+\s*,\s*\d+\s*\))*")
@@ -130,3 +132,15 @@ def build_result(
         if lines:
             return OcrResult(text="\n".join(line.text for line in lines), lines=lines)
     return OcrResult(text=output.strip())
+
+
+def result_of(item: PreparedImage, gen: Generated) -> OcrResult | Exception:
+    """The OcrResult of one generated row, or the exception parsing it raised (that item fails
+    alone)."""
+    try:
+        kind = answer_kind(item)
+        return build_result(
+            gen.text, task=kind, original_size=item.original_size, capped=gen.capped
+        )
+    except Exception as exc:
+        return exc

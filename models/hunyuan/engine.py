@@ -1,0 +1,294 @@
+"""HunyuanOCR through transformers: load once, estimate without the GPU, generate in batches.
+
+Design notes (the why):
+
+* torch and transformers are an optional extra (`pip install 'ocrq[hunyuan]'`). The package
+  imports them only inside functions, so importing it, building the engine and calling
+  `estimate` or `cost_model` work on hosts without them.
+* Weights are never downloaded during a job (models/hunyuan/checkpoint.py).
+* One batch = one generation over left-padded rows of mixed resolutions. Each row's output
+  equals a batch-of-one run of the same image: left padding keeps every row's last prompt token
+  at the end, and models/hunyuan/patches.py keeps transformers from numbering images across
+  the rows of a batch.
+* Each image is preprocessed on its own (models/hunyuan/inputs.py, in the prefetch threads), so
+  an image the processor rejects fails only its own item; the survivors still run as one batch.
+* Decoding runs in models/hunyuan/decode.py by default (OCRQ_DECODE=fast): the model's own
+  vision tower, a text prefill with fused norm/RoPE kernels, then a static KV cache and one CUDA
+  graph per batch, 3.5 ms a step at batch 64 on an H200 where `generate()` takes 62-105 ms
+  (bench/results/decode_speed_h200*.md), same greedy tokens, less peak memory.
+  OCRQ_DECODE=generate keeps transformers' loop, and a generation config the fast loop cannot
+  honour (a repetition penalty, say) falls back to it on its own (models/hunyuan/generation.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from models.base import Engine, OcrResult, PreparedImage
+from models.costs import CostModel, ItemCost
+from models.hunyuan.checkpoint import (
+    check_settings,
+    library_facts,
+    load_checkpoint,
+    snapshot_commit,
+)
+from models.hunyuan.decode import DecodeStats, HunyuanDecoder, fast_decoder
+from models.hunyuan.generation import (
+    BatchOutput,
+    decode_mode_from_env,
+    generate_plain,
+    generated_rows,
+    greedy_config,
+)
+from models.hunyuan.geometry import (
+    DEFAULT_GEOMETRY,
+    MAX_PIXELS,
+    ImageGeometry,
+    geometry_of,
+    item_cost,
+)
+from models.hunyuan.inputs import EncodedImage, Preprocessor, collate
+from models.hunyuan.memory import (
+    DEFAULT_DECODE_FIXED_BYTES,
+    HunyuanMemory,
+    cache_token_bytes,
+    default_cost_model,
+)
+from models.hunyuan.output import result_of
+from models.hunyuan.patches import batch_vision_attention, isolate_rows
+from models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
+from models.hunyuan.tokens import SpecialTokens
+from ocrq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class HunyuanEngine(HunyuanMemory, Engine):
+    """Tencent HunyuanOCR (HunYuanVLForConditionalGeneration) on one device."""
+
+    name = "hunyuan"
+    # The processor never shows the model more than 2048² pixels, so prefetch may downscale
+    # larger images to that before they wait in memory (updated from the loaded processor).
+    max_pixels: int | None = MAX_PIXELS
+
+    def __init__(self, settings: Settings, *, decode: str | None = None) -> None:
+        """`decode`: "fast" (models/hunyuan/decode.py) or "generate" (transformers' loop); by
+        default OCRQ_DECODE, else "fast". Kept off Settings while both paths are compared."""
+        check_settings(settings)
+        self.settings = settings
+        self.decode = decode or decode_mode_from_env()
+        if self.decode not in ("fast", "generate"):
+            raise ValueError(f"decode must be 'fast' or 'generate', not {self.decode!r}")
+        self.geometry: ImageGeometry = DEFAULT_GEOMETRY
+        self.model: Any = None
+        self.processor: Any = None
+        self.model_dir: Path | None = None
+        self.device: str | None = None
+        self.tokens: SpecialTokens | None = None  # the one place eos and pad ids live
+        self.templates: PromptTemplates | None = None
+        self.preprocess_row: Preprocessor | None = None
+        self._generation_config: Any = None
+        self._decoder: HunyuanDecoder | None = None
+        self.last_decode: DecodeStats | None = None  # stats of the last fast batch (bench, logs)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HunyuanEngine:
+        return cls(settings)
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        started = time.perf_counter()
+        ckpt = load_checkpoint(self.settings)
+        model, processor = ckpt.model, ckpt.processor
+        isolate_rows(model)
+        batch_vision_attention(model)
+        gen = greedy_config(model.generation_config)
+        self.tokens = SpecialTokens.read(gen, processor.tokenizer)
+        self.geometry = geometry_of(processor)
+        self.max_pixels = self.geometry.max_pixels
+        self.model, self.processor = model, processor
+        self.model_dir, self.device = ckpt.path, ckpt.device
+        self._generation_config = gen
+        self.templates = PromptTemplates(processor)
+        self.preprocess_row = Preprocessor(
+            model, processor, self.templates, self.geometry, pin=self._cuda()
+        )
+        self._decoder = fast_decoder(model, gen)
+        log.info(
+            "hunyuan engine loaded %s on %s (%s, %s attention) in %.1f s",
+            ckpt.path,
+            ckpt.device,
+            ckpt.dtype,
+            self.settings.attention,
+            time.perf_counter() - started,
+        )
+
+    def close(self) -> None:
+        self.model = self.processor = self.preprocess_row = self._decoder = None
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+
+    def describe(self) -> dict[str, str]:
+        s = self.settings
+        facts = {
+            "engine": self.name,
+            "model": s.model,
+            # The snapshot actually loaded, when it is one: a profile measured on an older
+            # snapshot of the same branch is not this model's.
+            "revision": snapshot_commit(self.model_dir) or s.model_revision or "main",
+            "subfolder": s.model_subfolder or "",
+            "dtype": s.dtype,
+            "attention": s.attention,
+            "device": self.device or s.device,
+            "max_new_tokens": str(s.max_new_tokens),
+            "decode": self.decode_path(),
+        }
+        facts.update(library_facts(self.device if self._cuda() else None))
+        return facts
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def estimate(self, item: PreparedImage) -> ItemCost:
+        """Tokens, patches and pixels of `item`, by arithmetic (raises ImageShapeError for an
+        image the processor would refuse)."""
+        prompt = prompt_of(item)
+        if self.templates is not None:
+            prompt_tokens = self.templates.prompt_tokens(prompt)
+        else:
+            prompt_tokens = rough_prompt_tokens(prompt)
+        return item_cost(
+            *item.size,
+            prompt_tokens=prompt_tokens,
+            max_new_tokens=self.settings.max_new_tokens,
+            geometry=self.geometry,
+        )
+
+    def decode_path(self) -> str:
+        """ "fast-fused" (fused prefill and step kernels), "fast" (the lean loop on torch
+        attention) or "generate": each holds different activations, so each has its own memory
+        profile. Before loading, the configured mode."""
+        if self.model is None:
+            return self.decode
+        if self.decode != "fast" or self._decoder is None:
+            return "generate"
+        return "fast-fused" if self._decoder.fused else "fast"
+
+    def cost_model(self) -> CostModel:
+        """The measured default; its decode part from the loaded model's shape."""
+        decode_fixed = float(DEFAULT_DECODE_FIXED_BYTES) if self._cuda() else 0.0
+        return default_cost_model(self.decode_path(), cache_token_bytes(self.model), decode_fixed)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def preprocess(self, item: PreparedImage) -> EncodedImage:
+        """Run the processor on one image (CPU only; safe to call from a prefetch thread once
+        the engine is loaded)."""
+        if self.preprocess_row is None:
+            raise RuntimeError("HunyuanEngine.load() must run before preprocess()")
+        return self.preprocess_row(item)
+
+    def prepare(self, item: PreparedImage) -> None:
+        """Preprocess in the prefetch thread; `run` then skips the processor for this item."""
+        item.encoded = self.preprocess(item)
+
+    def _preprocess_or_error(self, item: PreparedImage) -> EncodedImage | Exception:
+        if isinstance(item.encoded, EncodedImage):
+            return item.encoded
+        try:
+            return self.preprocess(item)
+        except Exception as exc:  # bad image or prompt: this item fails alone
+            return exc
+
+    def _collate(self, rows: Sequence[EncodedImage]) -> dict[str, Any]:
+        """The batch's inputs on the model's device, left-padded."""
+        assert self.tokens is not None
+        return collate(rows, self.tokens.pad, device=self.model.device, dtype=self.model.dtype)
+
+    def generate(
+        self,
+        batch: Sequence[PreparedImage],
+        *,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int | None = None,
+        output_logits: bool = False,
+        encoded: Sequence[EncodedImage | Exception] | None = None,
+        decode: str | None = None,
+    ) -> BatchOutput:
+        """Greedy generation for a batch; the building block of `run`, the tests and the bench.
+
+        `min_new_tokens` (the bench sets it equal to max_new_tokens) forces a fixed length;
+        `output_logits` keeps every step's raw logits per row (tests only: they take
+        steps x vocab x 4 bytes per row). `encoded` hands in rows already preprocessed (by
+        `preprocess`, in another thread say), one per item of `batch`. `decode` overrides the
+        engine's decode mode for this call ("fast" falls back to "generate" where the generation
+        config needs it).
+        """
+        if self.model is None or self.tokens is None:
+            raise RuntimeError("HunyuanEngine.load() must run before generate()")
+        tokens = self.tokens
+        t0 = time.perf_counter()
+        if encoded is None:
+            encoded = [self._preprocess_or_error(item) for item in batch]
+        elif len(encoded) != len(batch):
+            raise ValueError(f"{len(encoded)} encoded rows for a batch of {len(batch)}")
+        good = [i for i, e in enumerate(encoded) if not isinstance(e, Exception)]
+        # Filled in below for the rows that run; failed items keep their exception.
+        items: list[Any] = [e if isinstance(e, Exception) else None for e in encoded]
+        if not good:
+            return BatchOutput(items=items, timings={"preprocess": time.perf_counter() - t0})
+        rows: list[EncodedImage] = [encoded[i] for i in good]  # type: ignore[misc]
+        inputs = self._collate(rows)
+        padded = int(inputs["input_ids"].shape[1])
+        t1 = time.perf_counter()
+
+        n_new = max_new_tokens or self.settings.max_new_tokens
+        if (decode or self.decode) == "fast" and self._decoder is not None:
+            # The fast loop takes the rows' own positions (collate); generate() computes them.
+            new, logits, self.last_decode = self._decoder.generate(
+                inputs,
+                tokens,
+                max_new_tokens=n_new,
+                min_new_tokens=min_new_tokens,
+                output_logits=output_logits,
+            )
+        else:
+            new, logits = generate_plain(
+                self.model,
+                self._generation_config,
+                tokens,
+                inputs,
+                max_new_tokens=n_new,
+                min_new_tokens=min_new_tokens,
+                output_logits=output_logits,
+            )
+        t2 = time.perf_counter()
+
+        lengths = [len(r.input_ids) for r in rows]
+        done = generated_rows(new, logits, tokens, self.processor, lengths)
+        for i, row in zip(good, done, strict=True):
+            items[i] = row
+        timings = {"preprocess": t1 - t0, "generate": t2 - t1, "decode": time.perf_counter() - t2}
+        return BatchOutput(items=items, timings=timings, padded_length=padded)
+
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        """OCR a batch: one OcrResult, or that image's own exception, per input, in order.
+
+        Errors that concern the whole batch (CUDA out of memory) propagate to the batcher.
+        """
+        output = self.generate(batch)
+        results: list[OcrResult | Exception] = []
+        for item, gen in zip(batch, output.items, strict=True):
+            results.append(gen if isinstance(gen, Exception) else result_of(item, gen))
+        return results

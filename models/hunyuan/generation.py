@@ -1,0 +1,163 @@
+"""Which loop generates a batch, and transformers' own loop (`generate()`), the reference.
+
+Two loops give the same greedy tokens: models/hunyuan/decode.py (the default, OCRQ_DECODE=fast)
+and transformers' `generate()` (OCRQ_DECODE=generate). The fast loop implements greedy search
+with eos/pad and min_new_tokens only, so a checkpoint whose generation config asks for more (a
+repetition penalty, say) runs on `generate()` instead of silently changing its output
+(`unsupported_reason`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from models.hunyuan.tokens import SpecialTokens
+
+if TYPE_CHECKING:
+    import torch
+
+DECODE_MODES = ("fast", "generate")
+ATTENTION_MODES = ("auto", "triton", "torch")
+
+
+@dataclass
+class Generated:
+    """One row of a batched generation."""
+
+    text: str
+    token_ids: list[int]  # generated tokens, eos and padding removed
+    capped: bool  # stopped at max_new_tokens instead of an eos
+    prompt_tokens: int  # row length before padding, image tokens included
+    logits: torch.Tensor | None = None  # (steps, vocab) float32, only when asked for
+
+
+@dataclass
+class BatchOutput:
+    """Per-item results in input order (an Exception for an item that failed alone)."""
+
+    items: list[Generated | Exception]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    padded_length: int = 0  # prompt length every row was padded to
+
+
+def decode_mode_from_env() -> str:
+    """OCRQ_DECODE: "fast" (default) or "generate" (transformers' own loop)."""
+    mode = os.environ.get("OCRQ_DECODE", "fast").strip().lower() or "fast"
+    if mode not in DECODE_MODES:
+        raise ValueError(f"OCRQ_DECODE must be one of {DECODE_MODES}, not {mode!r}")
+    return mode
+
+
+def attention_mode_from_env() -> str:
+    """OCRQ_DECODE_ATTENTION: "auto" (Triton on CUDA when installed), "triton" or "torch"."""
+    mode = os.environ.get("OCRQ_DECODE_ATTENTION", "auto").strip().lower() or "auto"
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"OCRQ_DECODE_ATTENTION must be one of {ATTENTION_MODES}, not {mode!r}")
+    return mode
+
+
+def greedy_config(checkpoint_config: Any) -> Any:
+    """The checkpoint's generation config made greedy (OCR wants the most likely reading, and
+    the same one every time); eos and pad are set per call from the engine's SpecialTokens."""
+    gen = copy.deepcopy(checkpoint_config)
+    gen.do_sample = False
+    gen.num_beams = 1
+    gen.temperature = gen.top_p = gen.top_k = None
+    return gen
+
+
+def unsupported_reason(gen: Any) -> str | None:
+    """Why the fast loop cannot reproduce `generate()` under this generation config, or None."""
+    if getattr(gen, "do_sample", False):
+        return "sampling"
+    if (getattr(gen, "num_beams", 1) or 1) != 1:
+        return "beam search"
+    for name, neutral in (
+        ("repetition_penalty", 1.0),
+        ("encoder_repetition_penalty", 1.0),
+        ("no_repeat_ngram_size", 0),
+        ("min_length", 0),
+        ("guidance_scale", 1.0),
+    ):
+        value = getattr(gen, name, None)
+        if value not in (None, neutral):
+            return f"{name}={value}"
+    for name in (
+        "bad_words_ids",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "sequence_bias",
+        "exponential_decay_length_penalty",
+        "stop_strings",
+        "watermarking_config",
+        "force_words_ids",
+        "constraints",
+    ):
+        if getattr(gen, name, None):
+            return name
+    return None
+
+
+def generate_plain(
+    model: Any,
+    gen: Any,
+    tokens: SpecialTokens,
+    inputs: dict[str, torch.Tensor],
+    *,
+    max_new_tokens: int,
+    min_new_tokens: int | None,
+    output_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' `generate()` on collated inputs: new tokens (B, steps) on the CPU, and
+    every step's raw logits (B, steps, V) in float32 when asked."""
+    import torch
+
+    padded = int(inputs["input_ids"].shape[1])
+    inputs = dict(inputs)
+    inputs.pop("position_ids", None)  # generate() derives them from the inputs itself
+    gen = copy.copy(gen)
+    gen.eos_token_id = tokens.eos_list
+    gen.pad_token_id = tokens.pad
+    gen.max_new_tokens = max_new_tokens
+    gen.min_new_tokens = min_new_tokens
+    gen.return_dict_in_generate = True
+    gen.output_logits = output_logits
+    with torch.inference_mode():
+        out = model.generate(**inputs, generation_config=gen)
+    new = out.sequences[:, padded:].cpu()
+    logits = torch.stack(out.logits, dim=1).float().cpu() if output_logits else None
+    del out
+    return new, logits
+
+
+def generated_rows(
+    new: torch.Tensor,
+    logits: torch.Tensor | None,
+    tokens: SpecialTokens,
+    processor: Any,
+    prompt_lengths: list[int],
+) -> list[Generated]:
+    """Each row of a generation (new tokens (B, steps), either loop's) cut at its eos, decoded
+    to text, with its logits up to and including the eos step."""
+    token_rows, capped = tokens.cut(new.tolist())
+    texts = processor.batch_decode(
+        token_rows, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
+    out = []
+    for j, ids in enumerate(token_rows):
+        steps = len(ids) + (0 if capped[j] else 1)  # the eos step has logits too
+        out.append(
+            Generated(
+                text=texts[j],
+                token_ids=ids,
+                capped=capped[j],
+                prompt_tokens=prompt_lengths[j],
+                logits=logits[j, :steps] if logits is not None else None,
+            )
+        )
+    return out
