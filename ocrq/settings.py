@@ -52,6 +52,15 @@ class Settings(BaseSettings):
     recycle_patience: int = 3  # consecutive batches over a threshold before recycling
     metrics_port: int | None = None  # Prometheus metrics on this port when set
 
+    # Poison messages and stuck jobs (issue 16).
+    # Claims of a job whose previous attempt never finished (its worker died under it) allowed
+    # before the job is failed instead of run again: a message that kills the worker can't loop.
+    max_attempts: int = Field(default=3, ge=1, le=100)
+    # Longest a job may take from its claim to its batch's result (a decoded-image slot, the
+    # intake, the batch); then it fails with "timed out" and its task thread is free while the
+    # batch runs on. Celery's task time limits do not work with the threads pool.
+    job_timeout_s: float = Field(default=900.0, ge=1.0, le=86_400.0)
+
     # HunyuanOCR.
     model: str = "tencent/HunyuanOCR"
     model_revision: str | None = None
