@@ -46,6 +46,10 @@ def make_app(settings: Settings | None = None) -> Celery:
             # restart (the append-only file keeps it): a short expiry lets the reconnected
             # worker restore them within a minute instead of kombu's default five.
             "unacked_mutex_expire": 60,
+            # Scan for unacked messages past the visibility timeout every 10 s (kombu's
+            # unacked_restore_interval) rather than every 10th time (~100 s): a message whose
+            # worker died comes back soon after the timeout. One ZRANGE per scan.
+            "unacked_restore_throttle": 1,
             # Messages on these queues must be these tasks, in Celery's protocol: anything
             # else is rejected with one log line before Celery sees it (worker/envelope.py).
             "ocrq_task_queues": [settings.queue or DEFAULT_QUEUE],
