@@ -13,7 +13,7 @@ from typing import Any
 
 from celery import Celery
 
-from ocrq.contract import DEFAULT_QUEUE, TASK_NAME, job_kwargs
+from ocrq.contract import DEFAULT_QUEUE, TASK_NAME, JobRequest, canonical_job_id, job_kwargs
 from ocrq.db import get_engine
 from ocrq.settings import Settings
 from ocrq.store import JobStore, public_view
@@ -48,10 +48,13 @@ class Client:
 
     def submit(self, image: dict[str, str], task: str = "text", record: bool = True) -> str:
         """Enqueue one job; with `record`, its row exists as `queued` before the message."""
-        kwargs = job_kwargs(image, task)
+        # Validated as the worker will (ValidationError, a ValueError: NUL bytes, lone
+        # surrogates...), so nothing is enqueued that could not be stored.
+        request = JobRequest.model_validate({"image": image, "task": task})
+        kwargs = job_kwargs(image, task, request.job_id)
         if record:
-            source = next(iter(image.values())) if "b64" not in image else "b64"
-            self.store.enqueue(kwargs["job_id"], task, source)
+            # The worker's claim compares a row's source with the message's: same description.
+            self.store.enqueue(kwargs["job_id"], task, request.image.describe())
         self.app.send_task(
             TASK_NAME,
             kwargs=kwargs,
@@ -82,7 +85,7 @@ class Client:
             ).all()
         sent = []
         for job_id, task, source, created in rows:
-            if created.timestamp() > cutoff or source == "b64":
+            if created.timestamp() > cutoff or source == "b64" or source.startswith("b64:"):
                 continue
             self._resend(job_id, task, source)
             sent.append(job_id)
@@ -123,10 +126,11 @@ class Client:
         )
 
     def status(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
-        rows = self.store.get(job_ids)
+        """Rows by job id, in any UUID spelling (`{...}`, `urn:uuid:`, upper case, no dashes)."""
+        ids = [_canonical_or_none(j) or j for j in job_ids]
+        rows = self.store.get(ids)
         return [
-            public_view(rows[j]) if j in rows else {"job_id": j, "status": "unknown"}
-            for j in job_ids
+            public_view(rows[j]) if j in rows else {"job_id": j, "status": "unknown"} for j in ids
         ]
 
     def wait(
@@ -137,7 +141,7 @@ class Client:
         on_progress: Any = None,
     ) -> list[dict[str, Any]]:
         """Poll the table until every job is final or the timeout passes."""
-        ids = list(job_ids)
+        ids = [_canonical_or_none(j) or j for j in job_ids]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             rows = self.store.get(ids)
@@ -150,3 +154,10 @@ class Client:
                 break
             time.sleep(poll_s)
         return self.status(ids)
+
+
+def _canonical_or_none(job_id: str) -> str | None:
+    try:
+        return canonical_job_id(job_id)
+    except ValueError:
+        return None

@@ -11,7 +11,7 @@ import uuid
 from typing import Annotated, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TASK_NAME = "ocrq.recognize"
 DEFAULT_QUEUE = "ocr"
@@ -76,6 +76,40 @@ class ImageRef(BaseModel):
         return f"b64:{len(self.b64 or '')} chars"
 
 
+def canonical_job_id(value: object) -> str:
+    """The one spelling of a job id, used for rows, task ids and messages alike.
+
+    `uuid.UUID` accepts braces, `urn:uuid:`, upper case and no dashes; stored as given, those
+    spellings made separate rows for one job. Raises ValueError for anything that is not a UUID.
+    """
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if not isinstance(value, str) or len(value) > 64:
+        raise ValueError("job_id must be a UUID string")
+    return str(uuid.UUID(value))
+
+
+def _storable(value: str, what: str) -> str:
+    """PostgreSQL text holds neither NUL nor a lone surrogate (not UTF-8): refuse them here, so
+    the job fails with a clear error instead of its row failing to be written at all."""
+    if "\x00" in value:
+        raise ValueError(f"{what} contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} contains a lone surrogate (not valid Unicode text)") from None
+    return value
+
+
+def storable_text(value: object, limit: int = 200) -> str:
+    """Any value as text a row can hold: NUL and lone surrogates escaped, length capped.
+
+    For what a refused request is recorded under (its source and task)."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text[:limit].replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class JobRequest(BaseModel):
     """The kwargs of one `ocrq.recognize` message, validated on the worker side."""
 
@@ -85,9 +119,22 @@ class JobRequest(BaseModel):
     task: Annotated[str, Field(min_length=1, max_length=4000)] = "text"
     job_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
 
+    @field_validator("job_id", mode="before")
+    @classmethod
+    def _canonical_id(cls, value: object) -> str:
+        return canonical_job_id(value)  # ValueError -> a clear validation error
+
+    @field_validator("task")
+    @classmethod
+    def _storable_task(cls, value: str) -> str:
+        return _storable(value, "task")
+
     @model_validator(mode="after")
-    def _valid_id(self) -> JobRequest:
-        uuid.UUID(self.job_id)  # raises ValueError with a clear message
+    def _storable_image(self) -> JobRequest:
+        for key in ("path", "url", "b64"):
+            value = getattr(self.image, key)
+            if value is not None:
+                _storable(value, f"image.{key}")
         return self
 
     @property
@@ -99,4 +146,8 @@ class JobRequest(BaseModel):
 
 def job_kwargs(image: dict[str, str], task: str = "text", job_id: str | None = None) -> dict:
     """Build send_task kwargs; a producer may equally write this dict by hand."""
-    return {"image": image, "task": task, "job_id": job_id or str(uuid.uuid4())}
+    return {
+        "image": image,
+        "task": task,
+        "job_id": canonical_job_id(job_id) if job_id else str(uuid.uuid4()),
+    }

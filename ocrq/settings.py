@@ -91,6 +91,15 @@ class Settings(BaseSettings):
     # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
     api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
 
+    # Poison messages and stuck jobs (issue 16).
+    # Claims of a job whose previous attempt never finished (its worker died under it) allowed
+    # before the job is failed instead of run again: a message that kills the worker can't loop.
+    max_attempts: int = Field(default=3, ge=1, le=100)
+    # Longest a job may take from its claim to its batch's result (a decoded-image slot, the
+    # intake, the batch); then it fails with "timed out" and its task thread is free while the
+    # batch runs on. Celery's task time limits do not work with the threads pool.
+    job_timeout_s: float = Field(default=900.0, ge=1.0, le=86_400.0)
+
     # HunyuanOCR.
     model: str = "tencent/HunyuanOCR"
     model_revision: str | None = None

@@ -57,3 +57,72 @@ def test_failed_job_can_be_retried_to_done(store: JobStore) -> None:
     assert store.get([job])[job]["status"] == "done"
     with pytest.raises(ValueError):
         store.finish(job, status="running")
+
+
+def test_redelivery_cap(store: JobStore) -> None:
+    """Claims that find the row still running (the previous attempt died) stop at the cap."""
+    job = str(uuid.uuid4())
+    for attempt in range(1, 4):
+        claim = store.claim(job, "text", "/p.png", f"w{attempt}", max_attempts=3)
+        assert claim.run and claim.error is None
+        assert store.get([job])[job]["attempts"] == attempt
+    claim = store.claim(job, "text", "/p.png", "w4", max_attempts=3)
+    assert not claim.run
+    assert claim.error == (
+        "gave up after 3 attempts: the worker died while processing it (possible poison input)"
+    )
+    row = store.get([job])[job]
+    assert (row["status"], row["error"], row["attempts"], row["worker"]) == (
+        "failed",
+        claim.error,
+        3,
+        "w3",
+    )
+    assert row["finished_at"] is not None
+    # A failed job re-sent on purpose runs again: only unfinished attempts count as deaths.
+    assert store.claim(job, "text", "/p.png", "w5", max_attempts=3).run
+    assert store.finish(job, status="done", text="ok")
+    claim = store.claim(job, "text", "/p.png", "w6", max_attempts=3)
+    assert not claim.run and claim.error is None and claim.row["text"] == "ok"
+
+
+def test_failed_attempts_do_not_count_as_deaths(store: JobStore) -> None:
+    job = str(uuid.uuid4())
+    for _ in range(5):
+        assert store.claim(job, "text", "/f.png", "w", max_attempts=2).run
+        store.finish(job, status="failed", error="bad image")
+    assert store.get([job])[job]["attempts"] == 5
+
+
+def test_reused_job_id_refused(store: JobStore) -> None:
+    """A job id names one image and task; another content never touches the row."""
+    job = str(uuid.uuid4())
+    store.enqueue(job, "text", "/a.png")
+    for source, task in (("/b.png", "text"), ("/a.png", "spotting")):
+        claim = store.claim(job, task, source, "w1")
+        assert not claim.run and claim.error == "job_id already used for a different image"
+    row = store.get([job])[job]
+    assert (row["status"], row["attempts"], row["source"], row["task"]) == (
+        "queued",
+        0,
+        "/a.png",
+        "text",
+    )
+    assert store.claim(job, "text", "/a.png", "w1").run
+    store.finish(job, status="done", text="A")
+    before = store.get([job])[job]
+    claim = store.claim(job, "text", "/b.png", "w2")
+    assert not claim.run and claim.error is not None and claim.row == before
+    assert store.get([job])[job] == before
+
+
+def test_concurrent_first_claims_make_one_row(database_url: str) -> None:
+    """Duplicate deliveries claiming a new job at once: one row, every claim counted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = JobStore(get_engine(database_url))
+    job = str(uuid.uuid4())
+    with ThreadPoolExecutor(8) as pool:
+        claims = list(pool.map(lambda i: store.claim(job, "text", "/c.png", f"w{i}"), range(8)))
+    assert all(c.run for c in claims)
+    assert _count(store, job) == 1 and store.get([job])[job]["attempts"] == 8

@@ -7,6 +7,7 @@
 - visibility_timeout: Redis redelivers an unacked message after this long, so it must exceed
   the worst delivery-to-ack time (queue wait inside the worker + batch time).
 - task events on, so Flower lists every image's task: received, started, succeeded/failed.
+- malformed messages are rejected by the transport (worker/broker.py), never crash the worker.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def make_app(settings: Settings | None = None) -> Celery:
             # restart (the append-only file keeps it): a short expiry lets the reconnected
             # worker restore them within a minute instead of kombu's default five.
             "unacked_mutex_expire": 60,
+            # Scan for unacked messages past the visibility timeout every 10 s (kombu's
+            # unacked_restore_interval) rather than every 10th time (~100 s): a message whose
+            # worker died comes back soon after the timeout. One ZRANGE per scan.
+            "unacked_restore_throttle": 1,
+            # Messages on these queues must be these tasks, in Celery's protocol: anything
+            # else is rejected with one log line before Celery sees it (worker/envelope.py).
+            "ocrq_task_queues": [settings.queue or DEFAULT_QUEUE],
+            "ocrq_task_names": [TASK_NAME],
         },
         task_serializer="json",
         accept_content=["json"],

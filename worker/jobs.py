@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +23,12 @@ from tenacity import (
 )
 
 from models.base import Engine, PreparedImage
-from ocrq.contract import TASKS, JobRequest
+from ocrq.contract import TASKS, JobRequest, canonical_job_id
 from ocrq.settings import Settings
-from ocrq.store import JobStore
+from ocrq.store import Claim, JobStore
 from worker import images, metrics
 from worker.batcher import Batcher
+from worker.envelope import safe_text
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,10 @@ def _db_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and (
         exc.connection_invalidated or type(exc.orig).__name__ in ("OperationalError",)
     )
+
+
+def _timed_out(seconds: float) -> str:
+    return f"timed out after {seconds:g} s (OCRQ_JOB_TIMEOUT_S)"
 
 
 class JobRunner:
@@ -91,21 +97,24 @@ class JobRunner:
     def process(self, request: JobRequest) -> JobOutcome:
         source = request.image.describe()
         task = request.task if request.task in TASKS else "custom"
-        claim = self._db(self.store.claim)(request.job_id, request.task, source, self.worker_name)
+        claim = self._db(self.store.claim)(
+            request.job_id,
+            request.task,
+            source,
+            self.worker_name,
+            max_attempts=self.settings.max_attempts,
+        )
         if not claim.run:
-            row = claim.row or {}
-            log.info("job %s already done; redelivery ignored", request.job_id)
-            return JobOutcome(
-                request.job_id,
-                source,
-                row.get("status", "done"),
-                row.get("text"),
-                row.get("lines"),
-                row.get("error"),
-                already_done=True,
-            )
-        # The semaphore bounds decoded images held at once (prefetched + in the running batch).
-        with self._decoded:
+            return self._not_run(request.job_id, source, claim)
+        # One deadline for the whole wait: a slot for the decoded image, then the batch. The
+        # fetch is bounded by the intake's own deadline. Celery's task time limits do not work
+        # with the threads pool, so this is the task time limit.
+        timeout = self.settings.job_timeout_s
+        deadline = time.monotonic() + timeout
+        if not self._decoded.acquire(timeout=timeout):
+            return self._fail(request.job_id, source, _timed_out(timeout))
+        release_slot = True
+        try:
             try:
                 loaded = images.load(request.image, self.settings, self.engine.max_pixels)
                 item = PreparedImage(
@@ -123,12 +132,26 @@ class JobRunner:
                     else f"{type(exc).__name__}: {exc}"
                 )
                 return self._fail(request.job_id, source, message)
-            outcome = self.batcher.submit(item).result()
+            image_fields = {
+                "sha256": loaded.sha256,
+                "width": loaded.original_size[0],
+                "height": loaded.original_size[1],
+            }
+            future = self.batcher.submit(item)
             del item
+            try:
+                outcome = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                # The batch goes on and its result is dropped; the image still counts against
+                # the decoded-image cap until the batcher lets go of it.
+                future.add_done_callback(lambda _: self._decoded.release())
+                release_slot = False
+                return self._fail(request.job_id, source, _timed_out(timeout), **image_fields)
+        finally:
+            if release_slot:
+                self._decoded.release()
         common = {
-            "sha256": loaded.sha256,
-            "width": loaded.original_size[0],
-            "height": loaded.original_size[1],
+            **image_fields,
             "engine": outcome.engine,
             "batch_id": outcome.batch_id or None,
         }
@@ -147,16 +170,48 @@ class JobRunner:
         metrics.JOBS.labels("done").inc()
         return JobOutcome(request.job_id, source, "done", outcome.result.text, lines)
 
-    def reject(self, job_id: str | None, source: str, task: str, message: str) -> None:
-        """Record a malformed request as a failed job, when it carries a valid job id."""
+    def _not_run(self, job_id: str, source: str, claim: Claim) -> JobOutcome:
+        """A claim that said no: already done, the id taken by another image, or out of tries."""
+        row = claim.row or {}
+        if claim.error is None:
+            log.info("job %s already done; redelivery ignored", job_id)
+            return JobOutcome(
+                job_id,
+                source,
+                row.get("status", "done"),
+                row.get("text"),
+                row.get("lines"),
+                row.get("error"),
+                already_done=True,
+            )
+        # Nothing is written: a reused id's row belongs to its first image, and a job out of
+        # attempts was failed by the claim itself.
+        log.warning("job %s refused: %s", job_id, claim.error)
+        metrics.JOBS.labels("failed").inc()
+        return JobOutcome(job_id, source, "failed", error=claim.error)
+
+    def reject(self, job_id: Any, source: str, task: str, message: str) -> None:
+        """Record a malformed request as a failed job, when it carries a usable job id.
+
+        `source` and `task` must already be storable (see `storable_text`). Without a usable
+        id there is no row to write: the log line, and Flower's failed task, are the record.
+        """
         try:
-            uuid.UUID(str(job_id))
+            job_id = canonical_job_id(job_id)
         except ValueError:
-            log.warning("rejected a request without a valid job id: %s", message)
+            log.warning(
+                "rejected a request without a valid job id (%s): %s",
+                safe_text(repr(job_id), 80),
+                safe_text(message, 300),
+            )
             return
-        claim = self._db(self.store.claim)(str(job_id), str(task)[:4000], source, self.worker_name)
+        claim = self._db(self.store.claim)(
+            job_id, task, source, self.worker_name, max_attempts=self.settings.max_attempts
+        )
         if claim.run:
-            self._fail(str(job_id), source, message)
+            self._fail(job_id, source, message)
+        elif claim.error is not None:
+            self._not_run(job_id, source, claim)
 
     def _fail(self, job_id: str, source: str, message: str, **fields: Any) -> JobOutcome:
         log.warning("job %s failed: %s", job_id, message)

@@ -7,7 +7,7 @@ from typing import Any
 from celery import Task
 from pydantic import ValidationError
 
-from ocrq.contract import TASK_NAME, JobRequest
+from ocrq.contract import TASK_NAME, JobRequest, storable_text
 from worker.celery_app import app
 from worker.runtime import get_runtime
 
@@ -21,6 +21,9 @@ class JobFailed(Exception):
     bind=True,
     acks_late=True,
     reject_on_worker_lost=True,
+    # An expected outcome with its own row and log line: Celery logs it in one line at INFO
+    # (no traceback) and Flower still shows the task as failed.
+    throws=(JobFailed,),
 )
 def recognize(
     self: Task, image: Any = None, task: str = "text", job_id: str | None = None, **_: Any
@@ -31,12 +34,19 @@ def recognize(
             kwargs["job_id"] = job_id
         request = JobRequest.model_validate(kwargs)
     except ValidationError as exc:
-        message = "invalid job request: " + "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
-            for err in exc.errors()
+        message = storable_text(
+            "invalid job request: "
+            + "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
+                for err in exc.errors()
+            ),
+            limit=2000,
         )
-        # With a usable job id the failure gets its row; without one, Flower alone shows it.
-        get_runtime().runner.reject(job_id, str(image)[:200], task, message)
+        # With a usable job id the failure gets its row (source and task made storable: they
+        # may hold the very NUL or surrogate refused); without one, the log line and Flower.
+        get_runtime().runner.reject(
+            job_id, _refused_source(image), storable_text(task, limit=4000), message
+        )
         raise JobFailed(message) from None
     outcome = get_runtime().runner.process(request)
     if outcome.status == "failed":
@@ -47,3 +57,13 @@ def recognize(
         "chars": len(outcome.text or ""),
         "lines": len(outcome.lines or []),
     }
+
+
+def _refused_source(image: Any) -> str:
+    """What a refused request's row names as its source: never inline bytes."""
+    if isinstance(image, dict) and isinstance(image.get("b64"), str) and len(image) == 1:
+        return f"b64:{len(image['b64'])} chars"
+    if isinstance(image, dict) and len(image) == 1:
+        (value,) = image.values()
+        return storable_text(value)
+    return storable_text(image)
