@@ -1,30 +1,5 @@
-"""CPU engine: PaddleOCR's PP-OCRv4 ONNX models as shipped inside the rapidocr-onnxruntime wheel.
-
-Why not call `RapidOCR()` per image: it reads one image at a time, so the classifier and the
-recogniser would see a handful of crops per call. Here detection runs per image (sizes differ),
-then the crops of ALL images of the batch go through the classifier and the recogniser together,
-grouped by padded input width so that no crop's reading depends on its batch-mates.
-
-Departures from the library's own pipeline, each measured on the shared eval set
-(bench/results/accuracy_rapid.md has the figures):
-
-* Small images (shorter side <= LINE_MAX_SIDE) may be tight word or line crops, on which the
-  library's detector, run on an upscaled copy, finds no box or a wrong one (it reads 8% of the SVT
-  word crops). They are detected at their own scale on a padded canvas instead, and unless that
-  finds two or more rows of text the whole image is read as one line. Any image the detector
-  finds nothing on is read whole too.
-* The recogniser (a Chinese+English model) seldom emits the space between English words on
-  receipts, which ruins token-level results (SROIE token F1 0.57). A space is inserted where a
-  blank gap in the crop, wide for the text's size and for its letter spacing, lies between two
-  characters (`word_gaps`).
-* Crops are cut from the image as handed in, not from the detector's downscaled copy: a 4961x7016
-  receipt is detected at 1414x2000 but its lines are read at full resolution.
-* Lines come back top-to-bottom, left-to-right; boxes on one row a word space apart are merged
-  into one Line, boxes further apart (page columns, the two sides of a receipt line) are not.
-
-Nothing is downloaded: the model files ship with the wheel, and `load()` fails at start-up with a
-clear error when they are missing.
-"""
+"""RapidEngine: detection per image, then the crops of a whole batch through the classifier and
+the recogniser together (the package docstring lists the departures from the library)."""
 
 from __future__ import annotations
 
@@ -37,10 +12,23 @@ from typing import Any
 
 import cv2
 import numpy as np
-from PIL import Image
 
 from models.base import Engine, Line, OcrResult, PreparedImage, UnsupportedTask
 from models.costs import CostModel, ItemCost
+from models.rapid.crops import (
+    REC_HEIGHT,
+    REC_MIN_WIDTH,
+    crop_quad,
+    rec_input,
+    rec_input_width,
+    shrink_to_rec_height,
+    to_bgr,
+    upright,
+    widen,
+)
+from models.rapid.geometry import DET_LIMIT_SIDE_LEN, MAX_SIDE_LEN, DetPlan, det_plan
+from models.rapid.ordering import Box, group_rows, merge_rows, union
+from models.rapid.spacing import is_wide_char, word_gaps
 from ocrq.contract import TASK_PRESETS
 
 SUPPORTED_TASKS = ("text", "spotting", "parse")
@@ -50,43 +38,7 @@ MODEL_FILES = {
     "rec": "ch_PP-OCRv4_rec_infer.onnx",
 }
 
-# The library's resize limits (rapidocr_onnxruntime/config.yaml): a page is first brought to a long
-# side <= MAX_SIDE_LEN, then the detector upscales it until its SHORT side is >= DET_LIMIT_SIDE_LEN.
-MAX_SIDE_LEN = 2000
-MIN_SIDE_LEN = 30
-DET_LIMIT_SIDE_LEN = 736
-LETTERBOX_MIN_HEIGHT = 30
-LETTERBOX_MAX_RATIO = 8
-REC_HEIGHT = 48
-REC_MIN_WIDTH = 320  # the recogniser input is at least this wide (the library's shape)
-
-# Possible word/line crops: shorter side <= LINE_MAX_SIDE (SVT word crops are 17..247 px tall).
-# They are detected unscaled, on a canvas padded by LINE_PAD x their shorter side, capped at
-# LINE_DET_MAX_SIDE. Measured on the 125 SVT crops: 0.56 word accuracy when detected like pages
-# with a whole-image fallback, 0.89 when read whole, 0 of them found to hold two rows this way.
-LINE_MAX_SIDE = 256
-LINE_PAD = 0.5
-LINE_DET_MAX_SIDE = 960
-# A crop read whole that is narrower than WIDEN_TO_RATIO:1 is stretched horizontally (by at most
-# WIDEN_MAX) before recognition: the recogniser emits one step per 8 input pixels, and short
-# words in near-square crops got too few (SVT crops read whole: 0.888 -> 0.912 in a sweep of the
-# recogniser alone, flat for target ratios 2.5-3 and caps 1.25-2x).
-WIDEN_TO_RATIO = 3.0
-WIDEN_MAX = 1.5
-# A blank column run is a word space when at least SPACE_GAP_RATIO x the ink height and
-# SPACE_GAP_OVER_MEDIAN x the crop's median blank run (see `word_gaps`). SROIE token F1: 0.57
-# without spaces, 0.80 with these; 0.73-0.81 over ratios 0.2-0.35 x multiples 1.5-3 and 0.50-0.74
-# without the median term; page CER unchanged. A multiple of 2 missed the space of "LINE 42" in
-# Pillow's default font (letter gaps up to 7 px, that space 11 px at 40 px).
-SPACE_GAP_RATIO = 0.3
-SPACE_GAP_OVER_MEDIAN = 1.75
-# The recogniser's input width for a crop depends on that crop alone (its own width rounded up
-# to REC_WIDTH_STEP), never on its batch-mates: what the model reads shifts with the padding, so
-# padding to the widest crop of a call (as the library does) made results depend on the batch.
-# Measured peak RSS growth of one call (batch x 48 x width): 16x320 95 MiB, 16x1920 315 MiB,
-# 16x3840 540 MiB, 1x7680 148 MiB, so ~55 MiB + 8 KiB per padded column: a call holds at most
-# REC_MAX_CALL_COLUMNS (16 crops of 960), about 180 MiB.
-REC_WIDTH_STEP = 64
+# A recogniser call holds at most this many padded columns (see crops.REC_WIDTH_STEP).
 REC_MAX_CALL_COLUMNS = 15_360
 
 # Host-memory model (see `cost_model()` for how it was measured): the process with the engine
@@ -94,242 +46,6 @@ REC_MAX_CALL_COLUMNS = 15_360
 LOADED_RSS_BYTES = 192 * 1024**2
 RUN_WORKSPACE_BYTES = 512 * 1024**2
 PER_PATCH_BYTES = 64 * 1024.0
-
-Box = tuple[float, float, float, float]
-
-
-# ------------------------------------------------------------------------------------ geometry
-
-
-@dataclass(frozen=True)
-class DetPlan:
-    """How one image is put in front of the detector, and how its boxes map back.
-
-    resized: the image's size on the canvas; pad: (x, y) border added on each side; det_input:
-    the size the network sees; line_candidate: a small image that is read whole unless the
-    detector finds at least two rows of text on it.
-    """
-
-    resized: tuple[int, int]
-    pad: tuple[int, int]
-    det_input: tuple[int, int]
-    line_candidate: bool
-
-
-def _round32(x: float) -> int:
-    return max(32, int(round(x / 32) * 32))
-
-
-def _page_plan(w: int, h: int) -> DetPlan:
-    """The library's steps, as arithmetic: max/min side limits, letterbox, 736 min-side upscale."""
-    if max(w, h) > MAX_SIDE_LEN:
-        ratio = MAX_SIDE_LEN / max(w, h)
-        w, h = _round32(int(w * ratio)), _round32(int(h * ratio))
-    if min(w, h) < MIN_SIDE_LEN:
-        ratio = MIN_SIDE_LEN / min(w, h)
-        w, h = _round32(int(w * ratio)), _round32(int(h * ratio))
-    pad_y = 0
-    if h <= LETTERBOX_MIN_HEIGHT or w / h > LETTERBOX_MAX_RATIO:
-        pad_y = abs(max(int(w / LETTERBOX_MAX_RATIO), LETTERBOX_MIN_HEIGHT) * 2 - h) // 2
-    cw, ch = w, h + 2 * pad_y
-    scale = max(1.0, DET_LIMIT_SIDE_LEN / min(cw, ch))
-    det_input = (_round32(int(cw * scale)), _round32(int(ch * scale)))
-    return DetPlan((w, h), (0, pad_y), det_input, False)
-
-
-def _line_plan(w: int, h: int) -> DetPlan:
-    """A small image at its own scale, padded so text touching its edges is still found."""
-    pad = int(LINE_PAD * min(w, h))
-    cw, ch = w + 2 * pad, h + 2 * pad
-    scale = min(1.0, LINE_DET_MAX_SIDE / max(cw, ch))
-    return DetPlan((w, h), (pad, pad), (_round32(cw * scale), _round32(ch * scale)), True)
-
-
-def det_plan(w: int, h: int) -> DetPlan:
-    """Detector geometry for a w x h image, computed without pixels.
-
-    Shared by `estimate` and `run`, so the pixels the planner counts are the pixels that run.
-    """
-    if w <= 0 or h <= 0:
-        raise ValueError(f"image of {w}x{h} pixels has nothing to read")
-    return _line_plan(w, h) if min(w, h) <= LINE_MAX_SIDE else _page_plan(w, h)
-
-
-# ------------------------------------------------------------------------------------ pixels
-
-
-def to_bgr(image: Image.Image) -> np.ndarray:
-    """PIL image -> contiguous BGR uint8 array, the channel order the models were trained on."""
-    if image.mode != "RGB":
-        image = image.convert("RGB")
-    rgb = np.asarray(image)
-    if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
-        raise ValueError(f"image has no pixels (array shape {rgb.shape})")
-    return np.ascontiguousarray(rgb[:, :, ::-1])
-
-
-def crop_quad(img: np.ndarray, quad: np.ndarray) -> np.ndarray:
-    """Rectify the quadrilateral `quad` (tl, tr, br, bl) of `img` into an upright crop.
-
-    A crop much taller than wide is turned a quarter so vertical text runs left to right, as the
-    recogniser expects.
-    """
-    quad = quad.astype(np.float32)
-    width = int(max(np.linalg.norm(quad[0] - quad[1]), np.linalg.norm(quad[2] - quad[3])))
-    height = int(max(np.linalg.norm(quad[0] - quad[3]), np.linalg.norm(quad[1] - quad[2])))
-    width, height = max(width, 1), max(height, 1)
-    target = np.array([[0, 0], [width, 0], [width, height], [0, height]], dtype=np.float32)
-    matrix = cv2.getPerspectiveTransform(quad, target)
-    crop = cv2.warpPerspective(
-        img, matrix, (width, height), borderMode=cv2.BORDER_REPLICATE, flags=cv2.INTER_CUBIC
-    )
-    return upright(crop)
-
-
-def upright(img: np.ndarray) -> np.ndarray:
-    """Turn a crop a quarter when it is much taller than wide (vertical text)."""
-    h, w = img.shape[:2]
-    return np.ascontiguousarray(np.rot90(img)) if h / w >= 1.5 else img
-
-
-def widen(img: np.ndarray) -> np.ndarray:
-    """Stretch a narrow whole-image crop horizontally (see WIDEN_TO_RATIO)."""
-    h, w = img.shape[:2]
-    factor = min(WIDEN_TO_RATIO * h / w, WIDEN_MAX)
-    if factor <= 1.0:
-        return img
-    return cv2.resize(img, (round(w * factor), h), interpolation=cv2.INTER_CUBIC)
-
-
-def shrink_to_rec_height(img: np.ndarray) -> np.ndarray:
-    """Bring a crop taller than the recogniser's input down to it by area averaging.
-
-    The library lets the recogniser's bilinear resize do it, which aliases thin strokes when
-    shrinking a tall crop (a word crop from a photo, a line of a 600 dpi scan) several times
-    (SVT 0.904 -> 0.912, SROIE unchanged).
-    """
-    h, w = img.shape[:2]
-    if h <= REC_HEIGHT:
-        return img
-    size = (max(1, round(w * REC_HEIGHT / h)), REC_HEIGHT)
-    return cv2.resize(img, size, interpolation=cv2.INTER_AREA)
-
-
-def rec_input_width(crop: np.ndarray) -> int:
-    """Padded recogniser input width for a crop: its width at REC_HEIGHT, rounded up to
-    REC_WIDTH_STEP, at least REC_MIN_WIDTH (the library's narrowest input)."""
-    h, w = crop.shape[:2]
-    own = math.ceil(REC_HEIGHT * w / h)
-    return max(REC_MIN_WIDTH, math.ceil(own / REC_WIDTH_STEP) * REC_WIDTH_STEP)
-
-
-def rec_input(crop: np.ndarray, width: int) -> np.ndarray:
-    """The recogniser's input for one crop: REC_HEIGHT tall, scaled to [-1, 1], left-aligned and
-    zero-padded (mid-grey once scaled) to `width` columns, as the model was trained."""
-    h, w = crop.shape[:2]
-    resized_w = min(width, math.ceil(REC_HEIGHT * w / h))
-    resized = cv2.resize(crop, (resized_w, REC_HEIGHT)).astype(np.float32)
-    out = np.zeros((3, REC_HEIGHT, width), dtype=np.float32)
-    out[:, :, :resized_w] = (resized.transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
-    return out
-
-
-def word_gaps(crop: np.ndarray) -> list[float]:
-    """Centres (x) of blank column runs wide enough to be spaces between words.
-
-    A run is a space when it is at least SPACE_GAP_RATIO x the height of the ink (the text's own
-    size, whatever margin the crop has) and SPACE_GAP_OVER_MEDIAN x the crop's median blank run
-    (the gap between letters, wide in the monospaced print of receipts). Ink is the minority
-    class after Otsu binarisation, so dark-on-light and light-on-dark text both work; blank runs
-    before the first and after the last ink column are margins, not gaps.
-    """
-    gray = cv2.cvtColor(crop, cv2.COLOR_BGR2GRAY)
-    _, binary = cv2.threshold(gray, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
-    ink = binary == 0
-    if ink.mean() > 0.5:
-        ink = ~ink
-    cols = np.flatnonzero(ink.any(axis=0))
-    rows = np.flatnonzero(ink.any(axis=1))
-    if cols.size < 2:
-        return []
-    blanks = np.diff(cols) - 1  # blank columns between consecutive inked columns
-    runs = blanks[blanks > 0]
-    if runs.size == 0:
-        return []
-    ink_height = rows[-1] - rows[0] + 1
-    min_gap = max(SPACE_GAP_RATIO * ink_height, SPACE_GAP_OVER_MEDIAN * float(np.median(runs)))
-    return [float(cols[i] + (blanks[i] + 1) / 2) for i in np.flatnonzero(blanks >= min_gap)]
-
-
-def is_wide_char(ch: str) -> bool:
-    """CJK and other wide scripts, written without spaces between words."""
-    return ord(ch) >= 0x2E80
-
-
-# ------------------------------------------------------------------------------------ ordering
-
-
-def group_rows(boxes: Sequence[Box]) -> list[list[int]]:
-    """Indices of `boxes` grouped into rows (top to bottom), each row sorted left to right.
-
-    A box joins the current row when it overlaps the row's mean band [mean y1, mean y2] by at
-    least half the smaller of the two heights. Overlap rather than centre distance keeps a
-    stylised word whose letters the detector boxed at different heights on one row, while two
-    real lines, whose boxes overlap by their margins at most, stay apart.
-    """
-    rows: list[list[int]] = []
-    for i in sorted(range(len(boxes)), key=lambda k: (boxes[k][1] + boxes[k][3]) / 2):
-        _, y1, _, y2 = boxes[i]
-        if rows:
-            row = rows[-1]
-            top = sum(boxes[k][1] for k in row) / len(row)
-            bottom = sum(boxes[k][3] for k in row) / len(row)
-            overlap = min(y2, bottom) - max(y1, top)
-            if overlap >= 0.5 * min(y2 - y1, bottom - top):
-                row.append(i)
-                continue
-        rows.append([i])
-    for row in rows:
-        row.sort(key=lambda k: boxes[k][0])
-    return rows
-
-
-def merge_rows(
-    pieces: Sequence[tuple[str, Box, float]], merge_gap: float
-) -> list[tuple[str, Box, float]]:
-    """Reading order, with close neighbours on one row merged into one line.
-
-    Neighbours merge when the gap between them is at most `merge_gap` line heights, about a word
-    space: the detector sometimes splits a line there. Page columns (or the two sides of a
-    receipt line) lie further apart and stay separate lines whose boxes still mean something:
-    on the 3-column tesseract page, merging gaps up to 1.0 line height glued columns together
-    (zoned CER 0.58), 0.5 still did on some rows (0.05), 0.3 kept them apart (0.0095). The
-    merged score is the character-weighted mean.
-    """
-    boxes = [p[1] for p in pieces]
-    merged: list[tuple[str, Box, float]] = []
-    for row in group_rows(boxes):
-        group = [pieces[row[0]]]
-        for k in row[1:]:
-            prev, box = group[-1][1], boxes[k]
-            height = max(prev[3] - prev[1], box[3] - box[1])
-            if box[0] - prev[2] <= merge_gap * height:
-                group.append(pieces[k])
-            else:
-                merged.append(_join(group))
-                group = [pieces[k]]
-        merged.append(_join(group))
-    return merged
-
-
-def _join(group: Sequence[tuple[str, Box, float]]) -> tuple[str, Box, float]:
-    box = _union([p[1] for p in group])
-    weights = [max(len(p[0]), 1) for p in group]
-    score = sum(w * p[2] for w, p in zip(weights, group, strict=True)) / sum(weights)
-    return " ".join(p[0] for p in group), box, score
-
-
-# ------------------------------------------------------------------------------------ engine
 
 
 def unsupported_task(task: str) -> UnsupportedTask:
@@ -573,7 +289,7 @@ class RapidEngine(Engine):
         boxes = [_aabb(q) for q in quads]
         if not quads or (plan.line_candidate and len(group_rows(boxes)) < 2):
             # Read the whole image; its box is where the detector saw text, if anywhere.
-            box = _union(boxes) if boxes else (0.0, 0.0, float(w), float(h))
+            box = union(boxes) if boxes else (0.0, 0.0, float(w), float(h))
             return [_Piece(box=box, crop=widen(upright(img)), whole=True)]
         return [
             _Piece(box=box, crop=crop_quad(img, q), whole=False)
@@ -714,15 +430,6 @@ def _aabb(quad: np.ndarray) -> Box:
         float(quad[:, 1].min()),
         float(quad[:, 0].max()),
         float(quad[:, 1].max()),
-    )
-
-
-def _union(boxes: Sequence[Box]) -> Box:
-    return (
-        min(b[0] for b in boxes),
-        min(b[1] for b in boxes),
-        max(b[2] for b in boxes),
-        max(b[3] for b in boxes),
     )
 
 
