@@ -23,16 +23,19 @@ WIDEN_MAX = 1.5
 # 16x3840 540 MiB, 1x7680 148 MiB, so ~55 MiB + 8 KiB per padded column: a call holds at most
 # REC_MAX_CALL_COLUMNS (16 crops of 960), about 180 MiB.
 REC_WIDTH_STEP = 64
+# OpenCV's remap (under warpPerspective) refuses outputs of SHRT_MAX columns or more: a detected
+# box longer than CROP_MAX_SIDE is cut at a proportionally reduced scale.
+CROP_MAX_SIDE = 32_000
 
 
 def to_bgr(image: Image.Image) -> np.ndarray:
     """PIL image -> contiguous BGR uint8 array, the channel order the models were trained on."""
     if image.mode != "RGB":
         image = image.convert("RGB")
-    rgb = np.asarray(image)
-    if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
-        raise ValueError(f"image has no pixels (array shape {rgb.shape})")
-    return np.ascontiguousarray(rgb[:, :, ::-1])
+    pixels = np.array(image)  # one writable copy, turned to BGR in place: a 40 MP page costs
+    if pixels.ndim != 3 or pixels.shape[0] == 0 or pixels.shape[1] == 0:  # 120 MB, not 240
+        raise ValueError(f"image has no pixels (array shape {pixels.shape})")
+    return cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR, dst=pixels)
 
 
 def crop_quad(img: np.ndarray, quad: np.ndarray) -> np.ndarray:
@@ -45,6 +48,9 @@ def crop_quad(img: np.ndarray, quad: np.ndarray) -> np.ndarray:
     width = int(max(np.linalg.norm(quad[0] - quad[1]), np.linalg.norm(quad[2] - quad[3])))
     height = int(max(np.linalg.norm(quad[0] - quad[3]), np.linalg.norm(quad[1] - quad[2])))
     width, height = max(width, 1), max(height, 1)
+    if max(width, height) > CROP_MAX_SIDE:
+        scale = CROP_MAX_SIDE / max(width, height)
+        width, height = max(1, int(width * scale)), max(1, int(height * scale))
     target = np.array([[0, 0], [width, 0], [width, height], [0, height]], dtype=np.float32)
     matrix = cv2.getPerspectiveTransform(quad, target)
     crop = cv2.warpPerspective(

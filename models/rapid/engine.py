@@ -28,7 +28,16 @@ from models.rapid.crops import (
 )
 from models.rapid.geometry import DET_LIMIT_SIDE_LEN, MAX_SIDE_LEN, DetPlan, det_plan
 from models.rapid.ordering import Box, group_rows, merge_rows, union
-from models.rapid.spacing import is_wide_char, word_gaps
+from models.rapid.spacing import word_gaps
+from models.rapid.tiles import (
+    REC_TILE_COLUMNS,
+    Reading,
+    Tile,
+    check_line,
+    line_columns,
+    stitch,
+    tiles,
+)
 from ocrq.contract import TASK_PRESETS
 
 SUPPORTED_TASKS = ("text", "spotting", "parse")
@@ -38,6 +47,10 @@ MODEL_FILES = {
     "rec": "ch_PP-OCRv4_rec_infer.onnx",
 }
 
+# The direction classifier's threshold (the library's), and how it judges a long line.
+CLS_THRESH = 0.9
+CLS_WINDOW_RATIO = 24
+CLS_MAX_WINDOWS = 5
 # A recogniser call holds at most this many padded columns (see crops.REC_WIDTH_STEP).
 REC_MAX_CALL_COLUMNS = 15_360
 
@@ -74,6 +87,7 @@ class _Piece:
     box: Box
     crop: np.ndarray
     whole: bool  # the whole image read as one line: no direction classifier, widened
+    stretch: float = 1.0  # how much the crop was widened (word gaps are judged without it)
     text: str = ""
     score: float = 0.0
 
@@ -152,7 +166,7 @@ class RapidEngine(Engine):
             config.update(
                 cls_image_shape=[3, 48, 192],
                 cls_batch_num=self.rec_batch_size,
-                cls_thresh=0.9,
+                cls_thresh=CLS_THRESH,
                 label_list=["0", "180"],
             )
         else:
@@ -281,20 +295,34 @@ class RapidEngine(Engine):
         return [r if r is not None else lost for r in results]
 
     def _regions(self, item: PreparedImage) -> list[_Piece]:
-        """The regions of one image to read: detected lines, or the whole image as one line."""
+        """The regions of one image to read: detected lines, or the whole image as one line.
+
+        Crops are brought down to the recogniser's height as they are cut, so a batch of large
+        pages never holds its lines at full resolution. A region too long to read is refused
+        here, before any recogniser work (`tiles.check_line`).
+        """
         img = to_bgr(item.image)
         h, w = img.shape[:2]
         plan = det_plan(w, h)
         quads = self._detect(img, plan)
         boxes = [_aabb(q) for q in quads]
-        if not quads or (plan.line_candidate and len(group_rows(boxes)) < 2):
+        one_row = plan.line_candidate and len(group_rows(boxes)) < 2
+        if not quads or (one_row and not _longer_than_a_tile(w, h)):
             # Read the whole image; its box is where the detector saw text, if anywhere.
             box = union(boxes) if boxes else (0.0, 0.0, float(w), float(h))
-            return [_Piece(box=box, crop=widen(upright(img)), whole=True)]
-        return [
-            _Piece(box=box, crop=crop_quad(img, q), whole=False)
-            for q, box in zip(quads, boxes, strict=True)
-        ]
+            turned = upright(img)
+            crop = widen(turned)
+            stretch = crop.shape[1] / turned.shape[1]
+            pieces = [_Piece(box, shrink_to_rec_height(crop), whole=True, stretch=stretch)]
+        else:
+            pieces = [
+                _Piece(box=box, crop=shrink_to_rec_height(crop_quad(img, q)), whole=False)
+                for q, box in zip(quads, boxes, strict=True)
+            ]
+        for piece in pieces:
+            ch, cw = piece.crop.shape[:2]
+            check_line(cw, ch, "the whole image" if piece.whole else "a text region")
+        return pieces
 
     def _detect(self, img: np.ndarray, plan: DetPlan) -> list[np.ndarray]:
         """Detector quads (tl, tr, br, bl) in the pixels of `img`, clipped to it."""
@@ -305,8 +333,10 @@ class RapidEngine(Engine):
             border = cv2.BORDER_REPLICATE if plan.line_candidate else cv2.BORDER_CONSTANT
             canvas = cv2.copyMakeBorder(canvas, py, py, px, px, border, value=(0, 0, 0))
         net_in = cv2.resize(canvas, plan.det_input).astype(np.float32)
-        net_in = ((net_in / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)[np.newaxis]
-        probs = self._det.infer(np.ascontiguousarray(net_in))[0]
+        net_in *= 2.0 / 255.0  # in place: (x / 255 - 0.5) / 0.5 without three temporaries
+        net_in -= 1.0
+        probs = self._det.infer(np.ascontiguousarray(net_in.transpose(2, 0, 1)[np.newaxis]))[0]
+        del net_in
         canvas_hw = canvas.shape[:2]
         boxes, _ = self._det.postprocess_op(probs, canvas_hw)
         boxes = self._det.filter_tag_det_res(boxes, canvas_hw) if len(boxes) else []
@@ -343,22 +373,62 @@ class RapidEngine(Engine):
             return failed
 
     def _read(self, pieces: list[_Piece]) -> None:
-        """Turn upside-down detected lines over, then recognise every crop in batches.
+        """Turn upside-down detected lines over, then recognise every crop, in tiles where it is
+        longer than one (see `tiles`), in batched calls.
 
         Works on copies of the crops and only sets text and score, so reading the same pieces
         again (after a shared call failed) starts from the same pixels.
         """
         crops = [p.crop for p in pieces]
         detected = [k for k, p in enumerate(pieces) if not p.whole]
-        if detected:
-            turned, _, _ = self._cls([crops[k] for k in detected])
-            for k, crop in zip(detected, turned, strict=True):
-                crops[k] = crop
-        crops = [shrink_to_rec_height(c) for c in crops]
-        for width, chunk in self._chunks(crops):
-            readings = self._recognise([crops[k] for k in chunk], width)
-            for k, (text, score) in zip(chunk, readings, strict=True):
-                pieces[k].text, pieces[k].score = text, score
+        for k, flip in zip(detected, self._upside_down([crops[k] for k in detected]), strict=True):
+            if flip:
+                crops[k] = cv2.rotate(crops[k], cv2.ROTATE_180)
+        parts = [(k, tile) for k, crop in enumerate(crops) for tile in tiles(crop)]
+        inputs = [crops[k][:, tile.start : tile.stop] for k, tile in parts]
+        readings: list[Reading] = [Reading()] * len(parts)
+        for width, chunk in self._chunks(inputs):
+            for j, reading in zip(
+                chunk, self._recognise([inputs[j] for j in chunk], width), strict=True
+            ):
+                readings[j] = reading
+        del inputs
+        by_piece: dict[int, list[tuple[Tile, Reading]]] = {}
+        for (k, tile), reading in zip(parts, readings, strict=True):
+            by_piece.setdefault(k, []).append((tile, reading))
+        for k, piece in enumerate(pieces):
+            whole = stitch(by_piece[k])
+            piece.text = word_gaps(crops[k], piece.stretch).join(whole.chars, whole.xs)
+            piece.score = float(whole.probs.mean()) if whole.chars else 0.0
+
+    def _upside_down(self, crops: list[np.ndarray]) -> list[bool]:
+        """Which crops the direction classifier finds upside down.
+
+        The classifier squeezes its input into 192x48: fine for a line of a receipt, but a line
+        longer than a recogniser tile came out as noise (a 13270x44 line: "180" at 0.97). Such a
+        crop is judged by up to CLS_MAX_WINDOWS windows of CLS_WINDOW_RATIO x its height spread
+        along it, turned when most of them say so; others as the library does, one call each.
+        """
+        if not crops:
+            return []
+        windows: list[np.ndarray] = []
+        owners: list[int] = []
+        for k, crop in enumerate(crops):
+            h, w = crop.shape[:2]
+            span = CLS_WINDOW_RATIO * h
+            if line_columns(w, h) <= REC_TILE_COLUMNS:
+                starts = [0]
+                span = w
+            else:
+                count = min(CLS_MAX_WINDOWS, math.ceil(w / span))
+                starts = [round(x) for x in np.linspace(0, w - span, count)]
+            windows += [crop[:, x : x + span] for x in starts]
+            owners += [k] * len(starts)
+        _, labels, _ = self._cls(windows)
+        votes = [0] * len(crops)
+        for k, (label, score) in zip(owners, labels, strict=True):
+            votes[k] += 1 if "180" in label and score > CLS_THRESH else -1
+        return [v > 0 for v in votes]
 
     def _chunks(self, crops: list[np.ndarray]) -> list[tuple[int, list[int]]]:
         """Recogniser calls as (padded width, crop indices): crops of one `rec_input_width`, up
@@ -374,7 +444,7 @@ class RapidEngine(Engine):
             chunks += [(width, group[i : i + size]) for i in range(0, len(group), size)]
         return chunks
 
-    def _recognise(self, crops: list[np.ndarray], width: int) -> list[tuple[str, float]]:
+    def _recognise(self, crops: list[np.ndarray], width: int) -> list[Reading]:
         """One recogniser call on crops that share the padded input width `width`."""
         probs = self._rec.session(np.stack([rec_input(c, width) for c in crops]))[0]
         step = width / probs.shape[1]  # input pixels per output step
@@ -382,30 +452,20 @@ class RapidEngine(Engine):
         for crop, crop_probs in zip(crops, probs, strict=True):
             h, w = crop.shape[:2]
             content_w = min(math.ceil(REC_HEIGHT * w / h), width)
-            readings.append(self._decode(crop_probs, step * w / content_w, word_gaps(crop)))
+            readings.append(self._decode(crop_probs, step * w / content_w))
         return readings
 
-    def _decode(self, probs: np.ndarray, x_scale: float, gaps: list[float]) -> tuple[str, float]:
-        """Greedy CTC decoding, plus a space wherever a word gap lies between two characters.
-
-        The score is the library's: the mean probability of the emitted steps. Each emitted
-        character sits at step t, i.e. at x = (t + 0.5) * x_scale in the crop.
-        """
+    def _decode(self, probs: np.ndarray, x_scale: float) -> Reading:
+        """Greedy CTC decoding: the characters, each at x = (t + 0.5) * x_scale in the crop for
+        the step t that emitted it, with that step's probability (their mean is the library's
+        score)."""
         best = probs.argmax(axis=1)
         emitted = np.flatnonzero((best != 0) & (best != np.concatenate(([0], best[:-1]))))
-        if emitted.size == 0:
-            return "", 0.0
-        score = float(probs[emitted, best[emitted]].mean())
-        chars = [self._charset[k] for k in best[emitted]]
-        xs = (emitted + 0.5) * x_scale
-        out = [chars[0]]
-        for k in range(1, len(chars)):
-            prev, ch = chars[k - 1], chars[k]
-            spaced = prev == " " or ch == " " or is_wide_char(prev) or is_wide_char(ch)
-            if not spaced and any(xs[k - 1] < gx < xs[k] for gx in gaps):
-                out.append(" ")
-            out.append(ch)
-        return " ".join("".join(out).split()), score
+        return Reading(
+            chars=[self._charset[k] for k in best[emitted]],
+            xs=(emitted + 0.5) * x_scale,
+            probs=probs[emitted, best[emitted]].astype(np.float64),
+        )
 
     def _assemble(self, item: PreparedImage, pieces: list[_Piece]) -> OcrResult:
         """Drop weak lines, order and merge, and express boxes in original-image pixels."""
@@ -422,6 +482,13 @@ class RapidEngine(Engine):
             )
             lines.append(Line(text=text, box=box, score=score))
         return OcrResult(text="\n".join(line.text for line in lines), lines=lines)
+
+
+def _longer_than_a_tile(w: int, h: int) -> bool:
+    """Whether a w x h image read whole (turned upright first) needs more than one tile."""
+    if h / w >= 1.5:
+        w, h = h, w
+    return line_columns(w, h) > REC_TILE_COLUMNS
 
 
 def _aabb(quad: np.ndarray) -> Box:
