@@ -26,16 +26,37 @@ REC_WIDTH_STEP = 64
 # OpenCV's remap (under warpPerspective) refuses outputs of SHRT_MAX columns or more: a detected
 # box longer than CROP_MAX_SIDE is cut at a proportionally reduced scale.
 CROP_MAX_SIDE = 32_000
+BGR_BAND_ROWS = 256
 
 
 def to_bgr(image: Image.Image) -> np.ndarray:
-    """PIL image -> contiguous BGR uint8 array, the channel order the models were trained on."""
+    """PIL image -> contiguous BGR uint8 array, the channel order the models were trained on.
+
+    Converted in bands of BGR_BAND_ROWS rows: numpy reads a PIL image through `tobytes()`, so a
+    whole-image conversion holds two full copies at once (227 MiB for a 40 MP page) besides the
+    result; by bands it holds the result and one band (131 MiB), and is faster.
+    """
     if image.mode != "RGB":
         image = image.convert("RGB")
-    pixels = np.array(image)  # one writable copy, turned to BGR in place: a 40 MP page costs
-    if pixels.ndim != 3 or pixels.shape[0] == 0 or pixels.shape[1] == 0:  # 120 MB, not 240
-        raise ValueError(f"image has no pixels (array shape {pixels.shape})")
-    return cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR, dst=pixels)
+    w, h = image.size
+    if w == 0 or h == 0:
+        raise ValueError(f"image has no pixels ({w}x{h})")
+    out = np.empty((h, w, 3), dtype=np.uint8)
+    for y in range(0, h, BGR_BAND_ROWS):
+        band = np.asarray(image.crop((0, y, w, min(h, y + BGR_BAND_ROWS))))
+        cv2.cvtColor(band, cv2.COLOR_RGB2BGR, dst=out[y : y + BGR_BAND_ROWS])
+    return out
+
+
+def reduce_short_side(img: np.ndarray, side: int) -> np.ndarray:
+    """Shrink (area averaging) so the shorter side is at most `side`."""
+    h, w = img.shape[:2]
+    if min(h, w) <= side:
+        return img
+    k = side / min(h, w)
+    return cv2.resize(
+        img, (max(1, round(w * k)), max(1, round(h * k))), interpolation=cv2.INTER_AREA
+    )
 
 
 def crop_quad(img: np.ndarray, quad: np.ndarray) -> np.ndarray:

@@ -21,6 +21,7 @@ from models.rapid.crops import (
     crop_quad,
     rec_input,
     rec_input_width,
+    reduce_short_side,
     shrink_to_rec_height,
     to_bgr,
     upright,
@@ -49,16 +50,18 @@ MODEL_FILES = {
 
 # The direction classifier's threshold (the library's), and how it judges a long line.
 CLS_THRESH = 0.9
-CLS_WINDOW_RATIO = 24
-CLS_MAX_WINDOWS = 5
+CLS_WINDOW_RATIO = 8
+CLS_MAX_WINDOWS = 8
 # A recogniser call holds at most this many padded columns (see crops.REC_WIDTH_STEP).
 REC_MAX_CALL_COLUMNS = 15_360
 
 # Host-memory model (see `cost_model()` for how it was measured): the process with the engine
-# loaded, the workspace one run() needs whatever its size, and a term per detector patch.
+# loaded, the workspace of one run whatever its size (one detection at the detector's pixel
+# cap), and per image terms by detector input pixel and by image pixel, in `estimate`.
 LOADED_RSS_BYTES = 192 * 1024**2
-RUN_WORKSPACE_BYTES = 512 * 1024**2
-PER_PATCH_BYTES = 64 * 1024.0
+RUN_WORKSPACE_BYTES = 720 * 1024**2
+DET_BYTES_PER_PIXEL = 16
+IMAGE_BYTES_PER_PIXEL = 6.5
 
 
 def unsupported_task(task: str) -> UnsupportedTask:
@@ -224,46 +227,41 @@ class RapidEngine(Engine):
     # ---------------------------------------------------------------------------- planning
 
     def estimate(self, item: PreparedImage) -> ItemCost:
-        """An image's host-memory cost: its detector input pixels drive it (see cost_model)."""
+        """An image's host-memory cost beyond the run's workspace (see `cost_model`).
+
+        `pixels` is the detector's input; `patches` counts KiB: DET_BYTES_PER_PIXEL per detector
+        input pixel and IMAGE_BYTES_PER_PIXEL per pixel of the image itself (its BGR copy, the
+        crops cut from it at full resolution, the lines held until the recogniser has read them).
+        """
+        w, h = item.size
         try:
-            det_w, det_h = det_plan(*item.size).det_input
+            det_w, det_h = det_plan(w, h).det_input
         except ValueError:
-            det_w = det_h = 0
+            return ItemCost(tokens=0, patches=0, pixels=0)
         pixels = det_w * det_h
-        return ItemCost(tokens=0, patches=math.ceil(pixels / 1024), pixels=pixels)
+        work = DET_BYTES_PER_PIXEL * pixels + IMAGE_BYTES_PER_PIXEL * w * h
+        return ItemCost(tokens=0, patches=math.ceil(work / 1024), pixels=pixels)
 
     def cost_model(self) -> CostModel:
-        """Peak host RSS = loaded process + one run's workspace + 64 KiB per detector patch.
+        """Peak host RSS = loaded process + one run's workspace + the images' own terms.
 
-        Measured on the 2-core CI VM (AMD EPYC, onnxruntime 1.32, the library's session options:
-        CPU arena off, so freed activations go back to the OS between calls). Each probe in a
-        fresh process: load, `reset_peak_memory()`, one `run()` of real eval images, then
-        `peak_memory_bytes()` (VmHWM) minus the RSS at the reset. The images were decoded before
-        the reset, so their pixels are not in the growth.
+        Measured with bench/rapid_memory.py (results in bench/results/rapid_memory_cpu.md): each
+        case in a fresh process, engine loaded and images decoded, then VmHWM growth over one
+        `run()` (onnxruntime with the library's session options: CPU arena off, so freed
+        activations go back to the OS between calls). The images' decoded pixels are outside it:
+        the worker's prefetch holds them whatever the engine does.
 
-            process RSS with the engine loaded     181-183 MiB (the three sessions: 79-81 MiB)
-            probe (images)                patches  peak growth  predicted growth
-            SVT word crops x32              1,977    163 MiB      636 MiB
-            SVT word crops x128             6,584    259 MiB      924 MiB
-            receipt 522x954 x1                966    265 MiB      572 MiB
-            receipt 522x954 x8              7,728    504 MiB      995 MiB
-            dense text page 1240x1754 x1    2,145    465 MiB      646 MiB  (47 lines of 83 chars)
-            dense text page 1240x1754 x4    8,580    589 MiB    1,048 MiB
-            4 + 4 receipts ~600-900 wide   12,512    550 MiB    1,294 MiB
-            page 3312x2550 (bilevel) x1     2,976    509 MiB      698 MiB
-            receipt 4961x7016 x1            2,728    624 MiB      682 MiB
-            receipt 4961x7016 x2            5,456    739 MiB      853 MiB
-            2 x 4961x7016 + 6 receipts     14,688    633 MiB    1,430 MiB
-
-        Growth is mostly a per-run workspace (the detector's activations for the largest image,
-        a full-resolution BGR copy of it, one recogniser call bounded by REC_MAX_CALL_COLUMNS),
-        growing slowly with the batch. The line 512 MiB + 64 KiB/patch lies above every probe
-        (closest: one 4961x7016 receipt, 9% over) and over-predicts large batches of small
-        images, which is the safe side. `ocrq tune` refits it on the host.
+        The largest part is the detector's activations, about 160 bytes per input pixel (666 MiB
+        at its 4 MP cap, measured alone). Images are detected one after the other, so that is a
+        per-run maximum, not a per-image sum: RUN_WORKSPACE_BYTES covers one detection at the
+        cap, and also one recogniser call (at most REC_MAX_CALL_COLUMNS columns: 320 MiB). What
+        grows with the batch is per image: the BGR copy and full-resolution crops while it is
+        cut up, and its lines until they are read. Single images measured 237-878 MiB (a 40 MP
+        400x100000 page the most) against 725-1031 MiB predicted; batches (8 receipts, 4 A4
+        pages, 8 40 MP pages, 128 word crops) are over-predicted 1.5-4x, which is the safe side.
+        `ocrq tune` refits it on the host.
         """
-        return CostModel(
-            fixed_bytes=LOADED_RSS_BYTES + RUN_WORKSPACE_BYTES, per_patch_bytes=PER_PATCH_BYTES
-        )
+        return CostModel(fixed_bytes=LOADED_RSS_BYTES + RUN_WORKSPACE_BYTES, per_patch_bytes=1024.0)
 
     # ---------------------------------------------------------------------------- running
 
@@ -310,6 +308,8 @@ class RapidEngine(Engine):
         if not quads or (one_row and not _longer_than_a_tile(w, h)):
             # Read the whole image; its box is where the detector saw text, if anywhere.
             box = union(boxes) if boxes else (0.0, 0.0, float(w), float(h))
+            if not plan.line_candidate:  # a page with nothing found: no need for its pixels
+                img = reduce_short_side(img, 2 * REC_HEIGHT)
             turned = upright(img)
             crop = widen(turned)
             stretch = crop.shape[1] / turned.shape[1]
@@ -407,7 +407,10 @@ class RapidEngine(Engine):
         The classifier squeezes its input into 192x48: fine for a line of a receipt, but a line
         longer than a recogniser tile came out as noise (a 13270x44 line: "180" at 0.97). Such a
         crop is judged by up to CLS_MAX_WINDOWS windows of CLS_WINDOW_RATIO x its height spread
-        along it, turned when most of them say so; others as the library does, one call each.
+        along it, turned when more windows say "180" than "0" with the library's confidence
+        (windows of 24 x the height were squeezed too: 5 windows of a turned 26667x48 strip voted
+        2-3 with scores of 0.67-0.91; at 8 x all five said "180" at 0.95-1.0). A crop within one
+        tile is one window, which is the library's rule.
         """
         if not crops:
             return []
@@ -427,7 +430,8 @@ class RapidEngine(Engine):
         _, labels, _ = self._cls(windows)
         votes = [0] * len(crops)
         for k, (label, score) in zip(owners, labels, strict=True):
-            votes[k] += 1 if "180" in label and score > CLS_THRESH else -1
+            if score > CLS_THRESH:  # an unsure window (a blank stretch, say) does not vote
+                votes[k] += 1 if "180" in label else -1
         return [v > 0 for v in votes]
 
     def _chunks(self, crops: list[np.ndarray]) -> list[tuple[int, list[int]]]:
