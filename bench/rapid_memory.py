@@ -300,6 +300,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(run_isolated(case, args.data, args.as_gib, args.timeout))
         print(f"  {json.dumps(results[-1])}", file=sys.stderr, flush=True)
     model = RapidEngine().cost_model()
+    notes = (
+        "Before (commit d4c8132): the estimate counted detector pixels only (512 MiB + 64 KiB "
+        "per 1024 of them), so predicted / measured was 0.84-0.87 for page_400x100000, 0.96 for "
+        "page_40mp_text_x1 and 0.86-0.98 for receipt_4961x7016_x1; the engine had no width "
+        "limit, and the probe of issue 16 saw a 1x100000 image grow a worker to 22 GB and a "
+        "1x1000 one take 2.3 GiB and 34 s. Seconds are wall time on a CPU shared with other jobs."
+    )
     report = {
         "command": "python bench/rapid_memory.py " + shlex.join(argv or sys.argv[1:]),
         "hardware": hardware(),
@@ -310,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "per patch"
         ),
         "cases": results,
+        "notes": notes,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rapid_memory_cpu.json").write_text(json.dumps(report, indent=2) + "\n")

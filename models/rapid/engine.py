@@ -61,7 +61,7 @@ REC_MAX_CALL_COLUMNS = 15_360
 LOADED_RSS_BYTES = 192 * 1024**2
 RUN_WORKSPACE_BYTES = 720 * 1024**2
 DET_BYTES_PER_PIXEL = 16
-IMAGE_BYTES_PER_PIXEL = 6.5
+IMAGE_BYTES_PER_PIXEL = 8
 
 
 def unsupported_task(task: str) -> UnsupportedTask:
@@ -256,9 +256,12 @@ class RapidEngine(Engine):
         per-run maximum, not a per-image sum: RUN_WORKSPACE_BYTES covers one detection at the
         cap, and also one recogniser call (at most REC_MAX_CALL_COLUMNS columns: 320 MiB). What
         grows with the batch is per image: the BGR copy and full-resolution crops while it is
-        cut up, and its lines until they are read. Single images measured 237-878 MiB (a 40 MP
-        400x100000 page the most) against 725-1031 MiB predicted; batches (8 receipts, 4 A4
-        pages, 8 40 MP pages, 128 word crops) are over-predicted 1.5-4x, which is the safe side.
+        cut up, and its lines until they are read. On the 2-core CI VM single images grew by
+        140-925 MiB (a 40 MP 400x100000 page the most; repeated runs vary by up to 20%) and were
+        predicted at least 1.27x that (pages 1.27-1.65x, small strips 2.4-3.2x); batches (8
+        receipts, 4 A4 pages, 8 40 MP pages, 125 word crops) 1.6-4.8x, the safe side. The estimate
+        by detector pixels alone (512 MiB + 64 KiB per 1024) had predicted 0.84-0.96 of what a
+        40 MP page or a 4961x7016 receipt took.
         `ocrq tune` refits it on the host.
         """
         return CostModel(fixed_bytes=LOADED_RSS_BYTES + RUN_WORKSPACE_BYTES, per_patch_bytes=1024.0)
