@@ -12,11 +12,16 @@ Departures from the library's own pipeline, each measured on the shared eval set
   library's detector, run on an upscaled copy, finds no box or a wrong one (it reads 8% of the SVT
   word crops). They are detected at their own scale on a padded canvas instead, and unless that
   finds two or more rows of text the whole image is read as one line. Any image the detector
-  finds nothing on is read whole too.
+  finds nothing on is read whole too. A strip too long to read whole in one recogniser tile (a
+  13340x124 text line) is read from its detected boxes, and is not squeezed for the detector.
 * The recogniser (a Chinese+English model) seldom emits the space between English words on
   receipts, which ruins token-level results (SROIE token F1 0.57). A space is inserted where a
   blank gap in the crop, wide for the text's size and for its letter spacing, lies between two
-  characters (`word_gaps`).
+  characters (`word_gaps`); between two digits, net of the blank a narrow tabular "1" leaves.
+* Nothing inside grows without bound with the image (`geometry`, `tiles`): the detector's input
+  stays within 4 MP and 16384 px a side; a line wider than 1920 recogniser columns is read in
+  overlapping tiles, and one needing more than 65536 columns (a 1x3000 image read as a line) is
+  refused with a per-image `LineTooLong`. A 1x100000 PNG once asked for 22 GB.
 * Crops are cut from the image as handed in, not from the detector's downscaled copy: a 4961x7016
   receipt is detected at 1414x2000 but its lines are read at full resolution.
 * Lines come back top-to-bottom, left-to-right; boxes on one row a word space apart are merged
@@ -28,5 +33,13 @@ clear error when they are missing.
 
 from models.rapid.engine import RapidEngine, default_model_dir, unsupported_task
 from models.rapid.geometry import DetPlan, det_plan
+from models.rapid.tiles import LineTooLong
 
-__all__ = ["DetPlan", "RapidEngine", "default_model_dir", "det_plan", "unsupported_task"]
+__all__ = [
+    "DetPlan",
+    "LineTooLong",
+    "RapidEngine",
+    "default_model_dir",
+    "det_plan",
+    "unsupported_task",
+]
