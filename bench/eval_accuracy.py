@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -46,6 +47,8 @@ from ocrq.metrics import (  # noqa: E402
 )
 
 KIND_ORDER = ("svt_word", "sroie", "page", "svt_scene")
+# A space between two digits ("1 14"): numbers split by the engine's word gaps show up here.
+DIGIT_SPACE_DIGIT = re.compile(r"(?<=\d) (?=\d)")
 TARGETS = {"svt_word_accuracy": 0.90, "sroie_token_f1_mean": 0.70}
 
 
@@ -183,6 +186,12 @@ def score_receipts(outcomes: list[Outcome]) -> dict:
         "n": len(outcomes),
         "token_f1_mean": round(mean(x["f1"] for x in per_image), 4),
         "micro": {"precision": round(mp, 4), "recall": round(mr, 4), "f1": round(mf, 4)},
+        "digit_space_digit": {
+            "read": sum(len(DIGIT_SPACE_DIGIT.findall(o.text)) for o in outcomes),
+            "truth": sum(
+                len(DIGIT_SPACE_DIGIT.findall(ground_truth_text(o.entry))) for o in outcomes
+            ),
+        },
         "per_image": per_image,
     }
 
@@ -270,6 +279,7 @@ def build_report(engine: Engine, run: Run, batch_size: int, command: str) -> dic
         "svt_word_accuracy": scores.get("svt_word", {}).get("accuracy"),
         "sroie_token_f1_mean": scores.get("sroie", {}).get("token_f1_mean"),
         "sroie_token_f1_micro": scores.get("sroie", {}).get("micro", {}).get("f1"),
+        "sroie_digit_space_digit": scores.get("sroie", {}).get("digit_space_digit", {}).get("read"),
         "page_cer_mean": scores.get("page", {}).get("cer_mean"),
         "svt_scene_word_recall": scores.get("svt_scene", {}).get("word_recall"),
         "images_per_s": round(total.images_per_s, 3),
@@ -311,13 +321,27 @@ def markdown(report: dict) -> str:
         f"Engine: {', '.join(f'{k}={v}' for k, v in report['engine'].items())}.",
         f"Batches of {report['batch_size']} images per `engine.run`.",
         "",
-        "| measure | value | target |",
-        "|---|---|---|",
     ]
+    before = report.get("before")
+    if before:
+        out += [
+            f"Before: {before['label']} (`{before['file']}`, same data and scoring).",
+            "",
+            "| measure | before | value | target |",
+            "|---|---|---|---|",
+        ]
+    else:
+        out += ["| measure | value | target |", "|---|---|---|"]
+    truth_gaps = scores.get("sroie", {}).get("digit_space_digit", {}).get("truth")
     rows = [
         ("SVT word-crop accuracy (normalised exact match)", "svt_word_accuracy", "svt_word"),
         ("SROIE token F1, mean over receipts", "sroie_token_f1_mean", "sroie"),
         ("SROIE token F1, pooled (micro)", "sroie_token_f1_micro", "sroie"),
+        (
+            f"SROIE digit-space-digit in the text read (ground truth: {truth_gaps})",
+            "sroie_digit_space_digit",
+            "sroie",
+        ),
         ("Page CER (in transcribed zones), mean", "page_cer_mean", "page"),
         ("SVT scene word recall (partial labels)", "svt_scene_word_recall", "svt_scene"),
     ]
@@ -325,7 +349,8 @@ def markdown(report: dict) -> str:
         n = scores.get(kind, {}).get("n", 0)
         target = report["targets"].get(key)
         goal = f">= {target['min']} ({'met' if target['met'] else 'MISSED'})" if target else ""
-        out.append(f"| {label} (n={n}) | {s.get(key)} | {goal} |")
+        was = f" {before['summary'].get(key, '')} |" if before else ""
+        out.append(f"| {label} (n={n}) |{was} {s.get(key)} | {goal} |")
     out += [
         "",
         "## Throughput (engine.run only; decode apart)",
@@ -353,10 +378,15 @@ def markdown(report: dict) -> str:
         "",
     ]
     if "sroie" in scores:
-        out += ["## SROIE receipts", "", "| receipt | size | P | R | F1 |", "|---|---|---|---|---|"]
+        was_f1 = {r["image"]: r["f1"] for r in before["sroie_per_image"]} if before else {}
+        head = "| receipt | size | P | R | F1 |" + (" F1 before |" if before else "")
+        out += ["## SROIE receipts", "", head, "|---" * (6 if before else 5) + "|"]
         for r in scores["sroie"]["per_image"]:
             size = "x".join(map(str, r["size"]))
-            out.append(f"| {r['image']} | {size} | {r['precision']} | {r['recall']} | {r['f1']} |")
+            was = f" {was_f1.get(r['image'], '')} |" if before else ""
+            out.append(
+                f"| {r['image']} | {size} | {r['precision']} | {r['recall']} | {r['f1']} |{was}"
+            )
         out.append("")
     if "page" in scores:
         out += ["## Pages", "", "| page | size | zoned | CER | token F1 |", "|---|---|---|---|---|"]
@@ -378,6 +408,21 @@ def markdown(report: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ main
+
+
+def before_summary(path: Path, label: str) -> dict:
+    """The figures of an earlier report, shown beside this run's."""
+    earlier = json.loads(path.read_text())
+    try:
+        shown = str(path.resolve().relative_to(REPO))
+    except ValueError:
+        shown = str(path)
+    return {
+        "file": shown,
+        "label": label,
+        "summary": earlier["summary"],
+        "sroie_per_image": earlier.get("scores", {}).get("sroie", {}).get("per_image", []),
+    }
 
 
 def make_engine(args: argparse.Namespace) -> Engine:
@@ -404,6 +449,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--only", nargs="*", choices=KIND_ORDER, help="score only these kinds (default: all)"
     )
+    ap.add_argument("--before", type=Path, help="an earlier accuracy_*.json to compare with")
+    ap.add_argument("--before-label", default="the earlier run", help="what --before was")
     rapid = ap.add_argument_group("rapid engine")
     rapid.add_argument("--rec-batch-size", type=int, default=16)
     rapid.add_argument("--text-score", type=float, default=0.5)
@@ -433,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.load_s = load_s
     run.loadavg = (round(load_before, 2), round(os.getloadavg()[0], 2))
     report = build_report(engine, run, args.batch_size, command)
+    if args.before:
+        report["before"] = before_summary(args.before, args.before_label)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"accuracy_{args.engine}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

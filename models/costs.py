@@ -19,7 +19,7 @@ class ItemCost:
     tokens: sequence length the text model holds for it (prompt + image tokens + max new
         tokens); batches pad every sequence to the longest, so the planner groups similar ones.
     new_tokens: the generated part of `tokens` (0 for engines that generate nothing).
-    patches: vision-encoder patches (or, for the CPU engine, detector input pixels / 1024).
+    patches: vision-encoder patches (or, for the CPU engine, KiB of per-image working memory).
     pixels: pixels after the engine's own resize, for logs and downscaling decisions.
     """
 
