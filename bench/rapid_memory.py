@@ -165,7 +165,7 @@ CASES = [
 
 def run_case(case: Case, data: Path) -> dict:
     """In this (fresh) process: load, decode, reset the peak, run once, measure."""
-    from models.base import _proc_status_bytes
+    from models.memory import _proc_status_bytes, memory_of
     from models.rapid import RapidEngine
     from models.rapid.engine import LOADED_RSS_BYTES
 
@@ -177,12 +177,13 @@ def run_case(case: Case, data: Path) -> dict:
     batch = [PreparedImage(f"{case.name}-{i}", im, im.size) for i, im in enumerate(images)]
     costs = [engine.estimate(item) for item in batch]
     model = engine.cost_model()
-    engine.reset_peak_memory()
+    memory = memory_of(engine)
+    memory.reset_peak_memory()
     start_rss = _proc_status_bytes("VmRSS") or 0
     t0 = time.perf_counter()
     results = engine.run(batch)
     seconds = time.perf_counter() - t0
-    peak = engine.peak_memory_bytes()
+    peak = memory.peak_memory_bytes()
     errors = sorted({f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)})
     chars = sum(len(r.text) for r in results if isinstance(r, OcrResult))
     predicted = model.peak_bytes(costs) - LOADED_RSS_BYTES

@@ -146,7 +146,7 @@ CHILD_CASES = {
 def child_main(names: list[str]) -> None:
     """Run in a capped child: one batch of the named cases, with the widest recogniser input
     and the peak RSS, as one JSON line on stdout."""
-    from models.base import _proc_status_bytes
+    from models.memory import _proc_status_bytes
 
     eng = RapidEngine()
     eng.load()
