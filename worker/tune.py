@@ -37,7 +37,7 @@ from PIL import Image, ImageDraw, ImageFont
 from models.base import Engine, PreparedImage
 from models.calibration import Fit, Sample, fit
 from models.costs import GiB, ItemCost
-from models.memory import MemoryProbing, ProbePage, memory_of
+from models.memory import MemoryProbing, OutOfMemory, ProbePage, catch_oom, memory_of
 from worker.profiles import engine_key, profile_path, write_profile
 
 log = logging.getLogger(__name__)
@@ -139,17 +139,9 @@ def run_probes(
         memory.release_memory()
         memory.reset_peak_memory()
         t0 = time.perf_counter()
-        try:
-            costs = memory.probe(batch)
-        except Exception as exc:
-            if not memory.is_oom(exc):
-                raise
-            oom = True
-        else:
-            oom = False
+        costs = catch_oom(memory, lambda: memory.probe(batch))
         seconds = time.perf_counter() - t0
-        if oom:  # handled outside the except clause, so the failed batch's frames are gone
-            memory.release_memory()
+        if isinstance(costs, OutOfMemory):
             return emit(ProbeResult(label, len(batch), "oom", seconds, None, predicted))
         peak = memory.peak_memory_bytes()
         return emit(ProbeResult(label, len(batch), status, seconds, peak, predicted, tuple(costs)))
