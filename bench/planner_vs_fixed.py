@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 from models.base import Engine, OcrResult, PreparedImage  # noqa: E402
 from models.costs import CostModel, GiB, ItemCost  # noqa: E402
 from models.hunyuan import HunyuanEngine  # noqa: E402
-from models.memory import ProbePage  # noqa: E402
+from models.memory import OutOfMemory, ProbePage, catch_oom  # noqa: E402
 from ocrq.settings import Settings  # noqa: E402
 from worker.batcher import BatchConfig, Batcher  # noqa: E402
 from worker.images import downscale  # noqa: E402
@@ -326,15 +326,7 @@ def sweep(engine: HunyuanEngine, work: Sequence[Work], sizes: Sequence[int], mod
         if len(batch) < size:
             break
         engine.release_memory()
-        oom = False
-        try:
-            metered.run(batch)
-        except Exception as exc:
-            if not engine.is_oom(exc):
-                raise
-            oom = True
-        if oom:
-            engine.release_memory()
+        if isinstance(catch_oom(engine, lambda b=batch: metered.run(b)), OutOfMemory):
             log(f"sweep: batch {size} ran out of memory")
             break
         best = size
