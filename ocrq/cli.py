@@ -14,10 +14,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from models.registry import ENGINES
+from ocrq.contract import TASKS
 from ocrq.settings import Settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 err = Console(stderr=True)
+# Help strings name what is there: the registry's engines, the contract's tasks.
+ENGINE_HELP = f"OCR engine: {' | '.join(ENGINES)}."
+TASK_HELP = f"{' | '.join(TASKS)} | a free prompt."
 
 
 def _progress() -> Progress:
@@ -35,6 +40,13 @@ def _settings(**overrides: object) -> Settings:
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def _child_env(**overrides: object) -> dict[str, str]:
+    """The environment a worker process is started with: this one's, plus the options given on
+    the command line as their OCRQ_* variables (the child reads its Settings from it once)."""
+    given = {f"OCRQ_{k.upper()}": str(v) for k, v in overrides.items() if v is not None}
+    return {**os.environ, **given}
+
+
 def _logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(),
@@ -46,9 +58,9 @@ def _logging(level: str) -> None:
 @app.command()
 def run(
     paths: Annotated[list[Path], typer.Argument(help="Image files or folders of images.")],
-    engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
+    engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="JSONL file.")] = None,
-    task: Annotated[str, typer.Option(help="text | spotting | parse | ... | a prompt.")] = "text",
+    task: Annotated[str, typer.Option(help=TASK_HELP)] = "text",
     db: Annotated[str, typer.Option(help="SQLite (or other) URL for the job rows.")] = (
         "sqlite:///ocrq-run.sqlite"
     ),
@@ -87,7 +99,7 @@ def run(
 
 @app.command()
 def worker(
-    engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
+    engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
     concurrency: Annotated[
         int | None, typer.Option(help="Task threads: images fetched + waiting for the batcher.")
     ] = None,
@@ -109,17 +121,19 @@ def worker(
     from worker.lifecycle import run_worker
     from worker.lifecycle import supervise as run_supervised
 
-    # The worker process builds Settings() from the environment: pass the options that way.
-    for key, value in {"ENGINE": engine, "QUEUE": queue, "MAX_IMAGES": max_images}.items():
-        if value is not None:
-            os.environ[f"OCRQ_{key}"] = str(value)
-    settings = Settings()
+    given = {
+        "engine": engine,
+        "queue": queue,
+        "max_images": max_images,
+        "concurrency": concurrency,
+    }
+    settings = _settings(**given)  # checked here, before any process starts
     argv = [
         "worker",
         "--pool",
         "threads",
         "--concurrency",
-        str(concurrency or settings.concurrency),
+        str(settings.concurrency),
         "--queues",
         settings.queue,
         "--loglevel",
@@ -131,13 +145,15 @@ def worker(
         "--without-gossip",
         "--without-mingle",
     ]
-    raise typer.Exit(run_supervised(argv) if supervise else run_worker(argv))
+    if supervise:  # a child interpreter per worker process, its options in its environment
+        raise typer.Exit(run_supervised(argv, _child_env(**given)))
+    raise typer.Exit(run_worker(argv, settings))
 
 
 @app.command()
 def submit(
     targets: Annotated[list[str], typer.Argument(help="Image paths, folders or URLs.")],
-    task: Annotated[str, typer.Option(help="text | spotting | parse | ... | a prompt.")] = "text",
+    task: Annotated[str, typer.Option(help=TASK_HELP)] = "text",
     wait: Annotated[bool, typer.Option("--wait", help="Wait for results and print them.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
     timeout: Annotated[float | None, typer.Option(help="Seconds to wait at most.")] = None,
@@ -243,7 +259,7 @@ def migrate() -> None:
 
 @app.command()
 def tune(
-    engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
+    engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
     budget: Annotated[
         float | None, typer.Option(help="GiB the engine may use in all, fixed part included.")
     ] = None,

@@ -17,8 +17,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from ocrq.settings import Settings
 from worker import metrics
 from worker.recycle import RECYCLE_EXIT_CODE
 
@@ -55,8 +56,8 @@ def startup_failed(exc: BaseException) -> None:
     _request_exit(STARTUP_FAILED_EXIT_CODE, f"startup failed: {exc}")
 
 
-def check_database() -> int | None:
-    """Before the worker touches the broker: settings valid, database at the Alembic head.
+def check_database(settings: Settings) -> int | None:
+    """Before the worker touches the broker: the database at the Alembic head.
 
     Returns an exit code to stop with, or None to go on. A worker on an unmigrated database
     would take each message, fail to claim its row and ack it: the job would be lost. Checked
@@ -67,13 +68,7 @@ def check_database() -> int | None:
     from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
     from ocrq.migrate import SchemaNotAtHead, check_at_head
-    from ocrq.settings import Settings
 
-    try:
-        settings = Settings()
-    except Exception as exc:
-        log.critical("worker cannot start: invalid settings: %s", exc)
-        return STARTUP_FAILED_EXIT_CODE
     check = retry(
         retry=retry_if_exception_type(OperationalError),
         wait=wait_exponential(multiplier=0.5, max=5),
@@ -94,18 +89,20 @@ def check_database() -> int | None:
     return None
 
 
-def run_worker(argv: Sequence[str]) -> int:
-    """Run `celery worker` here; the exit code says whether this was a recycle."""
-    from ocrq.settings import Settings
-
+def run_worker(argv: Sequence[str], settings: Settings) -> int:
+    """Run `celery worker` here with `settings` (this process's, read once by its entry point);
+    the exit code says whether this was a recycle."""
     try:  # before consuming anything: a worker that could read any host file does not start
-        Settings().require_safe_roots()
+        settings.require_safe_roots()
     except ValueError as exc:
         log.critical("worker cannot start: %s", exc)
         return STARTUP_FAILED_EXIT_CODE
-    refused = check_database()
+    refused = check_database(settings)
     if refused is not None:
         return refused
+    from worker import runtime
+
+    runtime.configure(settings)  # the engine, batcher and heartbeat are built from these
     from worker.celery_app import app
 
     code = 0
@@ -116,9 +113,13 @@ def run_worker(argv: Sequence[str]) -> int:
     return _exit_code if _exit_code is not None else code
 
 
-def supervise(child_argv: Sequence[str], max_crash_backoff_s: float = 30.0) -> int:
+def supervise(
+    child_argv: Sequence[str], env: Mapping[str, str], max_crash_backoff_s: float = 30.0
+) -> int:
     """Start the worker as a child interpreter; start it again after a recycle or a crash.
 
+    `env` is the child's whole environment, built by the caller with the options it was given
+    (the child reads its Settings from it once); this process's own environment is left alone.
     A recycle restarts at once; a crash restarts after a growing pause, so a worker that dies
     at start-up (a missing model, say) does not spin. SIGTERM/SIGINT stop child and supervisor.
     """
@@ -136,7 +137,9 @@ def supervise(child_argv: Sequence[str], max_crash_backoff_s: float = 30.0) -> i
     recycles = 0
     while True:
         started = time.monotonic()
-        child = subprocess.Popen([sys.executable, "-m", "worker.lifecycle", *child_argv])
+        child = subprocess.Popen(
+            [sys.executable, "-m", "worker.lifecycle", *child_argv], env=dict(env)
+        )
         print(
             f"ocrq supervisor: started worker process pid {child.pid}", file=sys.stderr, flush=True
         )
@@ -173,6 +176,17 @@ def supervise(child_argv: Sequence[str], max_crash_backoff_s: float = 30.0) -> i
         backoff = min(backoff * 2, max_crash_backoff_s)
 
 
+def main(argv: Sequence[str]) -> int:
+    """The supervised worker process: its Settings read once, from the environment its
+    supervisor built for it."""
+    try:
+        settings = Settings()
+    except Exception as exc:
+        log.critical("worker cannot start: invalid settings: %s", exc)
+        return STARTUP_FAILED_EXIT_CODE
+    return run_worker(argv, settings)
+
+
 if __name__ == "__main__":
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -180,4 +194,4 @@ if __name__ == "__main__":
     # Run through the imported module, not __main__: request_recycle() sets that module's state.
     from worker import lifecycle
 
-    sys.exit(lifecycle.run_worker(sys.argv[1:]))
+    sys.exit(lifecycle.main(sys.argv[1:]))

@@ -150,6 +150,14 @@ def _log_batch(record: BatchRecord) -> None:
 
 _lock = threading.Lock()
 _runtime: Runtime | None = None
+_settings: Settings | None = None
+
+
+def configure(settings: Settings) -> None:
+    """The Settings this worker process runs with, read once by its entry point
+    (worker/lifecycle.py `run_worker`); `get_runtime` builds from them."""
+    global _settings
+    _settings = settings
 
 
 def get_runtime(
@@ -160,7 +168,7 @@ def get_runtime(
     global _runtime
     with _lock:
         if _runtime is None:
-            settings = settings or Settings()
+            settings = settings or _settings or Settings()
             name = unique_worker_name(settings.engine)
             runtime = build_runtime(settings, worker_name=name, on_recycle=on_recycle)
             runtime.heartbeat = start_heartbeat(settings, name)
