@@ -135,16 +135,19 @@ def _count_batch(record: BatchRecord) -> None:
     metrics.BATCHES.inc()
     metrics.BATCH_SIZE.observe(record.size)
     metrics.BATCH_SECONDS.observe(record.ended - record.started)
+    metrics.DEFERRED.set(record.deferred)
+    metrics.BUDGET_BYTES.set(record.budget_bytes)
 
 
 def _log_batch(record: BatchRecord) -> None:
     log.info(
-        "batch %s: %d images in %.3f s (%d failed, predicted %.3f GiB)",
+        "batch %s: %d images in %.3f s (%d failed, predicted %.3f GiB, %d left waiting)",
         record.batch_id[:8],
         record.size,
         record.ended - record.started,
         record.failed_items,
         record.predicted_bytes / GiB,
+        record.deferred,
     )
 
 
