@@ -280,7 +280,8 @@ def tune(
     workers load at start (plus a PNG of throughput and peak memory against batch size)."""
     from models.costs import GiB
     from models.registry import create_engine
-    from worker.tune import resolve_budget, table
+    from worker.probing import resolve_budget
+    from worker.tune import table
     from worker.tune import tune as run_tune
 
     _logging(log_level)
