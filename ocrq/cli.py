@@ -278,11 +278,7 @@ def tune(
 ) -> None:
     """Probe the device with real batches, fit the memory cost model, write the profile that
     workers load at start (plus a PNG of throughput and peak memory against batch size)."""
-    from models.costs import GiB
-    from models.registry import create_engine
-    from worker.probing import resolve_budget
-    from worker.tune import table
-    from worker.tune import tune as run_tune
+    from worker.tune import BudgetError, fit_summary, table, tune_engine
 
     _logging(log_level)
     try:  # checked before minutes of probing, not after
@@ -291,42 +287,15 @@ def tune(
         err.print("ocrq tune draws its plot with matplotlib: pip install 'ocrq[tune]'")
         raise typer.Exit(2) from None
     settings = _settings(engine=engine, profile_dir=profile_dir, max_batch=max_batch)
-    eng = create_engine(settings.engine, settings)
-    eng.load()
     try:
-        total = resolve_budget(eng, budget, budget_fraction)
-    except ValueError as exc:
+        outcome = tune_engine(
+            settings, budget, budget_fraction, max_seconds=max_seconds, say=err.print
+        )
+    except BudgetError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    err.print(
-        f"probing {settings.engine} within {total / GiB:.2f} GiB and {max_seconds:.0f} s "
-        f"(batches up to {settings.max_batch})"
-    )
-
-    def show(p) -> None:  # type: ignore[no-untyped-def]
-        peak = f"{p.peak_bytes / GiB:.3f} GiB" if p.peak_bytes is not None else "-"
-        err.print(f"  {p.label} x{p.batch}: {p.status}, {p.seconds:.2f} s, peak {peak}")
-
-    outcome = run_tune(
-        eng,
-        settings.profile_dir,
-        total,
-        max_seconds=max_seconds,
-        max_batch=settings.max_batch,
-        on_result=show,
-    )
-    eng.close()
-    fitted = outcome.report.fit
-    assert fitted is not None
+    assert outcome.report.fit is not None
     Console(width=140).print(table(outcome.report, f"ocrq tune: {settings.engine}"))
-    m = fitted.model
-    typer.echo(
-        f"model: fixed {m.fixed_bytes / GiB:.3f} GiB, per item {m.per_item_bytes / 2**20:.3f} MiB,"
-        f" per token {m.per_token_bytes / 1024:.2f} KiB, per patch {m.per_patch_bytes / 1024:.2f}"
-        f" KiB, per cached token {m.per_cache_token_bytes / 1024:.2f} KiB"
-        f" (+{m.decode_fixed_bytes / 2**20:.0f} MiB while decoding);"
-        f" largest error on the probes {fitted.max_rel_error:.1%}"
-        f" (per-image part scaled x{fitted.cover_factor:.3f} to cover them all)"
-    )
+    typer.echo(fit_summary(outcome.report.fit))
     typer.echo(f"profile: {outcome.profile}")
     typer.echo(f"plot: {outcome.plot}")
 

@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from models.base import Engine
+from models.calibration import Fit
 from models.costs import GiB
-from worker.probing import ProbeResult, TuneReport, run_probes
+from models.registry import create_engine
+from ocrq.settings import Settings
+from worker.probing import ProbeResult, TuneReport, resolve_budget, run_probes
 from worker.profiles import engine_key, profile_path, write_profile
 
 
@@ -159,3 +162,58 @@ def tune(
         engine, budget_bytes, max_seconds=max_seconds, max_batch=max_batch, on_result=on_result
     )
     return save(report, engine, profile_dir)
+
+
+class BudgetError(ValueError):
+    """--budget / --budget-fraction make no budget (the command's arguments are at fault)."""
+
+
+def tune_engine(
+    settings: Settings,
+    budget_gib: float | None,
+    budget_fraction: float | None,
+    *,
+    max_seconds: float,
+    say: Callable[[str], None],
+) -> TuneOutcome:
+    """`ocrq tune`: load the configured engine, probe it within the budget (--budget GiB, else
+    --budget-fraction of its memory) and time, fit, save; progress lines go to `say`."""
+    engine = create_engine(settings.engine, settings)
+    engine.load()
+    try:
+        try:
+            total = resolve_budget(engine, budget_gib, budget_fraction)
+        except ValueError as exc:
+            raise BudgetError(str(exc)) from exc
+        say(
+            f"probing {settings.engine} within {total / GiB:.2f} GiB and {max_seconds:.0f} s "
+            f"(batches up to {settings.max_batch})"
+        )
+        return tune(
+            engine,
+            settings.profile_dir,
+            total,
+            max_seconds=max_seconds,
+            max_batch=settings.max_batch,
+            on_result=lambda p: say(probe_line(p)),
+        )
+    finally:
+        engine.close()
+
+
+def probe_line(p: ProbeResult) -> str:
+    peak = f"{p.peak_bytes / GiB:.3f} GiB" if p.peak_bytes is not None else "-"
+    return f"  {p.label} x{p.batch}: {p.status}, {p.seconds:.2f} s, peak {peak}"
+
+
+def fit_summary(fitted: Fit) -> str:
+    """The fitted model in one line, and how well it covers the probes."""
+    m = fitted.model
+    return (
+        f"model: fixed {m.fixed_bytes / GiB:.3f} GiB, per item {m.per_item_bytes / 2**20:.3f} MiB,"
+        f" per token {m.per_token_bytes / 1024:.2f} KiB, per patch {m.per_patch_bytes / 1024:.2f}"
+        f" KiB, per cached token {m.per_cache_token_bytes / 1024:.2f} KiB"
+        f" (+{m.decode_fixed_bytes / 2**20:.0f} MiB while decoding);"
+        f" largest error on the probes {fitted.max_rel_error:.1%}"
+        f" (per-image part scaled x{fitted.cover_factor:.3f} to cover them all)"
+    )
