@@ -118,8 +118,8 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Consume OCR jobs from the broker, batch them through the engine, store rows."""
-    from worker.lifecycle import run_worker
     from worker.lifecycle import supervise as run_supervised
+    from worker.main import run as run_worker
 
     given = {
         "engine": engine,

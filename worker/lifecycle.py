@@ -5,7 +5,11 @@ threads in flight finish (the batcher runs their batches and their rows are stor
 reserved but not started go back to the queue, and the process exits with RECYCLE_EXIT_CODE.
 Whatever supervises it starts a fresh one: Docker (`restart: always`), systemd
 (`Restart=always`), Kubernetes, or `ocrq worker` itself, which runs each worker as a new
-interpreter (never a fork, so CUDA is never initialised in a forked process).
+interpreter (never a fork, so CUDA is never initialised in a forked process): worker/main.py.
+
+This module holds the process's exit state and never imports the Celery app: the app's signal
+handlers call in here (`request_recycle`, `startup_failed`), and the entry point hands the app
+to `run_celery`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,15 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from ocrq.settings import Settings
 from worker import metrics
 from worker.recycle import RECYCLE_EXIT_CODE
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from ocrq.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -89,22 +98,20 @@ def check_database(settings: Settings) -> int | None:
     return None
 
 
-def run_worker(argv: Sequence[str], settings: Settings) -> int:
-    """Run `celery worker` here with `settings` (this process's, read once by its entry point);
-    the exit code says whether this was a recycle."""
-    try:  # before consuming anything: a worker that could read any host file does not start
+def preflight(settings: Settings) -> int | None:
+    """Before the worker touches the broker: safe roots, database at the Alembic head. An exit
+    code to stop with, or None to go on."""
+    try:  # a worker that could read any host file does not start
         settings.require_safe_roots()
     except ValueError as exc:
         log.critical("worker cannot start: %s", exc)
         return STARTUP_FAILED_EXIT_CODE
-    refused = check_database(settings)
-    if refused is not None:
-        return refused
-    from worker import runtime
+    return check_database(settings)
 
-    runtime.configure(settings)  # the engine, batcher and heartbeat are built from these
-    from worker.celery_app import app
 
+def run_celery(app: Celery, argv: Sequence[str]) -> int:
+    """Run `celery worker` in this process until it stops; the exit code says whether this was
+    a recycle (or why it could not start)."""
     code = 0
     try:
         app.worker_main(list(argv))
@@ -137,9 +144,7 @@ def supervise(
     recycles = 0
     while True:
         started = time.monotonic()
-        child = subprocess.Popen(
-            [sys.executable, "-m", "worker.lifecycle", *child_argv], env=dict(env)
-        )
+        child = subprocess.Popen([sys.executable, "-m", "worker.main", *child_argv], env=dict(env))
         print(
             f"ocrq supervisor: started worker process pid {child.pid}", file=sys.stderr, flush=True
         )
@@ -174,24 +179,3 @@ def supervise(
         if stopping.wait(backoff):
             return code
         backoff = min(backoff * 2, max_crash_backoff_s)
-
-
-def main(argv: Sequence[str]) -> int:
-    """The supervised worker process: its Settings read once, from the environment its
-    supervisor built for it."""
-    try:
-        settings = Settings()
-    except Exception as exc:
-        log.critical("worker cannot start: invalid settings: %s", exc)
-        return STARTUP_FAILED_EXIT_CODE
-    return run_worker(argv, settings)
-
-
-if __name__ == "__main__":
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # Run through the imported module, not __main__: request_recycle() sets that module's state.
-    from worker import lifecycle
-
-    sys.exit(lifecycle.main(sys.argv[1:]))

@@ -158,7 +158,7 @@ _settings: Settings | None = None
 
 def configure(settings: Settings) -> None:
     """The Settings this worker process runs with, read once by its entry point
-    (worker/lifecycle.py `run_worker`); `get_runtime` builds from them."""
+    (worker/main.py); `get_runtime` builds from them."""
     global _settings
     _settings = settings
 
