@@ -3,7 +3,7 @@
     python bench/eval_accuracy.py --data ../shared/data/ocr-eval --engine rapid --out bench/results
 
 Runs the engine in batches exactly as a worker would (PIL decode, EXIF transpose, RGB, one
-PreparedImage per image, `engine.run(batch)`), then scores with ocrq.metrics: SVT word-crop
+PreparedImage per image, `engine.run(batch)`), then scores with bench/scoring.py: SVT word-crop
 accuracy, SROIE token F1 (mean over receipts and pooled), page CER (inside the transcribed zones
 where a page has a .uzn file), SVT scene word recall. Writes accuracy_<engine>.json and .md.
 Throughput counts `engine.run` time only; decoding is reported apart.
@@ -31,8 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from models.base import Engine, OcrResult, PreparedImage  # noqa: E402
-from ocrq.metrics import (  # noqa: E402
+from bench.scoring import (  # noqa: E402
     EvalImage,
     cer,
     f1_from_counts,
@@ -45,6 +44,7 @@ from ocrq.metrics import (  # noqa: E402
     token_f1,
     word_recall,
 )
+from models.base import Engine, OcrResult, PreparedImage  # noqa: E402
 
 KIND_ORDER = ("svt_word", "sroie", "page", "svt_scene")
 # A space between two digits ("1 14"): numbers split by the engine's word gaps show up here.

@@ -9,9 +9,9 @@ The run shows it or not, in one process, on one model, on the same images:
     --sweep-subset images, the largest that ran without OOM, then the whole workload at that
     size; OOMs during it are counted and recovered by the Batcher (split, retry);
 (c) the Batcher with the planner and the cost model fitted by `ocrq tune`'s code on this device
-    at the start of the run (worker.tune.run_probes + save, loaded back through the worker's
-    own profile lookup), planning to --headroom of the budget (the rest is for the allocator:
-    reserved exceeds allocated by 2-9% on the H200).
+    at the start of the run (worker.probing.run_probes + worker.tune.save, loaded back through the
+    worker's own profile lookup), planning to --headroom of the budget (the rest is for the
+    allocator: reserved exceeds allocated by 2-9% on the H200).
 
 The budget is enforced with torch.cuda.set_per_process_memory_fraction, so a batch over it
 really raises OutOfMemoryError. Images: --images synthetic images whose sizes are sampled from
@@ -53,12 +53,13 @@ import numpy as np  # noqa: E402
 from models.base import Engine, OcrResult, PreparedImage  # noqa: E402
 from models.costs import CostModel, GiB, ItemCost  # noqa: E402
 from models.hunyuan import HunyuanEngine  # noqa: E402
-from models.memory import ProbePage  # noqa: E402
+from models.memory import OutOfMemory, ProbePage, catch_oom  # noqa: E402
 from ocrq.settings import Settings  # noqa: E402
 from worker.batcher import BatchConfig, Batcher  # noqa: E402
 from worker.images import downscale  # noqa: E402
+from worker.probing import draw_page, run_probes  # noqa: E402
 from worker.profiles import choose_cost_model  # noqa: E402
-from worker.tune import draw_page, run_probes, save  # noqa: E402
+from worker.tune import save  # noqa: E402
 
 SIZES = REPO / "bench" / "data" / "ocr_eval_sizes.tsv"
 WORDS = ["STATION", "HOTEL", "PARKING", "EXIT", "MARKET", "BANK", "PIZZA", "TAXI", "OPEN"]
@@ -326,15 +327,7 @@ def sweep(engine: HunyuanEngine, work: Sequence[Work], sizes: Sequence[int], mod
         if len(batch) < size:
             break
         engine.release_memory()
-        oom = False
-        try:
-            metered.run(batch)
-        except Exception as exc:
-            if not engine.is_oom(exc):
-                raise
-            oom = True
-        if oom:
-            engine.release_memory()
+        if isinstance(catch_oom(engine, lambda b=batch: metered.run(b)), OutOfMemory):
             log(f"sweep: batch {size} ran out of memory")
             break
         best = size

@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import platform
+import sys
 import tempfile
 import time
 import zlib
@@ -26,12 +27,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ocrq.contract import ImageRef, JobRequest
-from ocrq.db import get_engine
-from ocrq.metrics import load_manifest
-from ocrq.settings import Settings
-from ocrq.store import JobStore
-from worker.runtime import build_runtime
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere: bench.* is importable
+    sys.path.insert(0, str(REPO))
+
+from bench.scoring import load_manifest  # noqa: E402
+from ocrq.contract import ImageRef, JobRequest  # noqa: E402
+from ocrq.db import get_engine  # noqa: E402
+from ocrq.settings import Settings  # noqa: E402
+from ocrq.store import JobStore  # noqa: E402
+from worker.runtime import build_runtime  # noqa: E402
 
 
 def synthetic_workload(sizes_tsv: Path, folder: Path, count: int) -> list[Path]:

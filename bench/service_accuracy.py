@@ -22,7 +22,11 @@ import uuid
 from pathlib import Path
 from statistics import mean
 
-from ocrq.metrics import (
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere: bench.* is importable
+    sys.path.insert(0, str(REPO))
+
+from bench.scoring import (  # noqa: E402
     cer,
     f1_from_counts,
     ground_truth_text,

@@ -4,7 +4,7 @@ Why apart from the Engine interface (models/base.py): an engine runs, and is pla
 its core alone; these hooks only make it recover from an out-of-memory error on its device,
 report fragmentation to the recycler and be probed by `ocrq tune`. An engine whose memory is the
 host's (the CPU engine) needs none of them: `memory_of` gives it `HostMemory`, which reads this
-process's RSS from /proc. An engine with a device of its own implements `MemoryProbing` whole
+process's RSS (ocrq/procfs.py). An engine with a device of its own implements `MemoryProbing` whole
 (see models/hunyuan/memory.py) and `memory_of` returns the engine itself.
 
 Callers (the batcher, the runtime, `ocrq tune`) always go through `memory_of(engine)`.
@@ -12,11 +12,12 @@ Callers (the batcher, the runtime, `ocrq tune`) always go through `memory_of(eng
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from models.costs import GiB, ItemCost
+from ocrq import procfs
 
 if TYPE_CHECKING:
     from models.base import Engine, PreparedImage
@@ -104,6 +105,35 @@ def is_oom_error(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """An out-of-memory error that was caught and dropped: only its message is kept."""
+
+    message: str
+
+
+def catch_oom(memory: MemoryProbing, call: Callable[[], T]) -> T | OutOfMemory:
+    """`call()`, or OutOfMemory when it ran out of memory; any other error propagates.
+
+    Why every OOM goes through here (the batcher, `ocrq tune`, the planner benchmark): recovery
+    must run outside the except clause. Until that clause ends, the exception's traceback keeps
+    the failed call's frames alive, and with them their device tensors (the activations of a
+    batch that did not fit), so a retry inside it would run out of memory again. When this
+    returns, the exception is gone and the engine's cached memory has been released.
+    """
+    try:
+        return call()
+    except BaseException as exc:
+        if not memory.is_oom(exc):
+            raise
+        message = str(exc)
+    memory.release_memory()
+    return OutOfMemory(message)
+
+
 class HostMemory:
     """MemoryProbing for an engine that runs in this process's host memory.
 
@@ -124,7 +154,7 @@ class HostMemory:
         pass
 
     def default_budget_bytes(self) -> int:
-        return min(16 * GiB, int(0.4 * available_host_bytes()))
+        return min(16 * GiB, int(0.4 * procfs.available_bytes()))
 
     def fragmentation_bytes(self) -> int | None:
         return None
@@ -137,57 +167,16 @@ class HostMemory:
         )
 
     def reset_peak_memory(self) -> None:
-        """VmHWM is reset to the current RSS, after freed heap went back to the OS, so a peak
-        measured next is this window's own and not what an earlier, larger batch left."""
-        _trim_malloc()
-        try:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
-        except OSError:  # not Linux, or a sandbox without clear_refs: the peak keeps its history
-            pass
+        procfs.reset_peak_rss()
 
     def peak_memory_bytes(self) -> int:
-        return _proc_status_bytes("VmHWM") or _proc_status_bytes("VmRSS") or 0
+        return procfs.peak_rss_bytes()
 
     def memory_capacity_bytes(self) -> int:
         """Host memory available now plus what this process already holds."""
-        return available_host_bytes() + (_proc_status_bytes("VmRSS") or 0)
+        return procfs.available_bytes() + procfs.rss_bytes()
 
     def probe(self, batch: Sequence[PreparedImage]) -> list[ItemCost]:
         """A plain `run`: the engine's cost does not depend on how long it runs."""
         self.engine.run(batch)
         return [self.engine.estimate(item) for item in batch]
-
-
-def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo; 4 GiB where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 * GiB
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    """A `kB` field of /proc/self/status in bytes (VmRSS, VmHWM), None where unreadable."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _trim_malloc() -> None:
-    """Hand freed heap back to the OS (glibc)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

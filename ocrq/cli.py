@@ -14,10 +14,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from models.registry import ENGINES
+from ocrq.contract import TASKS
 from ocrq.settings import Settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 err = Console(stderr=True)
+# Help strings name what is there: the registry's engines, the contract's tasks.
+ENGINE_HELP = f"OCR engine: {' | '.join(ENGINES)}."
+TASK_HELP = f"{' | '.join(TASKS)} | a free prompt."
 
 
 def _progress() -> Progress:
@@ -35,6 +40,13 @@ def _settings(**overrides: object) -> Settings:
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def _child_env(**overrides: object) -> dict[str, str]:
+    """The environment a worker process is started with: this one's, plus the options given on
+    the command line as their OCRQ_* variables (the child reads its Settings from it once)."""
+    given = {f"OCRQ_{k.upper()}": str(v) for k, v in overrides.items() if v is not None}
+    return {**os.environ, **given}
+
+
 def _logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(),
@@ -46,9 +58,9 @@ def _logging(level: str) -> None:
 @app.command()
 def run(
     paths: Annotated[list[Path], typer.Argument(help="Image files or folders of images.")],
-    engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
+    engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="JSONL file.")] = None,
-    task: Annotated[str, typer.Option(help="text | spotting | parse | ... | a prompt.")] = "text",
+    task: Annotated[str, typer.Option(help=TASK_HELP)] = "text",
     db: Annotated[str, typer.Option(help="SQLite (or other) URL for the job rows.")] = (
         "sqlite:///ocrq-run.sqlite"
     ),
@@ -87,7 +99,7 @@ def run(
 
 @app.command()
 def worker(
-    engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
+    engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
     concurrency: Annotated[
         int | None, typer.Option(help="Task threads: images fetched + waiting for the batcher.")
     ] = None,
@@ -106,20 +118,22 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Consume OCR jobs from the broker, batch them through the engine, store rows."""
-    from worker.lifecycle import run_worker
     from worker.lifecycle import supervise as run_supervised
+    from worker.main import run as run_worker
 
-    # The worker process builds Settings() from the environment: pass the options that way.
-    for key, value in {"ENGINE": engine, "QUEUE": queue, "MAX_IMAGES": max_images}.items():
-        if value is not None:
-            os.environ[f"OCRQ_{key}"] = str(value)
-    settings = Settings()
+    given = {
+        "engine": engine,
+        "queue": queue,
+        "max_images": max_images,
+        "concurrency": concurrency,
+    }
+    settings = _settings(**given)  # checked here, before any process starts
     argv = [
         "worker",
         "--pool",
         "threads",
         "--concurrency",
-        str(concurrency or settings.concurrency),
+        str(settings.concurrency),
         "--queues",
         settings.queue,
         "--loglevel",
@@ -131,13 +145,15 @@ def worker(
         "--without-gossip",
         "--without-mingle",
     ]
-    raise typer.Exit(run_supervised(argv) if supervise else run_worker(argv))
+    if supervise:  # a child interpreter per worker process, its options in its environment
+        raise typer.Exit(run_supervised(argv, _child_env(**given)))
+    raise typer.Exit(run_worker(argv, settings))
 
 
 @app.command()
 def submit(
     targets: Annotated[list[str], typer.Argument(help="Image paths, folders or URLs.")],
-    task: Annotated[str, typer.Option(help="text | spotting | parse | ... | a prompt.")] = "text",
+    task: Annotated[str, typer.Option(help=TASK_HELP)] = "text",
     wait: Annotated[bool, typer.Option("--wait", help="Wait for results and print them.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
     timeout: Annotated[float | None, typer.Option(help="Seconds to wait at most.")] = None,
@@ -243,7 +259,7 @@ def migrate() -> None:
 
 @app.command()
 def tune(
-    engine: Annotated[str | None, typer.Option(help="OCR engine: rapid | hunyuan.")] = None,
+    engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
     budget: Annotated[
         float | None, typer.Option(help="GiB the engine may use in all, fixed part included.")
     ] = None,
@@ -262,10 +278,7 @@ def tune(
 ) -> None:
     """Probe the device with real batches, fit the memory cost model, write the profile that
     workers load at start (plus a PNG of throughput and peak memory against batch size)."""
-    from models.costs import GiB
-    from models.registry import create_engine
-    from worker.tune import resolve_budget, table
-    from worker.tune import tune as run_tune
+    from worker.tune import BudgetError, fit_summary, table, tune_engine
 
     _logging(log_level)
     try:  # checked before minutes of probing, not after
@@ -274,42 +287,15 @@ def tune(
         err.print("ocrq tune draws its plot with matplotlib: pip install 'ocrq[tune]'")
         raise typer.Exit(2) from None
     settings = _settings(engine=engine, profile_dir=profile_dir, max_batch=max_batch)
-    eng = create_engine(settings.engine, settings)
-    eng.load()
     try:
-        total = resolve_budget(eng, budget, budget_fraction)
-    except ValueError as exc:
+        outcome = tune_engine(
+            settings, budget, budget_fraction, max_seconds=max_seconds, say=err.print
+        )
+    except BudgetError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    err.print(
-        f"probing {settings.engine} within {total / GiB:.2f} GiB and {max_seconds:.0f} s "
-        f"(batches up to {settings.max_batch})"
-    )
-
-    def show(p) -> None:  # type: ignore[no-untyped-def]
-        peak = f"{p.peak_bytes / GiB:.3f} GiB" if p.peak_bytes is not None else "-"
-        err.print(f"  {p.label} x{p.batch}: {p.status}, {p.seconds:.2f} s, peak {peak}")
-
-    outcome = run_tune(
-        eng,
-        settings.profile_dir,
-        total,
-        max_seconds=max_seconds,
-        max_batch=settings.max_batch,
-        on_result=show,
-    )
-    eng.close()
-    fitted = outcome.report.fit
-    assert fitted is not None
+    assert outcome.report.fit is not None
     Console(width=140).print(table(outcome.report, f"ocrq tune: {settings.engine}"))
-    m = fitted.model
-    typer.echo(
-        f"model: fixed {m.fixed_bytes / GiB:.3f} GiB, per item {m.per_item_bytes / 2**20:.3f} MiB,"
-        f" per token {m.per_token_bytes / 1024:.2f} KiB, per patch {m.per_patch_bytes / 1024:.2f}"
-        f" KiB, per cached token {m.per_cache_token_bytes / 1024:.2f} KiB"
-        f" (+{m.decode_fixed_bytes / 2**20:.0f} MiB while decoding);"
-        f" largest error on the probes {fitted.max_rel_error:.1%}"
-        f" (per-image part scaled x{fitted.cover_factor:.3f} to cover them all)"
-    )
+    typer.echo(fit_summary(outcome.report.fit))
     typer.echo(f"profile: {outcome.profile}")
     typer.echo(f"plot: {outcome.plot}")
 

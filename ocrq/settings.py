@@ -9,10 +9,15 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# HunyuanOCR's generation loop: ocrq's own (models/hunyuan/decode.py) or transformers' generate().
+DecodeMode = Literal["fast", "generate"]
+# The fast loop's decode attention: Triton on CUDA when installed ("auto"), or forced.
+DecodeAttention = Literal["auto", "triton", "torch"]
 
 
 class Settings(BaseSettings):
@@ -31,8 +36,9 @@ class Settings(BaseSettings):
     allow_any_path: bool = False
 
     # Image intake limits: a job over them fails alone with a clear error.
-    max_image_bytes: int = Field(default=50 * 1024 * 1024, ge=1)
-    max_image_pixels: int = Field(default=40_000_000, ge=1)  # 4961x7016 receipts (34.8 MP) pass
+    max_image_bytes: int = Field(default=50 * 1024 * 1024, ge=1, le=2**34)
+    # 4961x7016 receipts (34.8 MP) pass.
+    max_image_pixels: int = Field(default=40_000_000, ge=1, le=2_000_000_000)
     # Checked on the header before decoding: a 1x100000 strip costs nothing to refuse.
     max_image_side: int = Field(default=20_000, ge=1, le=1_000_000)
     # Longer side / shorter side. 200 passes a 13340x124 text line (108) with room to spare and
@@ -53,27 +59,38 @@ class Settings(BaseSettings):
     )
 
     # Batching.
-    max_batch: int = 32  # hard cap on images per engine call, whatever the budget allows
-    batch_wait_ms: int = 50  # how long the batcher lingers for more items once one is waiting
-    memory_budget_gib: float | None = None  # None: the engine's default budget
+    # Hard cap on images per engine call, whatever the budget allows.
+    max_batch: int = Field(default=32, ge=1, le=4096)
+    # How long the batcher lingers for more items once one is waiting.
+    batch_wait_ms: int = Field(default=50, ge=0, le=60_000)
+    # Total memory the engine may use, fixed part included; None: the engine's default budget.
+    memory_budget_gib: float | None = Field(default=None, gt=0, le=65_536)
     # Share of that budget batches are planned to; the rest is the allocator's slack.
     memory_utilization: float = Field(default=0.85, gt=0.1, le=1.0)
     # Where `ocrq tune` writes cost-model profiles and workers look for theirs at start.
     profile_dir: Path = Path("~/.cache/ocrq/profiles")
-    concurrency: int = 16  # Celery task threads: images being fetched + waiting for the batcher
+    # Celery task threads: images being fetched + waiting for the batcher.
+    concurrency: int = Field(default=16, ge=1, le=4096)
     # Decoded images held at once (waiting + in the running batch); None: two batches' worth,
     # i.e. the next batch is decoded while the current one runs. max_batch turns prefetch off.
-    prefetch_images: int | None = None
+    prefetch_images: int | None = Field(default=None, ge=1, le=100_000)
 
     # Delivery and lifecycle.
     # Redis redelivers a message not acked within this many seconds: keep it above the worst
-    # delivery-to-ack time (bench/results/delivery_*.md measures it).
-    visibility_timeout_s: int = 3600
-    max_images: int | None = 10_000  # recycle the worker process after this many images
-    max_rss_gib: float | None = None  # ... or when host RSS stays above this
-    max_fragmentation_gib: float | None = None  # ... or device reserved-allocated stays above
-    recycle_patience: int = 3  # consecutive batches over a threshold before recycling
-    metrics_port: int | None = None  # Prometheus metrics on this port when set
+    # delivery-to-ack time (96 s for the eval set on the 2-core CPU machine,
+    # bench/results/service_accuracy_rapid.md; README "How it works" gives the GPU estimate).
+    # The fault tests run at 20 s to recover quickly; a week is far past any sane setting.
+    visibility_timeout_s: int = Field(default=3600, ge=1, le=7 * 86_400)
+    # Recycle the worker process after this many images ...
+    max_images: int | None = Field(default=10_000, ge=1)
+    # ... or when host RSS stays above this ...
+    max_rss_gib: float | None = Field(default=None, gt=0, le=65_536)
+    # ... or when device memory reserved but not allocated stays above this ...
+    max_fragmentation_gib: float | None = Field(default=None, gt=0, le=65_536)
+    # ... for this many consecutive batches.
+    recycle_patience: int = Field(default=3, ge=1, le=10_000)
+    # Prometheus metrics of the worker on this port when set (worker/metrics.py `serve`).
+    metrics_port: int | None = Field(default=None, ge=1, le=65_535)
 
     # Liveness (worker/heartbeat.py). Each worker process refreshes its row in ocr_workers
     # every heartbeat_s; a worker silent for stalled_after_s is dead and its `running` jobs are
@@ -104,10 +121,16 @@ class Settings(BaseSettings):
     model: str = "tencent/HunyuanOCR"
     model_revision: str | None = None
     model_subfolder: str | None = "v1.0"
-    max_new_tokens: int = 1024
+    # Tokens generated at most per image; with the prompt it sizes the KV cache.
+    max_new_tokens: int = Field(default=1024, ge=1, le=131_072)
     attention: str = "sdpa"
     dtype: str = "bfloat16"
     device: str = "auto"
+    # Which loop generates: "fast" (ocrq's, CUDA graphs and Triton kernels; same greedy tokens)
+    # or "generate" (transformers'). Part of a tuned profile's key: each holds other memory.
+    decode: DecodeMode = "fast"
+    # The fast loop's decode attention; "torch" also turns the fused norm/RoPE kernels off.
+    decode_attention: DecodeAttention = "auto"
 
     @model_validator(mode="after")
     def _liveness_margin(self) -> Settings:

@@ -98,6 +98,59 @@ def test_planner_downscales_image_over_budget_alone() -> None:
     assert w * h <= 100 * 100
 
 
+class Preparing(OomAbovePixels):
+    """Keeps engine-private inputs in `item.encoded`, as HunyuanOCR does, and records what ran."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.ran: list[PreparedImage] = []
+
+    def prepare(self, item: PreparedImage) -> None:
+        item.encoded = ("pixels of", item.image.size)
+
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        self.ran.extend(batch)
+        return super().run(batch)
+
+
+def test_downscale_makes_a_new_item_and_leaves_the_submitted_one_alone() -> None:
+    engine = Preparing(limit=10**9)
+    original = item("huge", 400)
+    engine.prepare(original)
+    before = original.encoded
+    batcher = Batcher(engine, BatchConfig(max_items=4, budget_bytes=100 * 100)).start()
+    outcome = batcher.submit(original).result(timeout=30)
+    batcher.stop()
+    assert outcome.error is None
+    (ran,) = engine.ran
+    assert ran is not original and ran.key == original.key
+    assert ran.image.size[0] * ran.image.size[1] <= 100 * 100
+    assert ran.encoded is None  # the old pixels' preprocessing never reaches the engine
+    assert original.image.size == (400, 400) and original.encoded is before
+
+
+def test_image_too_big_at_any_size_fails_alone() -> None:
+    engine = OomAbovePixels(limit=10**9)
+    batcher = Batcher(engine, BatchConfig(max_items=4, wait_s=0.2, budget_bytes=1000)).start()
+    futures = [batcher.submit(item("huge", 400)), batcher.submit(item("a", 20))]
+    futures.append(batcher.submit(item("b", 20)))
+    huge, a, b = (f.result(timeout=30) for f in futures)
+    batcher.stop()
+    assert isinstance(huge.error, MemoryError) and "over the budget" in str(huge.error)
+    assert a.error is None and b.error is None and a.batch_id == b.batch_id
+    assert batcher.oom_events == 0 and all(n == 2 for n in engine.calls)
+
+
+def test_single_image_out_of_memory_at_every_size_fails_alone() -> None:
+    engine = OomAbovePixels(limit=10)  # not even the smallest retry fits
+    batcher = Batcher(engine, BatchConfig(max_items=4, budget_bytes=10**9)).start()
+    outcome = batcher.submit(item("big", 200)).result(timeout=30)
+    assert batcher.submit(item("tiny", 3)).result(timeout=30).error is None  # worker goes on
+    batcher.stop()
+    assert isinstance(outcome.error, MemoryError) and "out of memory" in str(outcome.error)
+    assert batcher.oom_events == len(engine.calls) - 1 >= 2
+
+
 class Exploding(OomAbovePixels):
     def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
         raise RuntimeError("engine crashed")

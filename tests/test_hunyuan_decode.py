@@ -23,7 +23,7 @@ import pytest
 
 from models.base import PreparedImage
 from models.hunyuan import HunyuanEngine
-from models.hunyuan.generation import BatchOutput, decode_mode_from_env, unsupported_reason
+from models.hunyuan.generation import BatchOutput, unsupported_reason
 from ocrq.settings import Settings
 from tests.tiny_hunyuan import ShiftedDecoder, cpu_settings, item, max_diff, mixed, tiny_checkpoint
 
@@ -136,15 +136,19 @@ def test_unsupported_generation_configs_take_generate() -> None:
     assert unsupported_reason(GenerationConfig(num_beams=2)) == "beam search"
 
 
-def test_decode_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_mode_comes_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OCRQ_DECODE", raising=False)
-    assert decode_mode_from_env() == "fast"
-    monkeypatch.setenv("OCRQ_DECODE", "generate")
-    assert HunyuanEngine(Settings()).decode == "generate"
-    assert HunyuanEngine(Settings(), decode="fast").decode == "fast"
+    assert Settings().decode == "fast" and HunyuanEngine(Settings()).decode == "fast"
+    monkeypatch.setenv("OCRQ_DECODE", "generate")  # read once, into Settings
+    settings = Settings()
+    monkeypatch.delenv("OCRQ_DECODE")  # the engine never reads the environment itself
+    assert HunyuanEngine(settings).decode == "generate"
+    assert HunyuanEngine(settings, decode="fast").decode == "fast"
     monkeypatch.setenv("OCRQ_DECODE", "beam")
-    with pytest.raises(ValueError, match="OCRQ_DECODE"):
-        HunyuanEngine(Settings())
+    with pytest.raises(ValueError, match="decode"):
+        Settings()
+    with pytest.raises(ValueError, match="decode"):
+        HunyuanEngine(settings, decode="beam")
 
 
 KERNEL_CHECK = textwrap.dedent(

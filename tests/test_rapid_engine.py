@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from models.base import OcrResult, PreparedImage, UnsupportedTask
-from models.rapid import RapidEngine, det_plan
-from ocrq.metrics import (
+from bench.scoring import (
     ground_truth_text,
     load_manifest,
     normalize_word,
     token_f1,
     word_accuracy,
 )
+from models.base import OcrResult, PreparedImage, UnsupportedTask
+from models.rapid import RapidEngine, det_plan
 
 REPO = Path(__file__).resolve().parents[1]
 Box = tuple[int, int, int, int]

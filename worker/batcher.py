@@ -1,8 +1,14 @@
-"""One thread that owns the engine: gathers waiting images, plans a batch, runs it.
+"""One thread that owns the engine: gathers waiting images, has the planner decide, runs the plan.
 
 Task threads (Celery's, or embedded mode's) only call `submit` and wait on the Future; only the
 batcher thread touches the planner and the engine. Every future is resolved exactly once, inside
 one try, so a crash in a batch can never leave a Celery task waiting forever.
+
+The batcher decides nothing: which images form a batch, which are downscaled and to what size,
+which fail for being too large alone, are the planner's (worker/planner.py); running a batch and
+recovering from an out-of-memory error, with the budget the governor sets, is the executor's
+(worker/recovery.py). A downscale replaces a waiting row by a new one (worker/downscaling.py):
+nothing an engine stored in an item is ever changed under it.
 """
 
 from __future__ import annotations
@@ -17,11 +23,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from models.base import Engine, OcrResult, PreparedImage
-from models.costs import CostModel, GiB, ItemCost
-from models.memory import memory_of
-from worker import metrics
-from worker.images import downscale
-from worker.planner import Plan, Waiting, plan
+from models.costs import CostModel, GiB
+from worker.downscaling import Downscaler
+from worker.governor import BudgetGovernor
+from worker.planner import Plan, ShrinkRule, plan
+from worker.recovery import BatchExecutor, Row, log_downscale
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +37,12 @@ class BatchConfig:
     max_items: int = 32
     wait_s: float = 0.05  # linger after the first arrival, to let a batch fill
     budget_bytes: int = 8 * GiB  # above the engine's fixed part
-    max_shrinks: int = 12  # an oversize image is halved at most this many times
+    shrink: ShrinkRule = field(
+        default_factory=ShrinkRule
+    )  # how far an image over the budget alone may be halved
     # After an OOM the budget drops below the failed batch's prediction, then climbs back by
-    # `budget_step` of the configured budget after every `clean_batches_to_raise` clean batches.
+    # `budget_step` of the configured budget after every `clean_batches_to_raise` clean batches
+    # (worker/governor.py).
     oom_backoff: float = 0.8
     clean_batches_to_raise: int = 20
     budget_step: float = 0.05
@@ -61,14 +70,13 @@ class BatchRecord:
     failed_items: int
     oom_events: int = 0
     budget_bytes: int = 0
+    deferred: int = 0  # images left waiting when it was planned (the plan's `deferred`)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Entry:
-    item: PreparedImage
-    cost: ItemCost
+    row: Row
     future: Future[ItemOutcome]
-    seq: int
 
 
 @dataclass
@@ -89,19 +97,34 @@ class Batcher:
         if config.max_items < 1 or config.budget_bytes <= 0:
             raise ValueError(f"invalid batch config: {config}")
         self.engine = engine
-        self.memory = memory_of(engine)  # OOM test and release (host defaults if none)
         self.config = config
         # A tuned profile's model when the runtime found one, else the engine's default.
         self.cost_model = cost_model or engine.cost_model()
+        governor = BudgetGovernor.start(
+            config.budget_bytes,
+            oom_backoff=config.oom_backoff,
+            clean_batches_to_raise=config.clean_batches_to_raise,
+            budget_step=config.budget_step,
+        )
+        self.executor = BatchExecutor(engine, self.cost_model, governor, config.shrink)
         self._on_batch = on_batch
         self._state = _State()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="ocrq-batcher", daemon=True)
         self.records: deque[BatchRecord] = deque(maxlen=10_000)  # newest batches
-        # Batcher-thread state: the budget now in force and the OOM bookkeeping.
-        self.budget_bytes = config.budget_bytes
-        self.oom_events = 0
-        self._clean_batches = 0
+
+    @property
+    def governor(self) -> BudgetGovernor:
+        return self.executor.governor
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget batches are planned to now (lowered after an OOM)."""
+        return self.executor.governor.budget_bytes
+
+    @property
+    def oom_events(self) -> int:
+        return self.executor.governor.oom_events
 
     def start(self) -> Batcher:
         self._thread.start()
@@ -119,7 +142,7 @@ class Batcher:
             if self._state.stopping:
                 raise RuntimeError("batcher is stopping; not accepting new images")
             key = f"{item.key}#{self._state.seq}"
-            self._state.waiting[key] = _Entry(item, cost, future, self._state.seq)
+            self._state.waiting[key] = _Entry(Row(item, cost, self._state.seq), future)
             self._state.seq += 1
             self._cond.notify_all()
         return future
@@ -140,14 +163,15 @@ class Batcher:
 
     def _loop(self) -> None:
         while True:
-            entries = self._next_batch()
-            if entries is None:
+            snapshot = self._gather()
+            if snapshot is None:
                 return
-            if entries:
-                self._execute(entries)
+            batch, decided = self._take_batch(snapshot)
+            if batch:
+                self._execute(batch, decided)
 
-    def _next_batch(self) -> list[_Entry] | None:
-        """Wait for work, linger briefly to fill the batch, then plan. None means: stop."""
+    def _gather(self) -> dict[str, _Entry] | None:
+        """Wait for work and linger briefly to fill a batch; then what waits (None: stop)."""
         with self._cond:
             while not self._state.waiting:
                 if self._state.stopping:
@@ -159,54 +183,48 @@ class Batcher:
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-            waiting = self._state.waiting
-            decided = self._plan(waiting)
-            for key in decided.oversize:
-                self._shrink(waiting[key])
-            return [waiting.pop(key) for key in decided.keys]
+            return dict(self._state.waiting)
 
-    def _plan(self, waiting: dict[str, _Entry]) -> Plan:
-        items = [Waiting(key, e.cost, e.seq) for key, e in waiting.items()]
-        return plan(items, self.budget_bytes, self.cost_model, self.config.max_items)
+    def _take_batch(self, snapshot: dict[str, _Entry]) -> tuple[dict[str, _Entry], Plan]:
+        """Plan outside the lock (a size search resizes images), then apply the plan under it.
+        An oversize leader is shrunk or failed as planned, and what waits is planned again.
 
-    def _shrink(self, entry: _Entry) -> None:
-        """Halve an image over the budget alone until it fits; fail it if it never does."""
-        model = self.cost_model
-        for _ in range(self.config.max_shrinks):
-            w, h = entry.item.image.size
-            if w * h <= 64 * 64:
-                break
-            before = model.batch_bytes([entry.cost])
-            entry.item.image = downscale(entry.item.image, (w * h) // 2)
-            entry.item.encoded = None
-            entry.cost = self.engine.estimate(entry.item)
-            if model.batch_bytes([entry.cost]) >= before:
-                break  # the engine upscales small images anyway: shrinking cannot help
-            if model.batch_bytes([entry.cost]) <= self.budget_bytes:
-                log.info(
-                    "downscaled %s from %dx%d to %dx%d to fit the memory budget",
-                    entry.item.key,
-                    w,
-                    h,
-                    *entry.item.image.size,
-                )
-                return
-        # Still too big: resolve it as failed, outside the planner's loop.
-        key = next(k for k, e in self._state.waiting.items() if e is entry)
-        self._state.waiting.pop(key)
-        need = model.batch_bytes([entry.cost]) / GiB
-        budget = self.budget_bytes / GiB
-        error = MemoryError(f"image needs {need:.2f} GiB alone, over the budget {budget:.2f} GiB")
-        _resolve(entry.future, ItemOutcome(None, error, "", self.engine.name))
+        Only this thread removes waiting entries, so every key of a snapshot still waits when
+        its plan is applied; task threads can only have added others.
+        """
+        while True:
+            downscaler = Downscaler(self.engine, {k: e.row.item for k, e in snapshot.items()})
+            decided = plan(
+                [e.row.waiting(k) for k, e in snapshot.items()],
+                self.budget_bytes,
+                self.cost_model,
+                self.config.max_items,
+                downscaler.estimate_at,
+                self.config.shrink,
+            )
+            with self._cond:
+                waiting = self._state.waiting
+                for shrink in decided.downscale:
+                    old = waiting[shrink.key]
+                    waiting[shrink.key] = _Entry(old.row.shrunk(shrink, downscaler), old.future)
+                    log_downscale(old.row.item, waiting[shrink.key].row.item, "to fit the budget")
+                for refusal in decided.refused:
+                    entry = waiting.pop(refusal.key)
+                    outcome = ItemOutcome(None, MemoryError(refusal.reason), "", self.engine.name)
+                    _resolve(entry.future, outcome)
+                batch = {key: waiting.pop(key) for key in decided.keys}
+                if batch or not waiting:
+                    return batch, decided
+                snapshot = dict(waiting)
 
-    def _execute(self, entries: list[_Entry]) -> None:
+    def _execute(self, batch: dict[str, _Entry], decided: Plan) -> None:
         batch_id = str(uuid.uuid4())
         started = time.monotonic()
-        predicted = self.cost_model.batch_bytes([e.cost for e in entries])
+        entries = list(batch.values())
         ooms_before = self.oom_events
         failed = 0
         try:
-            results = self._run_recovering(entries)
+            results = self.executor.run({k: e.row for k, e in batch.items()})
             for entry, res in zip(entries, results, strict=True):
                 if isinstance(res, BaseException):
                     failed += 1
@@ -221,16 +239,17 @@ class Batcher:
                     failed += 1
         finally:
             ooms = self.oom_events - ooms_before
-            self._adapt_budget(ooms)
+            self.executor.finished(ooms)
             record = BatchRecord(
                 batch_id,
                 len(entries),
                 started,
                 time.monotonic(),
-                predicted,
+                decided.predicted_bytes,
                 failed,
                 ooms,
                 self.budget_bytes,
+                len(decided.deferred),
             )
             self.records.append(record)
             if self._on_batch is not None:
@@ -238,74 +257,6 @@ class Batcher:
                     self._on_batch(record)
                 except Exception:
                     log.exception("on_batch hook failed")
-
-    def _run_recovering(self, entries: list[_Entry]) -> list[OcrResult | BaseException]:
-        """Run a batch; on OOM free memory, lower the budget, split in halves and retry.
-
-        A single image that still runs out of memory is halved in pixels and retried; only an
-        image that fails at the smallest size fails, alone. An OOM never fails a whole batch.
-        """
-        oom: str | None = None
-        try:
-            results = self.engine.run([e.item for e in entries])
-        except BaseException as exc:
-            if not self.memory.is_oom(exc):
-                raise
-            oom = str(exc)
-        if oom is not None:
-            # Recover outside the except clause: until it ends, the exception's traceback keeps
-            # the failed call's frames alive, and with them its device tensors (activations of
-            # the batch that did not fit), so a retry inside it would run out of memory again.
-            predicted = self.cost_model.batch_bytes([e.cost for e in entries])
-            self._record_oom(len(entries), predicted, oom)
-            if len(entries) > 1:
-                mid = len(entries) // 2
-                return self._run_recovering(entries[:mid]) + self._run_recovering(entries[mid:])
-            entry = entries[0]
-            w, h = entry.item.image.size
-            if w * h <= 64 * 64:
-                return [MemoryError(f"out of memory even at {w}x{h}: {oom}")]
-            entry.item.image = downscale(entry.item.image, (w * h) // 2)
-            entry.item.encoded = None
-            entry.cost = self.engine.estimate(entry.item)
-            return self._run_recovering(entries)
-        if len(results) != len(entries):
-            raise RuntimeError(
-                f"engine {self.engine.name} returned {len(results)} results for "
-                f"{len(entries)} images"
-            )
-        return list(results)
-
-    def _record_oom(self, size: int, predicted: int, error: str) -> None:
-        self.oom_events += 1
-        metrics.OOM_EVENTS.inc()
-        self.memory.release_memory()
-        floor = self.config.budget_bytes // 16
-        self.budget_bytes = max(
-            floor, min(self.budget_bytes, int(predicted * self.config.oom_backoff))
-        )
-        log.warning(
-            "out of memory on a batch of %d (predicted %.2f GiB): split and retried; budget now "
-            "%.2f GiB (%s)",
-            size,
-            predicted / GiB,
-            self.budget_bytes / GiB,
-            error,
-        )
-
-    def _adapt_budget(self, ooms: int) -> None:
-        """Climb back towards the configured budget slowly after clean batches."""
-        if ooms:
-            self._clean_batches = 0
-            return
-        self._clean_batches += 1
-        target = self.config.budget_bytes
-        if self.budget_bytes < target and self._clean_batches >= self.config.clean_batches_to_raise:
-            self.budget_bytes = min(
-                target, self.budget_bytes + int(target * self.config.budget_step)
-            )
-            self._clean_batches = 0
-            log.info("budget raised to %.2f GiB after clean batches", self.budget_bytes / GiB)
 
 
 def _resolve(future: Future[ItemOutcome], outcome: ItemOutcome) -> bool:

@@ -5,7 +5,11 @@ threads in flight finish (the batcher runs their batches and their rows are stor
 reserved but not started go back to the queue, and the process exits with RECYCLE_EXIT_CODE.
 Whatever supervises it starts a fresh one: Docker (`restart: always`), systemd
 (`Restart=always`), Kubernetes, or `ocrq worker` itself, which runs each worker as a new
-interpreter (never a fork, so CUDA is never initialised in a forked process).
+interpreter (never a fork, so CUDA is never initialised in a forked process): worker/main.py.
+
+This module holds the process's exit state and never imports the Celery app: the app's signal
+handlers call in here (`request_recycle`, `startup_failed`), and the entry point hands the app
+to `run_celery`.
 """
 
 from __future__ import annotations
@@ -17,10 +21,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from worker import metrics
 from worker.recycle import RECYCLE_EXIT_CODE
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from ocrq.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +65,8 @@ def startup_failed(exc: BaseException) -> None:
     _request_exit(STARTUP_FAILED_EXIT_CODE, f"startup failed: {exc}")
 
 
-def check_database() -> int | None:
-    """Before the worker touches the broker: settings valid, database at the Alembic head.
+def check_database(settings: Settings) -> int | None:
+    """Before the worker touches the broker: the database at the Alembic head.
 
     Returns an exit code to stop with, or None to go on. A worker on an unmigrated database
     would take each message, fail to claim its row and ack it: the job would be lost. Checked
@@ -67,13 +77,7 @@ def check_database() -> int | None:
     from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
     from ocrq.migrate import SchemaNotAtHead, check_at_head
-    from ocrq.settings import Settings
 
-    try:
-        settings = Settings()
-    except Exception as exc:
-        log.critical("worker cannot start: invalid settings: %s", exc)
-        return STARTUP_FAILED_EXIT_CODE
     check = retry(
         retry=retry_if_exception_type(OperationalError),
         wait=wait_exponential(multiplier=0.5, max=5),
@@ -94,20 +98,20 @@ def check_database() -> int | None:
     return None
 
 
-def run_worker(argv: Sequence[str]) -> int:
-    """Run `celery worker` here; the exit code says whether this was a recycle."""
-    from ocrq.settings import Settings
-
-    try:  # before consuming anything: a worker that could read any host file does not start
-        Settings().require_safe_roots()
+def preflight(settings: Settings) -> int | None:
+    """Before the worker touches the broker: safe roots, database at the Alembic head. An exit
+    code to stop with, or None to go on."""
+    try:  # a worker that could read any host file does not start
+        settings.require_safe_roots()
     except ValueError as exc:
         log.critical("worker cannot start: %s", exc)
         return STARTUP_FAILED_EXIT_CODE
-    refused = check_database()
-    if refused is not None:
-        return refused
-    from worker.celery_app import app
+    return check_database(settings)
 
+
+def run_celery(app: Celery, argv: Sequence[str]) -> int:
+    """Run `celery worker` in this process until it stops; the exit code says whether this was
+    a recycle (or why it could not start)."""
     code = 0
     try:
         app.worker_main(list(argv))
@@ -116,9 +120,13 @@ def run_worker(argv: Sequence[str]) -> int:
     return _exit_code if _exit_code is not None else code
 
 
-def supervise(child_argv: Sequence[str], max_crash_backoff_s: float = 30.0) -> int:
+def supervise(
+    child_argv: Sequence[str], env: Mapping[str, str], max_crash_backoff_s: float = 30.0
+) -> int:
     """Start the worker as a child interpreter; start it again after a recycle or a crash.
 
+    `env` is the child's whole environment, built by the caller with the options it was given
+    (the child reads its Settings from it once); this process's own environment is left alone.
     A recycle restarts at once; a crash restarts after a growing pause, so a worker that dies
     at start-up (a missing model, say) does not spin. SIGTERM/SIGINT stop child and supervisor.
     """
@@ -136,7 +144,7 @@ def supervise(child_argv: Sequence[str], max_crash_backoff_s: float = 30.0) -> i
     recycles = 0
     while True:
         started = time.monotonic()
-        child = subprocess.Popen([sys.executable, "-m", "worker.lifecycle", *child_argv])
+        child = subprocess.Popen([sys.executable, "-m", "worker.main", *child_argv], env=dict(env))
         print(
             f"ocrq supervisor: started worker process pid {child.pid}", file=sys.stderr, flush=True
         )
@@ -171,13 +179,3 @@ def supervise(child_argv: Sequence[str], max_crash_backoff_s: float = 30.0) -> i
         if stopping.wait(backoff):
             return code
         backoff = min(backoff * 2, max_crash_backoff_s)
-
-
-if __name__ == "__main__":
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # Run through the imported module, not __main__: request_recycle() sets that module's state.
-    from worker import lifecycle
-
-    sys.exit(lifecycle.run_worker(sys.argv[1:]))

@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 from models.base import Engine
 from models.costs import CostModel
 from models.memory import memory_of
+from ocrq.procfs import cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +33,6 @@ log = logging.getLogger(__name__)
 KEY_FIELDS = ("device", "engine")
 # 2: per_token_bytes counts prompt tokens only; the decode part is new (models/costs.py).
 SCHEMA = 2
-
-
-def host_cpu_name() -> str:
-    """The CPU's model name: the device name of host-memory engines."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def engine_key(engine: Engine) -> dict[str, str]:
@@ -59,7 +47,7 @@ def profile_key(facts: dict[str, str], fields: Sequence[str] = ()) -> dict[str, 
     the facts lack is an empty string.
     """
     key = {field: str(facts.get(field, "")) for field in (*KEY_FIELDS, *fields)}
-    key["device"] = facts.get("gpu") or host_cpu_name()
+    key["device"] = facts.get("gpu") or cpu_name()
     return key
 
 

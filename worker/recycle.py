@@ -8,11 +8,11 @@ made after each batch, from numbers; acting on it (a warm shutdown) is the calle
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.costs import GiB
+from ocrq.procfs import rss_bytes
 from worker.batcher import BatchRecord
 
 log = logging.getLogger(__name__)
@@ -26,15 +26,6 @@ class RecyclePolicy:
     max_rss_bytes: int | None = None
     max_fragmentation_bytes: int | None = None
     patience: int = 3
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process, from /proc (no extra dependency)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 class Recycler:

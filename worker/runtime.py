@@ -135,21 +135,32 @@ def _count_batch(record: BatchRecord) -> None:
     metrics.BATCHES.inc()
     metrics.BATCH_SIZE.observe(record.size)
     metrics.BATCH_SECONDS.observe(record.ended - record.started)
+    metrics.DEFERRED.set(record.deferred)
+    metrics.BUDGET_BYTES.set(record.budget_bytes)
 
 
 def _log_batch(record: BatchRecord) -> None:
     log.info(
-        "batch %s: %d images in %.3f s (%d failed, predicted %.3f GiB)",
+        "batch %s: %d images in %.3f s (%d failed, predicted %.3f GiB, %d left waiting)",
         record.batch_id[:8],
         record.size,
         record.ended - record.started,
         record.failed_items,
         record.predicted_bytes / GiB,
+        record.deferred,
     )
 
 
 _lock = threading.Lock()
 _runtime: Runtime | None = None
+_settings: Settings | None = None
+
+
+def configure(settings: Settings) -> None:
+    """The Settings this worker process runs with, read once by its entry point
+    (worker/main.py); `get_runtime` builds from them."""
+    global _settings
+    _settings = settings
 
 
 def get_runtime(
@@ -160,7 +171,7 @@ def get_runtime(
     global _runtime
     with _lock:
         if _runtime is None:
-            settings = settings or Settings()
+            settings = settings or _settings or Settings()
             name = unique_worker_name(settings.engine)
             runtime = build_runtime(settings, worker_name=name, on_recycle=on_recycle)
             runtime.heartbeat = start_heartbeat(settings, name)

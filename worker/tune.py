@@ -1,306 +1,26 @@
-"""`ocrq tune`: probe the device with real batches, fit the cost model, write a profile.
+"""`ocrq tune`: probe the device (worker/probing.py), then write what workers and people read.
 
-Why probe instead of computing: the bytes per image depend on the device, the framework, the
-attention kernels and the allocator, none of which arithmetic sees. The probing is built to be
-safe and bounded:
-
-* every batch size after the first is predicted from what the same image already measured
-  (linear in the batch, with a safety factor) and skipped when the prediction passes FILL of
-  the budget, so tune stops before an OOM by its own prediction (an OOM, should one still
-  happen, ends that series and is reported, never fatal);
-* every probe's time is predicted the same way and skipped when it would pass the deadline.
-
-Per image kind it runs batches of 1, 4, a quarter of the largest predicted to fit and that
-largest (each image preprocessed once, so probe times are the engine's own), plus one mixed batch
-(the longest image padded together with short ones) that separates the padding term from the
-per-patch term. The fit is `models.calibration.fit` over those peaks, with the fixed part never
-below the baseline reading (engine loaded, nothing running).
-
-Memory is read through the engine's MemoryProbing side (models/memory.py; `reset_peak_memory` /
-`peak_memory_bytes`): host RSS peak for the CPU engine, the CUDA allocator's peak for a GPU
-engine; the engine also names the pages it is probed with. matplotlib and rich are imported only
-where the plot and the table are made.
+Workers read the profile (the fitted cost model, keyed by device, engine and the settings that
+change its memory: worker/profiles.py); people read the table and the PNG of throughput and
+peak memory against batch size beside it. matplotlib and rich are imported only where the plot
+and the table are made, so a worker importing the profile code never loads them.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import logging
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageDraw, ImageFont
-
-from models.base import Engine, PreparedImage
-from models.calibration import Fit, Sample, fit
-from models.costs import GiB, ItemCost
-from models.memory import MemoryProbing, ProbePage, memory_of
+from models.base import Engine
+from models.calibration import Fit
+from models.costs import GiB
+from models.registry import create_engine
+from ocrq.settings import Settings
+from worker.probing import ProbeResult, TuneReport, resolve_budget, run_probes
 from worker.profiles import engine_key, profile_path, write_profile
-
-log = logging.getLogger(__name__)
-
-SAFETY = 1.15  # a prediction from one series' measurements is inflated by this before comparing
-FILL = 0.8  # probes stay below this share of the budget (by that inflated prediction)
-WARM_UP = "warm-up"
-
-
-def draw_page(width: int, height: int, lines: Sequence[str], size: int) -> Image.Image:
-    """A white page of `width` x `height` with a few lines of black text (a probe image).
-
-    Few lines on purpose: the memory follows the page's pixels, while the CPU engine's time
-    follows the number of lines it reads.
-    """
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    try:
-        font: ImageFont.ImageFont | ImageFont.FreeTypeFont = ImageFont.load_default(size=size)
-    except (TypeError, OSError, ImportError):  # a Pillow without FreeType: fixed-size bitmap font
-        font = ImageFont.load_default()
-    for i, line in enumerate(lines):
-        draw.text((size, size + int(i * size * 1.6)), line, fill="black", font=font)
-    return image
-
-
-def probe_images(pages: Sequence[ProbePage]) -> list[tuple[str, Image.Image]]:
-    """The engine's probe pages drawn, smallest first (the first also warms the engine up)."""
-    return [(p.label, draw_page(p.width, p.height, p.lines, p.font_size)) for p in pages]
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """One probe batch as it ran (or why it did not)."""
-
-    label: str
-    batch: int
-    status: str  # "ok", "warm-up", "oom", or "skipped: <why>"
-    seconds: float = 0.0
-    peak_bytes: int | None = None
-    predicted_bytes: int | None = None  # tune's own prediction before running it
-    costs: tuple[ItemCost, ...] = ()
-
-    @property
-    def ran(self) -> bool:
-        return self.status in ("ok", "warm-up")
-
-    @property
-    def images_per_s(self) -> float:
-        return self.batch / self.seconds if self.ran and self.seconds > 0 else 0.0
-
-
-@dataclass
-class TuneReport:
-    budget_bytes: int
-    baseline_bytes: int = 0
-    probes: list[ProbeResult] = field(default_factory=list)
-    fit: Fit | None = None
-    seconds: float = 0.0
-
-    def samples(self) -> list[Sample]:
-        """Every clean probe; the warm-up is left out (it holds first-call allocations)."""
-        return [
-            Sample(p.costs, p.peak_bytes)
-            for p in self.probes
-            if p.status == "ok" and p.peak_bytes is not None
-        ]
-
-
-def run_probes(
-    engine: Engine,
-    budget_bytes: int,
-    *,
-    max_seconds: float,
-    max_batch: int,
-    images: Sequence[tuple[str, Image.Image]] | None = None,
-    on_result: Callable[[ProbeResult], None] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-) -> TuneReport:
-    """Probe a loaded engine within `budget_bytes` (total, fixed part included) and time."""
-    started = clock()
-    deadline = started + max_seconds
-    report = TuneReport(budget_bytes=budget_bytes)
-    memory: MemoryProbing = memory_of(engine)
-    images = list(images or probe_images(memory.probe_pages()))
-    if not images:
-        raise ValueError("no probe images")
-
-    def emit(result: ProbeResult) -> ProbeResult:
-        report.probes.append(result)
-        log.info("probe %s x%d: %s", result.label, result.batch, result.status)
-        if on_result is not None:
-            on_result(result)
-        return result
-
-    def measure(
-        label: str, batch: list[PreparedImage], predicted: int | None, status: str = "ok"
-    ) -> ProbeResult:
-        memory.release_memory()
-        memory.reset_peak_memory()
-        t0 = time.perf_counter()
-        try:
-            costs = memory.probe(batch)
-        except Exception as exc:
-            if not memory.is_oom(exc):
-                raise
-            oom = True
-        else:
-            oom = False
-        seconds = time.perf_counter() - t0
-        if oom:  # handled outside the except clause, so the failed batch's frames are gone
-            memory.release_memory()
-            return emit(ProbeResult(label, len(batch), "oom", seconds, None, predicted))
-        peak = memory.peak_memory_bytes()
-        return emit(ProbeResult(label, len(batch), status, seconds, peak, predicted, tuple(costs)))
-
-    prepared: dict[str, PreparedImage] = {}
-
-    def items(label: str, image: Image.Image, n: int) -> list[PreparedImage]:
-        """n copies of one image, preprocessed once (as prefetch threads would do it), so a
-        probe's time is the engine's alone."""
-        if label not in prepared:
-            prepared[label] = PreparedImage(label, image, image.size)
-            engine.prepare(prepared[label])
-        one = prepared[label]
-        return [
-            PreparedImage(f"{label}-{i}", image, image.size, encoded=one.encoded) for i in range(n)
-        ]
-
-    # Warm-up: first calls allocate workspaces and caches that then stay; not a sample.
-    label0, image0 = images[0]
-    measure(label0, items(label0, image0, 1), None, status=WARM_UP)
-    memory.release_memory()
-    memory.reset_peak_memory()
-    report.baseline_bytes = memory.peak_memory_bytes()
-    base = report.baseline_bytes
-    limit = FILL * budget_bytes
-    image_of = dict(images)
-    costs = {label: engine.estimate(PreparedImage(label, im, im.size)) for label, im in images}
-
-    def size(label: str) -> tuple[int, int]:
-        return costs[label].tokens, costs[label].patches
-
-    per_image: dict[str, int] = {}  # label -> measured bytes one image adds
-    largest: dict[str, int] = {}  # label -> largest batch that ran
-
-    def series(label: str) -> None:
-        """Batches of 1, 4, 16, ... up to the largest predicted to fit. Growing by 4x at most
-        bounds each probe's time by 4x the last one's, even where time grows with the batch."""
-        image = image_of[label]
-        if clock() >= deadline:
-            emit(ProbeResult(label, 1, "skipped: time budget spent"))
-            return
-        last = measure(label, items(label, image, 1), None)
-        if not last.ran or last.peak_bytes is None:
-            return
-        inc = max(last.peak_bytes - base, 1)
-        per_image[label] = inc
-        largest[label] = 1
-        n_big = min(max_batch, int((limit - base) / (inc * SAFETY)))
-        # Geometric steps below the largest, dropping one within 25% of it (64 next to 65).
-        steps = [n for n in (4, 16, 64, 256, 1024) if n * 1.25 <= n_big]
-        sizes = [*steps, n_big] if n_big >= 2 else []
-        for n in sizes:
-            n = min(n, 4 * last.batch)
-            if n <= last.batch:
-                continue
-            predicted = int(base + inc * n * SAFETY)
-            seconds = last.seconds * n / last.batch  # worst case: time proportional to batch
-            if clock() + seconds > deadline:
-                emit(
-                    ProbeResult(
-                        label,
-                        n,
-                        f"skipped: needs up to {seconds:.0f} s, past the time budget",
-                        0.0,
-                        None,
-                        predicted,
-                    )
-                )
-                return
-            probe = measure(label, items(label, image, n), predicted)
-            if not probe.ran:
-                return
-            last = probe
-            largest[label] = n
-        beyond = 2 * largest[label]
-        if beyond <= max_batch:  # the next size the rule refused, to show where it stops
-            predicted = int(base + inc * beyond * SAFETY)
-            if predicted > limit:
-                emit(
-                    ProbeResult(
-                        label,
-                        beyond,
-                        f"skipped: predicted {predicted / GiB:.2f} GiB > {FILL:.0%} of budget",
-                        0.0,
-                        None,
-                        predicted,
-                    )
-                )
-
-    def padded(long_label: str, short_label: str) -> None:
-        """The longest image with many short ones: every row padded to the long one. Without
-        it, tokens and patches move together in every probe and the fit cannot tell which of
-        them costs the memory (on the H200 it is the padded tokens)."""
-        if long_label not in per_image or size(long_label) == size(short_label):
-            return
-        # As many rows as the long image ran alone: a padded short row costs at most as much.
-        n = max(2, largest[long_label])
-        predicted = int(base + per_image[long_label] * n * SAFETY)
-        label = f"mixed: 1 {long_label} + {n - 1} {short_label}"
-        runs = [p for p in report.probes if p.label == long_label and p.ran]
-        seconds = max(p.seconds for p in runs) * n / max(p.batch for p in runs)
-        if predicted > limit:
-            emit(ProbeResult(label, n, "skipped: predicted over budget", 0.0, None, predicted))
-        elif clock() + seconds > deadline:
-            emit(ProbeResult(label, n, "skipped: time budget spent", 0.0, None, predicted))
-        else:
-            batch = items(long_label, image_of[long_label], 1) + items(
-                short_label, image_of[short_label], n - 1
-            )
-            measure(label, batch, predicted)
-
-    # Priority under the time budget: the shortest and the longest image, the padded batch
-    # that separates the two cost terms, then the sizes in between.
-    order = sorted(image_of, key=size)
-    shortest, longest = order[0], order[-1]
-    series(shortest)
-    if longest != shortest:
-        series(longest)
-        padded(longest, shortest)
-    for label in order[1:-1]:
-        series(label)
-
-    samples = report.samples()
-    if not samples:
-        raise RuntimeError("no probe ran within the budget and time; nothing to fit")
-    # The decode part is the engine's KV-cache arithmetic, not fitted (models/calibration.py).
-    default = engine.cost_model()
-    report.fit = fit(
-        samples,
-        min_fixed_bytes=base,
-        source="tune",
-        cache_token_bytes=default.per_cache_token_bytes,
-        decode_fixed_bytes=default.decode_fixed_bytes,
-    )
-    report.seconds = clock() - started
-    return report
-
-
-def resolve_budget(engine: Engine, budget_gib: float | None, fraction: float | None) -> int:
-    """Total bytes the engine may use: --budget GiB, else --budget-fraction of its memory
-    (device memory for a GPU engine, available + own host memory for the CPU engine)."""
-    if budget_gib is not None and fraction is not None:
-        raise ValueError("give --budget or --budget-fraction, not both")
-    if budget_gib is not None:
-        if budget_gib <= 0:
-            raise ValueError("--budget must be positive")
-        return int(budget_gib * GiB)
-    fraction = 0.8 if fraction is None else fraction
-    if not 0 < fraction <= 1:
-        raise ValueError("--budget-fraction must be within (0, 1]")
-    return int(fraction * memory_of(engine).memory_capacity_bytes())
 
 
 def predicted_peak(report: TuneReport, probe: ProbeResult) -> int | None:
@@ -442,3 +162,58 @@ def tune(
         engine, budget_bytes, max_seconds=max_seconds, max_batch=max_batch, on_result=on_result
     )
     return save(report, engine, profile_dir)
+
+
+class BudgetError(ValueError):
+    """--budget / --budget-fraction make no budget (the command's arguments are at fault)."""
+
+
+def tune_engine(
+    settings: Settings,
+    budget_gib: float | None,
+    budget_fraction: float | None,
+    *,
+    max_seconds: float,
+    say: Callable[[str], None],
+) -> TuneOutcome:
+    """`ocrq tune`: load the configured engine, probe it within the budget (--budget GiB, else
+    --budget-fraction of its memory) and time, fit, save; progress lines go to `say`."""
+    engine = create_engine(settings.engine, settings)
+    engine.load()
+    try:
+        try:
+            total = resolve_budget(engine, budget_gib, budget_fraction)
+        except ValueError as exc:
+            raise BudgetError(str(exc)) from exc
+        say(
+            f"probing {settings.engine} within {total / GiB:.2f} GiB and {max_seconds:.0f} s "
+            f"(batches up to {settings.max_batch})"
+        )
+        return tune(
+            engine,
+            settings.profile_dir,
+            total,
+            max_seconds=max_seconds,
+            max_batch=settings.max_batch,
+            on_result=lambda p: say(probe_line(p)),
+        )
+    finally:
+        engine.close()
+
+
+def probe_line(p: ProbeResult) -> str:
+    peak = f"{p.peak_bytes / GiB:.3f} GiB" if p.peak_bytes is not None else "-"
+    return f"  {p.label} x{p.batch}: {p.status}, {p.seconds:.2f} s, peak {peak}"
+
+
+def fit_summary(fitted: Fit) -> str:
+    """The fitted model in one line, and how well it covers the probes."""
+    m = fitted.model
+    return (
+        f"model: fixed {m.fixed_bytes / GiB:.3f} GiB, per item {m.per_item_bytes / 2**20:.3f} MiB,"
+        f" per token {m.per_token_bytes / 1024:.2f} KiB, per patch {m.per_patch_bytes / 1024:.2f}"
+        f" KiB, per cached token {m.per_cache_token_bytes / 1024:.2f} KiB"
+        f" (+{m.decode_fixed_bytes / 2**20:.0f} MiB while decoding);"
+        f" largest error on the probes {fitted.max_rel_error:.1%}"
+        f" (per-image part scaled x{fitted.cover_factor:.3f} to cover them all)"
+    )

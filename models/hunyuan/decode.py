@@ -37,11 +37,7 @@ from models.hunyuan.attention import (
     attend_torch,
     triton_available,
 )
-from models.hunyuan.generation import (
-    ATTENTION_MODES,
-    attention_mode_from_env,
-    unsupported_reason,
-)
+from models.hunyuan.generation import ATTENTION_MODES, unsupported_reason
 from models.hunyuan.prefill import DecodeState, prefill
 from models.hunyuan.text import TextModel
 from models.hunyuan.tokens import SpecialTokens
@@ -264,13 +260,15 @@ class HunyuanDecoder:
         state.host_len += 1
 
 
-def fast_decoder(model: Any, generation_config: Any) -> HunyuanDecoder | None:
-    """The fast loop for a loaded model (its attention from OCRQ_DECODE_ATTENTION), or None
-    when the checkpoint's generation config asks for what only `generate()` does."""
+def fast_decoder(
+    model: Any, generation_config: Any, attention: str = "auto"
+) -> HunyuanDecoder | None:
+    """The fast loop for a loaded model with that decode attention (`Settings.decode_attention`),
+    or None when the checkpoint's generation config asks for what only `generate()` does."""
     why_not = unsupported_reason(generation_config)
     if why_not:
         log.warning(
             "fast decode cannot honour %s in the generation config; using generate()", why_not
         )
         return None
-    return HunyuanDecoder(model, attention=attention_mode_from_env())
+    return HunyuanDecoder(model, attention=attention)

@@ -12,10 +12,10 @@ Design notes (the why):
   the rows of a batch.
 * Each image is preprocessed on its own (models/hunyuan/inputs.py, in the prefetch threads), so
   an image the processor rejects fails only its own item; the survivors still run as one batch.
-* Decoding runs in models/hunyuan/decode.py by default (OCRQ_DECODE=fast): the model's own
-  vision tower, a text prefill with fused norm/RoPE kernels, then a static KV cache and one CUDA
-  graph per batch, 3.5 ms a step at batch 64 on an H200 where `generate()` takes 62-105 ms
-  (bench/results/decode_speed_h200*.md), same greedy tokens, less peak memory.
+* Decoding runs in models/hunyuan/decode.py by default (`Settings.decode`, OCRQ_DECODE=fast):
+  the model's own vision tower, a text prefill with fused norm/RoPE kernels, then a static KV
+  cache and one CUDA graph per batch, 3.5 ms a step at batch 64 on an H200 where `generate()`
+  takes 62-105 ms (bench/results/decode_speed_h200*.md), same greedy tokens, less peak memory.
   OCRQ_DECODE=generate keeps transformers' loop, and a generation config the fast loop cannot
   honour (a repetition penalty, say) falls back to it on its own (models/hunyuan/generation.py).
 """
@@ -39,8 +39,8 @@ from models.hunyuan.checkpoint import (
 )
 from models.hunyuan.decode import DecodeStats, HunyuanDecoder, fast_decoder
 from models.hunyuan.generation import (
+    DECODE_MODES,
     BatchOutput,
-    decode_mode_from_env,
     generate_plain,
     generated_rows,
     greedy_config,
@@ -78,12 +78,12 @@ class HunyuanEngine(HunyuanMemory, Engine):
 
     def __init__(self, settings: Settings, *, decode: str | None = None) -> None:
         """`decode`: "fast" (models/hunyuan/decode.py) or "generate" (transformers' loop); by
-        default OCRQ_DECODE, else "fast". Kept off Settings while both paths are compared."""
+        default `settings.decode`. Tests and benches pass it to compare both on one setting."""
         check_settings(settings)
         self.settings = settings
-        self.decode = decode or decode_mode_from_env()
-        if self.decode not in ("fast", "generate"):
-            raise ValueError(f"decode must be 'fast' or 'generate', not {self.decode!r}")
+        self.decode = decode or settings.decode
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, not {self.decode!r}")
         self.geometry: ImageGeometry = DEFAULT_GEOMETRY
         self.model: Any = None
         self.processor: Any = None
@@ -119,7 +119,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
         self.preprocess_row = Preprocessor(
             model, processor, self.templates, self.geometry, pin=self._cuda()
         )
-        self._decoder = fast_decoder(model, gen)
+        self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
         log.info(
             "hunyuan engine loaded %s on %s (%s, %s attention) in %.1f s",
             ckpt.path,

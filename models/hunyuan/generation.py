@@ -1,26 +1,27 @@
 """Which loop generates a batch, and transformers' own loop (`generate()`), the reference.
 
-Two loops give the same greedy tokens: models/hunyuan/decode.py (the default, OCRQ_DECODE=fast)
-and transformers' `generate()` (OCRQ_DECODE=generate). The fast loop implements greedy search
-with eos/pad and min_new_tokens only, so a checkpoint whose generation config asks for more (a
-repetition penalty, say) runs on `generate()` instead of silently changing its output
+Two loops give the same greedy tokens: models/hunyuan/decode.py (the default, `Settings.decode`
+= "fast", OCRQ_DECODE) and transformers' `generate()` ("generate"). The fast loop implements
+greedy search with eos/pad and min_new_tokens only, so a checkpoint whose generation config asks
+for more (a repetition penalty, say) runs on `generate()` instead of silently changing its output
 (`unsupported_reason`).
 """
 
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from models.hunyuan.tokens import SpecialTokens
+from ocrq.settings import DecodeAttention, DecodeMode
 
 if TYPE_CHECKING:
     import torch
 
-DECODE_MODES = ("fast", "generate")
-ATTENTION_MODES = ("auto", "triton", "torch")
+# The choices, from the one place they are typed (read once from OCRQ_DECODE[_ATTENTION]).
+DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
+ATTENTION_MODES: tuple[str, ...] = get_args(DecodeAttention)
 
 
 @dataclass
@@ -41,22 +42,6 @@ class BatchOutput:
     items: list[Generated | Exception]
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
     padded_length: int = 0  # prompt length every row was padded to
-
-
-def decode_mode_from_env() -> str:
-    """OCRQ_DECODE: "fast" (default) or "generate" (transformers' own loop)."""
-    mode = os.environ.get("OCRQ_DECODE", "fast").strip().lower() or "fast"
-    if mode not in DECODE_MODES:
-        raise ValueError(f"OCRQ_DECODE must be one of {DECODE_MODES}, not {mode!r}")
-    return mode
-
-
-def attention_mode_from_env() -> str:
-    """OCRQ_DECODE_ATTENTION: "auto" (Triton on CUDA when installed), "triton" or "torch"."""
-    mode = os.environ.get("OCRQ_DECODE_ATTENTION", "auto").strip().lower() or "auto"
-    if mode not in ATTENTION_MODES:
-        raise ValueError(f"OCRQ_DECODE_ATTENTION must be one of {ATTENTION_MODES}, not {mode!r}")
-    return mode
 
 
 def greedy_config(checkpoint_config: Any) -> Any:
