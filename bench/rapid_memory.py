@@ -165,7 +165,8 @@ CASES = [
 
 def run_case(case: Case, data: Path) -> dict:
     """In this (fresh) process: load, decode, reset the peak, run once, measure."""
-    from models.memory import _proc_status_bytes, memory_of
+    from models.memory import memory_of
+    from ocrq import procfs
     from models.rapid import RapidEngine
     from models.rapid.engine import LOADED_RSS_BYTES
 
@@ -179,7 +180,7 @@ def run_case(case: Case, data: Path) -> dict:
     model = engine.cost_model()
     memory = memory_of(engine)
     memory.reset_peak_memory()
-    start_rss = _proc_status_bytes("VmRSS") or 0
+    start_rss = procfs.rss_bytes()
     t0 = time.perf_counter()
     results = engine.run(batch)
     seconds = time.perf_counter() - t0

@@ -146,7 +146,7 @@ CHILD_CASES = {
 def child_main(names: list[str]) -> None:
     """Run in a capped child: one batch of the named cases, with the widest recogniser input
     and the peak RSS, as one JSON line on stdout."""
-    from models.memory import _proc_status_bytes
+    from ocrq import procfs
 
     eng = RapidEngine()
     eng.load()
@@ -165,7 +165,7 @@ def child_main(names: list[str]) -> None:
         for n, v in zip(names, out, strict=True)
     }
     print(json.dumps({"cases": report, "max_width": max(widths, default=0),
-                      "peak": _proc_status_bytes("VmHWM")}))  # fmt: skip
+                      "peak": procfs.peak_rss_bytes()}))  # fmt: skip
 
 
 def run_capped(names: list[str], cap_bytes: int, timeout: float = 420) -> dict[str, Any]:
