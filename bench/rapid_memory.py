@@ -39,8 +39,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.eval_accuracy import hardware, hardware_line, load_image  # noqa: E402
+from bench.scoring import load_manifest  # noqa: E402
 from models.base import OcrResult, PreparedImage  # noqa: E402
-from ocrq.metrics import load_manifest  # noqa: E402
 from ocrq.samples import draw_text_image  # noqa: E402
 
 MiB = 1024**2
@@ -166,9 +166,9 @@ CASES = [
 def run_case(case: Case, data: Path) -> dict:
     """In this (fresh) process: load, decode, reset the peak, run once, measure."""
     from models.memory import memory_of
-    from ocrq import procfs
     from models.rapid import RapidEngine
     from models.rapid.engine import LOADED_RSS_BYTES
+    from ocrq import procfs
 
     engine = RapidEngine()
     engine.load()

@@ -23,6 +23,7 @@ from celery import Celery
 from PIL import Image
 
 from bench.rapid_memory import long_line, long_line_text, strip, text_page, thin, words
+from bench.scoring import cer
 from models.base import OcrResult, PreparedImage
 from models.rapid import RapidEngine, det_plan
 from models.rapid.crops import rec_input_width, shrink_to_rec_height, to_bgr
@@ -30,7 +31,6 @@ from models.rapid.geometry import DET_MAX_PIXELS, DET_MAX_SIDE
 from models.rapid.spacing import ink_mask
 from models.rapid.tiles import REC_TILE_COLUMNS, tiles
 from ocrq.db import get_engine
-from ocrq.metrics import cer
 from ocrq.samples import draw_text_image
 from ocrq.store import JobStore
 from tests.conftest import BIN, REPO, WorkerProcess
