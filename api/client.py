@@ -120,7 +120,7 @@ class Client:
         image = {"url": source} if source.startswith(("http://", "https://")) else {"path": source}
         self.app.send_task(
             TASK_NAME,
-            kwargs={"image": image, "task": task, "job_id": job_id},
+            kwargs=job_kwargs(image, task, job_id),
             queue=self.settings.queue or DEFAULT_QUEUE,
             task_id=job_id,
         )

@@ -18,8 +18,7 @@ from ocrq.contract import DEFAULT_QUEUE, TASK_NAME
 from ocrq.settings import Settings
 
 
-def make_app(settings: Settings | None = None) -> Celery:
-    settings = settings or Settings()
+def make_app(settings: Settings) -> Celery:
     app = Celery("ocrq", broker=settings.broker_url, include=["worker.tasks"])
     if settings.broker_url.startswith(("redis://", "rediss://")):
         from worker.broker import TRANSPORT
@@ -60,8 +59,6 @@ def make_app(settings: Settings | None = None) -> Celery:
     )
     return app
 
-
-app = make_app()
 
 
 @signals.worker_ready.connect

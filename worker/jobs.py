@@ -25,7 +25,7 @@ from tenacity import (
 from models.base import Engine, PreparedImage
 from ocrq.contract import TASKS, JobRequest, canonical_job_id
 from ocrq.settings import Settings
-from ocrq.store import Claim, JobStore
+from ocrq.store import Claim, JobStore, public_view
 from worker import images, metrics
 from worker.batcher import Batcher
 from worker.envelope import safe_text
@@ -44,14 +44,17 @@ class JobOutcome:
     already_done: bool = False
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "job_id": self.job_id,
-            "path": self.source,
-            "status": self.status,
-            "text": self.text,
-            "lines": self.lines or [],
-            "error": self.error,
-        }
+        """The same JSON object `ocrq status` and the api show for the stored row."""
+        return public_view(
+            {
+                "id": self.job_id,
+                "source": self.source,
+                "status": self.status,
+                "text": self.text,
+                "lines": self.lines,
+                "error": self.error,
+            }
+        )
 
 
 def _db_unavailable(exc: BaseException) -> bool:

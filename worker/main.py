@@ -23,9 +23,9 @@ def run(argv: Sequence[str], settings: Settings) -> int:
     if refused is not None:
         return refused
     runtime.configure(settings)  # the engine, batcher and heartbeat are built from these
-    from worker.celery_app import app  # after the checks: nothing is consumed before them
+    from worker.celery_app import make_app  # after the checks: nothing is consumed before them
 
-    return lifecycle.run_celery(app, argv)
+    return lifecycle.run_celery(make_app(settings), argv)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery import Task
+from celery import Task, shared_task
 from pydantic import ValidationError
 
 from ocrq.contract import TASK_NAME, JobRequest, storable_text
-from worker.celery_app import app
 from worker.runtime import get_runtime
 
 
@@ -16,7 +15,9 @@ class JobFailed(Exception):
     """Raised after the failed row is committed, so Flower shows the task as failed."""
 
 
-@app.task(
+# A shared task: it binds to the app that `worker/main.py` builds from the worker's Settings, so
+# importing this module builds no Celery app of its own.
+@shared_task(
     name=TASK_NAME,
     bind=True,
     acks_late=True,
