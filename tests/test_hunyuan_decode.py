@@ -409,8 +409,9 @@ SMALL = RepetitionGuard(every=8, min_repeats=4, max_unit=8, min_span=16)
 LOOP_START = 5
 
 
-def forced(engine: HunyuanEngine, batch: list[PreparedImage], cycles: list[list[int]],
-           **kwargs: Any) -> BatchOutput:
+def forced(
+    engine: HunyuanEngine, batch: list[PreparedImage], cycles: list[list[int]], **kwargs: Any
+) -> BatchOutput:
     from models.hunyuan.tiny import ForcedLoop
 
     with ForcedLoop(engine.model, cycles, start=LOOP_START):
