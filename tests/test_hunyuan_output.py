@@ -370,3 +370,20 @@ def test_registry_is_a_mapping_and_each_engine_has_its_memory_side() -> None:
     rapid = memory_of(create_engine("rapid", Settings()))  # no device: host memory
     assert isinstance(rapid, HostMemory) and rapid.profile_fields == ()
     assert rapid.is_oom(MemoryError()) and not rapid.is_oom(ValueError())
+
+
+def test_rows_end_at_the_generation_configs_and_the_tokenizers_eos() -> None:
+    """Both ids end a row: a 1.5 generation config may name 120020 where the tokenizer's eos
+    (what Tencent's clients stop at) is 120007."""
+    from types import SimpleNamespace
+
+    from models.hunyuan.tokens import SpecialTokens
+
+    gen = SimpleNamespace(eos_token_id=120020, pad_token_id=None)
+    tokenizer = SimpleNamespace(eos_token_id=120007, pad_token_id=120002)
+    tokens = SpecialTokens.read(gen, tokenizer)
+    assert tokens.eos == {120007, 120020} and tokens.pad == 120002
+    kept, no_eos = tokens.cut([[5, 6, 120007, 9], [5, 120020], [5, 6]])
+    assert kept == [[5, 6], [5], [5, 6]] and no_eos == [False, False, True]
+    listed = SpecialTokens.read(SimpleNamespace(eos_token_id=[1, 2], pad_token_id=0), tokenizer)
+    assert listed.eos == {1, 2, 120007}
