@@ -197,7 +197,7 @@ def test_named_tasks_get_the_engines_prompt_and_free_prompts_pass_through() -> N
 
     assert set(TASKS) == set(TASK_NAMES)
     image = Image.new("RGB", (8, 8))
-    for prompts in VERSION_PROMPTS.values():
+    for version, prompts in VERSION_PROMPTS.items():
         for name in TASKS:
             request = JobRequest(image={"path": "/x.png"}, task=name)
             assert request.prompt == ""  # the engine resolves the name
@@ -205,8 +205,8 @@ def test_named_tasks_get_the_engines_prompt_and_free_prompts_pass_through() -> N
             if name in prompts:
                 assert prompt_of(item, prompts) == prompts[name]
             else:
-                with pytest.raises(UnsupportedTask, match=f"{name!r} is not offered"):
-                    prompt_of(item, prompts)
+                with pytest.raises(UnsupportedTask, match=f"not offered by HunyuanOCR-{version}"):
+                    prompt_of(item, prompts, version)
         free = JobRequest(image={"path": "/x.png"}, task="Read the line.")
         item = PreparedImage("k", image, (8, 8), task="custom", prompt=free.prompt)
         assert prompt_of(item, prompts) == "Read the line."

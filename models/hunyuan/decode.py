@@ -14,9 +14,13 @@ norm/RoPE kernels when the step does (models/hunyuan/prefill.py), and replaces t
 * a step calls the model's own submodules (norms, projections, MLP, lm_head) with the same
   float arithmetic as transformers for RoPE, so outputs match the plain path; attention reads
   each row's real keys once (models/hunyuan/attention.py);
-* greedy argmax, the min-new-tokens eos ban, finished rows forced to pad, the step counters:
-  all on the device, so one step is captured in a CUDA graph per batch and replayed with no
-  host sync except a check for "all rows finished" every `CHECK_EVERY` steps.
+* greedy argmax, the repetition penalty (a gather/scatter over each row's token history), the
+  min-new-tokens eos ban, finished rows forced to pad, the step counters: all on the device, so
+  one step is captured in a CUDA graph per batch and replayed with no host sync except a check
+  for "all rows finished" every `CHECK_EVERY` steps;
+* between replays, every `guard.every` steps, the repetition guard finds looping rows on the
+  device and finishes them (models/hunyuan/repetition.py); `generate()` stops the same rows at
+  the same token counts.
 
 A graph is captured per batch rather than cached across batches: the KV cache it points at is
 then allocated and freed with its batch, as the planner's memory model assumes, and a capture

@@ -193,7 +193,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
     def prompt_for(self, item: PreparedImage) -> str:
         """The instruction for `item` in the loaded version (UnsupportedTask for a task name
         this version does not offer)."""
-        return prompt_of(item, self.version.prompts)
+        return prompt_of(item, self.version.prompts, self.version.name)
 
     def pixel_cap(self, item: PreparedImage) -> int:
         """Pixels the model may see of `item`: its job's cap, else its task's preset, within

@@ -97,16 +97,18 @@ TEMPLATE_TOKENS = 6
 CACHE_SIZE = 256  # templated prompts kept (free prompts are few in practice, presets a dozen)
 
 
-def prompt_of(item: PreparedImage, prompts: Mapping[str, str] = PROMPTS_1_5) -> str:
+def prompt_of(
+    item: PreparedImage, prompts: Mapping[str, str] = PROMPTS_1_5, version: str = "1.5"
+) -> str:
     """The instruction the model sees: the item's free prompt, else its task's prompt in
-    `prompts` (the loaded version's); UnsupportedTask for a name that version lacks."""
+    `prompts` (the loaded `version`'s); UnsupportedTask for a name that version lacks."""
     if item.prompt:
         return item.prompt
     if item.task in prompts:
         return prompts[item.task]
     if item.task in TASK_NAMES:
         raise UnsupportedTask(
-            f"task {item.task!r} is not offered by this HunyuanOCR version; "
+            f"task {item.task!r} is not offered by HunyuanOCR-{version}; "
             f"its tasks: {', '.join(prompts)}"
         )
     raise UnsupportedTask(f"task {item.task!r} is no preset and the item carries no prompt")
