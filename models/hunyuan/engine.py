@@ -88,7 +88,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
         self.decode = decode or decode_mode_from_env()
         if self.decode not in ("fast", "generate"):
             raise ValueError(f"decode must be 'fast' or 'generate', not {self.decode!r}")
-        self.geometry: ImageGeometry = DEFAULT_GEOMETRY  # set below for the latest version
+        self.geometry: ImageGeometry = DEFAULT_GEOMETRY
         self.model: Any = None
         self.processor: Any = None
         self.model_dir: Path | None = None
@@ -99,7 +99,8 @@ class HunyuanEngine(HunyuanMemory, Engine):
         self._generation_config: Any = None
         self._decoder: HunyuanDecoder | None = None
         self.last_decode: DecodeStats | None = None  # stats of the last fast batch (bench, logs)
-        # What the loaded checkpoint is (its config.json says); before loading, the latest.
+        # What the loaded checkpoint is (its config.json says); before loading, the latest,
+        # whose image limit the geometry then takes.
         self.version: ModelVersion = LATEST
         self.geometry = replace(DEFAULT_GEOMETRY, max_pixels=LATEST.max_pixels)
         self.repetition_penalty: float = LATEST.repetition_penalty
