@@ -1,9 +1,9 @@
 """What the HunyuanOCR benchmarks share: the model they run, how they say what ran, timers.
 
-Every benchmark runs a random-weight checkpoint (models/hunyuan/tiny.py: the full 1.0 shape on a
-GPU, the tiny one for smoke tests on a CPU) loaded through the engine's own path, and starts its
-report with `run_meta`, so a result file says how to reproduce it. Import this module after the
-script has put the repository on sys.path.
+Every benchmark runs a random-weight checkpoint (models/hunyuan/tiny.py: the full 1.0 or 1.5
+shape on a GPU, the tiny ones for smoke tests on a CPU) loaded through the engine's own path, and
+starts its report with `run_meta`, so a result file says how to reproduce it. Import this module
+after the script has put the repository on sys.path.
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ def run_meta(args: argparse.Namespace, script: str) -> dict[str, Any]:
     }
 
 
-def random_checkpoint(directory: Path, args: argparse.Namespace) -> Path:
-    """A checkpoint of --shape with random weights under `directory`, built on --device (much
-    faster on a GPU), on the CPU if that fails."""
-    from models.hunyuan.tiny import HUNYUAN_OCR_1_0, TINY, build_checkpoint
+def random_checkpoint(directory: Path, args: argparse.Namespace, version: str = "1.0") -> Path:
+    """A checkpoint of --shape and `version` ("1.0": flat config, 2048² pixels; "1.5": nested,
+    ~4096²) with random weights under `directory`, built on --device (much faster on a GPU), on
+    the CPU if that fails."""
+    from models.hunyuan.tiny import SHAPES, TINY_SHAPES, build_checkpoint
 
-    ckpt = directory / "ckpt"
-    shape = HUNYUAN_OCR_1_0 if args.shape == "full" else TINY
+    ckpt = directory / ("ckpt" if version == "1.0" else f"ckpt-{version}")
+    shape = SHAPES[version] if args.shape == "full" else TINY_SHAPES[version]
     try:
         build_checkpoint(ckpt, shape, device=args.device, dtype=args.dtype)
     except Exception as exc:

@@ -28,20 +28,31 @@ from models.costs import CostModel, ItemCost
 
 @dataclass(frozen=True)
 class Line:
-    """One recognised line; box is [x1, y1, x2, y2] in pixels of the ORIGINAL image."""
+    """One recognised line or region; box is [x1, y1, x2, y2] in pixels of the ORIGINAL image.
+
+    `label` names a region's kind where the model gives one (a layout's "table", a parsed
+    page's "figure"); plain text lines have none, and their JSON has no "label" key.
+    """
 
     text: str
     box: tuple[int, int, int, int]
     score: float
+    label: str | None = None
 
     def as_json(self) -> dict:
-        return {"text": self.text, "box": list(self.box), "score": round(self.score, 4)}
+        out = {"text": self.text, "box": list(self.box), "score": round(self.score, 4)}
+        if self.label is not None:
+            out["label"] = self.label
+        return out
 
 
 @dataclass(frozen=True)
 class OcrResult:
     text: str
     lines: list[Line] = field(default_factory=list)
+    # Why the text may be incomplete: None (the model finished), "max_tokens" (the generation
+    # cap cut it) or "repetition" (the engine stopped a loop; the text keeps one copy of it).
+    truncated: str | None = None
 
 
 @dataclass
@@ -58,6 +69,8 @@ class PreparedImage:
     original_size: tuple[int, int]
     task: str = "text"  # a task name of the contract (ocrq.contract.TASKS), or "custom"
     prompt: str = ""  # the job's free prompt, for "custom"; engines hold the named tasks' own
+    # The job's own cap on the pixels the model sees (None: the engine's per-task default).
+    max_pixels: int | None = None
     # Engine-private inputs made by `Engine.prepare` in a prefetch thread (a VLM's processor
     # output, say); cleared whenever the image changes, so `run` redoes what is missing.
     encoded: object | None = None

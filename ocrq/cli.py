@@ -209,9 +209,10 @@ def status(
         return
     table = Table("job_id", "status", "path", "text / error")
     for row in rows:
+        cut = f" (truncated: {row['truncated']})" if row.get("truncated") else ""
         table.add_row(
             row["job_id"],
-            row["status"],
+            row["status"] + cut,
             str(row.get("path") or ""),
             (row.get("text") or row.get("error") or "")[:60],
         )

@@ -17,8 +17,15 @@ TASK_NAME = "ocrq.recognize"
 DEFAULT_QUEUE = "ocr"
 
 # The task names a job may ask for; any other task string is a free prompt. Each engine holds
-# its own prompt for a name (HunyuanOCR's official ones: models/hunyuan/prompts.py).
-TASKS = ("text", "spotting", "parse", "table", "formula", "subtitles")
+# its own prompt for a name (HunyuanOCR's official ones per version: models/hunyuan/prompts.py);
+# a name the loaded model lacks fails its job.
+TASKS = (
+    "text", "spotting", "parse", "table", "formula", "subtitles",  # HunyuanOCR 1.0 and 1.5
+    "spotting_json", "layout", "layout_parse", "chart",  # 1.5 only
+    "translate_doc_zh", "translate_en", "translate_zh",
+)  # fmt: skip
+# A job's optional cap on the pixels the model sees: one 32x32 block up to 4096² (1.5's limit).
+MAX_PIXELS_RANGE = (32 * 32, 4096 * 4096)
 
 JobStatus = Literal["queued", "running", "done", "failed"]
 
@@ -118,6 +125,8 @@ class JobRequest(BaseModel):
     image: ImageRef
     task: Annotated[str, Field(min_length=1, max_length=4000)] = "text"
     job_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
+    # Optional: fewer pixels than the engine's per-task default (or more, up to the model's).
+    max_pixels: Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])] = None
 
     @field_validator("job_id", mode="before")
     @classmethod

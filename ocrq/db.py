@@ -40,6 +40,7 @@ ocr_jobs = Table(
     Column("text", Text),
     Column("lines", JsonType),
     Column("error", Text),
+    Column("truncated", String(16)),  # None | max_tokens | repetition (migrations/0003)
     Column("engine", String(32)),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("worker", Text),

@@ -117,12 +117,17 @@ class Settings(BaseSettings):
     # batch runs on. Celery's task time limits do not work with the threads pool.
     job_timeout_s: float = Field(default=900.0, ge=1.0, le=86_400.0)
 
-    # HunyuanOCR.
+    # HunyuanOCR. The repository's root holds 1.5 (since July 2026); "v1.0" is the older model.
+    # Which version a checkpoint is comes from its config.json (models/hunyuan/versions.py).
     model: str = "tencent/HunyuanOCR"
     model_revision: str | None = None
-    model_subfolder: str | None = "v1.0"
+    model_subfolder: str | None = None
     # Tokens generated at most per image; with the prompt it sizes the KV cache.
     max_new_tokens: int = Field(default=1024, ge=1, le=131_072)
+    # Per-task cap on the pixels the model sees, over the engine's defaults
+    # (models/hunyuan/resolution.py), e.g. "parse=2359296,spotting=4194304"; the task names of
+    # ocrq.contract.TASKS, or "custom" for free prompts. The model's own limit always applies.
+    task_max_pixels: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
     attention: str = "sdpa"
     dtype: str = "bfloat16"
     device: str = "auto"
@@ -164,6 +169,30 @@ class Settings(BaseSettings):
                     f"unknown image formats {unknown}: choose among {', '.join(sorted(Image.OPEN))}"
                 )
             return formats
+        return value
+
+    @field_validator("task_max_pixels", mode="before")
+    @classmethod
+    def _split_task_pixels(cls, value: object) -> object:
+        if isinstance(value, str):
+            pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError("OCRQ_TASK_MAX_PIXELS takes task=pixels pairs: parse=2359296,...")
+            value = {k.strip(): v.strip() for k, v in pairs}
+        return value
+
+    @field_validator("task_max_pixels")
+    @classmethod
+    def _check_task_pixels(cls, value: dict[str, int]) -> dict[str, int]:
+        from ocrq.contract import MAX_PIXELS_RANGE, TASKS
+
+        unknown = sorted(set(value) - {*TASKS, "custom"})
+        if unknown:
+            raise ValueError(f"OCRQ_TASK_MAX_PIXELS: unknown tasks {unknown}")
+        low, high = MAX_PIXELS_RANGE
+        bad = sorted(k for k, v in value.items() if not low <= v <= high)
+        if bad:
+            raise ValueError(f"OCRQ_TASK_MAX_PIXELS: {bad} outside {low}..{high} pixels")
         return value
 
     @field_validator("url_allow_networks", mode="before")

@@ -164,4 +164,5 @@ def public_view(row: dict[str, Any]) -> dict[str, Any]:
         "text": row.get("text"),
         "lines": row.get("lines") or [],
         "error": row.get("error"),
+        "truncated": row.get("truncated"),  # None | "max_tokens" | "repetition"
     }

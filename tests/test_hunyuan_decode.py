@@ -6,6 +6,11 @@ able to fail: a decode RoPE position off by one (the prefill is untouched, so st
 moves later logits by orders of magnitude more than the tolerance. The Triton kernel is checked
 against the torch reference in Triton's CPU interpreter, in a subprocess (the interpreter is
 chosen when triton is first imported).
+
+On the tiny 1.5 both loops apply its repetition penalty (1.08): they must agree on the scores
+each token is chosen from too, and a loop that drops the penalty is caught by the same check.
+The repetition guard is run on rows forced to loop (models/hunyuan/tiny.py, `ForcedLoop`): both
+loops stop the same rows at the same length.
 """
 
 from __future__ import annotations
@@ -18,14 +23,24 @@ import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from models.base import PreparedImage
+from models.base import OcrResult, PreparedImage
 from models.hunyuan import HunyuanEngine
 from models.hunyuan.generation import BatchOutput, unsupported_reason
+from models.hunyuan.versions import RepetitionGuard
 from ocrq.settings import Settings
-from tests.tiny_hunyuan import ShiftedDecoder, cpu_settings, item, max_diff, mixed, tiny_checkpoint
+from tests.tiny_hunyuan import (
+    ShiftedDecoder,
+    UnpenalisedDecoder,
+    cpu_settings,
+    item,
+    max_diff,
+    mixed,
+    tiny_checkpoint,
+)
 
 pytestmark = pytest.mark.hunyuan
 
@@ -41,6 +56,15 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
     path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
     eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW), decode="fast")
     eng.load()
+    return eng
+
+
+@pytest.fixture(scope="module")
+def engine15(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
+    path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt15"), "1.5")
+    eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW), decode="fast")
+    eng.load()
+    assert eng.version.name == "1.5" and eng.repetition_penalty == 1.08
     return eng
 
 
@@ -131,7 +155,8 @@ def test_unsupported_generation_configs_take_generate() -> None:
     from transformers import GenerationConfig
 
     assert unsupported_reason(GenerationConfig(do_sample=False)) is None
-    assert unsupported_reason(GenerationConfig(repetition_penalty=1.1)) == "repetition_penalty=1.1"
+    assert unsupported_reason(GenerationConfig(repetition_penalty=1.1)) is None  # both loops
+    assert unsupported_reason(GenerationConfig(no_repeat_ngram_size=3)) == "no_repeat_ngram_size=3"
     assert unsupported_reason(GenerationConfig(do_sample=True)) == "sampling"
     assert unsupported_reason(GenerationConfig(num_beams=2)) == "beam search"
 
@@ -302,3 +327,200 @@ def test_grouped_vision_attention_equals_the_per_image_loop(engine: HunyuanEngin
     assert n_grouped == 3  # runs of 60, 16, 60 patches: 2, 1, 3 images (one layer here)
     assert float((grouped - looped).abs().max()) < 1e-5
     assert float(looped.abs().max()) > 1e-2
+
+
+# --- repetition penalty -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain15(engine15: HunyuanEngine, mixed_batch: list[PreparedImage]) -> BatchOutput:
+    return engine15.generate(mixed_batch, output_logits=True, decode="generate")
+
+
+def scores_diff(a: Any, b: Any, pad: int, steps: slice = slice(None)) -> float:
+    """Largest difference of two rows' scores over `steps`, the pad column left out: batched
+    generate() also penalises the pad id in left-padded rows, the fast loop penalises each row's
+    own tokens only, as a row alone is (models/hunyuan/repetition.py)."""
+    n = min(len(a.scores), len(b.scores))
+    diff = (a.scores[:n][steps] - b.scores[:n][steps]).abs()
+    diff[:, pad] = 0
+    return float(diff.max())
+
+
+def test_fast_equals_generate_with_the_penalty(
+    engine15: HunyuanEngine, mixed_batch: list[PreparedImage], plain15: BatchOutput
+) -> None:
+    fast = engine15.generate(mixed_batch, output_logits=True, decode="fast")
+    assert engine15.last_decode is not None and not engine15.last_decode.graph
+    pad = engine15.tokens.pad
+    for a, b in zip(plain15.items, fast.items, strict=True):
+        assert b.token_ids == a.token_ids and b.truncated == a.truncated
+        assert max_diff(a, b) < TOLERANCE
+        assert scores_diff(a, b, pad) < TOLERANCE
+        # The penalty is in the scores: every prompt token's score moved by 8%.
+        assert float((a.scores[0] - a.logits[0]).abs().max()) > 100 * TOLERANCE
+
+
+def test_a_dropped_penalty_is_caught(
+    engine15: HunyuanEngine,
+    mixed_batch: list[PreparedImage],
+    plain15: BatchOutput,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Already the first token's scores differ (the prompt's tokens are penalised), by far more
+    than the tolerance; and the tokens chosen differ in some row."""
+    dropped = UnpenalisedDecoder(engine15.model, attention=engine15._decoder.attention)
+    with monkeypatch.context() as m:
+        m.setattr(engine15, "_decoder", dropped)
+        broken = engine15.generate(mixed_batch, output_logits=True, decode="fast")
+    pad = engine15.tokens.pad
+    for a, b in zip(plain15.items, broken.items, strict=True):
+        assert scores_diff(a, b, pad, slice(0, 1)) > 100 * TOLERANCE
+    pairs = zip(plain15.items, broken.items, strict=True)
+    assert any(a.token_ids != b.token_ids for a, b in pairs)
+
+
+def test_penalty_is_transformers_processor() -> None:
+    """`penalise` over a row's history is RepetitionPenaltyLogitsProcessor over that row's ids
+    (duplicates and all); a left-padded row's history leaves the pad id out, so the row is
+    penalised exactly as it is alone."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from models.hunyuan.repetition import history_of, penalise
+
+    torch.manual_seed(0)
+    scores = torch.randn(3, 50) * 4
+    ids = torch.randint(2, 50, (3, 12))
+    ids[1, :4] = ids[1, 4]  # duplicates
+    want = RepetitionPenaltyLogitsProcessor(1.08)(ids, scores.clone())
+    assert torch.equal(penalise(scores, ids, 1.08), want)
+    assert not torch.equal(want, scores)
+    pad = 1
+    padded = torch.cat([torch.full((3, 5), pad), ids], dim=1)
+    mask = (padded != pad).long()
+    history = history_of(padded, mask, mask.argmax(-1), new_tokens=4)
+    assert history.shape == (3, 17 + 4)
+    assert torch.equal(penalise(scores, history, 1.08), want)
+    assert not torch.equal(penalise(scores, padded, 1.08), want)  # pad would be penalised
+
+
+# --- repetition guard -------------------------------------------------------------------------
+
+# A guard small enough for a CPU test: checks every 8 tokens, a loop of <= 8 tokens repeated 4
+# times over 16+ tokens. The production guard's arithmetic is checked on its own below.
+SMALL = RepetitionGuard(every=8, min_repeats=4, max_unit=8, min_span=16)
+LOOP_START = 5
+
+
+def forced(
+    engine: HunyuanEngine, batch: list[PreparedImage], cycles: list[list[int]], **kwargs: Any
+) -> BatchOutput:
+    from models.hunyuan.tiny import ForcedLoop
+
+    with ForcedLoop(engine.model, cycles, start=LOOP_START):
+        return engine.generate(batch, **kwargs)
+
+
+def test_guard_stops_a_forced_loop_on_both_paths(
+    engine15: HunyuanEngine, mixed_batch: list[PreparedImage]
+) -> None:
+    """Row 0 loops on 3 tokens from its 6th: the guard stops it at the first check where the
+    loop covers its span (max(4, 16/3 -> 6) x 3 = 18 tokens: 5 + 18 = 23 -> the check at 24).
+    Row 1 cycles through 20 tokens, more than the guard's longest unit: never stopped. Both
+    loops agree on every token and every reason."""
+    batch = mixed_batch[:3]
+    cycles = [[40, 41, 42], list(range(100, 120)), []]
+    out = {
+        mode: forced(engine15, batch, cycles, max_new_tokens=64, guard=SMALL, decode=mode)
+        for mode in ("generate", "fast")
+    }
+    for a, b in zip(out["generate"].items, out["fast"].items, strict=True):
+        assert a.token_ids == b.token_ids and a.truncated == b.truncated
+    rows = out["fast"].items
+    assert rows[0].truncated == "repetition" and len(rows[0].token_ids) == 24
+    assert rows[0].token_ids[LOOP_START:] == ([40, 41, 42] * 7)[: 24 - LOOP_START]
+    assert rows[1].truncated == "max_tokens" and len(rows[1].token_ids) == 64
+    assert rows[1].token_ids[LOOP_START : LOOP_START + 20] == list(range(100, 120))
+    # Without the guard the same row runs to the cap.
+    unguarded = forced(engine15, batch, cycles, max_new_tokens=64, guard=False, decode="fast")
+    assert unguarded.items[0].truncated == "max_tokens"
+    assert len(unguarded.items[0].token_ids) == 64
+
+
+def test_guard_ends_the_batch_early_and_waits_for_min_new_tokens(
+    engine15: HunyuanEngine, mixed_batch: list[PreparedImage]
+) -> None:
+    """When every row loops, the fast loop stops stepping soon after the guard stopped them (at
+    its next all-finished check); a forced length (min_new_tokens) is never cut."""
+    batch = mixed_batch[:2]
+    cycles = [[40, 41, 42], [7, 8]]
+    out = forced(engine15, batch, cycles, max_new_tokens=96, guard=SMALL, decode="fast")
+    assert [g.truncated for g in out.items] == ["repetition", "repetition"]
+    assert engine15.last_decode is not None and engine15.last_decode.steps <= 32
+    full = forced(
+        engine15, batch, cycles, max_new_tokens=40, min_new_tokens=40, guard=SMALL, decode="fast"
+    )
+    assert [len(g.token_ids) for g in full.items] == [40, 40]
+    assert [g.truncated for g in full.items] == ["max_tokens", "max_tokens"]
+
+
+def test_a_stopped_row_is_done_with_one_copy_of_its_loop(
+    engine15: HunyuanEngine, mixed_batch: list[PreparedImage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through `run`: the looping row's result says `truncated="repetition"` and its text keeps
+    one copy of the loop; the other row is untouched."""
+    import dataclasses
+
+    from models.hunyuan.tiny import ForcedLoop
+
+    monkeypatch.setattr(engine15, "version", dataclasses.replace(engine15.version, guard=SMALL))
+    settings = engine15.settings.model_copy(update={"max_new_tokens": 64})
+    monkeypatch.setattr(engine15, "settings", settings)
+    vocab = engine15.processor.tokenizer.get_vocab()
+    a, b, c = vocab["a"], vocab["b"], vocab["c"]
+    batch = mixed_batch[:2]
+    with ForcedLoop(engine15.model, [[a, b, c], list(range(100, 120))], start=LOOP_START):
+        results = engine15.run(batch)
+    assert all(isinstance(r, OcrResult) for r in results)
+    assert results[0].truncated == "repetition"
+    assert results[0].text.endswith("abc") and "abcabc" not in results[0].text
+    assert results[1].truncated == "max_tokens"
+
+
+def test_production_guard_finds_loops_and_spares_short_runs() -> None:
+    """The version's guard (8 copies, units up to 128 tokens, a 256-token span) on token rows:
+    loops of 1, 5 and 128 tokens are found once they cover their span; the same loops just
+    short of it, a 129-token unit, and text that merely repeats tokens are not."""
+    import torch
+
+    from models.hunyuan.repetition import LoopFinder
+    from models.hunyuan.versions import V1_5
+
+    guard = V1_5.guard
+    assert guard.span(1) == 256 and guard.span(5) == 260 and guard.span(128) == 1024
+    finder = LoopFinder(guard, "cpu")
+    torch.manual_seed(1)
+
+    def row(unit: int, copies: int, prefix: int = 300) -> list[int]:
+        head = torch.randint(1000, 2000, (prefix,)).tolist()
+        cycle = list(range(10, 10 + unit))
+        return head + (cycle * copies)
+
+    cases = [
+        (row(1, 256), True),
+        (row(1, 255), False),
+        (row(5, 52), True),
+        (row(5, 51), False),
+        (row(128, 8), True),
+        (row(128, 7), False),
+        (row(129, 9), False),
+        (torch.randint(10, 14, (1500,)).tolist(), False),  # four ids, no period
+    ]
+    width = max(len(r) for r, _ in cases)
+    tokens = torch.tensor([[1] * (width - len(r)) + r for r, _ in cases])  # left-filled
+    # Fill the short rows' heads with distinct ids so the filler cannot look like a loop.
+    for i, (r, _) in enumerate(cases):
+        tokens[i, : width - len(r)] = torch.arange(5000, 5000 + width - len(r))
+    assert finder(tokens).tolist() == [want for _, want in cases]
+    assert finder(tokens[:, :10]).tolist() == [False] * len(cases)  # fewer tokens than any span

@@ -1,8 +1,10 @@
-"""HunyuanEngine on a tiny random HunYuanVL, loaded through the same path as the real checkpoint.
+"""HunyuanEngine on tiny random HunYuanVLs, loaded through the same path as the real checkpoints.
 
-The checkpoint is written at test time (models/hunyuan/tiny.py) into a fake Hugging Face cache as
-tencent/HunyuanOCR, revision main, subfolder v1.0, and the engine loads it by that id with
-HF_HUB_OFFLINE=1: the code path a worker takes in production.
+The checkpoints are written at test time (models/hunyuan/tiny.py) into a fake Hugging Face cache
+as tencent/HunyuanOCR, revision main: a 1.5 (nested config, 1.5's limits) at the root, as the
+real repository has since July 2026, and a 1.0 (flat config) under v1.0/. The engine loads them
+by that id with HF_HUB_OFFLINE=1: the code path a worker takes in production. Most tests run on
+both versions.
 
 Batched == single is checked on per-step logits, not only token ids, and the checks are shown to
 be able to fail: different images move the logits by orders of magnitude more than the tolerance,
@@ -26,7 +28,7 @@ from models.hunyuan.checkpoint import resolve_model_dir
 from models.hunyuan.generation import Generated
 from models.hunyuan.geometry import ImageGeometry, ImageShapeError
 from models.hunyuan.inputs import collate
-from models.hunyuan.prompts import TASK_PRESETS
+from models.hunyuan.prompts import PROMPTS_1_0, VERSION_PROMPTS
 from ocrq.settings import Settings
 from tests.tiny_hunyuan import (
     COMMIT,
@@ -38,6 +40,9 @@ from tests.tiny_hunyuan import (
     mixed,
     offline_tiny_cache,
 )
+
+SUBFOLDER = {"1.0": "v1.0", "1.5": None}  # where each version lives in the repository
+MAX_PIXELS = {"1.0": 160 * 160, "1.5": 192 * 192}  # the tiny processors' limits
 
 pytestmark = pytest.mark.hunyuan
 
@@ -54,10 +59,25 @@ def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def engine(hf_cache: Path) -> HunyuanEngine:
-    eng = HunyuanEngine.from_settings(cpu_settings(MODEL_ID, MAX_NEW, subfolder="v1.0"))
-    eng.load()
-    return eng
+def engines(hf_cache: Path) -> dict[str, HunyuanEngine]:
+    """Both versions, each loaded once for the module."""
+    loaded = {}
+    for version, subfolder in SUBFOLDER.items():
+        eng = HunyuanEngine.from_settings(cpu_settings(MODEL_ID, MAX_NEW, subfolder=subfolder))
+        eng.load()
+        loaded[version] = eng
+    return loaded
+
+
+@pytest.fixture(scope="module", params=["1.0", "1.5"])
+def engine(engines: dict[str, HunyuanEngine], request: pytest.FixtureRequest) -> HunyuanEngine:
+    return engines[request.param]
+
+
+@pytest.fixture(scope="module")
+def engine10(engines: dict[str, HunyuanEngine]) -> HunyuanEngine:
+    """For the checks one version shows as well as two."""
+    return engines["1.0"]
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +97,59 @@ def singles(engine: HunyuanEngine, mixed_batch: list[PreparedImage]) -> list[Gen
 
 
 def test_loaded_through_the_cache_by_id(engine: HunyuanEngine, hf_cache: Path) -> None:
-    assert engine.model_dir == hf_cache / f"models--tencent--HunyuanOCR/snapshots/{COMMIT}/v1.0"
+    version = engine.version.name
+    snapshot = hf_cache / f"models--tencent--HunyuanOCR/snapshots/{COMMIT}"
+    assert engine.model_dir == (snapshot / "v1.0" if version == "1.0" else snapshot)
     assert engine.model.config._attn_implementation == "sdpa"
     assert engine.processor.tokenizer.padding_side == "left"
-    assert engine.geometry == ImageGeometry(min_pixels=64 * 64, max_pixels=160 * 160)
-    assert engine.max_pixels == 160 * 160
+    # Each version's limit comes from its own processor.
+    assert engine.geometry == ImageGeometry(min_pixels=64 * 64, max_pixels=MAX_PIXELS[version])
+    assert engine.max_pixels == MAX_PIXELS[version]
+
+
+def test_version_comes_from_the_checkpoints_config(hf_cache: Path, engine: HunyuanEngine) -> None:
+    """The default settings load the repository's root, 1.5; v1.0/ holds 1.0; each brings its
+    prompts and Tencent's repetition penalty (1.08 for 1.5, none for 1.0), and says which it is
+    in the facts that key a tuned profile."""
+    import json
+
+    flat = "text_config" not in json.loads((engine.model_dir / "config.json").read_text())
+    assert engine.version.name == ("1.0" if flat else "1.5")
+    assert Settings().model_subfolder is None
+    assert engine.version.prompts is VERSION_PROMPTS[engine.version.name]
+    want = {"1.0": 1.0, "1.5": 1.08}[engine.version.name]
+    assert engine.repetition_penalty == want
+    assert engine._generation_config.repetition_penalty == want
+    assert engine.describe()["version"] == engine.version.name
+    assert "version" in engine.profile_fields
+    # The 1.5 text config was written nested, the 1.0 one flat with its legacy names, and
+    # transformers reads both into the same model.
+    cfg = engine.model.config.text_config
+    assert (cfg.vocab_size, cfg.head_dim, cfg.rope_parameters["mrope_section"]) == (
+        320,
+        16,
+        [2, 2, 2, 2],
+    )
+
+
+def test_every_task_of_the_version_runs(engine: HunyuanEngine) -> None:
+    """Every name the loaded version offers gives a result; a name only the other version
+    offers fails that job alone, naming what this one offers; free prompts still work."""
+    own = list(engine.version.prompts)
+    other = sorted((set(VERSION_PROMPTS["1.0"]) ^ set(VERSION_PROMPTS["1.5"])) - set(own))
+    assert other  # 1.5 lacks subtitles, 1.0 lacks layout, spotting_json, ...
+    batch = [item(100, 80, i, task=t) for i, t in enumerate(own)]
+    batch += [item(100, 80, 50, task=other[0])]
+    batch += [item(100, 80, 51, task="custom", prompt="Read the line.")]
+    results = engine.run(batch)
+    assert all(isinstance(r, OcrResult) for r in results[: len(own)]), results
+    assert isinstance(results[-2], ValueError)
+    want = f"task {other[0]!r} is not offered by HunyuanOCR-{engine.version.name}"
+    assert want in str(results[-2])
+    assert ", ".join(own) in str(results[-2])
+    assert isinstance(results[-1], OcrResult)
+    with pytest.raises(ValueError, match="not offered"):
+        engine.estimate(batch[-2])  # the batcher fails it before it waits for a batch
 
 
 def test_batch_is_padded(batched: Any, singles: list[Generated]) -> None:
@@ -185,33 +253,54 @@ def test_estimate_matches_the_processor(
      (4961, 7016), (3000, 20), (20, 3000), (33, 4000), (1700, 31)],
 )
 def test_estimator_matches_the_released_processor_settings(
-    engine: HunyuanEngine, size: tuple[int, int]
+    engine10: HunyuanEngine, size: tuple[int, int]
 ) -> None:
-    """With the released limits (512²..2048²): tokens and patches as the real processor counts."""
-    from transformers import HunYuanVLImageProcessor, HunYuanVLProcessor
-
+    """With 1.0's limits (512²..2048²): tokens and patches as the real processor counts."""
     from models.hunyuan.geometry import DEFAULT_GEOMETRY
+
+    assert_estimate_is_the_processors(engine10, DEFAULT_GEOMETRY, size)
+
+
+@pytest.mark.parametrize("size", [(1248, 1760), (2480, 3508), (4961, 7016), (20, 3000)])
+def test_estimator_matches_the_processor_at_15s_limit(
+    engine10: HunyuanEngine, size: tuple[int, int]
+) -> None:
+    """With 1.5's limit (~4096²), A4 at 300 dpi among them: 8,692 image tokens unshrunk."""
+    from models.hunyuan.geometry import DEFAULT_GEOMETRY
+
+    geometry = ImageGeometry(max_pixels=4096 * 4096)
+    assert_estimate_is_the_processors(engine10, geometry, size)
+    if size == (2480, 3508):
+        assert geometry.resized(*size) == (2496, 3520)
+        assert geometry.image_tokens(*size) == 110 * 79 + 2
+        assert DEFAULT_GEOMETRY.image_tokens(*size) < geometry.image_tokens(*size) / 2
+
+
+def assert_estimate_is_the_processors(
+    engine: HunyuanEngine, geometry: ImageGeometry, size: tuple[int, int]
+) -> None:
+    from transformers import HunYuanVLImageProcessor, HunYuanVLProcessor
 
     processor = HunYuanVLProcessor(
         image_processor=HunYuanVLImageProcessor(
-            size={"shortest_edge": 512 * 512, "longest_edge": 2048 * 2048}
+            size={"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels}
         ),
         tokenizer=engine.processor.tokenizer,
         chat_template=engine.processor.chat_template,
     )
-    text, prompt_tokens = engine.templates(TASK_PRESETS["text"])
+    text, prompt_tokens = engine.templates(PROMPTS_1_0["text"])
     enc = processor(text=[text], images=[Image.new("RGB", size, "white")], return_tensors="pt")
-    assert DEFAULT_GEOMETRY.image_tokens(*size) == enc["input_ids"].shape[1] - prompt_tokens
-    assert DEFAULT_GEOMETRY.vit_patches(*size) == enc["pixel_values"].shape[0]
-    assert int((enc["mm_token_type_ids"] == 1).sum()) == DEFAULT_GEOMETRY.image_tokens(*size)
+    assert geometry.image_tokens(*size) == enc["input_ids"].shape[1] - prompt_tokens
+    assert geometry.vit_patches(*size) == enc["pixel_values"].shape[0]
+    assert int((enc["mm_token_type_ids"] == 1).sum()) == geometry.image_tokens(*size)
 
 
-def test_processor_and_estimator_refuse_the_same_aspect(engine: HunyuanEngine) -> None:
+def test_processor_and_estimator_refuse_the_same_aspect(engine10: HunyuanEngine) -> None:
     img = Image.new("RGB", (4020, 20), "white")
     with pytest.raises(ValueError, match="aspect ratio"):
-        engine.processor.image_processor(images=[img])
+        engine10.processor.image_processor(images=[img])
     with pytest.raises(ImageShapeError):
-        engine.estimate(PreparedImage("wide", img, img.size))
+        engine10.estimate(PreparedImage("wide", img, img.size))
 
 
 def test_run_returns_results_and_fails_bad_items_alone(
@@ -244,6 +333,16 @@ def test_missing_model_names_id_and_fetch_command(hf_cache: Path) -> None:
     assert "hf download tencent/NoSuchOCR --revision abc123 --include 'v1.0/*'" in msg
 
 
+def test_missing_root_model_says_how_to_fetch_15(hf_cache: Path) -> None:
+    """The default (the repository's root, 1.5): the command skips the archived 1.0 and the
+    draft model, as Tencent's own does."""
+    with pytest.raises(ModelNotFound) as err:
+        resolve_model_dir(MODEL_ID, "feedbeef", None)
+    want = "hf download tencent/HunyuanOCR --revision feedbeef --exclude 'v1.0/*' --exclude"
+    assert want in str(err.value) and "'dflash/*'" in str(err.value)
+    assert "subfolder (root)" in str(err.value)
+
+
 def test_missing_subfolder_in_cache_is_reported(hf_cache: Path) -> None:
     with pytest.raises(ModelNotFound, match="subfolder v9"):
         resolve_model_dir(MODEL_ID, None, "v9")
@@ -262,8 +361,8 @@ def test_engine_load_fails_at_startup_without_weights(hf_cache: Path) -> None:
         eng.load()
 
 
-def test_local_directory_with_and_without_subfolder(engine: HunyuanEngine) -> None:
-    ckpt = engine.model_dir
+def test_local_directory_with_and_without_subfolder(engine10: HunyuanEngine) -> None:
+    ckpt = engine10.model_dir
     assert ckpt is not None
     assert resolve_model_dir(str(ckpt.parent), None, "v1.0") == ckpt
     assert resolve_model_dir(str(ckpt), None, "v1.0") == ckpt  # pointed at the folder itself
@@ -337,7 +436,7 @@ def test_default_cost_model_covers_the_fast_path_measurements() -> None:
 
 
 def test_at_most_preprocess_slots_threads_run_the_processor(
-    engine: HunyuanEngine, monkeypatch: pytest.MonkeyPatch
+    engine10: HunyuanEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Many prefetch threads, at most PREPROCESS_SLOTS of them in the processor at once (the
     GIL is left to the thread that feeds the GPU), and every one of them still gets its row."""
@@ -350,7 +449,7 @@ def test_at_most_preprocess_slots_threads_run_the_processor(
     inside = 0
     most = 0
     lock = threading.Lock()
-    encode = engine.preprocess_row.encode
+    encode = engine10.preprocess_row.encode
 
     def counted(*args: Any) -> Any:
         nonlocal inside, most
@@ -364,10 +463,10 @@ def test_at_most_preprocess_slots_threads_run_the_processor(
             with lock:
                 inside -= 1
 
-    monkeypatch.setattr(engine.preprocess_row, "encode", counted)
+    monkeypatch.setattr(engine10.preprocess_row, "encode", counted)
     items = [item(64 + i, 64, 40 + i) for i in range(12)]
     with ThreadPoolExecutor(8) as pool:
-        rows = list(pool.map(engine.preprocess, items))
+        rows = list(pool.map(engine10.preprocess, items))
     assert most == PREPROCESS_SLOTS == 2
     assert all(r.positions is not None and len(r.input_ids) > 0 for r in rows)
 
@@ -381,3 +480,103 @@ def test_profile_key_names_the_loaded_snapshot(engine: HunyuanEngine, tmp_path: 
     assert snapshot_commit(engine.model_dir) == COMMIT
     assert snapshot_commit(tmp_path / "snapshots" / "abc" / "v1.0") is None  # not a cache
     assert snapshot_commit(None) is None
+
+
+# --- resolution presets -----------------------------------------------------------------------
+
+
+def test_presets_cap_the_pixels_the_model_sees(
+    engines: dict[str, HunyuanEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's own cap, a worker's override and a task's preset each shrink what the model
+    sees, always within the model's limits; the estimate counts the shrunk image exactly as the
+    processor then encodes it (so the planner plans for it), and prepare() keeps only that."""
+    engine = engines["1.5"]
+    size = (190, 190)  # under the tiny 1.5's limit (192²), over the caps below
+    model_max, model_min = 192 * 192, 64 * 64
+    cases = [
+        # (task, free prompt, the job's cap, the worker's overrides, pixels allowed)
+        ("parse", "", 100 * 100, {}, 100 * 100),
+        ("table", "", None, {"table": 120 * 120}, 120 * 120),
+        ("table", "", 90 * 90, {"table": 120 * 120}, 90 * 90),  # the job's own wins
+        ("parse", "", None, {}, model_max),  # the 1536² preset is over this model's limit
+        ("custom", "提取图片中的字幕。", None, {}, model_max),  # free prompts: no preset
+        ("custom", "x", 10**8, {}, model_max),  # never above the model's limit
+        ("parse", "", 10, {}, model_min),  # nor below its minimum
+    ]
+    for task, prompt, job_cap, overrides, allowed in cases:
+        settings = engine.settings.model_copy(update={"task_max_pixels": overrides})
+        monkeypatch.setattr(engine, "settings", settings)
+        it = item(*size, 3, task=task, prompt=prompt, max_pixels=job_cap)
+        case = (task, job_cap, overrides)
+        assert engine.pixel_cap(it) == allowed, case
+        cost = engine.estimate(it)
+        row = engine.preprocess(it)
+        assert cost.patches == row.pixel_values.shape[0], case
+        assert cost.tokens == len(row.input_ids) + MAX_NEW, case
+        assert cost.pixels <= allowed, case
+        if allowed < model_max:
+            assert cost.pixels > allowed / 4, case  # to the cap, within the 32-pixel grid
+        engine.prepare(it)
+        assert it.image.size[0] * it.image.size[1] <= allowed, case
+        assert engine.estimate(it) == cost, case  # the shrunk image costs what was planned
+        assert it.original_size == size  # boxes still map to the job's own pixels
+
+
+def test_presets_default_by_task_and_the_settings_row() -> None:
+    """Documents 1536², scene text 2048², subtitles and free prompts the model's limit; an A4
+    page at 300 dpi under 1.5 is shrunk to the document preset for parse (2,339 image tokens
+    where its full size gives 8,692), and OCRQ_TASK_MAX_PIXELS is typed and bounded."""
+    from pydantic import ValidationError
+
+    from models.hunyuan.resolution import TASK_MAX_PIXELS
+    from ocrq.contract import TASKS
+
+    eng = HunyuanEngine(Settings())  # before loading: 1.5's limit
+    a4 = (2480, 3508)
+    parse = PreparedImage("p", Image.new("RGB", a4), a4, task="parse")
+    spot = PreparedImage("s", Image.new("RGB", a4), a4, task="spotting")
+    assert eng.pixel_cap(parse) == 1536 * 1536 and eng.pixel_cap(spot) == 2048 * 2048
+    assert eng.estimate(parse).pixels == 1280 * 1824
+    assert eng.estimate(parse).prompt_tokens - 57 * 41 - 2 < 200
+    assert eng.estimate(spot).pixels == 1696 * 2432
+    assert set(TASK_MAX_PIXELS) < set(TASKS)
+    assert Settings(task_max_pixels="parse=4194304").task_max_pixels == {"parse": 4194304}
+    for bad in ("parse=5", "nosuch=4194304", "parse"):
+        with pytest.raises(ValidationError):
+            Settings(task_max_pixels=bad)
+
+
+def test_planner_downscales_the_biggest_15_pages_over_budget() -> None:
+    """The estimate grows with the pixels 1.5 accepts (a 4096² page is 16,514 image tokens),
+    and a budget that one such page exceeds makes the batcher shrink it until it fits, never
+    sending it into an out-of-memory error."""
+    from models.costs import GiB
+    from worker.batcher import BatchConfig, Batcher
+
+    eng = HunyuanEngine(Settings(max_new_tokens=16))
+    huge = PreparedImage(
+        "h", Image.new("RGB", (4096, 4096)), (4096, 4096), task="custom", prompt="x"
+    )
+    cost = eng.estimate(huge)
+    assert cost.prompt_tokens >= 128 * 129 + 2 and cost.patches == 256 * 256
+    model = eng.cost_model()
+    one = model.batch_bytes([cost])
+    assert one > 2 * GiB  # 16.5k tokens at 139-162 KiB each
+
+    shrunk: list[tuple[int, int]] = []
+
+    class Recording(HunyuanEngine):
+        def run(self, batch: Any) -> list[Any]:
+            shrunk.extend(it.image.size for it in batch)
+            return [OcrResult(text="") for _ in batch]
+
+    rec = Recording(Settings(max_new_tokens=16))
+    batcher = Batcher(rec, BatchConfig(max_items=4, wait_s=0.01, budget_bytes=one // 3)).start()
+    try:
+        outcome = batcher.submit(huge).result(timeout=60)
+    finally:
+        batcher.stop()
+    assert outcome.error is None
+    assert shrunk and shrunk[0][0] * shrunk[0][1] <= 4096 * 4096 // 2
+    assert model.batch_bytes([rec.estimate(huge)]) <= one // 3

@@ -75,7 +75,7 @@ def test_boxes_map_to_original_pixels() -> None:
 
 def test_spotting_result_uses_original_size() -> None:
     out = "第一行(0,0),(500,100)\n第二行(500,100),(1000,200)"
-    result = build_result(out, task="spotting", original_size=(4000, 3000), capped=False)
+    result = build_result(out, task="spotting", original_size=(4000, 3000), truncated=None)
     assert result.text == "第一行\n第二行"
     assert result.lines == [
         Line("第一行", (0, 0, 2000, 300), 1.0),
@@ -84,7 +84,7 @@ def test_spotting_result_uses_original_size() -> None:
 
 
 def test_spotting_result_falls_back_to_raw_text() -> None:
-    result = build_result("  no boxes \n", task="spotting", original_size=(10, 10), capped=False)
+    result = build_result("  no boxes \n", task="spotting", original_size=(10, 10), truncated=None)
     assert result.text == "no boxes"
     assert result.lines == []
 
@@ -122,11 +122,15 @@ def test_trim_is_fast_on_long_loops() -> None:
     assert time.perf_counter() - started < 1.0
 
 
-def test_only_capped_outputs_are_trimmed() -> None:
+def test_only_cut_outputs_are_trimmed() -> None:
     # A table of contents' dot leaders end in an eos: kept. The same tail at the cap: a loop.
     toc = "Chapter 1 ........"
-    assert build_result(toc, task="text", original_size=(1, 1), capped=False).text == toc
-    assert build_result(toc, task="text", original_size=(1, 1), capped=True).text == "Chapter 1 ."
+    assert build_result(toc, task="text", original_size=(1, 1), truncated=None).text == toc
+    cut = build_result(toc, task="text", original_size=(1, 1), truncated="max_tokens")
+    assert cut.text == "Chapter 1 ." and cut.truncated == "max_tokens"
+    stopped = build_result(toc, task="text", original_size=(1, 1), truncated="repetition")
+    assert stopped.text == "Chapter 1 ." and stopped.truncated == "repetition"
+    assert build_result(toc, task="text", original_size=(1, 1)).truncated is None
 
 
 # --- token arithmetic -------------------------------------------------------------------------
@@ -183,26 +187,172 @@ def test_cpu_path_never_imports_torch() -> None:
 
 
 def test_named_tasks_get_the_engines_prompt_and_free_prompts_pass_through() -> None:
-    """The wire contract carries task names only; the engine holds HunyuanOCR's prompts."""
+    """The wire contract carries task names only (every version's); the engine holds each
+    version's prompts, and a name the version lacks is refused by name."""
     from PIL import Image
 
-    from models.base import PreparedImage
-    from models.hunyuan.prompts import TASK_PRESETS, answer_kind, prompt_of
+    from models.base import PreparedImage, UnsupportedTask
+    from models.hunyuan.prompts import TASK_NAMES, VERSION_PROMPTS, answer_kind, prompt_of
     from ocrq.contract import TASKS, JobRequest
 
-    assert set(TASKS) == set(TASK_PRESETS)
+    assert set(TASKS) == set(TASK_NAMES)
     image = Image.new("RGB", (8, 8))
-    for name in TASKS:
-        request = JobRequest(image={"path": "/x.png"}, task=name)
-        assert request.prompt == ""  # the engine resolves the name
-        item = PreparedImage("k", image, (8, 8), task=name, prompt=request.prompt)
-        assert prompt_of(item) == TASK_PRESETS[name]
-    free = JobRequest(image={"path": "/x.png"}, task="Read the line.")
-    item = PreparedImage("k", image, (8, 8), task="custom", prompt=free.prompt)
-    assert prompt_of(item) == "Read the line." and answer_kind(item) == "custom"
-    # The spotting prompt spelled out is parsed as spotting too.
-    spelled = PreparedImage("k", image, (8, 8), task="custom", prompt=TASK_PRESETS["spotting"])
-    assert answer_kind(spelled) == "spotting"
+    for version, prompts in VERSION_PROMPTS.items():
+        for name in TASKS:
+            request = JobRequest(image={"path": "/x.png"}, task=name)
+            assert request.prompt == ""  # the engine resolves the name
+            item = PreparedImage("k", image, (8, 8), task=name, prompt=request.prompt)
+            if name in prompts:
+                assert prompt_of(item, prompts) == prompts[name]
+            else:
+                with pytest.raises(UnsupportedTask, match=f"not offered by HunyuanOCR-{version}"):
+                    prompt_of(item, prompts, version)
+        free = JobRequest(image={"path": "/x.png"}, task="Read the line.")
+        item = PreparedImage("k", image, (8, 8), task="custom", prompt=free.prompt)
+        assert prompt_of(item, prompts) == "Read the line."
+        assert answer_kind(item, prompts) == "text"
+        # The spotting prompt spelled out is parsed as spotting too.
+        spelled = PreparedImage("k", image, (8, 8), task="custom", prompt=prompts["spotting"])
+        assert answer_kind(spelled, prompts) == "spotting"
+    p15 = VERSION_PROMPTS["1.5"]
+    kinds = {n: answer_kind(PreparedImage("k", image, (8, 8), task=n), p15) for n in p15}
+    assert kinds["spotting_json"] == "spotting_json" and kinds["layout"] == "layout"
+    assert kinds["parse"] == kinds["layout_parse"] == "parse" and kinds["table"] == "text"
+
+
+# Tencent's 1.5 prompts (inference/utils/tasks.py @ c55965d3): sha256 of the UTF-8 bytes, first
+# 16 hex digits, and length in characters, as the research notes recorded them.
+PROMPT_HASHES_1_5 = {
+    "parse": ("16f15a15a1eb5181", 81),  # doc_parse
+    "text": ("ed471d18b8266adb", 8),  # structured_parse
+    "spotting_json": ("5f5f7c04b71aa98f", 166),
+    "spotting": ("9d5efb395cfbe2ab", 23),  # spotting_hunyuan
+    "layout": ("7f0aead1c6dcac74", 16),
+    "layout_parse": ("915ac071db0a2eec", 79),
+    "chart": ("0d37a14f1b5a3320", 46),  # chart_parse
+    "formula": ("4e79e42648a4252d", 20),
+    "table": ("57324c7f31defb97", 14),
+    "translate_doc_zh": ("bc41d6e8a350b7a0", 53),  # doc_trans_en2zh
+    "translate_en": ("7781c97c9640a165", 55),  # trans_other2en
+    "translate_zh": ("9d4c227aab2dc1b1", 55),  # trans_other2zh
+}
+
+
+def test_15_prompts_are_tencents_verbatim() -> None:
+    import hashlib
+
+    from models.hunyuan.prompts import PROMPTS_1_5
+
+    assert set(PROMPTS_1_5) == set(PROMPT_HASHES_1_5)
+    for name, (digest, length) in PROMPT_HASHES_1_5.items():
+        prompt = PROMPTS_1_5[name]
+        assert (hashlib.sha256(prompt.encode()).hexdigest()[:16], len(prompt)) == (
+            digest,
+            length,
+        ), name
+
+
+def test_version_comes_from_the_config_layout_and_limits() -> None:
+    from models.hunyuan.versions import version_of_config
+
+    flat_10 = {"hidden_size": 1024, "max_position_embeddings": 32768, "vision_config": {}}
+    nested_15 = {
+        "text_config": {"hidden_size": 1024, "max_position_embeddings": 131072},
+        "vision_config": {"img_max_token_num": 16384, "max_vit_seq_len": 65536},
+    }
+    resaved_10 = {  # 1.0 saved again by transformers >= 5.13: nested, 1.0's limits
+        "text_config": {"max_position_embeddings": 32768},
+        "vision_config": {"img_max_token_num": 4096},
+    }
+    assert version_of_config(flat_10).name == "1.0"
+    assert version_of_config(nested_15).name == "1.5"
+    assert version_of_config(resaved_10).name == "1.0"
+    assert version_of_config({"text_config": {}, "vision_config": {}}).name == "1.5"
+    assert version_of_config({"hidden_size": 1024}).name == "1.0"
+    flat_big = {"max_position_embeddings": 32768, "vision_config": {"max_vit_seq_len": 65536}}
+    assert version_of_config(flat_big).name == "1.5"
+
+
+# --- 1.5's structured answers -----------------------------------------------------------------
+
+
+def test_spotting_json_answer() -> None:
+    from models.hunyuan.output import parse_spotting_json
+
+    out = (
+        '```json\n[{"box": [100, 500, 300, 540], "text": "金额(小写)"},\n'
+        ' {"bbox": [[10, 20], [30, 20], [30, 40], [10, 40]], "text": "quad {x}"},\n'
+        ' {"box": [1, 2, 3], "text": "bad box"}, {"box": [5, 6, 7, 8], "text": "  "},\n'
+        ' {"box": [600, 900, 980, 950], "text": "cut by the ca'
+    )
+    assert parse_spotting_json(out) == [
+        SpottedText("金额(小写)", (100, 500, 300, 540)),
+        SpottedText("quad {x}", (10, 20, 30, 40)),
+    ]
+    result = build_result(out, task="spotting_json", original_size=(2000, 1000))
+    assert result.text == "金额(小写)\nquad {x}"
+    assert result.lines[0] == Line("金额(小写)", (200, 500, 600, 540), 1.0)
+    junk = build_result("no json here", task="spotting_json", original_size=(10, 10))
+    assert junk.text == "no json here" and junk.lines == []
+
+
+def test_layout_answer_json_and_hy_meta() -> None:
+    out = (
+        '[{"layout_type": "title", "bbox": "(100,50),(900,50),(900,120),(100,120)", '
+        '"text": "Annual report"}, {"layout_type": "figure", '
+        '"bbox": [[100, 200], [900, 200], [900, 700], [100, 700]]}]'
+    )
+    result = build_result(out, task="layout", original_size=(1000, 2000))
+    assert [(line.label, line.text, line.box) for line in result.lines] == [
+        ("title", "Annual report", (100, 100, 900, 240)),
+        ("figure", "", (100, 400, 900, 1400)),
+    ]
+    assert result.text == "Annual report"
+    assert result.lines[1].as_json()["label"] == "figure"
+    assert "label" not in Line("x", (0, 0, 1, 1), 1.0).as_json()  # plain lines as before
+    legacy = (
+        "Heading<hy-meta><layout>section_title</layout><poly>(10,10),(500,10),(500,60),"
+        "(10,60)</poly></hy-meta>Body text<hy-meta><layout>paragraph</layout>"
+        "<quad>(10,80),(990,400)</quad></hy-meta>"
+    )
+    result = build_result(legacy, task="layout", original_size=(1000, 1000))
+    assert [(line.label, line.text, line.box) for line in result.lines] == [
+        ("section_title", "Heading", (10, 10, 500, 60)),
+        ("paragraph", "Body text", (10, 80, 990, 400)),
+    ]
+
+
+def test_parsed_page_figure_boxes_become_lines() -> None:
+    """Captions' and figures' trailing boxes leave the markdown and become "figure" lines;
+    tables and display math keep theirs; a page that is only a box (issue #118) is one."""
+    out = "\n".join(
+        [
+            "# Title",
+            "数据来源于高德地图驾车导航数据(39,337),(512,900)",
+            "(147,90),(925,415)",
+            "<table><tr><td>f(1,2),(3,4)</td></tr></table>",
+            "$$",
+            "g(1,2),(3,4)",
+            "$$",
+            "Text with (a), (b) in it.",
+        ]
+    )
+    result = build_result(out, task="parse", original_size=(1000, 2000))
+    assert result.text.split("\n") == [
+        "# Title",
+        "数据来源于高德地图驾车导航数据",
+        "<table><tr><td>f(1,2),(3,4)</td></tr></table>",
+        "$$",
+        "g(1,2),(3,4)",
+        "$$",
+        "Text with (a), (b) in it.",
+    ]
+    assert [(line.label, line.text, line.box) for line in result.lines] == [
+        ("figure", "数据来源于高德地图驾车导航数据", (39, 674, 512, 1800)),
+        ("figure", "", (147, 180, 925, 830)),
+    ]
+    only = build_result("(156,68),(783,758)", task="parse", original_size=(1000, 1000))
+    assert only.text == "" and [line.box for line in only.lines] == [(156, 68, 783, 758)]
 
 
 def test_registry_is_a_mapping_and_each_engine_has_its_memory_side() -> None:
@@ -220,3 +370,20 @@ def test_registry_is_a_mapping_and_each_engine_has_its_memory_side() -> None:
     rapid = memory_of(create_engine("rapid", Settings()))  # no device: host memory
     assert isinstance(rapid, HostMemory) and rapid.profile_fields == ()
     assert rapid.is_oom(MemoryError()) and not rapid.is_oom(ValueError())
+
+
+def test_rows_end_at_the_generation_configs_and_the_tokenizers_eos() -> None:
+    """Both ids end a row: a 1.5 generation config may name 120020 where the tokenizer's eos
+    (what Tencent's clients stop at) is 120007."""
+    from types import SimpleNamespace
+
+    from models.hunyuan.tokens import SpecialTokens
+
+    gen = SimpleNamespace(eos_token_id=120020, pad_token_id=None)
+    tokenizer = SimpleNamespace(eos_token_id=120007, pad_token_id=120002)
+    tokens = SpecialTokens.read(gen, tokenizer)
+    assert tokens.eos == {120007, 120020} and tokens.pad == 120002
+    kept, no_eos = tokens.cut([[5, 6, 120007, 9], [5, 120020], [5, 6]])
+    assert kept == [[5, 6], [5], [5, 6]] and no_eos == [False, False, True]
+    listed = SpecialTokens.read(SimpleNamespace(eos_token_id=[1, 2], pad_token_id=0), tokenizer)
+    assert listed.eos == {1, 2, 120007}

@@ -318,7 +318,7 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def tiny_settings(**extra: Any) -> Settings:
-    return Settings(engine="hunyuan", model="tencent/HunyuanOCR", model_subfolder="v1.0",
+    return Settings(engine="hunyuan", model="tencent/HunyuanOCR", model_subfolder=None,
                     dtype="float32", device="cpu", max_new_tokens=4, **extra)
 
 

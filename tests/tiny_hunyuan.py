@@ -1,9 +1,11 @@
-"""What the HunyuanOCR tests share: the tiny checkpoint in a fake Hugging Face cache, images,
+"""What the HunyuanOCR tests share: the tiny checkpoints in a fake Hugging Face cache, images,
 engines, and the test-only ways to break an engine on purpose.
 
-The checkpoint itself is built by models/hunyuan/tiny.py (benchmarks use it too). The knobs that
-exist only to show a check can fail (right padding, a shifted decode position) live here, as
-subclasses, and not in the production engine.
+The checkpoints themselves are built by models/hunyuan/tiny.py (benchmarks use it too): the fake
+cache holds tencent/HunyuanOCR as the real repository does since July 2026, a tiny 1.5 at its
+root and a tiny 1.0 under v1.0/. The knobs that exist only to show a check can fail (right
+padding, a shifted decode position, a dropped repetition penalty) live here, as subclasses, and
+not in the production engine.
 
 torch is imported inside functions so that collection works where it is not installed.
 """
@@ -30,21 +32,24 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def fake_hf_cache(root: Path, build: Any) -> Path:
-    """A Hugging Face cache holding MODEL_ID at COMMIT, with the checkpoint under v1.0/."""
+    """A Hugging Face cache holding MODEL_ID at COMMIT: `build(folder, version)` writes 1.5 at
+    the snapshot's root and 1.0 under v1.0/, the repository's layout."""
     repo = root / ("models--" + MODEL_ID.replace("/", "--"))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(COMMIT)
-    build(repo / "snapshots" / COMMIT / "v1.0")
+    snapshot = repo / "snapshots" / COMMIT
+    build(snapshot, "1.5")
+    build(snapshot / "v1.0", "1.0")
     return root
 
 
 @contextmanager
 def offline_tiny_cache(root: Path) -> Iterator[Path]:
-    """The tiny checkpoint as MODEL_ID in a fake cache at `root`, with huggingface_hub pointed
+    """The tiny checkpoints as MODEL_ID in a fake cache at `root`, with huggingface_hub pointed
     at it and offline for the duration."""
-    from models.hunyuan.tiny import TINY, build_checkpoint
+    from models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
 
-    fake_hf_cache(root, lambda p: build_checkpoint(p, TINY))
+    fake_hf_cache(root, lambda p, version: build_checkpoint(p, TINY_SHAPES[version]))
     with pytest.MonkeyPatch.context() as mp:
         import huggingface_hub.constants as hf_constants
 
@@ -54,14 +59,16 @@ def offline_tiny_cache(root: Path) -> Iterator[Path]:
         yield root
 
 
-def tiny_checkpoint(folder: Path) -> Path:
-    """The tiny checkpoint as a plain local folder."""
-    from models.hunyuan.tiny import TINY, build_checkpoint
+def tiny_checkpoint(folder: Path, version: str = "1.0") -> Path:
+    """A tiny checkpoint of `version` as a plain local folder."""
+    from models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
 
-    return build_checkpoint(folder / "tiny", TINY)
+    return build_checkpoint(folder / f"tiny-{version}", TINY_SHAPES[version])
 
 
-def cpu_settings(model: str, max_new_tokens: int, subfolder: str | None = None) -> Settings:
+def cpu_settings(
+    model: str, max_new_tokens: int, subfolder: str | None = None, **extra: Any
+) -> Settings:
     return Settings(
         model=model,
         model_subfolder=subfolder,
@@ -69,6 +76,7 @@ def cpu_settings(model: str, max_new_tokens: int, subfolder: str | None = None) 
         dtype="float32",
         device="cpu",
         max_new_tokens=max_new_tokens,
+        **extra,
     )
 
 
@@ -78,12 +86,23 @@ def noise(w: int, h: int, seed: int) -> Image.Image:
 
 
 def item(
-    w: int, h: int, seed: int, task: str = "text", prompt: str = "", scale: int = 1
+    w: int,
+    h: int,
+    seed: int,
+    task: str = "text",
+    prompt: str = "",
+    scale: int = 1,
+    max_pixels: int | None = None,
 ) -> PreparedImage:
     """A noise image; `scale` makes its original size that many times larger (boxes then map
     back to pixels the model never saw)."""
     return PreparedImage(
-        f"img{seed}", noise(w, h, seed), (w * scale, h * scale), task=task, prompt=prompt
+        f"img{seed}",
+        noise(w, h, seed),
+        (w * scale, h * scale),
+        task=task,
+        prompt=prompt,
+        max_pixels=max_pixels,
     )
 
 
@@ -125,6 +144,13 @@ class ShiftedDecoder(HunyuanDecoder):
         state, logits = super()._prefill(*args)
         state.pos += 1
         return state, logits
+
+
+class UnpenalisedDecoder(HunyuanDecoder):
+    """Drops the repetition penalty whatever the engine asks for."""
+
+    def _prefill(self, inputs: Any, tokens: Any, n_new: int, penalty: float = 1.0) -> Any:
+        return super()._prefill(inputs, tokens, n_new, 1.0)
 
 
 def rows(engine: HunyuanEngine, items: list[PreparedImage]) -> list[EncodedImage]:

@@ -126,6 +126,7 @@ class JobRunner:
                     original_size=loaded.original_size,
                     task=task,
                     prompt=request.prompt,
+                    max_pixels=request.max_pixels,
                 )
                 self.engine.prepare(item)  # CPU preprocessing, here in the prefetch thread
             except Exception as exc:  # bad image, or one the engine's preprocessing refuses
@@ -168,6 +169,7 @@ class JobRunner:
             text=outcome.result.text,
             lines=lines,
             error=None,
+            truncated=outcome.result.truncated,
             **common,
         )
         metrics.JOBS.labels("done").inc()

@@ -16,6 +16,8 @@ from typing import Any
 from ocrq.settings import Settings
 
 REFUSED_ATTENTION = {"eager"}  # 13.1 GiB for one A4 page on the H200, where sdpa takes ~0.35
+DEFAULT_REPO = "tencent/HunyuanOCR"
+ROOT_EXTRAS = ("v1.0", "dflash")  # folders beside the root's 1.5 in DEFAULT_REPO
 
 
 class ModelNotFound(RuntimeError):
@@ -52,6 +54,10 @@ def resolve_model_dir(
         fetch += f" --revision {revision}"
     if subfolder:
         fetch += f" --include '{subfolder}/*'"
+    elif model == DEFAULT_REPO:
+        # The root holds HunyuanOCR-1.5; the archived 1.0 and the speculative-decoding draft
+        # model beside it are not needed (Tencent's own command excludes v1.0/ too).
+        fetch += " " + " ".join(f"--exclude '{folder}/*'" for folder in ROOT_EXTRAS)
     missing = ModelNotFound(
         f"HunyuanOCR weights {model!r} (revision {revision or 'main'}, subfolder "
         f"{subfolder or '(root)'}) are not in the local Hugging Face cache "

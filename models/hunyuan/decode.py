@@ -14,9 +14,13 @@ norm/RoPE kernels when the step does (models/hunyuan/prefill.py), and replaces t
 * a step calls the model's own submodules (norms, projections, MLP, lm_head) with the same
   float arithmetic as transformers for RoPE, so outputs match the plain path; attention reads
   each row's real keys once (models/hunyuan/attention.py);
-* greedy argmax, the min-new-tokens eos ban, finished rows forced to pad, the step counters:
-  all on the device, so one step is captured in a CUDA graph per batch and replayed with no
-  host sync except a check for "all rows finished" every `CHECK_EVERY` steps.
+* greedy argmax, the repetition penalty (a gather/scatter over each row's token history), the
+  min-new-tokens eos ban, finished rows forced to pad, the step counters: all on the device, so
+  one step is captured in a CUDA graph per batch and replayed with no host sync except a check
+  for "all rows finished" every `CHECK_EVERY` steps;
+* between replays, every `guard.every` steps, the repetition guard finds looping rows on the
+  device and finishes them (models/hunyuan/repetition.py); `generate()` stops the same rows at
+  the same token counts.
 
 A graph is captured per batch rather than cached across batches: the KV cache it points at is
 then allocated and freed with its batch, as the planner's memory model assumes, and a capture
@@ -39,8 +43,10 @@ from models.hunyuan.attention import (
 )
 from models.hunyuan.generation import ATTENTION_MODES, unsupported_reason
 from models.hunyuan.prefill import DecodeState, prefill
+from models.hunyuan.repetition import LoopFinder, guard_due, penalise
 from models.hunyuan.text import TextModel
 from models.hunyuan.tokens import SpecialTokens
+from models.hunyuan.versions import RepetitionGuard
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +70,17 @@ class DecodeStats:
     fused: bool = False
     cache_len: int = 0
     prefill_peak_bytes: int = 0  # device memory allocated at most up to the prefill's end (CUDA)
+
+
+@dataclass
+class Decoded:
+    """One batch's fast-loop output (CPU tensors)."""
+
+    tokens: torch.Tensor  # (B, steps) generated ids, pad after a row's end
+    logits: torch.Tensor | None  # (B, steps, V) raw float32 logits, when asked
+    scores: torch.Tensor | None  # (B, steps, V) what each token was chosen from, when asked
+    stopped: torch.Tensor  # (B,) tokens kept by a row the repetition guard stopped, else 0
+    stats: DecodeStats
 
 
 class HunyuanDecoder:
@@ -103,11 +120,15 @@ class HunyuanDecoder:
         max_new_tokens: int,
         min_new_tokens: int | None = None,
         output_logits: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, DecodeStats]:
-        """Greedy tokens (B, steps) on the CPU, raw logits (B, steps, V) if asked, and stats.
+        repetition_penalty: float = 1.0,
+        guard: RepetitionGuard | None = None,
+    ) -> Decoded:
+        """Greedy tokens (B, steps) on the CPU, raw logits and the scores chosen from
+        (B, steps, V) if asked, which rows the repetition guard stopped, and stats.
 
         `inputs` are the collated model inputs on the model's device; `tokens` says which ids
-        end a row and what finished rows are padded with.
+        end a row and what finished rows are padded with. `repetition_penalty` is transformers'
+        (models/hunyuan/repetition.py); `guard` stops rows whose tail loops (None: never).
         """
         import torch
 
@@ -116,10 +137,10 @@ class HunyuanDecoder:
         min_new = min_new_tokens or 0
         t0 = time.perf_counter()
         with torch.inference_mode():
-            state, first_logits = self._prefill(inputs, tokens, n_new)
-            self._choose_first(state, first_logits, min_new)
+            state, first_logits = self._prefill(inputs, tokens, n_new, repetition_penalty)
             if output_logits:
-                state.logits = [first_logits.float()]
+                state.logits, state.scores = [], []
+            self._choose_first(state, first_logits, min_new)
             del first_logits
             if self.is_cuda:
                 torch.cuda.synchronize(self.device)
@@ -127,18 +148,26 @@ class HunyuanDecoder:
             t1 = time.perf_counter()
             stats.prefill_s = t1 - t0
             stats.cache_len = int(state.keys[0].shape[2]) if state.keys else 0
-            steps = self._decode(state, n_new, min_new, output_logits, stats)
+            finder = LoopFinder(guard, self.device) if guard is not None else None
+            steps = self._decode(state, n_new, min_new, output_logits, stats, finder)
             new = state.out[:, : steps + 1].cpu()
             stats.steps = steps
             stats.decode_s = time.perf_counter() - t1 - stats.capture_s
             logits = torch.stack(state.logits, dim=1).cpu() if state.logits else None
-        return new, logits, stats
+            scores = torch.stack(state.scores, dim=1).cpu() if state.scores else None
+            assert state.stopped is not None
+            stopped = state.stopped.cpu()
+        return Decoded(new, logits, scores, stopped, stats)
 
     def _prefill(
-        self, inputs: dict[str, torch.Tensor], tokens: SpecialTokens, n_new: int
+        self,
+        inputs: dict[str, torch.Tensor],
+        tokens: SpecialTokens,
+        n_new: int,
+        penalty: float = 1.0,
     ) -> tuple[DecodeState, torch.Tensor]:
         """The prompt pass and the state the steps start from (models/hunyuan/prefill.py)."""
-        return prefill(self.text, inputs, tokens, n_new, fused=self.fused)
+        return prefill(self.text, inputs, tokens, n_new, fused=self.fused, penalty=penalty)
 
     def _contiguous_rows(self, state: DecodeState, prompt: int) -> bool:
         """True when every row's real keys are one run ending at the prompt's end (left padding),
@@ -153,12 +182,14 @@ class HunyuanDecoder:
         state.tok.copy_(nxt)
         state.kidx += 1
 
-    def _select(self, logits: torch.Tensor, state: DecodeState, min_new: int) -> torch.Tensor:
-        """Greedy choice as transformers makes it: float32 scores, eos banned before min_new,
-        finished rows get pad."""
+    def _scores(self, logits: torch.Tensor, state: DecodeState, min_new: int) -> torch.Tensor:
+        """The scores a token is chosen from, as transformers' logits processors make them:
+        float32, the repetition penalty over each row's history, eos banned before min_new."""
         import torch
 
         scores = logits.float()
+        if state.history is not None:
+            scores = penalise(scores, state.history, state.penalty)
         if min_new > 0:
             banned = state.kidx < min_new  # (1,) bool, stays on the device
             eos_scores = scores.index_select(1, state.eos)
@@ -167,15 +198,49 @@ class HunyuanDecoder:
                 state.eos,
                 torch.where(banned, torch.full_like(eos_scores, float("-inf")), eos_scores),
             )
-        nxt = scores.argmax(-1)
-        return torch.where(state.finished, torch.full_like(nxt, state.pad), nxt)
+        return scores
 
-    def _decode(
-        self, state: DecodeState, n_new: int, min_new: int, keep_logits: bool, stats: DecodeStats
-    ) -> int:
-        """Run decode steps 1..n_new-1 (step j feeds token j-1 and produces token j)."""
+    def _select(self, logits: torch.Tensor, state: DecodeState, min_new: int) -> torch.Tensor:
+        """Greedy choice as transformers makes it; finished rows get pad. Records the logits and
+        scores when kept, and the choice in the rows' history."""
         import torch
 
+        scores = self._scores(logits, state, min_new)
+        if state.logits is not None and state.scores is not None:
+            state.logits.append(logits.float())
+            state.scores.append(scores)
+        nxt = scores.argmax(-1)
+        nxt = torch.where(state.finished, torch.full_like(nxt, state.pad), nxt)
+        if state.history is not None and state.hidx is not None:
+            state.history.index_copy_(1, state.hidx, nxt[:, None])
+            state.hidx += 1
+        return nxt
+
+    def _guard(self, state: DecodeState, finder: LoopFinder, n: int) -> None:
+        """Stop the running rows whose first `n` tokens end in a loop: they finish now, keeping
+        those `n` tokens (their later ones are pad), and `stopped` says so. On the device, no
+        host sync: the loop's own all-finished check sees them."""
+        import torch
+
+        assert state.stopped is not None
+        newly = finder(state.out[:, :n]) & ~state.finished
+        state.stopped.copy_(torch.where(newly, n, state.stopped))
+        state.finished |= newly
+
+    def _decode(
+        self,
+        state: DecodeState,
+        n_new: int,
+        min_new: int,
+        keep_logits: bool,
+        stats: DecodeStats,
+        finder: LoopFinder | None = None,
+    ) -> int:
+        """Run decode steps 1..n_new-1 (step j feeds token j-1 and produces token j); before a
+        step, with `done` steps run, `done + 1` tokens exist, which the guard checks when due."""
+        import torch
+
+        guard = finder.guard if finder is not None else None
         total = n_new - 1
         if total <= 0:
             return 0
@@ -185,6 +250,8 @@ class HunyuanDecoder:
         state.full_cache = graph
         if not graph:
             for done in range(total):
+                if finder is not None and guard_due(guard, done + 1, min_new, n_new):
+                    self._guard(state, finder, done + 1)
                 if done % CHECK_EVERY == 0 and done and bool(state.finished.all()):
                     stats.timed_steps = done
                     return done
@@ -205,6 +272,8 @@ class HunyuanDecoder:
         stats.capture_s = time.perf_counter() - t
         done = 1
         while done < total:
+            if finder is not None and guard_due(guard, done + 1, min_new, n_new):
+                self._guard(state, finder, done + 1)
             if done % CHECK_EVERY == 0 and bool(state.finished.all()):
                 break
             g.replay()
@@ -247,8 +316,6 @@ class HunyuanDecoder:
         logits = self.text.step(
             state.tok, state.pos, state.slot, state.keys, state.values, attend, self.fused
         )
-        if state.logits is not None:
-            state.logits.append(logits.float())
         nxt = self._select(logits, state, min_new)
         state.out.index_copy_(1, state.kidx, nxt[:, None])
         state.finished |= (nxt[:, None] == state.eos[None, :]).any(1)

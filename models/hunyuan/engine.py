@@ -17,7 +17,13 @@ Design notes (the why):
   cache and one CUDA graph per batch, 3.5 ms a step at batch 64 on an H200 where `generate()`
   takes 62-105 ms (bench/results/decode_speed_h200*.md), same greedy tokens, less peak memory.
   OCRQ_DECODE=generate keeps transformers' loop, and a generation config the fast loop cannot
-  honour (a repetition penalty, say) falls back to it on its own (models/hunyuan/generation.py).
+  honour (an n-gram ban, say) falls back to it on its own (models/hunyuan/generation.py).
+* HunyuanOCR 1.0 and 1.5 load through this same code; the checkpoint's config says which it is
+  (models/hunyuan/versions.py), and the version brings its prompts, its repetition penalty and
+  its image limit. Both loops apply the penalty and stop rows whose tail loops
+  (models/hunyuan/repetition.py); such a row's result says `truncated="repetition"`.
+* Each task shows the model a preset number of pixels (models/hunyuan/resolution.py), which the
+  estimate counts, so a batch is planned for the image the model will really see.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import gc
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +52,8 @@ from models.hunyuan.generation import (
     generated_rows,
     greedy_config,
 )
-from models.hunyuan.geometry import (
-    DEFAULT_GEOMETRY,
-    MAX_PIXELS,
-    ImageGeometry,
-    geometry_of,
-    item_cost,
-)
-from models.hunyuan.inputs import EncodedImage, Preprocessor, collate
+from models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageGeometry, geometry_of, item_cost
+from models.hunyuan.inputs import EncodedImage, Preprocessor, collate, fit_to_cap
 from models.hunyuan.memory import (
     DEFAULT_DECODE_FIXED_BYTES,
     HunyuanMemory,
@@ -62,7 +63,9 @@ from models.hunyuan.memory import (
 from models.hunyuan.output import result_of
 from models.hunyuan.patches import batch_vision_attention, isolate_rows
 from models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
+from models.hunyuan.resolution import pixel_cap
 from models.hunyuan.tokens import SpecialTokens
+from models.hunyuan.versions import LATEST, ModelVersion, RepetitionGuard, version_of_checkpoint
 from ocrq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -72,9 +75,10 @@ class HunyuanEngine(HunyuanMemory, Engine):
     """Tencent HunyuanOCR (HunYuanVLForConditionalGeneration) on one device."""
 
     name = "hunyuan"
-    # The processor never shows the model more than 2048² pixels, so prefetch may downscale
-    # larger images to that before they wait in memory (updated from the loaded processor).
-    max_pixels: int | None = MAX_PIXELS
+    # The processor never shows the model more than its limit (2048² pixels for 1.0, ~4096² for
+    # 1.5), so prefetch may downscale larger images to that before they wait in memory (set
+    # from the loaded processor).
+    max_pixels: int | None = LATEST.max_pixels
 
     def __init__(self, settings: Settings, *, decode: str | None = None) -> None:
         """`decode`: "fast" (models/hunyuan/decode.py) or "generate" (transformers' loop); by
@@ -95,6 +99,11 @@ class HunyuanEngine(HunyuanMemory, Engine):
         self._generation_config: Any = None
         self._decoder: HunyuanDecoder | None = None
         self.last_decode: DecodeStats | None = None  # stats of the last fast batch (bench, logs)
+        # What the loaded checkpoint is (its config.json says); before loading, the latest,
+        # whose image limit the geometry then takes.
+        self.version: ModelVersion = LATEST
+        self.geometry = replace(DEFAULT_GEOMETRY, max_pixels=LATEST.max_pixels)
+        self.repetition_penalty: float = LATEST.repetition_penalty
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HunyuanEngine:
@@ -108,7 +117,15 @@ class HunyuanEngine(HunyuanMemory, Engine):
         model, processor = ckpt.model, ckpt.processor
         isolate_rows(model)
         batch_vision_attention(model)
+        self.version = version_of_checkpoint(ckpt.path)
         gen = greedy_config(model.generation_config)
+        # The checkpoint's own penalty where its generation config names one, else Tencent's
+        # for this version (1.08 for 1.5); both loops apply it.
+        own = getattr(gen, "repetition_penalty", None)
+        self.repetition_penalty = (
+            float(own) if own not in (None, 1.0) else self.version.repetition_penalty
+        )
+        gen.repetition_penalty = self.repetition_penalty
         self.tokens = SpecialTokens.read(gen, processor.tokenizer)
         self.geometry = geometry_of(processor)
         self.max_pixels = self.geometry.max_pixels
@@ -116,16 +133,28 @@ class HunyuanEngine(HunyuanMemory, Engine):
         self.model_dir, self.device = ckpt.path, ckpt.device
         self._generation_config = gen
         self.templates = PromptTemplates(processor)
+        for prompt in self.version.prompts.values():  # a template error shows at start-up
+            self.templates(prompt)
         self.preprocess_row = Preprocessor(
-            model, processor, self.templates, self.geometry, pin=self._cuda()
+            model,
+            processor,
+            self.templates,
+            self.geometry,
+            pin=self._cuda(),
+            prompt_for=self.prompt_for,
+            cap_of=self.pixel_cap,
         )
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
         log.info(
-            "hunyuan engine loaded %s on %s (%s, %s attention) in %.1f s",
+            "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, "
+            "repetition penalty %s, max %d pixels) in %.1f s",
+            self.version.name,
             ckpt.path,
             ckpt.device,
             ckpt.dtype,
             self.settings.attention,
+            self.repetition_penalty,
+            self.geometry.max_pixels,
             time.perf_counter() - started,
         )
 
@@ -149,6 +178,8 @@ class HunyuanEngine(HunyuanMemory, Engine):
             # snapshot of the same branch is not this model's.
             "revision": snapshot_commit(self.model_dir) or s.model_revision or "main",
             "subfolder": s.model_subfolder or "",
+            # Known once loaded: 1.0 and 1.5 take different pixels, so profiles are apart.
+            "version": self.version.name if self.model is not None else "",
             "dtype": s.dtype,
             "attention": s.attention,
             "device": self.device or s.device,
@@ -160,16 +191,32 @@ class HunyuanEngine(HunyuanMemory, Engine):
 
     # -- planning ----------------------------------------------------------------------------
 
+    def prompt_for(self, item: PreparedImage) -> str:
+        """The instruction for `item` in the loaded version (UnsupportedTask for a task name
+        this version does not offer)."""
+        return prompt_of(item, self.version.prompts, self.version.name)
+
+    def pixel_cap(self, item: PreparedImage) -> int:
+        """Pixels the model may see of `item`: its job's cap, else its task's preset, within
+        the model's limits (models/hunyuan/resolution.py)."""
+        g = self.geometry
+        return pixel_cap(
+            item.task, item.max_pixels, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
+        )
+
     def estimate(self, item: PreparedImage) -> ItemCost:
-        """Tokens, patches and pixels of `item`, by arithmetic (raises ImageShapeError for an
-        image the processor would refuse)."""
-        prompt = prompt_of(item)
+        """Tokens, patches and pixels of `item` as the model will see it (its resolution preset
+        applied), by arithmetic; raises ImageShapeError for an image the processor would refuse
+        and UnsupportedTask for a task the loaded version lacks."""
+        prompt = self.prompt_for(item)
         if self.templates is not None:
             prompt_tokens = self.templates.prompt_tokens(prompt)
         else:
             prompt_tokens = rough_prompt_tokens(prompt)
+        self.geometry.resized(*item.size)  # the processor's own refusals first
+        size = self.geometry.shrink_to(*item.size, self.pixel_cap(item))
         return item_cost(
-            *item.size,
+            *size,
             prompt_tokens=prompt_tokens,
             max_new_tokens=self.settings.max_new_tokens,
             geometry=self.geometry,
@@ -186,9 +233,12 @@ class HunyuanEngine(HunyuanMemory, Engine):
         return "fast-fused" if self._decoder.fused else "fast"
 
     def cost_model(self) -> CostModel:
-        """The measured default; its decode part from the loaded model's shape."""
+        """The measured default for this version; its decode part from the loaded model's
+        shape."""
         decode_fixed = float(DEFAULT_DECODE_FIXED_BYTES) if self._cuda() else 0.0
-        return default_cost_model(self.decode_path(), cache_token_bytes(self.model), decode_fixed)
+        return default_cost_model(
+            self.decode_path(), cache_token_bytes(self.model), decode_fixed, self.version.name
+        )
 
     # -- running -----------------------------------------------------------------------------
 
@@ -200,7 +250,10 @@ class HunyuanEngine(HunyuanMemory, Engine):
         return self.preprocess_row(item)
 
     def prepare(self, item: PreparedImage) -> None:
-        """Preprocess in the prefetch thread; `run` then skips the processor for this item."""
+        """Preprocess in the prefetch thread; `run` then skips the processor for this item.
+        The image is first shrunk to its resolution preset, so a 300 dpi page waits in memory
+        at the size the model will see."""
+        item.image = fit_to_cap(item.image, self.geometry, self.pixel_cap(item))
         item.encoded = self.preprocess(item)
 
     def _preprocess_or_error(self, item: PreparedImage) -> EncodedImage | Exception:
@@ -225,15 +278,18 @@ class HunyuanEngine(HunyuanMemory, Engine):
         output_logits: bool = False,
         encoded: Sequence[EncodedImage | Exception] | None = None,
         decode: str | None = None,
+        guard: RepetitionGuard | bool | None = True,
     ) -> BatchOutput:
         """Greedy generation for a batch; the building block of `run`, the tests and the bench.
 
-        `min_new_tokens` (the bench sets it equal to max_new_tokens) forces a fixed length;
-        `output_logits` keeps every step's raw logits per row (tests only: they take
-        steps x vocab x 4 bytes per row). `encoded` hands in rows already preprocessed (by
-        `preprocess`, in another thread say), one per item of `batch`. `decode` overrides the
-        engine's decode mode for this call ("fast" falls back to "generate" where the generation
-        config needs it).
+        `min_new_tokens` (the bench sets it equal to max_new_tokens) forces a fixed length (the
+        repetition guard never stops a row before it); `output_logits` keeps every step's raw
+        logits and the scores chosen from per row (tests only: they take steps x vocab x 8
+        bytes per row). `encoded` hands in rows already preprocessed (by `preprocess`, in
+        another thread say), one per item of `batch`. `decode` overrides the engine's decode
+        mode for this call ("fast" falls back to "generate" where the generation config needs
+        it). `guard`: True for the version's repetition guard, False or None for none (the
+        bench measures what it saves), or another guard.
         """
         if self.model is None or self.tokens is None:
             raise RuntimeError("HunyuanEngine.load() must run before generate()")
@@ -254,17 +310,22 @@ class HunyuanEngine(HunyuanMemory, Engine):
         t1 = time.perf_counter()
 
         n_new = max_new_tokens or self.settings.max_new_tokens
+        loop_guard = self.version.guard if guard is True else (guard or None)
         if (decode or self.decode) == "fast" and self._decoder is not None:
             # The fast loop takes the rows' own positions (collate); generate() computes them.
-            new, logits, self.last_decode = self._decoder.generate(
+            fast = self._decoder.generate(
                 inputs,
                 tokens,
                 max_new_tokens=n_new,
                 min_new_tokens=min_new_tokens,
                 output_logits=output_logits,
+                repetition_penalty=self.repetition_penalty,
+                guard=loop_guard,
             )
+            new, logits, scores, stopped = fast.tokens, fast.logits, fast.scores, fast.stopped
+            self.last_decode = fast.stats
         else:
-            new, logits = generate_plain(
+            new, logits, scores, stopped = generate_plain(
                 self.model,
                 self._generation_config,
                 tokens,
@@ -272,11 +333,14 @@ class HunyuanEngine(HunyuanMemory, Engine):
                 max_new_tokens=n_new,
                 min_new_tokens=min_new_tokens,
                 output_logits=output_logits,
+                guard=loop_guard,
             )
         t2 = time.perf_counter()
 
         lengths = [len(r.input_ids) for r in rows]
-        done = generated_rows(new, logits, tokens, self.processor, lengths)
+        done = generated_rows(
+            new, logits, tokens, self.processor, lengths, scores=scores, stopped=stopped
+        )
         for i, row in zip(good, done, strict=True):
             items[i] = row
         timings = {"preprocess": t1 - t0, "generate": t2 - t1, "decode": time.perf_counter() - t2}
@@ -289,6 +353,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
         """
         output = self.generate(batch)
         results: list[OcrResult | Exception] = []
+        prompts = self.version.prompts
         for item, gen in zip(batch, output.items, strict=True):
-            results.append(gen if isinstance(gen, Exception) else result_of(item, gen))
+            results.append(gen if isinstance(gen, Exception) else result_of(item, gen, prompts))
         return results

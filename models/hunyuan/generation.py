@@ -2,8 +2,9 @@
 
 Two loops give the same greedy tokens: models/hunyuan/decode.py (the default, `Settings.decode`
 = "fast", OCRQ_DECODE) and transformers' `generate()` ("generate"). The fast loop implements
-greedy search with eos/pad and min_new_tokens only, so a checkpoint whose generation config asks
-for more (a repetition penalty, say) runs on `generate()` instead of silently changing its output
+greedy search with eos/pad, min_new_tokens, the repetition penalty and the repetition guard
+(models/hunyuan/repetition.py) only, so a checkpoint whose generation config asks for more (an
+n-gram ban, say) runs on `generate()` instead of silently changing its output
 (`unsupported_reason`).
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_args
 
 from models.hunyuan.tokens import SpecialTokens
+from models.hunyuan.versions import RepetitionGuard
 from ocrq.settings import DecodeAttention, DecodeMode
 
 if TYPE_CHECKING:
@@ -24,15 +26,26 @@ DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
 ATTENTION_MODES: tuple[str, ...] = get_args(DecodeAttention)
 
 
+TRUNCATED = ("repetition", "max_tokens")  # why a row ended before its model said so
+
+
 @dataclass
 class Generated:
     """One row of a batched generation."""
 
     text: str
     token_ids: list[int]  # generated tokens, eos and padding removed
-    capped: bool  # stopped at max_new_tokens instead of an eos
+    # None: the row ended at an eos; "max_tokens": at max_new_tokens; "repetition": the
+    # repetition guard stopped it (models/hunyuan/repetition.py).
+    truncated: str | None
     prompt_tokens: int  # row length before padding, image tokens included
     logits: torch.Tensor | None = None  # (steps, vocab) float32, only when asked for
+    scores: torch.Tensor | None = None  # (steps, vocab) what each token was chosen from
+
+    @property
+    def capped(self) -> bool:
+        """Stopped by a limit instead of an eos: its output may end in a loop worth trimming."""
+        return self.truncated is not None
 
 
 @dataclass
@@ -61,7 +74,6 @@ def unsupported_reason(gen: Any) -> str | None:
     if (getattr(gen, "num_beams", 1) or 1) != 1:
         return "beam search"
     for name, neutral in (
-        ("repetition_penalty", 1.0),
         ("encoder_repetition_penalty", 1.0),
         ("no_repeat_ngram_size", 0),
         ("min_length", 0),
@@ -97,10 +109,15 @@ def generate_plain(
     max_new_tokens: int,
     min_new_tokens: int | None,
     output_logits: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers' `generate()` on collated inputs: new tokens (B, steps) on the CPU, and
-    every step's raw logits (B, steps, V) in float32 when asked."""
+    guard: RepetitionGuard | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """transformers' `generate()` on collated inputs: new tokens (B, steps) on the CPU, every
+    step's raw logits and the scores chosen from (B, steps, V) in float32 when asked, and per
+    row the tokens it kept when the repetition `guard` stopped it (else 0)."""
     import torch
+    from transformers import StoppingCriteriaList
+
+    from models.hunyuan.repetition import guard_criteria
 
     padded = int(inputs["input_ids"].shape[1])
     inputs = dict(inputs)
@@ -112,12 +129,24 @@ def generate_plain(
     gen.min_new_tokens = min_new_tokens
     gen.return_dict_in_generate = True
     gen.output_logits = output_logits
+    gen.output_scores = output_logits
+    criteria = StoppingCriteriaList()
+    if guard is not None:
+        stopper = guard_criteria(
+            guard, padded, tokens.eos_list, min_new=min_new_tokens or 0, max_new=max_new_tokens
+        )
+        criteria.append(stopper)
     with torch.inference_mode():
-        out = model.generate(**inputs, generation_config=gen)
+        out = model.generate(**inputs, generation_config=gen, stopping_criteria=criteria)
     new = out.sequences[:, padded:].cpu()
     logits = torch.stack(out.logits, dim=1).float().cpu() if output_logits else None
+    scores = torch.stack(out.scores, dim=1).float().cpu() if output_logits else None
     del out
-    return new, logits
+    stopped = torch.zeros(new.shape[0], dtype=torch.long)
+    if guard is not None:
+        for row, kept in stopper.stopped.items():
+            stopped[row] = kept
+    return new, logits, scores, stopped
 
 
 def generated_rows(
@@ -126,23 +155,36 @@ def generated_rows(
     tokens: SpecialTokens,
     processor: Any,
     prompt_lengths: list[int],
+    *,
+    scores: torch.Tensor | None = None,
+    stopped: torch.Tensor | None = None,
 ) -> list[Generated]:
-    """Each row of a generation (new tokens (B, steps), either loop's) cut at its eos, decoded
-    to text, with its logits up to and including the eos step."""
-    token_rows, capped = tokens.cut(new.tolist())
+    """Each row of a generation (new tokens (B, steps), either loop's) cut at its eos, or where
+    the repetition guard stopped it (`stopped`), decoded to text, with its logits and scores up
+    to and including the eos step."""
+    token_rows, no_eos = tokens.cut(new.tolist())
+    kept = stopped.tolist() if stopped is not None else [0] * len(token_rows)
+    truncated: list[str | None] = []
+    for j, ids in enumerate(token_rows):
+        if kept[j] and len(ids) >= kept[j]:  # the guard stopped it (an eos would come first)
+            token_rows[j] = ids[: kept[j]]
+            truncated.append("repetition")
+        else:
+            truncated.append("max_tokens" if no_eos[j] else None)
     texts = processor.batch_decode(
         token_rows, skip_special_tokens=True, clean_up_tokenization_spaces=False
     )
     out = []
     for j, ids in enumerate(token_rows):
-        steps = len(ids) + (0 if capped[j] else 1)  # the eos step has logits too
+        steps = len(ids) + (0 if truncated[j] else 1)  # the eos step has logits too
         out.append(
             Generated(
                 text=texts[j],
                 token_ids=ids,
-                capped=capped[j],
+                truncated=truncated[j],
                 prompt_tokens=prompt_lengths[j],
                 logits=logits[j, :steps] if logits is not None else None,
+                scores=scores[j, :steps] if scores is not None else None,
             )
         )
     return out

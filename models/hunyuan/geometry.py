@@ -6,16 +6,17 @@ processor and processor live here as plain arithmetic. The unit tests check thes
 the real processor's output for tiny, huge and odd-aspect images.
 
 The rule (HunYuanVLImageProcessor): resize to a multiple of `patch * merge` (32) on each side,
-keeping the aspect ratio, so that the area lies in [min_pixels, max_pixels] (512², 2048² for the
-released checkpoints). The vision encoder then sees P = (h/16)(w/16) patches, and the language
-model N = (h/32)(w/32 + 1) + 2 image tokens: one per merged 2x2 patch, a newline token closing
-every row, and begin/end tokens around the image.
+keeping the aspect ratio, so that the area lies in [min_pixels, max_pixels] (512² and 2048² for
+HunyuanOCR 1.0, about 4096² for 1.5; the engine reads them from the loaded processor). The
+vision encoder then sees P = (h/16)(w/16) patches, and the language model N = (h/32)(w/32 + 1)
++ 2 image tokens: one per merged 2x2 patch, a newline token closing every row, and begin/end
+tokens around the image.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from models.costs import ItemCost
 
@@ -67,6 +68,21 @@ class ImageGeometry:
             h = math.ceil(height * scale / f) * f
             w = math.ceil(width * scale / f) * f
         return w, h
+
+    def shrink_to(self, width: int, height: int, cap: int) -> tuple[int, int]:
+        """The size to resize an image to, before the processor, so that the model sees at most
+        `cap` pixels of it (a resolution preset); (width, height) itself when the cap changes
+        nothing, so the processor resizes exactly as it would without one.
+
+        The result is a multiple of the factor on each side and within the limits, which the
+        processor then leaves as it is: `resized` of it is itself.
+        """
+        if cap >= self.max_pixels:
+            return width, height
+        capped = replace(self, max_pixels=max(cap, self.min_pixels)).resized(width, height)
+        if capped == self.resized(width, height):
+            return width, height
+        return self.resized(*capped)
 
     def vit_patches(self, width: int, height: int) -> int:
         """Patches the vision encoder processes for this image: P = (h/16)(w/16)."""

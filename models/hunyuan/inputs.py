@@ -9,13 +9,13 @@ copies them over (`collate`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from models.base import PreparedImage
 from models.hunyuan.geometry import ImageGeometry
-from models.hunyuan.prompts import PromptTemplates, prompt_of
+from models.hunyuan.prompts import PromptTemplates
 
 if TYPE_CHECKING:
     import torch
@@ -52,19 +52,24 @@ class Preprocessor:
         geometry: ImageGeometry,
         *,
         pin: bool,
+        prompt_for: Callable[[PreparedImage], str],
+        cap_of: Callable[[PreparedImage], int],
     ) -> None:
-        """`pin`: stage pixels in pinned host memory (the model is on a GPU)."""
+        """`pin`: stage pixels in pinned host memory (the model is on a GPU). `prompt_for`: the
+        loaded version's instruction for an item; `cap_of`: its resolution preset in pixels."""
         self.model = model
         self.processor = processor
         self.templates = templates
         self.geometry = geometry
         self.pin = pin
+        self.prompt_for = prompt_for
+        self.cap_of = cap_of
         self.slots = threading.BoundedSemaphore(PREPROCESS_SLOTS)
 
     def __call__(self, item: PreparedImage) -> EncodedImage:
         image = item.image if item.image.mode == "RGB" else item.image.convert("RGB")
-        self.geometry.resized(*image.size)  # a clear ImageShapeError before the processor's own
-        text, _ = self.templates(prompt_of(item))
+        image = fit_to_cap(image, self.geometry, self.cap_of(item))
+        text, _ = self.templates(self.prompt_for(item))
         with self.slots:
             return self.encode(text, image)
 
@@ -110,6 +115,19 @@ class Preprocessor:
                 image_grid_thw=enc["image_grid_thw"],
             )
         return positions[:, 0]
+
+
+def fit_to_cap(image: Image.Image, geometry: ImageGeometry, cap: int) -> Image.Image:
+    """`image` resized (bicubic, as the processor resizes) so that the model sees at most `cap`
+    pixels of it; the image itself when the cap changes nothing. Also raises ImageShapeError for
+    a shape the processor would refuse, before the processor's own error."""
+    from PIL import Image
+
+    geometry.resized(*image.size)
+    size = geometry.shrink_to(*image.size, cap)
+    if size == image.size:
+        return image
+    return image.resize(size, Image.Resampling.BICUBIC)
 
 
 def collate(

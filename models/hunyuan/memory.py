@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from models.base import PreparedImage
@@ -49,16 +49,45 @@ DEFAULT_FREE_SHARE = 0.85
 PROBE_NEW_TOKENS = 64
 
 
+@dataclass(frozen=True)
+class VersionDefaults:
+    """A model version's measured default coefficients (per prompt token, per decode path)."""
+
+    fixed_bytes: int
+    per_token_bytes: int  # transformers' own prefill
+    per_token_bytes_fused: int  # the fused fast prefill
+
+
+# 1.0 and 1.5 share one backbone (same layers, widths and vocabulary; models/hunyuan/versions.py),
+# so their weights, and their bytes per token at equal image sizes, are the same: 1.5's entry is
+# 1.0's measurement until bench/hunyuan15_presets.py has measured 1.5's shape on the H200. What
+# 1.5 changes is how many tokens an image may bring (16,514 at its 4096² limit where 1.0 stops at
+# 4,162), which the estimate counts.
+VERSION_DEFAULTS: dict[str, VersionDefaults] = {
+    "1.0": VersionDefaults(
+        DEFAULT_WEIGHTS_BYTES + DEFAULT_FRAMEWORK_BYTES,
+        DEFAULT_PER_TOKEN_BYTES,
+        DEFAULT_PER_TOKEN_BYTES_FUSED,
+    ),
+}
+VERSION_DEFAULTS["1.5"] = VERSION_DEFAULTS["1.0"]
+
+
 def default_cost_model(
     decode_path: str,
     cache_token_bytes: float = DEFAULT_CACHE_TOKEN_BYTES,
     decode_fixed_bytes: float = DEFAULT_DECODE_FIXED_BYTES,
+    version: str = "1.5",
 ) -> CostModel:
-    """The measured default memory model for a decode path (see the constants above)."""
+    """The measured default memory model for a version and decode path (see the constants
+    above)."""
     fused = decode_path == "fast-fused"
+    defaults = VERSION_DEFAULTS[version]
     return CostModel(
-        fixed_bytes=DEFAULT_WEIGHTS_BYTES + DEFAULT_FRAMEWORK_BYTES,
-        per_token_bytes=float(DEFAULT_PER_TOKEN_BYTES_FUSED if fused else DEFAULT_PER_TOKEN_BYTES),
+        fixed_bytes=defaults.fixed_bytes,
+        per_token_bytes=float(
+            defaults.per_token_bytes_fused if fused else defaults.per_token_bytes
+        ),
         per_cache_token_bytes=float(cache_token_bytes),
         decode_fixed_bytes=float(decode_fixed_bytes),
         source="default",
@@ -84,9 +113,12 @@ class HunyuanMemory:
     CPU, the host's (models/memory.py)."""
 
     # "decode" is the loop (fast, fused, or transformers' generate): their activations differ.
+    # "version" (1.0 or 1.5, from the checkpoint) keeps the two models' profiles apart even
+    # where one folder or revision held either.
     profile_fields: tuple[str, ...] = (
         "model",
         "revision",
+        "version",
         "dtype",
         "attention",
         "max_new_tokens",

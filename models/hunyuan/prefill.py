@@ -44,6 +44,12 @@ class DecodeState:
     full_cache: bool  # attend over the whole static cache (graph) instead of a slice
     track_valid: bool = True  # keep `valid` current (only the torch attention reads it)
     logits: list[torch.Tensor] | None = field(default=None)
+    scores: list[torch.Tensor] | None = field(default=None)  # after the penalty, when kept
+    # Repetition penalty (models/hunyuan/repetition.py): 1.0 = none, and then no history.
+    penalty: float = 1.0
+    history: torch.Tensor | None = None  # (B, L + N) long: every row's own tokens so far
+    hidx: torch.Tensor | None = None  # (1,) long: history column of the token chosen next
+    stopped: torch.Tensor | None = None  # (B,) long: tokens a guard-stopped row kept, else 0
 
 
 def prefill(
@@ -53,11 +59,14 @@ def prefill(
     n_new: int,
     *,
     fused: bool,
+    penalty: float = 1.0,
 ) -> tuple[DecodeState, torch.Tensor]:
     """Run the prompt through the model, move its KV cache into a static one sized for `n_new`
     new tokens, and lay out the state the first decode step reads; also the logits (B, V) the
-    first new token is chosen from."""
+    first new token is chosen from. With a repetition `penalty`, the rows' token history."""
     import torch
+
+    from models.hunyuan.repetition import history_of
 
     ids = inputs["input_ids"]
     mask = inputs["attention_mask"]
@@ -113,7 +122,12 @@ def prefill(
         prompt=prompt,
         host_len=prompt + 1,
         full_cache=False,
+        penalty=penalty,
+        stopped=torch.zeros(batch, dtype=torch.long, device=ids.device),
     )
+    if penalty != 1.0:
+        state.history = history_of(ids, mask, start, n_new)
+        state.hidx = torch.tensor([prompt], dtype=torch.long, device=ids.device)
     return state, first_logits
 
 

@@ -1,5 +1,5 @@
-"""A random-weight HunYuanVL checkpoint on disk, laid out like tencent/HunyuanOCR: for tests and
-benchmarks, never used in production.
+"""Random-weight HunYuanVL checkpoints on disk, laid out like tencent/HunyuanOCR (1.0 and 1.5):
+for tests and benchmarks, never used in production.
 
 Why: CI has no GPU and no weights, and the benchmark must not depend on a download either. Both
 need a checkpoint directory that the engine loads through exactly the code path a real one takes
@@ -7,9 +7,15 @@ need a checkpoint directory that the engine loads through exactly the code path 
 So this module writes one: a HunYuanVLConfig, random weights, a word-level `tokenizers` tokenizer
 that exposes the image start/image/image end/pad tokens the processor requires, the real
 HunYuanVL image processor and processor, a chat template of the real one's shape, and a
-generation config. `TINY` is a few-dimensional model for the unit tests; `HUNYUAN_OCR_1_0` has
-the full 1.0 shape (text 1024 x 24 layers, 16 heads / 8 KV heads, head_dim 128, vocab 120818;
-vision 1152 x 27 layers, patch 16, merge 2) for the GPU benchmark.
+generation config. `TINY` (1.0) and `TINY_1_5` are few-dimensional models for the unit tests;
+`HUNYUAN_OCR_1_0` and `HUNYUAN_OCR_1_5` have the full shape (text 1024 x 24 layers, 16 heads /
+8 KV heads, head_dim 128, vocab 120818; vision 1152 x 27 layers, patch 16, merge 2) for the GPU
+benchmarks. A 1.0 checkpoint's config.json is written flat, with 1.0's legacy key names, as the
+released 1.0 is; a 1.5 one nested, with 1.5's limits (models/hunyuan/versions.py tells them
+apart by exactly that).
+
+`ForcedLoop` makes chosen rows of a batch emit a fixed cycle of tokens: the repetition guard's
+tests and benchmark need rows that loop, which a random model does not do on demand.
 
 The tokenizer splits text into single characters and knows the characters of every official
 prompt, so prompts tokenise without unknowns. Token ids of the image tokens and the pad token are
@@ -21,11 +27,14 @@ Imported by tests and by the benchmarks (bench/common.py); building needs torch 
 
 from __future__ import annotations
 
+import json
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from models.hunyuan.prompts import TASK_PRESETS
+from models.hunyuan.prompts import VERSION_PROMPTS
+from models.hunyuan.versions import V1_0_LIMITS, V1_5_LIMITS
 
 IMAGE_START = "<｜hy_place▁holder▁no▁100｜>"
 IMAGE_END = "<｜hy_place▁holder▁no▁101｜>"
@@ -79,6 +88,7 @@ class Shape:
     min_pixels: int = 512 * 512
     max_pixels: int = 2048 * 2048
     initializer_range: float = 0.02
+    version: str = "1.0"  # "1.0": a flat config.json; "1.5": nested, with 1.5's limits
 
 
 TINY = Shape(
@@ -143,10 +153,23 @@ HUNYUAN_OCR_1_0 = Shape(
 )
 
 
+# 1.5: the same backbone, a nested config with larger limits, ~4096² pixels (models/hunyuan/
+# versions.py). The tiny one takes a little more than the tiny 1.0, so that tests see the engine
+# read each processor's own limit.
+TINY_1_5 = replace(TINY, version="1.5", max_pixels=192 * 192)
+HUNYUAN_OCR_1_5 = replace(HUNYUAN_OCR_1_0, version="1.5", max_pixels=4096 * 4096)
+SHAPES = {"1.0": HUNYUAN_OCR_1_0, "1.5": HUNYUAN_OCR_1_5}
+TINY_SHAPES = {"1.0": TINY, "1.5": TINY_1_5}
+
+# The limits each version's config states (text max_position_embeddings; vision token limits).
+LIMITS = {"1.0": V1_0_LIMITS, "1.5": V1_5_LIMITS}
+
+
 def _vocab(shape: Shape) -> dict[str, int]:
     """Special tokens at their ids, then every prompt character and printable ASCII."""
     vocab = dict(shape.special_ids)
-    chars = sorted(set("".join(TASK_PRESETS.values())) | set(string.printable) | {"（", "）"})
+    prompts = "".join(p for ps in VERSION_PROMPTS.values() for p in ps.values())
+    chars = sorted(set(prompts) | set(string.printable) | {"（", "）"})
     next_id = 0
     taken = set(vocab.values())
     for ch in chars:
@@ -188,6 +211,7 @@ def build_config(shape: Shape):  # -> HunYuanVLConfig
     from transformers import HunYuanVLConfig
 
     ids = shape.special_ids
+    limits = LIMITS[shape.version]
     text = {
         "vocab_size": shape.vocab_size,
         "hidden_size": shape.hidden_size,
@@ -196,7 +220,7 @@ def build_config(shape: Shape):  # -> HunYuanVLConfig
         "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_key_value_heads,
         "head_dim": shape.head_dim,
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": limits["max_position_embeddings"],
         "initializer_range": shape.initializer_range,
         "tie_word_embeddings": True,
         "pad_token_id": ids[PAD],
@@ -221,6 +245,8 @@ def build_config(shape: Shape):  # -> HunYuanVLConfig
         "max_image_size": shape.max_image_size,
         "out_hidden_size": shape.hidden_size,
         "initializer_range": shape.initializer_range,
+        "img_max_token_num": limits["img_max_token_num"],
+        "max_vit_seq_len": limits["max_vit_seq_len"],
     }
     return HunYuanVLConfig(
         text_config=text,
@@ -262,6 +288,8 @@ def build_checkpoint(
     )
     model.save_pretrained(path)
     del model
+    if shape.version == "1.0":
+        flatten_config(path / "config.json")
 
     # `size`, not min_pixels/max_pixels: transformers 5.17 writes those two into the class-wide
     # default dict, changing every HunYuanVLImageProcessor built afterwards in the process.
@@ -275,3 +303,81 @@ def build_checkpoint(
     )
     processor.save_pretrained(path)
     return path
+
+
+def flatten_config(config_json: Path) -> None:
+    """Rewrite a nested config.json in the released 1.0's flat layout: the text fields at the
+    top level under their legacy names (`org_vocab_size`, `attention_head_dim`, `rope_scaling`
+    of type "xdrope" and `rope_theta`); the vision config stays a nested block."""
+    config = json.loads(config_json.read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.pop("model_type", None)
+    text["org_vocab_size"] = text.pop("vocab_size")
+    text["attention_head_dim"] = text.pop("head_dim")
+    text["rope_theta"] = rope["rope_theta"]
+    text["rope_scaling"] = {
+        "alpha": rope["alpha"],
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": rope.get("factor", 1.0),
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "type": "xdrope",
+        "xdrope_section": rope["mrope_section"],
+    }
+    for key, value in text.items():
+        config.setdefault(key, value)
+    config_json.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+class ForcedLoop:
+    """Tests and benchmarks only: rows of a batch emit a fixed cycle of token ids from a given
+    step on, as a model caught in a loop does.
+
+    A forward hook on the model's lm_head adds a large logit to the cycle's next token, counting
+    steps with a device tensor, so both decode loops (and the fast loop's CUDA graph, which
+    records the hook's operations once and replays them) see the same forced tokens: every loop
+    calls lm_head exactly once per generated token. `cycles` holds one list of ids per row of
+    the batch; an empty list leaves that row to the model. Use as a context manager around one
+    `generate` call of a batch of exactly that many rows.
+    """
+
+    BOOST = 1e4
+
+    def __init__(self, model: Any, cycles: list[list[int]], start: int) -> None:
+        import torch
+
+        device = model.lm_head.weight.device
+        width = max(1, *(len(c) for c in cycles))
+        self.model = model
+        self.lengths = torch.tensor([max(1, len(c)) for c in cycles], device=device)
+        self.pattern = torch.tensor([(c + [0] * width)[:width] for c in cycles], device=device)
+        self.forced = torch.tensor([bool(c) for c in cycles], device=device)
+        self.start = start
+        self.counter = torch.zeros((), dtype=torch.long, device=device)
+        self._handle: Any = None
+
+    def _hook(self, _module: Any, _args: Any, out: Any) -> Any:
+        import torch
+
+        last = out[:, -1] if out.dim() == 3 else out
+        step = self.counter - self.start
+        column = (step.clamp(min=0) % self.lengths)[:, None]
+        token = self.pattern.gather(1, column)
+        active = (self.forced & (step >= 0)).to(last.dtype)[:, None]
+        bonus = torch.zeros_like(last).scatter(1, token, self.BOOST) * active
+        self.counter += 1
+        if out.dim() == 3:
+            out = out.clone()
+            out[:, -1] += bonus
+            return out
+        return last + bonus
+
+    def __enter__(self) -> ForcedLoop:
+        self.counter.zero_()
+        self._handle = self.model.lm_head.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()

@@ -20,11 +20,15 @@ class SpecialTokens:
 
     @classmethod
     def read(cls, generation_config: Any, tokenizer: Any) -> SpecialTokens:
-        """From the checkpoint's generation config, the tokenizer's where it names none."""
-        eos = generation_config.eos_token_id
-        ids = {eos} if isinstance(eos, int) else set(eos or [])
-        if not ids:
-            ids = {tokenizer.eos_token_id}
+        """Every id the checkpoint says ends an answer: its generation config's and its
+        tokenizer's eos. Why both: they may disagree (a 1.5 generation config is reported to
+        name 120020 where its tokenizer's eos, `<｜hy_Assistant｜>`, is what Tencent's clients
+        stop at), and a missed eos runs a row to the token cap. (The text config's eos is left
+        out: where a config omits it, transformers fills in a generic default id.)
+        """
+        ids: set[int] = set()
+        for eos in (generation_config.eos_token_id, tokenizer.eos_token_id):
+            ids |= {eos} if isinstance(eos, int) else set(eos or [])
         pad = tokenizer.pad_token_id
         if pad is None:
             pad = generation_config.pad_token_id

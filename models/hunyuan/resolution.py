@@ -1,0 +1,58 @@
+"""Resolution presets: how many pixels of an image each task shows the model.
+
+Why per task: the image's pixels are most of a row's tokens ((h/32)(w/32+1)+2 image tokens, and
+16x as many patches in the vision tower, whose attention is global), so they set both the memory
+of a batch and its prefill time, while the resolution a task needs differs. Tencent gives no
+per-task advice (its clients send every image at the model's limit, ~4096² for 1.5, where a 300
+dpi A4 page, 2480x3508, is 8,692 image tokens and 34,320 vision patches: HunyuanOCR issue #114);
+the seed guide's reading is:
+
+* documents (parse, layout, tables, formulas, charts, document translation) are read clearly at
+  ~1024-1536 px on the long side, the resolution documents are scanned for reading; the cap is
+  1536² pixels (2.36 MP: an A4 page at ~157 dpi, 1280x1824 after the resize, 2,339 image
+  tokens where its 300 dpi scan gives 8,692);
+* scene text (spotting, plain text of street views and old prints, scene translation) has small
+  text anywhere in a large photo, so it keeps more: 2048² (1.0's own limit; 4.2 MP);
+* subtitles keep their size (a frame is small already, the model's limit is the cap), and so
+  do free prompts, whose needs ocrq cannot know.
+
+A worker overrides any of these (OCRQ_TASK_MAX_PIXELS), a job sets its own (`max_pixels` in the
+request), and the model's own limit (the loaded processor's) always applies on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+DOCUMENT_PIXELS = 1536 * 1536
+SCENE_PIXELS = 2048 * 2048
+
+TASK_MAX_PIXELS: dict[str, int] = {
+    "parse": DOCUMENT_PIXELS,
+    "layout": DOCUMENT_PIXELS,
+    "layout_parse": DOCUMENT_PIXELS,
+    "table": DOCUMENT_PIXELS,
+    "formula": DOCUMENT_PIXELS,
+    "chart": DOCUMENT_PIXELS,
+    "translate_doc_zh": DOCUMENT_PIXELS,
+    "text": SCENE_PIXELS,
+    "spotting": SCENE_PIXELS,
+    "spotting_json": SCENE_PIXELS,
+    "translate_en": SCENE_PIXELS,
+    "translate_zh": SCENE_PIXELS,
+    # "subtitles" and "custom" (free prompts): the model's own limit.
+}
+
+
+def pixel_cap(
+    task: str,
+    job_cap: int | None,
+    overrides: Mapping[str, int],
+    model_min: int,
+    model_max: int,
+) -> int:
+    """Pixels the model may see of one image: the job's cap, else the worker's for its task,
+    else the default preset, else the model's limit; never above the model's limit, nor below
+    its minimum (the processor scales smaller images up to it anyway)."""
+    cap = job_cap or overrides.get(task) or TASK_MAX_PIXELS.get(task) or model_max
+    return max(model_min, min(cap, model_max))
