@@ -10,8 +10,8 @@ of that step, prefill seconds, end-to-end images/s and peak memory against the c
 
 "plain" is the engine as it was before the fast path: `generate()` with transformers' per-image
 vision attention loop. "fast" is the default engine now: grouped vision attention in the prefill
-(models/hunyuan/patches.py) and the graphed decode loop. Random weights of the full
-HunyuanOCR-1.0 shape (models/hunyuan/tiny.py), every run forces --new-tokens new tokens.
+(ocrq/models/hunyuan/patches.py) and the graphed decode loop. Random weights of the full
+HunyuanOCR-1.0 shape (ocrq/models/hunyuan/tiny.py), every run forces --new-tokens new tokens.
 
 The floor of a decode step is the bytes it must read over the bandwidth: the text decoder's and
 lm_head's weights (the vision tower is not read while decoding) plus every row's KV cache up to
@@ -54,11 +54,11 @@ from bench.common import (  # noqa: E402
     run_meta,
     top,
 )
-from models.base import PreparedImage  # noqa: E402
-from models.hunyuan import HunyuanEngine  # noqa: E402
-from models.hunyuan.attention import KernelConfig, TritonDecodeAttention, attend_torch  # noqa: E402
-from models.hunyuan.patches import batch_vision_attention  # noqa: E402
-from ocrq.settings import Settings  # noqa: E402
+from ocrq.core.settings import Settings  # noqa: E402
+from ocrq.models.base import PreparedImage  # noqa: E402
+from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
+from ocrq.models.hunyuan.attention import KernelConfig, TritonDecodeAttention, attend_torch  # noqa: E402
+from ocrq.models.hunyuan.patches import batch_vision_attention  # noqa: E402
 
 GiB = 1024**3
 DATASHEET_BW = 4.8e12  # H200 HBM3e, bytes/s
@@ -229,8 +229,8 @@ def kernel_equality(torch: Any, engine: HunyuanEngine) -> dict[str, float]:
 
 
 def _kernel_equality(torch: Any, engine: HunyuanEngine) -> dict[str, float]:
-    from models.hunyuan.kernels import add_rms_norm, rope_rms_norm
-    from models.hunyuan.text import rotate
+    from ocrq.models.hunyuan.kernels import add_rms_norm, rope_rms_norm
+    from ocrq.models.hunyuan.text import rotate
 
     layer = engine.model.model.language_model.layers[3]
     dec = engine._decoder.text  # the text decoder's shapes and RoPE

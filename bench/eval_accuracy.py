@@ -44,7 +44,7 @@ from bench.scoring import (  # noqa: E402
     token_f1,
     word_recall,
 )
-from models.base import Engine, OcrResult, PreparedImage  # noqa: E402
+from ocrq.models.base import Engine, OcrResult, PreparedImage  # noqa: E402
 
 KIND_ORDER = ("svt_word", "sroie", "page", "svt_scene")
 # A space between two digits ("1 14"): numbers split by the engine's word gaps show up here.
@@ -427,15 +427,15 @@ def before_summary(path: Path, label: str) -> dict:
 
 def make_engine(args: argparse.Namespace) -> Engine:
     if args.engine == "rapid":
-        from models.rapid import RapidEngine
+        from ocrq.models.rapid import RapidEngine
 
         return RapidEngine(
             rec_batch_size=args.rec_batch_size,
             text_score=args.text_score,
             intra_op_threads=args.threads,
         )
-    from models.registry import create_engine
-    from ocrq.settings import Settings
+    from ocrq.core.settings import Settings
+    from ocrq.models.registry import create_engine
 
     return create_engine(args.engine, Settings())
 

@@ -1,8 +1,9 @@
 """HunyuanOCR 1.5 against 1.0 under the resolution presets, and what the repetition guard saves.
 
-One run, one GPU, random weights of the full 1.0 and 1.5 shapes (models/hunyuan/tiny.py; the
+One run, one GPU, random weights of the full 1.0 and 1.5 shapes (ocrq/models/hunyuan/tiny.py; the
 backbone is the same, 1.5 takes up to ~4096² pixels where 1.0 stops at 2048²). For an A4 page at
-150 dpi (1248x1760) and at 300 dpi (2480x3508), under each preset (models/hunyuan/resolution.py):
+150 dpi (1248x1760) and at 300 dpi (2480x3508), under each preset
+(ocrq/models/hunyuan/resolution.py):
 
 * "document" (task parse: 1536² pixels), "scene" (task spotting: 2048²) and "full" (a job's
   max_pixels at 4096²: the model's own limit);
@@ -42,11 +43,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import add_model_args, page_image, random_checkpoint, run_meta  # noqa: E402
-from models.base import PreparedImage  # noqa: E402
-from models.hunyuan import HunyuanEngine  # noqa: E402
-from models.hunyuan.tiny import ForcedLoop  # noqa: E402
-from models.hunyuan.versions import RepetitionGuard  # noqa: E402
-from ocrq.settings import Settings  # noqa: E402
+from ocrq.core.settings import Settings  # noqa: E402
+from ocrq.models.base import PreparedImage  # noqa: E402
+from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
+from ocrq.models.hunyuan.tiny import ForcedLoop  # noqa: E402
+from ocrq.models.hunyuan.versions import RepetitionGuard  # noqa: E402
 
 GiB = 1024**3
 PAGES = {"a4-150dpi": (1248, 1760), "a4-300dpi": (2480, 3508)}

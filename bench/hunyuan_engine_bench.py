@@ -2,7 +2,7 @@
 
 Why random weights: speed and memory depend on shapes, not on weight values, and the benchmark
 must run where no checkpoint can be downloaded. The script writes a random-weight checkpoint of
-the full HunyuanOCR-1.0 shape (models/hunyuan/tiny.py, HUNYUAN_OCR_1_0) to a temp dir and loads
+the full HunyuanOCR-1.0 shape (ocrq/models/hunyuan/tiny.py, HUNYUAN_OCR_1_0) to a temp dir and loads
 it through `HunyuanEngine.load`, so every number comes from the engine's own code path
 (processor, left-padded collation, generate). Every run forces 256 new tokens
 (min_new_tokens = max_new_tokens) so runs compare with each other and with the baseline.
@@ -41,9 +41,9 @@ from bench.common import (  # noqa: E402
     random_checkpoint,
     run_meta,
 )
-from models.base import PreparedImage  # noqa: E402
-from models.hunyuan import HunyuanEngine  # noqa: E402
-from ocrq.settings import Settings  # noqa: E402
+from ocrq.core.settings import Settings  # noqa: E402
+from ocrq.models.base import PreparedImage  # noqa: E402
+from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
 
 GiB = 1024**3
 

@@ -19,7 +19,7 @@ the shared evaluation set (bench/data/ocr_eval_sizes.tsv, from its manifest), dr
 white, capped to the engine's max_pixels as the worker's prefetch does, and preprocessed once
 (in the service the prefetch threads do this while the GPU works, so it is left out of every
 mode's time alike). The model is a random-weight checkpoint of the full HunyuanOCR-1.0 shape
-(models/hunyuan/tiny.py) loaded through HunyuanEngine.load; every image generates exactly
+(ocrq/models/hunyuan/tiny.py) loaded through HunyuanEngine.load; every image generates exactly
 --new-tokens tokens (the engine's max_new_tokens, forced with min_new_tokens).
 
 Results are written after every phase (JSON + markdown) so a run cut short still reports.
@@ -50,16 +50,16 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from models.base import Engine, OcrResult, PreparedImage  # noqa: E402
-from models.costs import CostModel, GiB, ItemCost  # noqa: E402
-from models.hunyuan import HunyuanEngine  # noqa: E402
-from models.memory import OutOfMemory, ProbePage, catch_oom  # noqa: E402
-from ocrq.settings import Settings  # noqa: E402
-from worker.batcher import BatchConfig, Batcher  # noqa: E402
-from worker.images import downscale  # noqa: E402
-from worker.probing import draw_page, run_probes  # noqa: E402
-from worker.profiles import choose_cost_model  # noqa: E402
-from worker.tune import save  # noqa: E402
+from ocrq.core.settings import Settings  # noqa: E402
+from ocrq.models.base import Engine, OcrResult, PreparedImage  # noqa: E402
+from ocrq.models.costs import CostModel, GiB, ItemCost  # noqa: E402
+from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
+from ocrq.models.memory import OutOfMemory, ProbePage, catch_oom  # noqa: E402
+from ocrq.worker.batcher import BatchConfig, Batcher  # noqa: E402
+from ocrq.worker.images import downscale  # noqa: E402
+from ocrq.worker.probing import draw_page, run_probes  # noqa: E402
+from ocrq.worker.profiles import choose_cost_model  # noqa: E402
+from ocrq.worker.tune import save  # noqa: E402
 
 SIZES = REPO / "bench" / "data" / "ocr_eval_sizes.tsv"
 WORDS = ["STATION", "HOTEL", "PARKING", "EXIT", "MARKET", "BANK", "PIZZA", "TAXI", "OPEN"]
@@ -157,7 +157,7 @@ class Metered(Engine):
     def cost_model(self) -> CostModel:
         return self.model
 
-    # The inner engine's memory side (models/memory.py, MemoryProbing), so that the batcher
+    # The inner engine's memory side (ocrq/models/memory.py, MemoryProbing), so that the batcher
     # recovers from an OOM here exactly as it does with the engine alone.
     @property
     def profile_fields(self) -> tuple[str, ...]:
@@ -450,7 +450,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from models.hunyuan.tiny import HUNYUAN_OCR_1_0, TINY, build_checkpoint
+    from ocrq.models.hunyuan.tiny import HUNYUAN_OCR_1_0, TINY, build_checkpoint
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -32,11 +32,11 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: bench.* is impor
     sys.path.insert(0, str(REPO))
 
 from bench.scoring import load_manifest  # noqa: E402
-from ocrq.contract import ImageRef, JobRequest  # noqa: E402
-from ocrq.db import get_engine  # noqa: E402
-from ocrq.settings import Settings  # noqa: E402
-from ocrq.store import JobStore  # noqa: E402
-from worker.runtime import build_runtime  # noqa: E402
+from ocrq.core.contract import ImageRef, JobRequest  # noqa: E402
+from ocrq.core.db import get_engine  # noqa: E402
+from ocrq.core.settings import Settings  # noqa: E402
+from ocrq.core.store import JobStore  # noqa: E402
+from ocrq.worker.runtime import build_runtime  # noqa: E402
 
 
 def synthetic_workload(sizes_tsv: Path, folder: Path, count: int) -> list[Path]:

@@ -1,6 +1,6 @@
 """Where a batch's prefill goes on one GPU: phases, kernels, and the preprocessing beside it.
 
-Why: with the graphed decode loop (models/hunyuan/decode.py) the prefill is most of a batch
+Why: with the graphed decode loop (ocrq/models/hunyuan/decode.py) the prefill is most of a batch
 (decode_speed_h200_128tok.md: 7.8 s of 9.8 s for 128 A4 pages), so the next lever must be found by
 measurement, not guessed. One call measures, for each page size at one batch:
 
@@ -44,9 +44,9 @@ from bench.common import (  # noqa: E402
     run_meta,
     top,
 )
-from models.base import PreparedImage  # noqa: E402
-from models.hunyuan import HunyuanEngine  # noqa: E402
-from ocrq.settings import Settings  # noqa: E402
+from ocrq.core.settings import Settings  # noqa: E402
+from ocrq.models.base import PreparedImage  # noqa: E402
+from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
 
 
 class PhaseClock:
@@ -201,7 +201,7 @@ def contention(torch: Any, engine: HunyuanEngine, page: str, batch: int, threads
     """A fast generate() (32 new tokens) of `batch` rows alone, and while a pool of `threads`
     preprocesses `batch` more images as the worker's prefetch does, with the engine letting
     1, 2, 4 or `threads` of them run the processor at once (`PREPROCESS_SLOTS`,
-    models/hunyuan/inputs.py): how much does the prefetch slow the batch (GIL), and how many
+    ocrq/models/hunyuan/inputs.py): how much does the prefetch slow the batch (GIL), and how many
     slots keep it from doing so?"""
     import threading
 

@@ -40,8 +40,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 
 from bench.eval_accuracy import hardware, hardware_line, load_image  # noqa: E402
 from bench.scoring import load_manifest  # noqa: E402
-from models.base import OcrResult, PreparedImage  # noqa: E402
-from ocrq.samples import draw_text_image  # noqa: E402
+from ocrq.core.samples import draw_text_image  # noqa: E402
+from ocrq.models.base import OcrResult, PreparedImage  # noqa: E402
 
 MiB = 1024**2
 WORDS = [
@@ -165,10 +165,10 @@ CASES = [
 
 def run_case(case: Case, data: Path) -> dict:
     """In this (fresh) process: load, decode, reset the peak, run once, measure."""
-    from models.memory import memory_of
-    from models.rapid import RapidEngine
-    from models.rapid.engine import LOADED_RSS_BYTES
-    from ocrq import procfs
+    from ocrq.core import procfs
+    from ocrq.models.memory import memory_of
+    from ocrq.models.rapid import RapidEngine
+    from ocrq.models.rapid.engine import LOADED_RSS_BYTES
 
     engine = RapidEngine()
     engine.load()
@@ -292,8 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.one:
         print(json.dumps(run_case(by_name[args.one], args.data)), flush=True)
         return 0
-    from models.rapid import RapidEngine
-    from models.rapid.engine import LOADED_RSS_BYTES
+    from ocrq.models.rapid import RapidEngine
+    from ocrq.models.rapid.engine import LOADED_RSS_BYTES
 
     chosen = [by_name[n] for n in args.cases] if args.cases else CASES
     results = []

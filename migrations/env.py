@@ -2,7 +2,7 @@
 
 from alembic import context
 
-from ocrq.db import get_engine, metadata, sqlalchemy_url
+from ocrq.core.db import get_engine, metadata, sqlalchemy_url
 
 config = context.config
 url = sqlalchemy_url(config.get_main_option("sqlalchemy.url") or "")

@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from models.registry import ENGINES
-from ocrq.contract import TASKS
-from ocrq.settings import Settings
+from ocrq.core.contract import TASKS
+from ocrq.core.settings import Settings
+from ocrq.models.registry import ENGINES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 err = Console(stderr=True)
@@ -67,7 +67,7 @@ def run(
     log_level: Annotated[str, typer.Option(help="Logging level on stderr.")] = "WARNING",
 ) -> None:
     """OCR images in this process (no Redis, no PostgreSQL): one JSON object per image."""
-    from worker.embedded import expand, run_paths
+    from ocrq.worker.embedded import expand, run_paths
 
     _logging(log_level)
     settings = _settings(engine=engine)
@@ -118,8 +118,8 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Consume OCR jobs from the broker, batch them through the engine, store rows."""
-    from worker.lifecycle import supervise as run_supervised
-    from worker.main import run as run_worker
+    from ocrq.worker.lifecycle import supervise as run_supervised
+    from ocrq.worker.main import run as run_worker
 
     given = {
         "engine": engine,
@@ -159,8 +159,8 @@ def submit(
     timeout: Annotated[float | None, typer.Option(help="Seconds to wait at most.")] = None,
 ) -> None:
     """Enqueue one job per image; print job ids, or with --wait the results."""
-    from api.client import Client, image_ref
-    from worker.embedded import expand
+    from ocrq.api.client import Client, image_ref
+    from ocrq.worker.embedded import expand
 
     settings = Settings()
     client = Client(settings)
@@ -200,7 +200,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
 ) -> None:
     """Show jobs' status and results from the database."""
-    from api.client import Client
+    from ocrq.api.client import Client
 
     rows = Client(Settings()).status(job_ids)
     if as_json:
@@ -235,7 +235,7 @@ def requeue(
 ) -> None:
     """Send again jobs still queued (never claimed) after --older-than seconds, or with
     --stalled the running jobs of workers that stopped beating."""
-    from api.client import Client
+    from ocrq.api.client import Client
 
     client = Client(Settings())
     if stalled:
@@ -251,7 +251,7 @@ def requeue(
 @app.command()
 def migrate() -> None:
     """Create the database if missing and apply every Alembic revision."""
-    from ocrq.migrate import upgrade
+    from ocrq.core.migrate import upgrade
 
     url = Settings().database_url
     upgrade(url)
@@ -279,7 +279,7 @@ def tune(
 ) -> None:
     """Probe the device with real batches, fit the memory cost model, write the profile that
     workers load at start (plus a PNG of throughput and peak memory against batch size)."""
-    from worker.tune import BudgetError, fit_summary, table, tune_engine
+    from ocrq.worker.tune import BudgetError, fit_summary, table, tune_engine
 
     _logging(log_level)
     try:  # checked before minutes of probing, not after
@@ -308,7 +308,7 @@ def samples(
     ),
 ) -> None:
     """Draw a few sample images for trying ocrq out."""
-    from ocrq.samples import write_samples
+    from ocrq.core.samples import write_samples
 
     for path in write_samples(folder):
         typer.echo(path)

@@ -7,7 +7,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from ocrq.samples import draw_text_image
+from ocrq.core.samples import draw_text_image
 
 
 def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:

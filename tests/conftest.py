@@ -17,7 +17,7 @@ import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from ocrq.samples import draw_text_image
+from ocrq.core.samples import draw_text_image
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -129,7 +129,7 @@ class WorkerProcess:
 def worker(
     service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerProcess]:
-    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    log = tmp_path_factory.mktemp("worker") / "ocrq.worker.log"
     proc = WorkerProcess(service_env, log, "--concurrency", "8").wait_ready()
     yield proc
     proc.stop()

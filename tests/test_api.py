@@ -19,8 +19,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from api.http import create_app
-from ocrq.settings import Settings
+from ocrq.api.http import create_app
+from ocrq.core.settings import Settings
 from tests.conftest import BIN, FIGURES
 from tests.servers import free_port
 
@@ -125,7 +125,8 @@ class Uvicorn:
         self.port = free_port()
         self.log = log
         self.proc = subprocess.Popen(
-            [str(BIN / "uvicorn"), "api.http:app", "--host", "127.0.0.1", "--port", str(self.port)],
+            [str(BIN / "uvicorn"), "ocrq.api.http:app", "--host", "127.0.0.1", "--port",
+            str(self.port)],
             env=env,
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
@@ -157,7 +158,7 @@ def test_uvicorn_refuses_to_start_without_a_token(
     token: str | None, service_env: dict[str, str], queue: str, tmp_path: Path
 ) -> None:
     env = api_env(service_env, queue, **({"OCRQ_API_TOKEN": token} if token else {}))
-    server = Uvicorn(env, tmp_path / "api.log")
+    server = Uvicorn(env, tmp_path / "ocrq.api.log")
     try:
         code = server.proc.wait(60)
     finally:
@@ -173,7 +174,7 @@ def test_uvicorn_without_auth_only_when_told(
     service_env: dict[str, str], queue: str, tmp_path: Path
 ) -> None:
     env = api_env(service_env, queue, OCRQ_API_ALLOW_NO_AUTH="true")
-    server = Uvicorn(env, tmp_path / "api.log").wait_up()
+    server = Uvicorn(env, tmp_path / "ocrq.api.log").wait_up()
     try:
         r = httpx.post(
             f"http://127.0.0.1:{server.port}/jobs", json={"image": {"path": "/a.png"}}, timeout=10
@@ -200,7 +201,7 @@ def test_uvicorn_cuts_off_a_chunked_body_over_the_limit(
     """A client streams an endless chunked body: the server answers 413 once it has taken in
     just over the limit and closes, instead of buffering what the client keeps sending."""
     env = api_env(service_env, queue, OCRQ_API_TOKEN=TOKEN, OCRQ_API_MAX_BODY_BYTES=str(LIMIT))
-    server = Uvicorn(env, tmp_path / "api.log").wait_up()
+    server = Uvicorn(env, tmp_path / "ocrq.api.log").wait_up()
     try:
         # Unauthenticated, with a 10 GB Content-Length and no body: answered from the headers.
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
@@ -251,7 +252,7 @@ def test_post_and_get_through_uvicorn(
     service_env: dict[str, str], queue: str, tmp_path: Path
 ) -> None:
     env = api_env(service_env, queue, OCRQ_API_TOKEN=TOKEN)
-    server = Uvicorn(env, tmp_path / "api.log").wait_up()
+    server = Uvicorn(env, tmp_path / "ocrq.api.log").wait_up()
     base = f"http://127.0.0.1:{server.port}"
     try:
         created = httpx.post(

@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from models.base import Engine, OcrResult, PreparedImage
-from models.costs import CostModel, ItemCost
-from worker.batcher import BatchConfig, Batcher
+from ocrq.models.base import Engine, OcrResult, PreparedImage
+from ocrq.models.costs import CostModel, ItemCost
+from ocrq.worker.batcher import BatchConfig, Batcher
 
 MiB = 1024**2
 
@@ -167,8 +167,8 @@ def test_non_oom_failure_resolves_every_future_once() -> None:
 
 
 def test_real_cpu_engine_batches() -> None:
-    from models.rapid import RapidEngine
-    from ocrq.samples import draw_text_image
+    from ocrq.core.samples import draw_text_image
+    from ocrq.models.rapid import RapidEngine
 
     engine = RapidEngine()
     engine.load()

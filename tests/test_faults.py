@@ -19,11 +19,11 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select
 
-from api.client import Client
-from ocrq.db import get_engine, ocr_jobs
-from ocrq.samples import draw_text_image
-from ocrq.settings import Settings
-from ocrq.store import JobStore
+from ocrq.api.client import Client
+from ocrq.core.db import get_engine, ocr_jobs
+from ocrq.core.samples import draw_text_image
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore
 from tests.conftest import BIN, FIGURES, WorkerProcess
 from tests.servers import PrivatePostgres, PrivateRedis
 

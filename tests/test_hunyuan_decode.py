@@ -1,4 +1,5 @@
-"""The fast decode loop (models/hunyuan/decode.py) against transformers' generate(), on the CPU.
+"""The fast decode loop (ocrq/models/hunyuan/decode.py) against transformers' generate(), on the
+CPU.
 
 Both paths run on the same tiny random HunYuanVL and the same mixed-resolution, left-padded
 batch; they must agree on token ids AND on every step's raw logits. The checks are shown to be
@@ -9,7 +10,7 @@ chosen when triton is first imported).
 
 On the tiny 1.5 both loops apply its repetition penalty (1.08): they must agree on the scores
 each token is chosen from too, and a loop that drops the penalty is caught by the same check.
-The repetition guard is run on rows forced to loop (models/hunyuan/tiny.py, `ForcedLoop`): both
+The repetition guard is run on rows forced to loop (ocrq/models/hunyuan/tiny.py, `ForcedLoop`): both
 loops stop the same rows at the same length.
 """
 
@@ -27,11 +28,11 @@ from typing import Any
 
 import pytest
 
-from models.base import OcrResult, PreparedImage
-from models.hunyuan import HunyuanEngine
-from models.hunyuan.generation import BatchOutput, unsupported_reason
-from models.hunyuan.versions import RepetitionGuard
-from ocrq.settings import Settings
+from ocrq.core.settings import Settings
+from ocrq.models.base import OcrResult, PreparedImage
+from ocrq.models.hunyuan import HunyuanEngine
+from ocrq.models.hunyuan.generation import BatchOutput, unsupported_reason
+from ocrq.models.hunyuan.versions import RepetitionGuard
 from tests.tiny_hunyuan import (
     ShiftedDecoder,
     UnpenalisedDecoder,
@@ -181,8 +182,8 @@ KERNEL_CHECK = textwrap.dedent(
     import torch
     from transformers.models.hunyuan_vl.modeling_hunyuan_vl import (
         HunYuanVLRMSNorm, apply_rotary_pos_emb)
-    from models.hunyuan.attention import KernelConfig, TritonDecodeAttention, attend_torch
-    from models.hunyuan.kernels import add_rms_norm, rope_rms_norm
+    from ocrq.models.hunyuan.attention import KernelConfig, TritonDecodeAttention, attend_torch
+    from ocrq.models.hunyuan.kernels import add_rms_norm, rope_rms_norm
 
     torch.manual_seed(0)
     B, H, KVH, D, L, END = 3, 8, 2, 32, 150, 121
@@ -229,8 +230,8 @@ KERNEL_CHECK = textwrap.dedent(
 ENGINE_CHECK = textwrap.dedent(
     """
     import sys
-    import models.hunyuan.prefill
-    from models.hunyuan import HunyuanEngine
+    import ocrq.models.hunyuan.prefill
+    from ocrq.models.hunyuan import HunyuanEngine
     from tests.test_hunyuan_decode import MAX_NEW
     from tests.tiny_hunyuan import cpu_settings, item
 
@@ -301,7 +302,7 @@ def test_grouped_vision_attention_equals_the_per_image_loop(engine: HunyuanEngin
     """Runs of equal-sized images share one sdpa call; features match the library's loop."""
     import torch
 
-    from models.hunyuan.patches import batch_vision_attention
+    from ocrq.models.hunyuan.patches import batch_vision_attention
 
     sizes = [(100, 150), (150, 100), (64, 64), (100, 150), (100, 150), (100, 150)]
     rows = [engine.preprocess(item(w, h, 20 + i)) for i, (w, h) in enumerate(sizes)]
@@ -340,7 +341,7 @@ def plain15(engine15: HunyuanEngine, mixed_batch: list[PreparedImage]) -> BatchO
 def scores_diff(a: Any, b: Any, pad: int, steps: slice = slice(None)) -> float:
     """Largest difference of two rows' scores over `steps`, the pad column left out: batched
     generate() also penalises the pad id in left-padded rows, the fast loop penalises each row's
-    own tokens only, as a row alone is (models/hunyuan/repetition.py)."""
+    own tokens only, as a row alone is (ocrq/models/hunyuan/repetition.py)."""
     n = min(len(a.scores), len(b.scores))
     diff = (a.scores[:n][steps] - b.scores[:n][steps]).abs()
     diff[:, pad] = 0
@@ -387,7 +388,7 @@ def test_penalty_is_transformers_processor() -> None:
     import torch
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from models.hunyuan.repetition import history_of, penalise
+    from ocrq.models.hunyuan.repetition import history_of, penalise
 
     torch.manual_seed(0)
     scores = torch.randn(3, 50) * 4
@@ -416,7 +417,7 @@ LOOP_START = 5
 def forced(
     engine: HunyuanEngine, batch: list[PreparedImage], cycles: list[list[int]], **kwargs: Any
 ) -> BatchOutput:
-    from models.hunyuan.tiny import ForcedLoop
+    from ocrq.models.hunyuan.tiny import ForcedLoop
 
     with ForcedLoop(engine.model, cycles, start=LOOP_START):
         return engine.generate(batch, **kwargs)
@@ -472,7 +473,7 @@ def test_a_stopped_row_is_done_with_one_copy_of_its_loop(
     one copy of the loop; the other row is untouched."""
     import dataclasses
 
-    from models.hunyuan.tiny import ForcedLoop
+    from ocrq.models.hunyuan.tiny import ForcedLoop
 
     monkeypatch.setattr(engine15, "version", dataclasses.replace(engine15.version, guard=SMALL))
     settings = engine15.settings.model_copy(update={"max_new_tokens": 64})
@@ -494,8 +495,8 @@ def test_production_guard_finds_loops_and_spares_short_runs() -> None:
     short of it, a 129-token unit, and text that merely repeats tokens are not."""
     import torch
 
-    from models.hunyuan.repetition import LoopFinder
-    from models.hunyuan.versions import V1_5
+    from ocrq.models.hunyuan.repetition import LoopFinder
+    from ocrq.models.hunyuan.versions import V1_5
 
     guard = V1_5.guard
     assert guard.span(1) == 256 and guard.span(5) == 260 and guard.span(128) == 1024

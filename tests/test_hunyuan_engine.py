@@ -1,6 +1,7 @@
 """HunyuanEngine on tiny random HunYuanVLs, loaded through the same path as the real checkpoints.
 
-The checkpoints are written at test time (models/hunyuan/tiny.py) into a fake Hugging Face cache
+The checkpoints are written at test time (ocrq/models/hunyuan/tiny.py) into a fake Hugging Face
+cache
 as tencent/HunyuanOCR, revision main: a 1.5 (nested config, 1.5's limits) at the root, as the
 real repository has since July 2026, and a 1.0 (flat config) under v1.0/. The engine loads them
 by that id with HF_HUB_OFFLINE=1: the code path a worker takes in production. Most tests run on
@@ -22,14 +23,14 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from models.base import OcrResult, PreparedImage
-from models.hunyuan import HunyuanEngine, ModelNotFound
-from models.hunyuan.checkpoint import resolve_model_dir
-from models.hunyuan.generation import Generated
-from models.hunyuan.geometry import ImageGeometry, ImageShapeError
-from models.hunyuan.inputs import collate
-from models.hunyuan.prompts import PROMPTS_1_0, VERSION_PROMPTS
-from ocrq.settings import Settings
+from ocrq.core.settings import Settings
+from ocrq.models.base import OcrResult, PreparedImage
+from ocrq.models.hunyuan import HunyuanEngine, ModelNotFound
+from ocrq.models.hunyuan.checkpoint import resolve_model_dir
+from ocrq.models.hunyuan.generation import Generated
+from ocrq.models.hunyuan.geometry import ImageGeometry, ImageShapeError
+from ocrq.models.hunyuan.inputs import collate
+from ocrq.models.hunyuan.prompts import PROMPTS_1_0, VERSION_PROMPTS
 from tests.tiny_hunyuan import (
     COMMIT,
     MODEL_ID,
@@ -256,7 +257,7 @@ def test_estimator_matches_the_released_processor_settings(
     engine10: HunyuanEngine, size: tuple[int, int]
 ) -> None:
     """With 1.0's limits (512²..2048²): tokens and patches as the real processor counts."""
-    from models.hunyuan.geometry import DEFAULT_GEOMETRY
+    from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY
 
     assert_estimate_is_the_processors(engine10, DEFAULT_GEOMETRY, size)
 
@@ -266,7 +267,7 @@ def test_estimator_matches_the_processor_at_15s_limit(
     engine10: HunyuanEngine, size: tuple[int, int]
 ) -> None:
     """With 1.5's limit (~4096²), A4 at 300 dpi among them: 8,692 image tokens unshrunk."""
-    from models.hunyuan.geometry import DEFAULT_GEOMETRY
+    from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY
 
     geometry = ImageGeometry(max_pixels=4096 * 4096)
     assert_estimate_is_the_processors(engine10, geometry, size)
@@ -395,7 +396,7 @@ def test_default_cost_model_covers_the_h200_measurements() -> None:
 def test_cache_token_bytes_follow_the_models_shape(engine: HunyuanEngine) -> None:
     """The decode coefficient is K and V of every layer plus one layer's share, in the model's
     dtype; before loading, the 1.0 shape's (24 layers x 8 KV heads x 128, bf16) = 100 KiB."""
-    from models.hunyuan.memory import cache_token_bytes
+    from ocrq.models.hunyuan.memory import cache_token_bytes
 
     cfg = engine.model.config.text_config
     per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * engine.model.dtype.itemsize
@@ -411,8 +412,8 @@ def test_default_cost_model_covers_the_fast_path_measurements() -> None:
     batches alike."""
     import json
 
-    from models.costs import ItemCost
-    from models.hunyuan.memory import default_cost_model
+    from ocrq.models.costs import ItemCost
+    from ocrq.models.hunyuan.memory import default_cost_model
 
     results = Path(__file__).resolve().parents[1] / "bench/results/decode_speed_h200.json"
     report = json.loads(results.read_text())
@@ -444,7 +445,7 @@ def test_at_most_preprocess_slots_threads_run_the_processor(
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from models.hunyuan.inputs import PREPROCESS_SLOTS
+    from ocrq.models.hunyuan.inputs import PREPROCESS_SLOTS
 
     inside = 0
     most = 0
@@ -474,7 +475,7 @@ def test_at_most_preprocess_slots_threads_run_the_processor(
 def test_profile_key_names_the_loaded_snapshot(engine: HunyuanEngine, tmp_path: Path) -> None:
     """describe() gives the cache snapshot's commit as the revision; a plain directory keeps
     the configured one."""
-    from models.hunyuan.checkpoint import snapshot_commit
+    from ocrq.models.hunyuan.checkpoint import snapshot_commit
 
     assert engine.describe()["revision"] == COMMIT
     assert snapshot_commit(engine.model_dir) == COMMIT
@@ -529,8 +530,8 @@ def test_presets_default_by_task_and_the_settings_row() -> None:
     where its full size gives 8,692), and OCRQ_TASK_MAX_PIXELS is typed and bounded."""
     from pydantic import ValidationError
 
-    from models.hunyuan.resolution import TASK_MAX_PIXELS
-    from ocrq.contract import TASKS
+    from ocrq.core.contract import TASKS
+    from ocrq.models.hunyuan.resolution import TASK_MAX_PIXELS
 
     eng = HunyuanEngine(Settings())  # before loading: 1.5's limit
     a4 = (2480, 3508)
@@ -551,8 +552,8 @@ def test_planner_downscales_the_biggest_15_pages_over_budget() -> None:
     """The estimate grows with the pixels 1.5 accepts (a 4096² page is 16,514 image tokens),
     and a budget that one such page exceeds makes the batcher shrink it until it fits, never
     sending it into an out-of-memory error."""
-    from models.costs import GiB
-    from worker.batcher import BatchConfig, Batcher
+    from ocrq.models.costs import GiB
+    from ocrq.worker.batcher import BatchConfig, Batcher
 
     eng = HunyuanEngine(Settings(max_new_tokens=16))
     huge = PreparedImage(

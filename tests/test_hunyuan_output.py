@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from models.base import Line
-from models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageShapeError, item_cost
-from models.hunyuan.output import (
+from ocrq.models.base import Line
+from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageShapeError, item_cost
+from ocrq.models.hunyuan.output import (
     SpottedText,
     build_result,
     parse_spotting,
@@ -169,9 +169,9 @@ def test_cpu_path_never_imports_torch() -> None:
     code = (
         "import sys\n"
         "from PIL import Image\n"
-        "from models.base import PreparedImage\n"
-        "from models.hunyuan import HunyuanEngine\n"
-        "from ocrq.settings import Settings\n"
+        "from ocrq.models.base import PreparedImage\n"
+        "from ocrq.models.hunyuan import HunyuanEngine\n"
+        "from ocrq.core.settings import Settings\n"
         "engine = HunyuanEngine(Settings())\n"
         "img = Image.new('RGB', (886, 1699))\n"
         "cost = engine.estimate(PreparedImage('k', img, img.size, task='spotting'))\n"
@@ -191,9 +191,9 @@ def test_named_tasks_get_the_engines_prompt_and_free_prompts_pass_through() -> N
     version's prompts, and a name the version lacks is refused by name."""
     from PIL import Image
 
-    from models.base import PreparedImage, UnsupportedTask
-    from models.hunyuan.prompts import TASK_NAMES, VERSION_PROMPTS, answer_kind, prompt_of
-    from ocrq.contract import TASKS, JobRequest
+    from ocrq.core.contract import TASKS, JobRequest
+    from ocrq.models.base import PreparedImage, UnsupportedTask
+    from ocrq.models.hunyuan.prompts import TASK_NAMES, VERSION_PROMPTS, answer_kind, prompt_of
 
     assert set(TASKS) == set(TASK_NAMES)
     image = Image.new("RGB", (8, 8))
@@ -241,7 +241,7 @@ PROMPT_HASHES_1_5 = {
 def test_15_prompts_are_tencents_verbatim() -> None:
     import hashlib
 
-    from models.hunyuan.prompts import PROMPTS_1_5
+    from ocrq.models.hunyuan.prompts import PROMPTS_1_5
 
     assert set(PROMPTS_1_5) == set(PROMPT_HASHES_1_5)
     for name, (digest, length) in PROMPT_HASHES_1_5.items():
@@ -253,7 +253,7 @@ def test_15_prompts_are_tencents_verbatim() -> None:
 
 
 def test_version_comes_from_the_config_layout_and_limits() -> None:
-    from models.hunyuan.versions import version_of_config
+    from ocrq.models.hunyuan.versions import version_of_config
 
     flat_10 = {"hidden_size": 1024, "max_position_embeddings": 32768, "vision_config": {}}
     nested_15 = {
@@ -277,7 +277,7 @@ def test_version_comes_from_the_config_layout_and_limits() -> None:
 
 
 def test_spotting_json_answer() -> None:
-    from models.hunyuan.output import parse_spotting_json
+    from ocrq.models.hunyuan.output import parse_spotting_json
 
     out = (
         '```json\n[{"box": [100, 500, 300, 540], "text": "金额(小写)"},\n'
@@ -356,9 +356,9 @@ def test_parsed_page_figure_boxes_become_lines() -> None:
 
 
 def test_registry_is_a_mapping_and_each_engine_has_its_memory_side() -> None:
-    from models.memory import HostMemory, MemoryProbing, memory_of
-    from models.registry import ENGINES, create_engine
-    from ocrq.settings import Settings
+    from ocrq.core.settings import Settings
+    from ocrq.models.memory import HostMemory, MemoryProbing, memory_of
+    from ocrq.models.registry import ENGINES, create_engine
 
     assert list(ENGINES) == ["rapid", "hunyuan"]
     with pytest.raises(ValueError, match="choose one of: rapid, hunyuan"):
@@ -377,7 +377,7 @@ def test_rows_end_at_the_generation_configs_and_the_tokenizers_eos() -> None:
     (what Tencent's clients stop at) is 120007."""
     from types import SimpleNamespace
 
-    from models.hunyuan.tokens import SpecialTokens
+    from ocrq.models.hunyuan.tokens import SpecialTokens
 
     gen = SimpleNamespace(eos_token_id=120020, pad_token_id=None)
     tokenizer = SimpleNamespace(eos_token_id=120007, pad_token_id=120002)

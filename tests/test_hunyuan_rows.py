@@ -3,7 +3,7 @@ reaches the engine.
 
 The real job path on the real PostgreSQL (migrated by `ocrq migrate`, so through
 migrations/versions/0003): JobRunner -> Batcher -> the tiny HunyuanOCR 1.5 on the CPU, whose
-rows are forced to loop (models/hunyuan/tiny.py, `ForcedLoop`) under a guard small enough for a
+rows are forced to loop (ocrq/models/hunyuan/tiny.py, `ForcedLoop`) under a guard small enough for a
 CPU test. Only the forcing is test-only (a subclass); the guard, the trimming, the store and the
 views are production code.
 """
@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from models.base import OcrResult
-from models.hunyuan import HunyuanEngine
-from models.hunyuan.versions import RepetitionGuard
-from ocrq.contract import JobRequest
-from ocrq.db import get_engine
-from ocrq.store import JobStore, public_view
+from ocrq.core.contract import JobRequest
+from ocrq.core.db import get_engine
+from ocrq.core.store import JobStore, public_view
+from ocrq.models.base import OcrResult
+from ocrq.models.hunyuan import HunyuanEngine
+from ocrq.models.hunyuan.versions import RepetitionGuard
 from tests.tiny_hunyuan import cpu_settings, noise, tiny_checkpoint
 
 pytestmark = pytest.mark.hunyuan
@@ -41,7 +41,7 @@ class LoopingEngine(HunyuanEngine):
     seen: list[tuple[int, int]]
 
     def run(self, batch: Any) -> list[OcrResult | Exception]:
-        from models.hunyuan.tiny import ForcedLoop
+        from ocrq.models.hunyuan.tiny import ForcedLoop
 
         self.seen.extend(it.image.size for it in batch)
         vocab = self.processor.tokenizer.get_vocab()
@@ -60,8 +60,8 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, database_url: str) -> Iterator[Setup]:
-    from worker.batcher import BatchConfig, Batcher
-    from worker.jobs import JobRunner
+    from ocrq.worker.batcher import BatchConfig, Batcher
+    from ocrq.worker.jobs import JobRunner
 
     root = tmp_path_factory.mktemp("images")
     path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.5")

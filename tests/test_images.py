@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from ocrq.contract import ImageRef
-from ocrq.settings import Settings
+from ocrq.core.contract import ImageRef
+from ocrq.core.settings import Settings
+from ocrq.worker import images
 from tests.badfiles import write_bad_files
-from worker import images
 
 
 @pytest.fixture()

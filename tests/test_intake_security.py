@@ -28,17 +28,17 @@ import pytest
 from celery import Celery
 from PIL import Image
 
-from models.base import PreparedImage
-from models.rapid import RapidEngine
-from ocrq.contract import ImageRef, redact_url
-from ocrq.db import get_engine
-from ocrq.samples import draw_text_image
-from ocrq.settings import Settings
-from ocrq.store import JobStore
+from ocrq.core.contract import ImageRef, redact_url
+from ocrq.core.db import get_engine
+from ocrq.core.samples import draw_text_image
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore
+from ocrq.models.base import PreparedImage
+from ocrq.models.rapid import RapidEngine
+from ocrq.worker import fetch, images
 from tests.badfiles import png_bomb
 from tests.conftest import BIN, WorkerProcess
 from tests.servers import free_port
-from worker import fetch, images
 
 GENERIC = "URL not fetched (not allowed, unreachable or too slow): "
 

@@ -21,13 +21,13 @@ from alembic import command
 from sqlalchemy import create_engine, insert, text
 from sqlalchemy.engine import make_url
 
-from api.client import Client
-from ocrq import workers_table
-from ocrq.db import get_engine, ocr_jobs, ocr_workers
-from ocrq.migrate import alembic_config, head_revisions
-from ocrq.samples import draw_text_image
-from ocrq.settings import Settings
-from ocrq.store import JobStore, now
+from ocrq.api.client import Client
+from ocrq.core import workers_table
+from ocrq.core.db import get_engine, ocr_jobs, ocr_workers
+from ocrq.core.migrate import alembic_config, head_revisions
+from ocrq.core.samples import draw_text_image
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore, now
 from tests.conftest import BIN, FIGURES, TEST_PG, WorkerProcess
 from tests.test_faults import WORDS, report, wait_all
 

@@ -25,11 +25,11 @@ import pytest
 import redis
 from celery import Celery
 
-from api.client import Client
-from ocrq.contract import ImageRef
-from ocrq.samples import draw_text_image
-from ocrq.settings import Settings
-from ocrq.store import REUSED_ID, JobStore
+from ocrq.api.client import Client
+from ocrq.core.contract import ImageRef
+from ocrq.core.samples import draw_text_image
+from ocrq.core.settings import Settings
+from ocrq.core.store import REUSED_ID, JobStore
 from tests.conftest import WorkerProcess
 from tests.test_service import _store, _wait_rows
 
@@ -247,7 +247,7 @@ def test_job_id_spellings_make_one_row(
         assert _wait_rows(database_url, [str(job)], timeout=60)[str(job)]["status"] == "done"
     from sqlalchemy import func, select
 
-    from ocrq.db import ocr_jobs
+    from ocrq.core.db import ocr_jobs
 
     store = _store(database_url)
     with store.engine.connect() as conn:

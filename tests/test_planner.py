@@ -7,8 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.costs import CostModel, ItemCost
-from worker.planner import Downscale, Refusal, ShrinkRule, Waiting, after_oom, plan, shrink_to_fit
+from ocrq.models.costs import CostModel, ItemCost
+from ocrq.worker.planner import (
+    Downscale,
+    Refusal,
+    ShrinkRule,
+    Waiting,
+    after_oom,
+    plan,
+    shrink_to_fit,
+)
 
 MODEL = CostModel(
     fixed_bytes=2 << 30, per_item_bytes=1e6, per_token_bytes=135 * 1024, per_patch_bytes=2e3

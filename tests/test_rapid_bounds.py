@@ -24,15 +24,15 @@ from PIL import Image
 
 from bench.rapid_memory import long_line, long_line_text, strip, text_page, thin, words
 from bench.scoring import cer
-from models.base import OcrResult, PreparedImage
-from models.rapid import RapidEngine, det_plan
-from models.rapid.crops import rec_input_width, shrink_to_rec_height, to_bgr
-from models.rapid.geometry import DET_MAX_PIXELS, DET_MAX_SIDE
-from models.rapid.spacing import ink_mask
-from models.rapid.tiles import REC_TILE_COLUMNS, tiles
-from ocrq.db import get_engine
-from ocrq.samples import draw_text_image
-from ocrq.store import JobStore
+from ocrq.core.db import get_engine
+from ocrq.core.samples import draw_text_image
+from ocrq.core.store import JobStore
+from ocrq.models.base import OcrResult, PreparedImage
+from ocrq.models.rapid import RapidEngine, det_plan
+from ocrq.models.rapid.crops import rec_input_width, shrink_to_rec_height, to_bgr
+from ocrq.models.rapid.geometry import DET_MAX_PIXELS, DET_MAX_SIDE
+from ocrq.models.rapid.spacing import ink_mask
+from ocrq.models.rapid.tiles import REC_TILE_COLUMNS, tiles
 from tests.conftest import BIN, REPO, WorkerProcess
 
 GiB = 1024**3
@@ -146,7 +146,7 @@ CHILD_CASES = {
 def child_main(names: list[str]) -> None:
     """Run in a capped child: one batch of the named cases, with the widest recogniser input
     and the peak RSS, as one JSON line on stdout."""
-    from ocrq import procfs
+    from ocrq.core import procfs
 
     eng = RapidEngine()
     eng.load()
@@ -296,7 +296,8 @@ def test_worker_survives_hostile_sizes_under_an_address_space_cap(
         image.save(paths[name])
     env = {**service_env, "OCRQ_MEMORY_BUDGET_GIB": "2.5", "MALLOC_ARENA_MAX": "2"}
     cap = 4 * GiB
-    worker = CappedWorker(env, tmp_path / "worker.log", cap, "--no-supervise", "--concurrency", "4")
+    worker = CappedWorker(env, tmp_path / "ocrq.worker.log", cap, "--no-supervise",
+    "--concurrency", "4")
     store = JobStore(get_engine(database_url))
     app = Celery(broker=broker_url)
     try:

@@ -20,8 +20,8 @@ from bench.scoring import (
     token_f1,
     word_accuracy,
 )
-from models.base import OcrResult, PreparedImage, UnsupportedTask
-from models.rapid import RapidEngine, det_plan
+from ocrq.models.base import OcrResult, PreparedImage, UnsupportedTask
+from ocrq.models.rapid import RapidEngine, det_plan
 
 REPO = Path(__file__).resolve().parents[1]
 Box = tuple[int, int, int, int]

@@ -19,8 +19,8 @@ from typing import Any
 
 from celery import Celery
 
-from ocrq.db import get_engine
-from ocrq.store import JobStore
+from ocrq.core.db import get_engine
+from ocrq.core.store import JobStore
 from tests.badfiles import write_bad_files
 from tests.conftest import BIN, WorkerProcess
 
@@ -127,7 +127,7 @@ def test_duplicate_delivery_one_row(
     store = _store(database_url)
     from sqlalchemy import func, select
 
-    from ocrq.db import ocr_jobs
+    from ocrq.core.db import ocr_jobs
 
     with store.engine.connect() as conn:
         n = conn.execute(select(func.count()).where(ocr_jobs.c.id == job_id)).scalar_one()
@@ -247,7 +247,7 @@ def test_embedded_run(tmp_path: Path, text_images: dict[str, Path]) -> None:
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [Path(r["path"]).name for r in rows] == sorted(p.name for p in folder.iterdir())
     by_name = {Path(r["path"]).stem: r for r in rows}
-    assert set(by_name["broken"]) == {"path", "status", "text", "lines", "error"}
+    assert set(by_name["broken"]) == {"path", "status", "text", "lines", "error", "truncated"}
     assert by_name["broken"]["status"] == "failed" and "not an image" in by_name["broken"]["error"]
     assert "HELLO" in by_name["hello"]["text"].upper()
     assert "done: 3, failed: 1" in proc.stderr
@@ -262,8 +262,8 @@ def test_http_api(
 ) -> None:
     from fastapi.testclient import TestClient
 
-    from api.http import create_app
-    from ocrq.settings import Settings
+    from ocrq.api.http import create_app
+    from ocrq.core.settings import Settings
 
     token = uuid.uuid4().hex
     settings = Settings(

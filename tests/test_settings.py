@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from ocrq.cli import ENGINE_HELP, _child_env
-from ocrq.settings import Settings
+from ocrq.core.settings import Settings
+from ocrq.worker import metrics
 from tests.servers import free_port
-from worker import metrics
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from ocrq.db import get_engine, ocr_jobs
-from ocrq.store import JobStore
+from ocrq.core.db import get_engine, ocr_jobs
+from ocrq.core.store import JobStore
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

@@ -25,15 +25,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from models.base import OcrResult, PreparedImage
-from models.calibration import Sample, fit, relative_error
-from models.costs import CostModel, GiB, ItemCost
-from ocrq.db import get_engine
-from ocrq.settings import Settings
-from ocrq.store import JobStore
-from worker.batcher import BatchConfig, Batcher
-from worker.profiles import KEY_FIELDS, engine_key, load_profile, profile_path
-from worker.runtime import build_runtime
+from ocrq.core.db import get_engine
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore
+from ocrq.models.base import OcrResult, PreparedImage
+from ocrq.models.calibration import Sample, fit, relative_error
+from ocrq.models.costs import CostModel, GiB, ItemCost
+from ocrq.worker.batcher import BatchConfig, Batcher
+from ocrq.worker.profiles import KEY_FIELDS, engine_key, load_profile, profile_path
+from ocrq.worker.runtime import build_runtime
 
 OCRQ = Path(sys.executable).parent / "ocrq"
 MiB = 1024**2
@@ -178,8 +178,8 @@ def test_fit_keeps_coefficients_nonnegative_and_fixed_above_the_baseline() -> No
 
 
 def test_host_peak_memory_follows_allocations() -> None:
-    from models.memory import HostMemory, memory_of
-    from models.rapid import RapidEngine
+    from ocrq.models.memory import HostMemory, memory_of
+    from ocrq.models.rapid import RapidEngine
 
     engine = memory_of(RapidEngine())  # the CPU engine's memory is the host's
     assert isinstance(engine, HostMemory)
@@ -253,7 +253,7 @@ def test_worker_uses_the_tuned_profile(
 ) -> None:
     profiles, _ = rapid_tune
     path = only_profile(profiles)
-    caplog.set_level(logging.INFO, logger="worker.runtime")
+    caplog.set_level(logging.INFO, logger="ocrq.worker.runtime")
     runtime = build_runtime(
         Settings(engine="rapid", profile_dir=profiles, memory_budget_gib=2.0),
         store=sqlite_store(tmp_path),
@@ -276,7 +276,7 @@ def test_worker_uses_the_tuned_profile(
 def test_worker_without_profile_uses_the_default(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="worker.runtime")
+    caplog.set_level(logging.INFO, logger="ocrq.worker.runtime")
     runtime = build_runtime(
         Settings(engine="rapid", profile_dir=tmp_path / "empty"), store=sqlite_store(tmp_path)
     )
@@ -344,7 +344,7 @@ def test_tune_tiny_hunyuan_writes_a_profile_the_worker_loads(
     assert (key["engine"], key["model"], key["revision"]) == ("hunyuan", "tencent/HunyuanOCR",
                                                               COMMIT)
     assert (key["dtype"], key["attention"], key["max_new_tokens"]) == ("float32", "sdpa", "4")
-    from models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan import HunyuanEngine
 
     assert list(key) == [*KEY_FIELDS, *HunyuanEngine.profile_fields]  # the engine names its own
     statuses = [p["status"] for p in body["probes"]]
@@ -392,7 +392,7 @@ def noise_item(key: str, w: int, h: int, seed: int) -> PreparedImage:
 
 @pytest.mark.hunyuan
 def test_oom_recovery_end_to_end_on_the_tiny_model(tiny_cache: Path) -> None:
-    from models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan import HunyuanEngine
 
     class OomHunyuan(OomAboveN, HunyuanEngine):
         pass

@@ -1,7 +1,8 @@
 """What the HunyuanOCR tests share: the tiny checkpoints in a fake Hugging Face cache, images,
 engines, and the test-only ways to break an engine on purpose.
 
-The checkpoints themselves are built by models/hunyuan/tiny.py (benchmarks use it too): the fake
+The checkpoints themselves are built by ocrq/models/hunyuan/tiny.py (benchmarks use it too): the
+fake
 cache holds tencent/HunyuanOCR as the real repository does since July 2026, a tiny 1.5 at its
 root and a tiny 1.0 under v1.0/. The knobs that exist only to show a check can fail (right
 padding, a shifted decode position, a dropped repetition penalty) live here, as subclasses, and
@@ -21,11 +22,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from models.base import PreparedImage
-from models.hunyuan import HunyuanEngine
-from models.hunyuan.decode import HunyuanDecoder
-from models.hunyuan.inputs import EncodedImage, collate
-from ocrq.settings import Settings
+from ocrq.core.settings import Settings
+from ocrq.models.base import PreparedImage
+from ocrq.models.hunyuan import HunyuanEngine
+from ocrq.models.hunyuan.decode import HunyuanDecoder
+from ocrq.models.hunyuan.inputs import EncodedImage, collate
 
 MODEL_ID = "tencent/HunyuanOCR"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -47,7 +48,7 @@ def fake_hf_cache(root: Path, build: Any) -> Path:
 def offline_tiny_cache(root: Path) -> Iterator[Path]:
     """The tiny checkpoints as MODEL_ID in a fake cache at `root`, with huggingface_hub pointed
     at it and offline for the duration."""
-    from models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
+    from ocrq.models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
 
     fake_hf_cache(root, lambda p, version: build_checkpoint(p, TINY_SHAPES[version]))
     with pytest.MonkeyPatch.context() as mp:
@@ -61,7 +62,7 @@ def offline_tiny_cache(root: Path) -> Iterator[Path]:
 
 def tiny_checkpoint(folder: Path, version: str = "1.0") -> Path:
     """A tiny checkpoint of `version` as a plain local folder."""
-    from models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
+    from ocrq.models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
 
     return build_checkpoint(folder / f"tiny-{version}", TINY_SHAPES[version])
 

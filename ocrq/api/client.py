@@ -1,0 +1,163 @@
+"""Submit jobs and read results, as any producer would: a bare Celery app plus the job table.
+
+Other apps need none of this: `Celery(broker=...).send_task("ocrq.recognize", kwargs=...,
+queue="ocr")` is the whole contract. This module is what `ocrq submit` and the HTTP api use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, JobRequest, canonical_job_id, job_kwargs
+from ocrq.core.db import get_engine
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore, public_view
+
+FINAL = ("done", "failed")
+
+
+def producer_app(broker_url: str) -> Celery:
+    app = Celery("ocrq-producer", broker=broker_url)
+    app.conf.update(task_send_sent_event=True, broker_connection_retry_on_startup=True)
+    return app
+
+
+def image_ref(target: str) -> dict[str, str]:
+    """A CLI argument -> the message's image reference (absolute path, or URL)."""
+    if target.startswith(("http://", "https://")):
+        return {"url": target}
+    return {"path": str(Path(target).expanduser().resolve())}
+
+
+class Client:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.app = producer_app(settings.broker_url)
+        self._store: JobStore | None = None
+
+    @property
+    def store(self) -> JobStore:
+        if self._store is None:
+            self._store = JobStore(get_engine(self.settings.database_url))
+        return self._store
+
+    def submit(self, image: dict[str, str], task: str = "text", record: bool = True) -> str:
+        """Enqueue one job; with `record`, its row exists as `queued` before the message."""
+        # Validated as the worker will (ValidationError, a ValueError: NUL bytes, lone
+        # surrogates...), so nothing is enqueued that could not be stored.
+        request = JobRequest.model_validate({"image": image, "task": task})
+        kwargs = job_kwargs(image, task, request.job_id)
+        if record:
+            # The worker's claim compares a row's source with the message's: same description.
+            self.store.enqueue(kwargs["job_id"], task, request.image.describe())
+        self.app.send_task(
+            TASK_NAME,
+            kwargs=kwargs,
+            queue=self.settings.queue or DEFAULT_QUEUE,
+            task_id=kwargs["job_id"],
+        )
+        return kwargs["job_id"]
+
+    def requeue(self, older_than_s: float) -> list[str]:
+        """Send again every job still `queued` (never claimed by a worker) after `older_than_s`.
+
+        The job table, not the broker, is the record of what was submitted: kombu's Redis
+        transport pops a message and marks it unacked in two steps, so a Redis restart between
+        them loses that message. A re-sent job that was not lost after all is harmless: the
+        worker's claim finds its row done and skips it. Inline (b64) jobs cannot be re-sent.
+        """
+        from sqlalchemy import select
+
+        from ocrq.core.db import ocr_jobs
+        from ocrq.core.store import now
+
+        cutoff = now().timestamp() - older_than_s
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(
+                select(
+                    ocr_jobs.c.id, ocr_jobs.c.task, ocr_jobs.c.source, ocr_jobs.c.created_at
+                ).where(ocr_jobs.c.status == "queued")
+            ).all()
+        sent = []
+        for job_id, task, source, created in rows:
+            if created.timestamp() > cutoff or source == "b64" or source.startswith("b64:"):
+                continue
+            self._resend(job_id, task, source)
+            sent.append(job_id)
+        return sent
+
+    def requeue_stalled(
+        self, stalled_after_s: float | None = None, exclude_worker: str | None = None
+    ) -> list[str]:
+        """Send again the `running` jobs of workers whose heartbeat is older than
+        `stalled_after_s` (default OCRQ_STALLED_AFTER_S): a worker killed mid-job leaves
+        them running, and its unacked messages would only come back after the visibility
+        timeout. A live worker's jobs are never touched. Each job is flipped to `queued` by
+        one UPDATE, so of several concurrent sweeps exactly one re-sends it; the original
+        message, if it comes back later, finds the row done (or runs it again: one row).
+        """
+        from ocrq.core import workers_table
+
+        after = self.settings.stalled_after_s if stalled_after_s is None else stalled_after_s
+        stalled = workers_table.flip_stalled(self.store.engine, after, exclude=exclude_worker)
+        sent: list[str] = []
+        try:
+            for job in stalled:
+                self._resend(job.id, job.task, job.source)
+                sent.append(job.id)
+        finally:  # the broker failed mid-way: leave the rest for the next sweep
+            workers_table.unflip(self.store.engine, [j.id for j in stalled[len(sent) :]])
+        workers_table.forget_dead(self.store.engine, after)
+        return sent
+
+    def _resend(self, job_id: str, task: str, source: str) -> None:
+        """A job's message rebuilt from its row (path or URL; the row holds no inline bytes)."""
+        image = {"url": source} if source.startswith(("http://", "https://")) else {"path": source}
+        self.app.send_task(
+            TASK_NAME,
+            kwargs=job_kwargs(image, task, job_id),
+            queue=self.settings.queue or DEFAULT_QUEUE,
+            task_id=job_id,
+        )
+
+    def status(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """Rows by job id, in any UUID spelling (`{...}`, `urn:uuid:`, upper case, no dashes)."""
+        ids = [_canonical_or_none(j) or j for j in job_ids]
+        rows = self.store.get(ids)
+        return [
+            public_view(rows[j]) if j in rows else {"job_id": j, "status": "unknown"} for j in ids
+        ]
+
+    def wait(
+        self,
+        job_ids: Iterable[str],
+        timeout: float | None = None,
+        poll_s: float = 0.25,
+        on_progress: Any = None,
+    ) -> list[dict[str, Any]]:
+        """Poll the table until every job is final or the timeout passes."""
+        ids = [_canonical_or_none(j) or j for j in job_ids]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            rows = self.store.get(ids)
+            final = sum(1 for r in rows.values() if r["status"] in FINAL)
+            if on_progress is not None:
+                on_progress(final, len(ids))
+            if final == len(ids):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(poll_s)
+        return self.status(ids)
+
+
+def _canonical_or_none(job_id: str) -> str | None:
+    try:
+        return canonical_job_id(job_id)
+    except ValueError:
+        return None

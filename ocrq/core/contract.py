@@ -1,0 +1,163 @@
+"""The wire contract between producers and workers.
+
+Producers send `ocrq.recognize` with plain JSON kwargs and never import this project, so the
+names and shapes here are the public API: change them only compatibly.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Annotated, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TASK_NAME = "ocrq.recognize"
+DEFAULT_QUEUE = "ocr"
+
+# The task names a job may ask for; any other task string is a free prompt. Each engine holds
+# its own prompt for a name (HunyuanOCR's official ones per version:
+# ocrq/models/hunyuan/prompts.py);
+# a name the loaded model lacks fails its job.
+TASKS = (
+    "text", "spotting", "parse", "table", "formula", "subtitles",  # HunyuanOCR 1.0 and 1.5
+    "spotting_json", "layout", "layout_parse", "chart",  # 1.5 only
+    "translate_doc_zh", "translate_en", "translate_zh",
+)  # fmt: skip
+# A job's optional cap on the pixels the model sees: one 32x32 block up to 4096² (1.5's limit).
+MAX_PIXELS_RANGE = (32 * 32, 4096 * 4096)
+
+JobStatus = Literal["queued", "running", "done", "failed"]
+
+# Query parameters whose values are secrets in common signed/tokened URLs (S3 and GCS presigned
+# URLs, OAuth access tokens, API keys): masked wherever a URL is shown or stored.
+_SECRET_PARAM = re.compile(r"sig|token|key|secret|passw|pwd|auth|credential|session", re.I)
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
+def redact_url(url: str) -> str:
+    """The URL as it may be stored, logged and shown: `user:pass@` becomes `***@`, and values of
+    query parameters named like secrets (signature, token, key, ...) become `***`.
+
+    The rest of the query stays, so a user can still tell which object a failed job named.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # unparseable (a bad IPv6 literal, say): strip anything like userinfo
+        return _USERINFO.sub(r"\1***@", url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    query = "&".join(_redact_param(p) for p in parts.query.split("&")) if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _redact_param(param: str) -> str:
+    name, eq, _ = param.partition("=")
+    return f"{name}=***" if eq and _SECRET_PARAM.search(name) else param
+
+
+class ImageRef(BaseModel):
+    """Where the image comes from: exactly one of a path, a URL or inline base64."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = None
+    url: str | None = None
+    b64: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ImageRef:
+        given = [k for k in ("path", "url", "b64") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("image must give exactly one of 'path', 'url' or 'b64'")
+        return self
+
+    def describe(self) -> str:
+        """A short, loggable description of the source: never the inline bytes, never a URL's
+        credentials (this is what the job's row stores and the API returns)."""
+        if self.path:
+            return self.path
+        if self.url:
+            return redact_url(self.url)
+        return f"b64:{len(self.b64 or '')} chars"
+
+
+def canonical_job_id(value: object) -> str:
+    """The one spelling of a job id, used for rows, task ids and messages alike.
+
+    `uuid.UUID` accepts braces, `urn:uuid:`, upper case and no dashes; stored as given, those
+    spellings made separate rows for one job. Raises ValueError for anything that is not a UUID.
+    """
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if not isinstance(value, str) or len(value) > 64:
+        raise ValueError("job_id must be a UUID string")
+    return str(uuid.UUID(value))
+
+
+def _storable(value: str, what: str) -> str:
+    """PostgreSQL text holds neither NUL nor a lone surrogate (not UTF-8): refuse them here, so
+    the job fails with a clear error instead of its row failing to be written at all."""
+    if "\x00" in value:
+        raise ValueError(f"{what} contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} contains a lone surrogate (not valid Unicode text)") from None
+    return value
+
+
+def storable_text(value: object, limit: int = 200) -> str:
+    """Any value as text a row can hold: NUL and lone surrogates escaped, length capped.
+
+    For what a refused request is recorded under (its source and task)."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text[:limit].replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class JobRequest(BaseModel):
+    """The kwargs of one `ocrq.recognize` message, validated on the worker side."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    image: ImageRef
+    task: Annotated[str, Field(min_length=1, max_length=4000)] = "text"
+    job_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
+    # Optional: fewer pixels than the engine's per-task default (or more, up to the model's).
+    max_pixels: Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])] = None
+
+    @field_validator("job_id", mode="before")
+    @classmethod
+    def _canonical_id(cls, value: object) -> str:
+        return canonical_job_id(value)  # ValueError -> a clear validation error
+
+    @field_validator("task")
+    @classmethod
+    def _storable_task(cls, value: str) -> str:
+        return _storable(value, "task")
+
+    @model_validator(mode="after")
+    def _storable_image(self) -> JobRequest:
+        for key in ("path", "url", "b64"):
+            value = getattr(self.image, key)
+            if value is not None:
+                _storable(value, f"image.{key}")
+        return self
+
+    @property
+    def prompt(self) -> str:
+        """The free prompt a VLM sees, when the task names none of TASKS; else "" (the engine
+        holds the named task's own prompt)."""
+        return "" if self.task in TASKS else self.task
+
+
+def job_kwargs(image: dict[str, str], task: str = "text", job_id: str | None = None) -> dict:
+    """Build send_task kwargs; a producer may equally write this dict by hand."""
+    return {
+        "image": image,
+        "task": task,
+        "job_id": canonical_job_id(job_id) if job_id else str(uuid.uuid4()),
+    }

@@ -1,0 +1,230 @@
+"""One typed settings object, read from OCRQ_* variables once and passed down.
+
+Nothing deep in the code reads the environment: tests and embedded mode build a Settings of
+their own and hand it in.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# HunyuanOCR's generation loop: ocrq's own (ocrq/models/hunyuan/decode.py) or transformers'
+# generate().
+DecodeMode = Literal["fast", "generate"]
+# The fast loop's decode attention: Triton on CUDA when installed ("auto"), or forced.
+DecodeAttention = Literal["auto", "triton", "torch"]
+
+
+class Settings(BaseSettings):
+    # hide_input_in_errors: a bad setting's error must not print the others (tokens, passwords).
+    model_config = SettingsConfigDict(env_prefix="OCRQ_", extra="ignore", hide_input_in_errors=True)
+
+    broker_url: str = "redis://localhost:6379/0"
+    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/ocrq"
+    engine: str = "rapid"
+    queue: str = "ocr"
+    # Directories that {"path": ...} images may be read from. Empty: every path is refused, and
+    # a worker will not start (nor with `/` among them) unless allow_any_path says so; there is
+    # no fallback to the working directory, which is `/` under systemd.
+    allowed_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    # The explicit opt-out: a worker may start with `/` among the roots, or with none (then `/`).
+    allow_any_path: bool = False
+
+    # Image intake limits: a job over them fails alone with a clear error.
+    max_image_bytes: int = Field(default=50 * 1024 * 1024, ge=1, le=2**34)
+    # 4961x7016 receipts (34.8 MP) pass.
+    max_image_pixels: int = Field(default=40_000_000, ge=1, le=2_000_000_000)
+    # Checked on the header before decoding: a 1x100000 strip costs nothing to refuse.
+    max_image_side: int = Field(default=20_000, ge=1, le=1_000_000)
+    # Longer side / shorter side. 200 passes a 13340x124 text line (108) with room to spare and
+    # a 6400x32 line (about 300 characters at the smallest legible height); the engines tile
+    # long strips, so intake only refuses absurd shapes.
+    max_aspect_ratio: float = Field(default=200.0, ge=1.0, le=1_000_000.0)
+    # Pillow formats Image.open may try (raster only: EPS would run Ghostscript).
+    image_formats: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF", "PPM"]
+    )
+    url_timeout_s: float = Field(default=15.0, gt=0, le=600)  # per connect / read / write
+    url_deadline_s: float = Field(default=30.0, gt=0, le=3600)  # whole fetch, redirects included
+    url_max_redirects: int = Field(default=5, ge=0, le=20)
+    # Addresses URLs may reach although internal (loopback, private, link-local, ...): e.g.
+    # "10.0.0.0/8,127.0.0.1/32". Empty: public addresses only.
+    url_allow_networks: Annotated[list[ipaddress.IPv4Network | ipaddress.IPv6Network], NoDecode] = (
+        Field(default_factory=list)
+    )
+
+    # Batching.
+    # Hard cap on images per engine call, whatever the budget allows.
+    max_batch: int = Field(default=32, ge=1, le=4096)
+    # How long the batcher lingers for more items once one is waiting.
+    batch_wait_ms: int = Field(default=50, ge=0, le=60_000)
+    # Total memory the engine may use, fixed part included; None: the engine's default budget.
+    memory_budget_gib: float | None = Field(default=None, gt=0, le=65_536)
+    # Share of that budget batches are planned to; the rest is the allocator's slack.
+    memory_utilization: float = Field(default=0.85, gt=0.1, le=1.0)
+    # Where `ocrq tune` writes cost-model profiles and workers look for theirs at start.
+    profile_dir: Path = Path("~/.cache/ocrq/profiles")
+    # Celery task threads: images being fetched + waiting for the batcher.
+    concurrency: int = Field(default=16, ge=1, le=4096)
+    # Decoded images held at once (waiting + in the running batch); None: two batches' worth,
+    # i.e. the next batch is decoded while the current one runs. max_batch turns prefetch off.
+    prefetch_images: int | None = Field(default=None, ge=1, le=100_000)
+
+    # Delivery and lifecycle.
+    # Redis redelivers a message not acked within this many seconds: keep it above the worst
+    # delivery-to-ack time (96 s for the eval set on the 2-core CPU machine,
+    # bench/results/service_accuracy_rapid.md; README "How it works" gives the GPU estimate).
+    # The fault tests run at 20 s to recover quickly; a week is far past any sane setting.
+    visibility_timeout_s: int = Field(default=3600, ge=1, le=7 * 86_400)
+    # Recycle the worker process after this many images ...
+    max_images: int | None = Field(default=10_000, ge=1)
+    # ... or when host RSS stays above this ...
+    max_rss_gib: float | None = Field(default=None, gt=0, le=65_536)
+    # ... or when device memory reserved but not allocated stays above this ...
+    max_fragmentation_gib: float | None = Field(default=None, gt=0, le=65_536)
+    # ... for this many consecutive batches.
+    recycle_patience: int = Field(default=3, ge=1, le=10_000)
+    # Prometheus metrics of the worker on this port when set (ocrq/worker/metrics.py `serve`).
+    metrics_port: int | None = Field(default=None, ge=1, le=65_535)
+
+    # Liveness (ocrq/worker/heartbeat.py). Each worker process refreshes its row in ocr_workers
+    # every heartbeat_s; a worker silent for stalled_after_s is dead and its `running` jobs are
+    # re-sent by `ocrq requeue --stalled` and by every live worker's sweep (every
+    # stalled_sweep_s). stalled_after_s must cover a few missed beats (a GC pause, a slow
+    # database), or a live worker's jobs would be run a second time (still one row).
+    heartbeat_s: float = Field(default=10.0, ge=0.2, le=600)
+    stalled_after_s: float = Field(default=60.0, ge=1.0, le=86_400)
+    stalled_sweep_s: float = Field(default=30.0, ge=0.5, le=3600)
+
+    # HTTP api (ocrq/api/http.py). Without a token the api refuses to start, unless
+    # api_allow_no_auth says an authenticating proxy stands in front of it.
+    api_token: SecretStr | None = None
+    api_allow_no_auth: bool = False
+    # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
+    api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
+
+    # Poison messages and stuck jobs (issue 16).
+    # Claims of a job whose previous attempt never finished (its worker died under it) allowed
+    # before the job is failed instead of run again: a message that kills the worker can't loop.
+    max_attempts: int = Field(default=3, ge=1, le=100)
+    # Longest a job may take from its claim to its batch's result (a decoded-image slot, the
+    # intake, the batch); then it fails with "timed out" and its task thread is free while the
+    # batch runs on. Celery's task time limits do not work with the threads pool.
+    job_timeout_s: float = Field(default=900.0, ge=1.0, le=86_400.0)
+
+    # HunyuanOCR. The repository's root holds 1.5 (since July 2026); "v1.0" is the older model.
+    # Which version a checkpoint is comes from its config.json (ocrq/models/hunyuan/versions.py).
+    model: str = "tencent/HunyuanOCR"
+    model_revision: str | None = None
+    model_subfolder: str | None = None
+    # Tokens generated at most per image; with the prompt it sizes the KV cache.
+    max_new_tokens: int = Field(default=1024, ge=1, le=131_072)
+    # Per-task cap on the pixels the model sees, over the engine's defaults
+    # (ocrq/models/hunyuan/resolution.py), e.g. "parse=2359296,spotting=4194304"; the task names of
+    # ocrq.core.contract.TASKS, or "custom" for free prompts. The model's own limit always applies.
+    task_max_pixels: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
+    attention: str = "sdpa"
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    # Which loop generates: "fast" (ocrq's, CUDA graphs and Triton kernels; same greedy tokens)
+    # or "generate" (transformers'). Part of a tuned profile's key: each holds other memory.
+    decode: DecodeMode = "fast"
+    # The fast loop's decode attention; "torch" also turns the fused norm/RoPE kernels off.
+    decode_attention: DecodeAttention = "auto"
+
+    @model_validator(mode="after")
+    def _liveness_margin(self) -> Settings:
+        if self.stalled_after_s < 3 * self.heartbeat_s:
+            raise ValueError(
+                f"OCRQ_STALLED_AFTER_S ({self.stalled_after_s}) must be at least three "
+                f"heartbeats (OCRQ_HEARTBEAT_S={self.heartbeat_s}), or live workers look dead"
+            )
+        return self
+
+    @field_validator("allowed_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p for p in value.split(os.pathsep) if p] if value else []
+        return value
+
+    @field_validator("image_formats", mode="before")
+    @classmethod
+    def _split_formats(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list | tuple):
+            formats = [str(f).strip().upper() for f in value if str(f).strip()]
+            from PIL import Image  # only when the setting is given: loading every plugin costs
+
+            Image.init()
+            unknown = [f for f in formats if f not in Image.OPEN]
+            if unknown or not formats:
+                raise ValueError(
+                    f"unknown image formats {unknown}: choose among {', '.join(sorted(Image.OPEN))}"
+                )
+            return formats
+        return value
+
+    @field_validator("task_max_pixels", mode="before")
+    @classmethod
+    def _split_task_pixels(cls, value: object) -> object:
+        if isinstance(value, str):
+            pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError("OCRQ_TASK_MAX_PIXELS takes task=pixels pairs: parse=2359296,...")
+            value = {k.strip(): v.strip() for k, v in pairs}
+        return value
+
+    @field_validator("task_max_pixels")
+    @classmethod
+    def _check_task_pixels(cls, value: dict[str, int]) -> dict[str, int]:
+        from ocrq.core.contract import MAX_PIXELS_RANGE, TASKS
+
+        unknown = sorted(set(value) - {*TASKS, "custom"})
+        if unknown:
+            raise ValueError(f"OCRQ_TASK_MAX_PIXELS: unknown tasks {unknown}")
+        low, high = MAX_PIXELS_RANGE
+        bad = sorted(k for k, v in value.items() if not low <= v <= high)
+        if bad:
+            raise ValueError(f"OCRQ_TASK_MAX_PIXELS: {bad} outside {low}..{high} pixels")
+        return value
+
+    @field_validator("url_allow_networks", mode="before")
+    @classmethod
+    def _split_networks(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if isinstance(value, list | tuple):
+            return [ipaddress.ip_network(str(v).strip(), strict=False) for v in value]
+        return value
+
+    def roots(self) -> list[Path]:
+        """Resolved allowed roots; `/` only when none are set and allow_any_path says so."""
+        roots = self.allowed_roots or ([Path("/")] if self.allow_any_path else [])
+        return [p.expanduser().resolve() for p in roots]
+
+    def require_safe_roots(self) -> None:
+        """Refuse a worker configuration that would read any file on the host.
+
+        Raised at worker start-up, before any message is consumed: a missing OCRQ_ALLOWED_ROOTS
+        used to mean the working directory, which is `/` under systemd.
+        """
+        if self.allow_any_path:
+            return
+        if not self.allowed_roots:
+            raise ValueError(
+                "OCRQ_ALLOWED_ROOTS is not set: set it to the folders that path images may be "
+                f"read from ({os.pathsep!r}-separated), or OCRQ_ALLOW_ANY_PATH=true to allow any"
+            )
+        if Path("/") in self.roots():
+            raise ValueError(
+                "OCRQ_ALLOWED_ROOTS includes /: every file on the host would be readable; name "
+                "the image folders instead, or set OCRQ_ALLOW_ANY_PATH=true to mean it"
+            )

@@ -1,0 +1,168 @@
+"""Job rows: the only code that writes `ocr_jobs`, for the worker and embedded mode alike.
+
+Idempotency lives here, in SQL, not in callers: claiming a job creates or locks its row and
+bumps `attempts`, but a row that is already `done` is left untouched and reported as such, so a
+redelivered message neither creates a second row nor overwrites a finished result. A job id
+names one image and task: another message reusing it is refused, and a job whose worker keeps
+dying under it is failed after `max_attempts` instead of being run again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ocrq.core.db import ocr_jobs
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+REUSED_ID = "job_id already used for a different image"
+
+
+def gave_up(attempts: int) -> str:
+    return (
+        f"gave up after {attempts} attempts: the worker died while processing it "
+        "(possible poison input)"
+    )
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The outcome of claiming a job: run it, or not (then `row` is the stored row).
+
+    Not run, with `error` None: the job is already done (a redelivery). With `error`: the
+    message must fail with it, either because the job id belongs to another image (the row is
+    left as it was) or because the attempts ran out (the row is now failed with that error).
+    """
+
+    run: bool
+    row: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class JobStore:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+
+    def create_tables(self) -> None:
+        """For embedded SQLite only; the service's schema is Alembic's (`ocrq migrate`)."""
+        ocr_jobs.metadata.create_all(self.engine)
+
+    def enqueue(self, job_id: str, task: str, source: str) -> None:
+        """Record a submitted job as queued; an existing row (any status) is kept."""
+        stmt = self._insert(ocr_jobs).values(
+            id=job_id, status="queued", task=task, source=source, created_at=now(), attempts=0
+        )
+        with self.engine.begin() as conn:
+            conn.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
+
+    def claim(
+        self, job_id: str, task: str, source: str, worker: str, max_attempts: int | None = None
+    ) -> Claim:
+        """Mark the job running (creating its row if the producer did not), unless it must not run.
+
+        One transaction, the row locked: concurrent deliveries of one job see each other's
+        claim. A row is one job: a message whose source or task differs from the row's is
+        refused, whatever the row's status. `attempts` counts claims; a claim that finds the row
+        still `running` means the previous attempt never finished (its worker died, or the
+        message outlived the visibility timeout), and once `max_attempts` such attempts were
+        made the job fails instead of running again, so a poison message cannot loop.
+        """
+        t = now()
+        locked = select(ocr_jobs).where(ocr_jobs.c.id == job_id).with_for_update()
+        with self.engine.begin() as conn:
+            row = conn.execute(locked).mappings().first()
+            if row is None:
+                created = conn.execute(
+                    self._insert(ocr_jobs)
+                    .values(
+                        id=job_id,
+                        status="running",
+                        task=task,
+                        source=source,
+                        created_at=t,
+                        started_at=t,
+                        attempts=1,
+                        worker=worker,
+                    )
+                    .on_conflict_do_nothing(index_elements=["id"])
+                    .returning(ocr_jobs.c.id)
+                ).first()
+                if created is not None:
+                    return Claim(run=True)
+                row = conn.execute(locked).mappings().one()  # a concurrent claim created it
+            row = dict(row)
+            if (row["source"], row["task"]) != (source, task):
+                return Claim(run=False, row=row, error=REUSED_ID)
+            if row["status"] == "done":
+                return Claim(run=False, row=row)
+            where = ocr_jobs.c.id == job_id
+            if (
+                max_attempts is not None
+                and row["status"] == "running"
+                and row["attempts"] >= max_attempts
+            ):
+                error = gave_up(row["attempts"])
+                fields = {"status": "failed", "error": error, "finished_at": t}
+                conn.execute(update(ocr_jobs).where(where).values(**fields))
+                return Claim(run=False, row={**row, **fields}, error=error)
+            conn.execute(
+                update(ocr_jobs)
+                .where(where)
+                .values(
+                    status="running",
+                    attempts=ocr_jobs.c.attempts + 1,
+                    started_at=t,
+                    worker=worker,
+                )
+            )
+        return Claim(run=True)
+
+    def finish(self, job_id: str, **fields: Any) -> bool:
+        """Store a final status; never overwrites a done row. Returns whether a row changed."""
+        if fields.get("status") not in ("done", "failed"):
+            raise ValueError("finish() needs status 'done' or 'failed'")
+        fields.setdefault("finished_at", now())
+        stmt = (
+            update(ocr_jobs)
+            .where(ocr_jobs.c.id == job_id, ocr_jobs.c.status != "done")
+            .values(**fields)
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount > 0
+
+    def get(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(ocr_jobs).where(ocr_jobs.c.id.in_(list(job_ids))))
+            return {r["id"]: dict(r) for r in rows.mappings()}
+
+    def count_by_status(self, job_ids: Iterable[str] | None = None) -> dict[str, int]:
+        from sqlalchemy import func
+
+        stmt = select(ocr_jobs.c.status, func.count()).group_by(ocr_jobs.c.status)
+        if job_ids is not None:
+            stmt = stmt.where(ocr_jobs.c.id.in_(list(job_ids)))
+        with self.engine.connect() as conn:
+            return {status: n for status, n in conn.execute(stmt)}
+
+
+def public_view(row: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object users see for a job (same keys as `ocrq run` output, plus job_id)."""
+    return {
+        "job_id": row["id"],
+        "path": row["source"],
+        "status": row["status"],
+        "text": row.get("text"),
+        "lines": row.get("lines") or [],
+        "error": row.get("error"),
+        "truncated": row.get("truncated"),  # None | "max_tokens" | "repetition"
+    }

@@ -1,0 +1,131 @@
+"""Worker heartbeats and the stalled-job sweep, in SQL: the only code that writes `ocr_workers`.
+
+A job is stalled when its row is `running` and the worker named in its `worker` column has a
+heartbeat older than `stalled_after_s`. Only such jobs are flipped back to `queued` (to be
+re-sent): a live worker's jobs never are, however long they run, and a job whose worker left
+no heartbeat row (an older ocrq, embedded mode) is left to the broker's visibility timeout.
+
+Times come from the database's clock on PostgreSQL, so hosts with skewed clocks agree on who
+is alive.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, delete, exists, func, literal, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ocrq.core.db import ocr_jobs, ocr_workers
+from ocrq.core.store import now
+
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True)
+class StalledJob:
+    id: str
+    task: str
+    source: str
+    worker: str
+
+
+def _now(engine: Engine) -> Any:
+    """The database's clock where it has one we can compute with; this host's otherwise."""
+    return func.now() if engine.dialect.name == "postgresql" else literal(now())
+
+
+def _cutoff(engine: Engine, seconds: float) -> Any:
+    return _now(engine) - dt.timedelta(seconds=seconds)
+
+
+def _running_of(worker: Any) -> Any:
+    return exists().where(ocr_jobs.c.status == "running", ocr_jobs.c.worker == worker)
+
+
+def beat(engine: Engine, name: str) -> None:
+    """Register the worker, or refresh its heartbeat (re-creating a row a sweep removed)."""
+    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+    t = _now(engine)
+    stmt = insert(ocr_workers).values(
+        name=name, hostname=socket.gethostname(), pid=os.getpid(), started_at=t, heartbeat_at=t
+    )
+    stmt = stmt.on_conflict_do_update(index_elements=["name"], set_={"heartbeat_at": t})
+    with engine.begin() as conn:
+        conn.execute(stmt)
+
+
+def retire(engine: Engine, name: str) -> None:
+    """A clean stop: drop the row, or, if jobs of ours are still `running` (a task thread that
+    never came back), mark us dead at once so the next sweep re-sends them."""
+    with engine.begin() as conn:
+        gone = conn.execute(
+            delete(ocr_workers).where(ocr_workers.c.name == name, ~_running_of(name))
+        ).rowcount
+        if not gone:
+            conn.execute(
+                update(ocr_workers).where(ocr_workers.c.name == name).values(heartbeat_at=EPOCH)
+            )
+
+
+def flip_stalled(
+    engine: Engine, stalled_after_s: float, exclude: str | None = None
+) -> list[StalledJob]:
+    """Set the stalled jobs back to `queued` and return them, for the caller to re-send.
+
+    One UPDATE ... RETURNING: when several workers sweep at once, PostgreSQL re-checks
+    `status = 'running'` on a row another sweep has just flipped, so each job is returned to
+    exactly one of them. Inline (b64) jobs cannot be re-sent from their row and are skipped;
+    their message comes back after the visibility timeout.
+    """
+    cutoff = _cutoff(engine, stalled_after_s)
+    dead = select(ocr_workers.c.name).where(ocr_workers.c.heartbeat_at < cutoff)
+    stmt = (
+        update(ocr_jobs)
+        .where(
+            ocr_jobs.c.status == "running",
+            ocr_jobs.c.worker.in_(dead),
+            ~ocr_jobs.c.source.startswith("b64"),
+        )
+        .values(status="queued")
+        .returning(ocr_jobs.c.id, ocr_jobs.c.task, ocr_jobs.c.source, ocr_jobs.c.worker)
+    )
+    if exclude is not None:
+        stmt = stmt.where(ocr_jobs.c.worker != exclude)
+    with engine.begin() as conn:
+        return [StalledJob(*row) for row in conn.execute(stmt)]
+
+
+def unflip(engine: Engine, job_ids: list[str]) -> None:
+    """Put back to `running` flipped jobs that could not be re-sent (the broker was down), so a
+    later sweep finds them again; a job claimed meanwhile is left alone."""
+    if not job_ids:
+        return
+    with engine.begin() as conn:
+        conn.execute(
+            update(ocr_jobs)
+            .where(ocr_jobs.c.id.in_(job_ids), ocr_jobs.c.status == "queued")
+            .values(status="running")
+        )
+
+
+def forget_dead(engine: Engine, stalled_after_s: float) -> int:
+    """Delete rows of dead workers that have no `running` job left: the table stays as small as
+    the number of live worker processes (one new row per recycle)."""
+    stmt = delete(ocr_workers).where(
+        ocr_workers.c.heartbeat_at < _cutoff(engine, stalled_after_s),
+        ~_running_of(ocr_workers.c.name),
+    )
+    with engine.begin() as conn:
+        return conn.execute(stmt).rowcount
+
+
+def heartbeats(engine: Engine) -> dict[str, dt.datetime]:
+    """Every registered worker's last heartbeat (for status displays and tests)."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(ocr_workers.c.name, ocr_workers.c.heartbeat_at))
+        return {name: at for name, at in rows}

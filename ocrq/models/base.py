@@ -1,0 +1,173 @@
+"""The engine interface every OCR backend implements, and the values that cross it.
+
+Small on purpose (an engine should take an afternoon): load, estimate an image's cost without
+the device, say how memory grows with a batch (the cost model), run. Two kinds share that core:
+
+* `Engine` runs a whole batch per call: the batcher plans it by memory, `run` returns when
+  every row is done. HunyuanOCR through transformers and the CPU engine are of this kind.
+* `StreamingEngine` owns a running decode loop and takes rows while others finish (continuous
+  batching, vLLM): the batcher keeps planning what goes next, hands rows over and collects
+  finished ones.
+
+A failure that concerns one image comes back as that image's exception, so one bad page never
+fails the batch; an exception raised by `run` itself concerns the whole batch (a CUDA OOM, say)
+and the batcher decides what to do with it. OOM recovery, recycling and `ocrq tune` need more of
+an engine's memory than this: that is an optional protocol of its own (ocrq/models/memory.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from ocrq.models.costs import CostModel, ItemCost
+
+
+@dataclass(frozen=True)
+class Line:
+    """One recognised line or region; box is [x1, y1, x2, y2] in pixels of the ORIGINAL image.
+
+    `label` names a region's kind where the model gives one (a layout's "table", a parsed
+    page's "figure"); plain text lines have none, and their JSON has no "label" key.
+    """
+
+    text: str
+    box: tuple[int, int, int, int]
+    score: float
+    label: str | None = None
+
+    def as_json(self) -> dict:
+        out = {"text": self.text, "box": list(self.box), "score": round(self.score, 4)}
+        if self.label is not None:
+            out["label"] = self.label
+        return out
+
+
+@dataclass(frozen=True)
+class OcrResult:
+    text: str
+    lines: list[Line] = field(default_factory=list)
+    # Why the text may be incomplete: None (the model finished), "max_tokens" (the generation
+    # cap cut it) or "repetition" (the engine stopped a loop; the text keeps one copy of it).
+    truncated: str | None = None
+
+
+@dataclass
+class PreparedImage:
+    """A decoded RGB image ready for an engine.
+
+    `image` may be smaller than the original (prefetch caps pixels, the planner may downscale an
+    image too big for the budget); `original_size` lets engines report boxes in the pixels the
+    user knows.
+    """
+
+    key: str
+    image: Image.Image
+    original_size: tuple[int, int]
+    task: str = "text"  # a task name of the contract (ocrq.core.contract.TASKS), or "custom"
+    prompt: str = ""  # the job's free prompt, for "custom"; engines hold the named tasks' own
+    # The job's own cap on the pixels the model sees (None: the engine's per-task default).
+    max_pixels: int | None = None
+    # Engine-private inputs made by `Engine.prepare` in a prefetch thread (a VLM's processor
+    # output, say); cleared whenever the image changes, so `run` redoes what is missing.
+    encoded: object | None = None
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.image.size
+
+    def scale_to_original(self) -> tuple[float, float]:
+        """Factors that map coordinates in `image` back to the original image."""
+        w, h = self.image.size
+        ow, oh = self.original_size
+        return ow / w, oh / h
+
+
+class UnsupportedTask(ValueError):
+    """The engine cannot do what the job asks (a free prompt on the CPU engine, say)."""
+
+
+class EngineCore(ABC):
+    """What every engine does, whichever way it runs rows."""
+
+    name: str = "engine"
+    # Pixels above which prefetch threads downscale an image before it waits for the engine;
+    # engines that resize internally anyway set their own ceiling here. None: keep full size.
+    max_pixels: int | None = None
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load weights; raise a clear error at start-up when they are missing."""
+
+    @abstractmethod
+    def estimate(self, item: PreparedImage) -> ItemCost:
+        """What this image will cost in a batch, computed without touching the device."""
+
+    @abstractmethod
+    def cost_model(self) -> CostModel:
+        """The memory model the planner uses (its default; `ocrq tune` may measure another)."""
+
+    def prepare(self, item: PreparedImage) -> None:  # noqa: B027 - optional hook
+        """CPU preprocessing worth doing in the prefetch threads, off the device's critical path.
+
+        Runs in a task thread while the device works on another batch; stores its output in
+        `item.encoded`. An exception here fails only this item.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release device memory and sessions."""
+
+    def describe(self) -> dict[str, str]:
+        """Facts for logs; those named by `MemoryProbing.profile_fields` key a tuned profile."""
+        return {"engine": self.name}
+
+
+class Engine(EngineCore):
+    """An engine that runs a whole batch per call."""
+
+    @abstractmethod
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        """OCR a batch; one result (or the image's own exception) per input, in order."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A row a streaming engine has finished, named by its PreparedImage's key."""
+
+    key: str
+    result: OcrResult | Exception
+
+
+class StreamingEngine(EngineCore):
+    """An engine that owns a running decode loop and takes rows while others finish.
+
+    Why a second kind: with continuous batching (vLLM, or a loop that refills the slots of
+    finished rows) the engine decides step by step which rows run, and a synchronous
+    `run(batch)` would make every batch wait for its longest row. The batcher drives it with the
+    same planner and a different loop (not built yet; `ocrq/worker/batcher.py` drives `Engine`):
+
+    * the planner still decides which waiting images go next and downscales those too big;
+      the budget it plans against is the engine's budget minus the predicted bytes of the rows
+      in flight, which the batcher tracks from their `estimate`s;
+    * `submit(rows)` hands planned rows over and returns at once; the engine queues and
+      schedules them itself (vLLM: one request per row);
+    * `poll(timeout_s)` returns the rows finished since the last call, each exactly once and in
+      any order, waiting at most `timeout_s` for the first; the batcher resolves their futures
+      and gives their bytes back to the budget.
+
+    Memory inside the loop is the engine's business (vLLM preallocates its KV cache and preempts
+    rows itself): an out-of-memory error surfaces as the failed rows' exceptions, never from
+    `submit`. `close` stops the loop; rows still in flight come back from a last `poll` as
+    failures, so no future is left waiting.
+    """
+
+    @abstractmethod
+    def submit(self, rows: Sequence[PreparedImage]) -> None:
+        """Queue rows to the running loop; never blocks on the device."""
+
+    @abstractmethod
+    def poll(self, timeout_s: float) -> list[Finished]:
+        """Rows finished since the last call (possibly none after `timeout_s`)."""

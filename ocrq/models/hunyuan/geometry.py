@@ -1,0 +1,133 @@
+"""How many tokens and patches one image costs HunyuanOCR, computed without torch.
+
+Why a pure module: the planner sizes every batch before any GPU work happens and runs on hosts
+where torch is not installed, so the resize rule and the token formulas of the HunYuanVL image
+processor and processor live here as plain arithmetic. The unit tests check these numbers against
+the real processor's output for tiny, huge and odd-aspect images.
+
+The rule (HunYuanVLImageProcessor): resize to a multiple of `patch * merge` (32) on each side,
+keeping the aspect ratio, so that the area lies in [min_pixels, max_pixels] (512² and 2048² for
+HunyuanOCR 1.0, about 4096² for 1.5; the engine reads them from the loaded processor). The
+vision encoder then sees P = (h/16)(w/16) patches, and the language model N = (h/32)(w/32 + 1)
++ 2 image tokens: one per merged 2x2 patch, a newline token closing every row, and begin/end
+tokens around the image.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ocrq.models.costs import ItemCost
+
+# Released checkpoints' image processor and vision config.
+PATCH_SIZE = 16
+MERGE_SIZE = 2
+MIN_PIXELS = 512 * 512
+MAX_PIXELS = 2048 * 2048
+MAX_ASPECT_RATIO = 200
+
+
+class ImageShapeError(ValueError):
+    """The image cannot be fed to the model (aspect ratio beyond what the processor accepts)."""
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """The processor's resize rule and token layout, as read from a loaded processor."""
+
+    patch_size: int = PATCH_SIZE
+    merge_size: int = MERGE_SIZE
+    min_pixels: int = MIN_PIXELS
+    max_pixels: int = MAX_PIXELS
+    extra_tokens: int = 2  # begin/end embeddings the processor adds to every image span
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) the processor resizes an image of this size to."""
+        if width < 1 or height < 1:
+            raise ImageShapeError(f"image has no pixels: {width}x{height}")
+        if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+            raise ImageShapeError(
+                f"image {width}x{height} has an aspect ratio above {MAX_ASPECT_RATIO}:1, which "
+                "HunyuanOCR's processor refuses; crop or split it first"
+            )
+        f = self.factor
+        # Python's round() (half to even), as the processor uses.
+        h = round(height / f) * f
+        w = round(width / f) * f
+        if h * w > self.max_pixels:
+            scale = math.sqrt(height * width / self.max_pixels)
+            h = max(f, math.floor(height / scale / f) * f)
+            w = max(f, math.floor(width / scale / f) * f)
+        elif h * w < self.min_pixels:
+            scale = math.sqrt(self.min_pixels / (height * width))
+            h = math.ceil(height * scale / f) * f
+            w = math.ceil(width * scale / f) * f
+        return w, h
+
+    def shrink_to(self, width: int, height: int, cap: int) -> tuple[int, int]:
+        """The size to resize an image to, before the processor, so that the model sees at most
+        `cap` pixels of it (a resolution preset); (width, height) itself when the cap changes
+        nothing, so the processor resizes exactly as it would without one.
+
+        The result is a multiple of the factor on each side and within the limits, which the
+        processor then leaves as it is: `resized` of it is itself.
+        """
+        if cap >= self.max_pixels:
+            return width, height
+        capped = replace(self, max_pixels=max(cap, self.min_pixels)).resized(width, height)
+        if capped == self.resized(width, height):
+            return width, height
+        return self.resized(*capped)
+
+    def vit_patches(self, width: int, height: int) -> int:
+        """Patches the vision encoder processes for this image: P = (h/16)(w/16)."""
+        w, h = self.resized(width, height)
+        return (h // self.patch_size) * (w // self.patch_size)
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """Tokens the image occupies in the language model: N = (h/32)(w/32 + 1) + 2."""
+        w, h = self.resized(width, height)
+        return (h // self.factor) * (w // self.factor + 1) + self.extra_tokens
+
+
+DEFAULT_GEOMETRY = ImageGeometry()
+
+
+def item_cost(
+    width: int,
+    height: int,
+    *,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    geometry: ImageGeometry = DEFAULT_GEOMETRY,
+) -> ItemCost:
+    """ItemCost of one image: tokens = prompt + N + max_new_tokens, patches = P, pixels = h*w.
+
+    `prompt_tokens` counts every token of the templated prompt except the image span.
+    """
+    w, h = geometry.resized(width, height)
+    return ItemCost(
+        tokens=prompt_tokens + geometry.image_tokens(width, height) + max_new_tokens,
+        patches=geometry.vit_patches(width, height),
+        pixels=w * h,
+        new_tokens=max_new_tokens,
+    )
+
+
+def geometry_of(processor: object) -> ImageGeometry:
+    """The resize rule and token layout of a loaded HunYuanVLProcessor (tiny test checkpoints
+    have other limits than the released 512²..2048²)."""
+    image_processor = processor.image_processor  # type: ignore[attr-defined]
+    size = image_processor.size
+    return ImageGeometry(
+        patch_size=int(image_processor.patch_size),
+        merge_size=int(image_processor.merge_size),
+        min_pixels=int(size["shortest_edge"]),
+        max_pixels=int(size["longest_edge"]),
+        extra_tokens=2 if getattr(processor, "cat_extra_token", True) else 0,
+    )

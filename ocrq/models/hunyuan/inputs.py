@@ -1,0 +1,187 @@
+"""One image's model inputs, made in a prefetch thread, and a batch of them padded together.
+
+Why the split: the processor (resize, patchify, tokenise) and each row's multimodal RoPE
+positions cost 35-110 ms of CPU a page, so the prefetch threads make them while the device runs
+the batch before (`Preprocessor`); the thread that feeds the device only pads rows together and
+copies them over (`collate`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ocrq.models.base import PreparedImage
+from ocrq.models.hunyuan.geometry import ImageGeometry
+from ocrq.models.hunyuan.prompts import PromptTemplates
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+# Prefetch threads that may run the processor at once. Its Python holds the GIL, and the thread
+# that feeds the GPU needs the GIL to launch each batch's thousands of kernels: 16 prefetch
+# threads at once slowed a batch of 64 pages by 14-25% on the H200, 2 at once by nothing
+# measurable, while 1 could not keep up (bench/results/prefill_profile_h200.md, "Prefetch
+# beside a batch").
+PREPROCESS_SLOTS = 2
+
+
+@dataclass
+class EncodedImage:
+    """One image after the processor: its prompt row and its vision inputs (CPU tensors)."""
+
+    input_ids: torch.Tensor  # (seq,), image placeholder expanded to N tokens
+    mm_token_type_ids: torch.Tensor  # (seq,), 1 on image tokens
+    pixel_values: torch.Tensor  # (P, 3 * 16 * 16), already in the model's dtype
+    image_grid_thw: torch.Tensor  # (1, 3)
+    # (axes, seq) multimodal RoPE positions of this row alone; None when not computed
+    positions: torch.Tensor | None = None
+
+
+class Preprocessor:
+    """The processor run on one image at a time, safe to call from many threads."""
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        templates: PromptTemplates,
+        geometry: ImageGeometry,
+        *,
+        pin: bool,
+        prompt_for: Callable[[PreparedImage], str],
+        cap_of: Callable[[PreparedImage], int],
+    ) -> None:
+        """`pin`: stage pixels in pinned host memory (the model is on a GPU). `prompt_for`: the
+        loaded version's instruction for an item; `cap_of`: its resolution preset in pixels."""
+        self.model = model
+        self.processor = processor
+        self.templates = templates
+        self.geometry = geometry
+        self.pin = pin
+        self.prompt_for = prompt_for
+        self.cap_of = cap_of
+        self.slots = threading.BoundedSemaphore(PREPROCESS_SLOTS)
+
+    def __call__(self, item: PreparedImage) -> EncodedImage:
+        image = item.image if item.image.mode == "RGB" else item.image.convert("RGB")
+        image = fit_to_cap(image, self.geometry, self.cap_of(item))
+        text, _ = self.templates(self.prompt_for(item))
+        with self.slots:
+            return self.encode(text, image)
+
+    def encode(self, text: str, image: Image.Image) -> EncodedImage:
+        enc = self.processor(text=[text], images=[image], return_tensors="pt")
+        return EncodedImage(
+            input_ids=enc["input_ids"][0],
+            mm_token_type_ids=enc["mm_token_type_ids"][0],
+            pixel_values=self._staged_pixels(enc["pixel_values"]),
+            image_grid_thw=enc["image_grid_thw"],
+            positions=self._row_positions(enc),
+        )
+
+    def _staged_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The row's pixels in the model's dtype and, on a GPU, in pinned host memory.
+
+        Why in the prefetch thread: the batcher thread then neither casts nor concatenates a
+        batch on the CPU while the GPU waits, and copies each row to the device asynchronously
+        (pinned memory). Collated the plain way (float32 cast, one CPU `cat`, one pageable copy)
+        with prefetch running beside it, a batch of 128 pages spent 0.75 s (1024²) to 1.4 s (A4)
+        outside its prefill and decode (bench/results/decode_speed_h200_step1.json).
+        """
+        pixels = pixels.to(self.model.dtype)
+        if self.pin:
+            pixels = pixels.pin_memory()  # torch's caching host allocator reuses these blocks
+        return pixels
+
+    def _row_positions(self, enc: Any) -> torch.Tensor:
+        """This row's multimodal RoPE positions, by the library's own `get_rope_index` on the CPU.
+
+        Why here: the positions depend on the row alone (ocrq/models/hunyuan/patches.py), and the
+        library computes them with a Python loop over every prompt token with a device sync per
+        row, 0.28 s (1024² pages) to 0.45 s (A4) of an idle GPU per batch of 64 measured on an
+        H200 (bench/results/prefill_profile_h200_before.md). In the prefetch thread that cost
+        overlaps the GPU's work on the batch before.
+        """
+        import torch
+
+        with torch.no_grad():
+            positions, _ = self.model.model.get_rope_index(
+                enc["input_ids"],
+                mm_token_type_ids=enc["mm_token_type_ids"],
+                image_grid_thw=enc["image_grid_thw"],
+            )
+        return positions[:, 0]
+
+
+def fit_to_cap(image: Image.Image, geometry: ImageGeometry, cap: int) -> Image.Image:
+    """`image` resized (bicubic, as the processor resizes) so that the model sees at most `cap`
+    pixels of it; the image itself when the cap changes nothing. Also raises ImageShapeError for
+    a shape the processor would refuse, before the processor's own error."""
+    from PIL import Image
+
+    geometry.resized(*image.size)
+    size = geometry.shrink_to(*image.size, cap)
+    if size == image.size:
+        return image
+    return image.resize(size, Image.Resampling.BICUBIC)
+
+
+def collate(
+    rows: Sequence[EncodedImage],
+    pad_id: int,
+    *,
+    device: Any = None,
+    dtype: Any = None,
+    padding_side: str = "left",
+) -> dict[str, Any]:
+    """One batch of model inputs from encoded rows, padded to the longest row.
+
+    Left padding is the only correct choice for generation (the next token is read at the last
+    position of every row); "right" exists so that tests can show the equality checks catch
+    broken padding. With `device`, every tensor is returned there and the pixels are copied row
+    by row into one device tensor of `dtype` (asynchronously from pinned rows) instead of being
+    concatenated on the CPU first.
+    """
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
+
+    # One call per tensor kind, not a Python loop over rows: this runs in the thread that
+    # feeds the GPU, while prefetch threads compete for the GIL.
+    def padded(tensors: list[torch.Tensor], value: int) -> torch.Tensor:
+        return pad_sequence(
+            tensors, batch_first=True, padding_value=value, padding_side=padding_side
+        )
+
+    inputs = {
+        "input_ids": padded([r.input_ids for r in rows], pad_id),
+        "attention_mask": padded([torch.ones_like(r.input_ids) for r in rows], 0),
+        "mm_token_type_ids": padded([r.mm_token_type_ids for r in rows], 0),
+        "image_grid_thw": torch.cat([r.image_grid_thw for r in rows], dim=0),
+    }
+    if all(r.positions is not None for r in rows):
+        # (axes, B, L); padding columns hold position 0 on every axis, as the library's do.
+        inputs["position_ids"] = padded(
+            [r.positions.t() for r in rows],
+            0,  # type: ignore[union-attr]
+        ).permute(2, 0, 1)
+    if device is None:
+        inputs["pixel_values"] = torch.cat([r.pixel_values for r in rows], dim=0)
+        return inputs
+    inputs = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+    total = sum(r.pixel_values.shape[0] for r in rows)
+    width = rows[0].pixel_values.shape[1]
+    pixels = torch.empty((total, width), dtype=dtype, device=device)
+    offset = 0
+    for r in rows:
+        n = r.pixel_values.shape[0]
+        pixels[offset : offset + n].copy_(r.pixel_values, non_blocking=True)
+        offset += n
+    inputs["pixel_values"] = pixels
+    return inputs

@@ -1,0 +1,166 @@
+"""HunYuanVL's text decoder as the fast loop drives it: its modules, its RoPE, one decode step.
+
+Why not the model's forward: a step of one token per row through transformers' modules costs
+~64 small kernels a layer plus the library's per-step Python; here the same modules (norms,
+projections, MLP, lm_head) are called directly with transformers' float arithmetic, so outputs
+match the plain path, and with `fused` the norms and RoPE become the Triton kernels of
+ocrq/models/hunyuan/kernels.py (~16 kernels a layer). The step's attention is handed in (`attend`):
+the decode loop picks the Triton kernel or the torch reference per batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ocrq.models.hunyuan.kernels import add_rms_norm, rope_rms_norm
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TextModel:
+    """The loaded model's text decoder: modules, shapes and RoPE tables, read once."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        self.model = model
+        lm = model.model.language_model
+        cfg = model.config.text_config
+        self.embed = lm.embed_tokens
+        self.layers = list(lm.layers[: cfg.num_hidden_layers])
+        self.norm = lm.norm
+        self.lm_head = model.lm_head
+        first = self.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.scale = float(first.scaling)
+        self.device = model.device
+        self.dtype = model.dtype
+
+        # RoPE: which position axis drives each rotary dimension. transformers builds cos/sin
+        # per axis, concatenates (freq, freq) and takes chunk i (2 * section[i] wide) from axis i;
+        # gathering the axis per dimension gives the same numbers without the per-axis tensors.
+        rotary = lm.rotary_emb
+        sections = list(rotary.mrope_section or [])
+        self.axes = max(1, len(sections))
+        axis_of_dim: list[int] = []
+        for i, width in enumerate(sections):
+            axis_of_dim += [i % self.axes] * (2 * int(width))
+        if not sections:
+            axis_of_dim = [0] * self.head_dim
+        if len(axis_of_dim) != self.head_dim:
+            raise ValueError(f"mrope sections {sections} do not cover head_dim {self.head_dim}")
+        self.axis_of_dim = torch.tensor(axis_of_dim, dtype=torch.long, device=self.device)
+        inv = rotary.inv_freq.to(device=self.device, dtype=torch.float32)
+        self.inv_full = torch.cat((inv, inv))
+        self.rope_scaling = float(rotary.attention_scaling)
+
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, D) for positions (axes, B), rounded to the model dtype as
+        transformers does before applying them in float32."""
+        per_dim = pos.index_select(0, self.axis_of_dim).t().float()  # (B, D)
+        freqs = per_dim * self.inv_full
+        cos = (freqs.cos() * self.rope_scaling).to(self.dtype)
+        sin = (freqs.sin() * self.rope_scaling).to(self.dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def step(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        slot: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        attend: Any,
+        fused: bool,
+    ) -> torch.Tensor:
+        """Logits (B, V) for one token per row (`tok`, at RoPE positions `pos`), writing its
+        keys and values into the static cache at column `slot`."""
+        if fused:
+            return self._layers_fused(tok, pos, slot, keys, values, attend)
+        return self._layers(tok, pos, slot, keys, values, attend)
+
+    def _layers(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        slot: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        attend: Any,
+    ) -> torch.Tensor:
+        """The text decoder over one token per row, module by module."""
+        batch = tok.shape[0]
+        h = self.embed(tok)  # (B, hidden)
+        cos, sin = self.rope(pos)
+        cos, sin = cos.float(), sin.float()
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(batch, self.heads, self.head_dim)
+            k = attn.k_proj(x).view(batch, self.kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(batch, self.kv_heads, self.head_dim)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q = attn.query_layernorm(q)
+            k = attn.key_layernorm(k)
+            kc, vc = keys[li], values[li]
+            kc.index_copy_(2, slot, k[:, :, None, :])
+            vc.index_copy_(2, slot, v[:, :, None, :])
+            o = attend(q, kc, vc)
+            h = h + attn.o_proj(o.reshape(batch, self.heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h))  # (B, V)
+
+    def _layers_fused(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        slot: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        attend: Any,
+    ) -> torch.Tensor:
+        """The same decoder with RMSNorm (+ residual add) and RoPE + q/k norm (+ KV write)
+        fused: ~16 kernels per layer instead of ~64."""
+        batch = tok.shape[0]
+        cos, sin = self.rope(pos)
+        cos = cos[:, 0].float().contiguous()
+        sin = sin[:, 0].float().contiguous()
+        h = self.embed(tok)
+        pending: torch.Tensor | None = None  # the last sublayer's output, not yet added to h
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            norm = layer.input_layernorm
+            h, x = add_rms_norm(h, pending, norm.weight, norm.variance_epsilon)
+            q = attn.q_proj(x).view(batch, self.heads, self.head_dim)
+            k = attn.k_proj(x).view(batch, self.kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(batch, self.kv_heads, self.head_dim)
+            qn, kn = attn.query_layernorm, attn.key_layernorm
+            q = rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon)
+            kc, vc = keys[li], values[li]
+            rope_rms_norm(
+                k, cos, sin, kn.weight, kn.variance_epsilon, cache=kc, slot=slot, v=v, v_cache=vc
+            )
+            o = attend(q, kc, vc)
+            post = layer.post_attention_layernorm
+            h, x = add_rms_norm(
+                h,
+                attn.o_proj(o.reshape(batch, self.heads * self.head_dim)),
+                post.weight,
+                post.variance_epsilon,
+            )
+            pending = layer.mlp(x)
+        h, x = add_rms_norm(h, pending, self.norm.weight, self.norm.variance_epsilon)
+        return self.lm_head(x)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in float32, back to x's dtype: the arithmetic of transformers' apply_rotary_pos_emb."""
+    import torch
+
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return ((xf * cos) + (rotated * sin)).to(x.dtype)

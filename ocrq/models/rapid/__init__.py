@@ -1,0 +1,45 @@
+"""CPU engine: PaddleOCR's PP-OCRv4 ONNX models as shipped inside the rapidocr-onnxruntime wheel.
+
+Why not call `RapidOCR()` per image: it reads one image at a time, so the classifier and the
+recogniser would see a handful of crops per call. Here detection runs per image (sizes differ),
+then the crops of ALL images of the batch go through the classifier and the recogniser together,
+grouped by padded input width so that no crop's reading depends on its batch-mates.
+
+Departures from the library's own pipeline, each measured on the shared eval set
+(bench/results/accuracy_rapid.md has the figures):
+
+* Small images (shorter side <= LINE_MAX_SIDE) may be tight word or line crops, on which the
+  library's detector, run on an upscaled copy, finds no box or a wrong one (it reads 8% of the SVT
+  word crops). They are detected at their own scale on a padded canvas instead, and unless that
+  finds two or more rows of text the whole image is read as one line. Any image the detector
+  finds nothing on is read whole too. A strip too long to read whole in one recogniser tile (a
+  13340x124 text line) is read from its detected boxes, and is not squeezed for the detector.
+* The recogniser (a Chinese+English model) seldom emits the space between English words on
+  receipts, which ruins token-level results (SROIE token F1 0.57). A space is inserted where a
+  blank gap in the crop, wide for the text's size and for its letter spacing, lies between two
+  characters (`word_gaps`); between two digits, net of the blank a narrow tabular "1" leaves.
+* Nothing inside grows without bound with the image (`geometry`, `tiles`): the detector's input
+  stays within 4 MP and 16384 px a side; a line wider than 1920 recogniser columns is read in
+  overlapping tiles, and one needing more than 65536 columns (a 1x3000 image read as a line) is
+  refused with a per-image `LineTooLong`. A 1x100000 PNG once asked for 22 GB.
+* Crops are cut from the image as handed in, not from the detector's downscaled copy: a 4961x7016
+  receipt is detected at 1414x2000 but its lines are read at full resolution.
+* Lines come back top-to-bottom, left-to-right; boxes on one row a word space apart are merged
+  into one Line, boxes further apart (page columns, the two sides of a receipt line) are not.
+
+Nothing is downloaded: the model files ship with the wheel, and `load()` fails at start-up with a
+clear error when they are missing.
+"""
+
+from ocrq.models.rapid.engine import RapidEngine, default_model_dir, unsupported_task
+from ocrq.models.rapid.geometry import DetPlan, det_plan
+from ocrq.models.rapid.tiles import LineTooLong
+
+__all__ = [
+    "DetPlan",
+    "LineTooLong",
+    "RapidEngine",
+    "default_model_dir",
+    "det_plan",
+    "unsupported_task",
+]

@@ -1,0 +1,511 @@
+"""RapidEngine: detection per image, then the crops of a whole batch through the classifier and
+the recogniser together (the package docstring lists the departures from the library)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata, util
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from ocrq.core.contract import TASKS
+from ocrq.models.base import Engine, Line, OcrResult, PreparedImage, UnsupportedTask
+from ocrq.models.costs import CostModel, ItemCost
+from ocrq.models.rapid.crops import (
+    REC_HEIGHT,
+    REC_MIN_WIDTH,
+    crop_quad,
+    rec_input,
+    rec_input_width,
+    reduce_short_side,
+    shrink_to_rec_height,
+    to_bgr,
+    upright,
+    widen,
+)
+from ocrq.models.rapid.geometry import DET_LIMIT_SIDE_LEN, MAX_SIDE_LEN, DetPlan, det_plan
+from ocrq.models.rapid.ordering import Box, group_rows, merge_rows, union
+from ocrq.models.rapid.spacing import word_gaps
+from ocrq.models.rapid.tiles import (
+    REC_TILE_COLUMNS,
+    Reading,
+    Tile,
+    check_line,
+    line_columns,
+    stitch,
+    tiles,
+)
+
+SUPPORTED_TASKS = ("text", "spotting", "parse")
+MODEL_FILES = {
+    "det": "ch_PP-OCRv4_det_infer.onnx",
+    "cls": "ch_ppocr_mobile_v2.0_cls_infer.onnx",
+    "rec": "ch_PP-OCRv4_rec_infer.onnx",
+}
+
+# The direction classifier's threshold (the library's), and how it judges a long line.
+CLS_THRESH = 0.9
+CLS_WINDOW_RATIO = 8
+CLS_MAX_WINDOWS = 8
+# A recogniser call holds at most this many padded columns (see crops.REC_WIDTH_STEP).
+REC_MAX_CALL_COLUMNS = 15_360
+
+# Host-memory model (see `cost_model()` for how it was measured): the process with the engine
+# loaded, the workspace of one run whatever its size (one detection at the detector's pixel
+# cap), and per image terms by detector input pixel and by image pixel, in `estimate`.
+LOADED_RSS_BYTES = 192 * 1024**2
+RUN_WORKSPACE_BYTES = 720 * 1024**2
+DET_BYTES_PER_PIXEL = 16
+IMAGE_BYTES_PER_PIXEL = 8
+
+
+def unsupported_task(task: str) -> UnsupportedTask:
+    """The per-item error for a task this engine cannot do, naming the engine that can."""
+    what = f"task {task!r}" if task in TASKS else "free prompts"
+    return UnsupportedTask(
+        f"engine 'rapid' supports tasks {', '.join(SUPPORTED_TASKS)}; "
+        f"use --engine hunyuan for {what}"
+    )
+
+
+def default_model_dir() -> Path:
+    """The models folder inside the installed rapidocr-onnxruntime wheel (found, not imported)."""
+    spec = util.find_spec("rapidocr_onnxruntime")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "engine 'rapid' needs rapidocr-onnxruntime==1.4.4: pip install 'ocrq[cpu]'"
+        )
+    return Path(spec.origin).parent / "models"
+
+
+@dataclass
+class _Piece:
+    """One region of one image: its box in image pixels, its crop, and then its reading."""
+
+    box: Box
+    crop: np.ndarray
+    whole: bool  # the whole image read as one line: no direction classifier, widened
+    stretch: float = 1.0  # how much the crop was widened (word gaps are judged without it)
+    text: str = ""
+    score: float = 0.0
+
+
+class RapidEngine(Engine):
+    """PP-OCRv4 detection, direction classifier and recognition on onnxruntime (CPU)."""
+
+    name = "rapid"
+
+    def __init__(
+        self,
+        rec_batch_size: int = 16,
+        text_score: float = 0.5,
+        intra_op_threads: int | None = None,
+        merge_gap: float = 0.3,
+        box_thresh: float = 0.5,
+        unclip_ratio: float = 1.6,
+        model_dir: Path | None = None,
+    ) -> None:
+        """
+        rec_batch_size: crops per classifier/recogniser call, across all images of a batch.
+        text_score: lines read with a lower mean character confidence are dropped.
+        intra_op_threads: onnxruntime threads per session; None lets onnxruntime decide (one per
+            physical core), right unless several engines share the host.
+        merge_gap: boxes on one row closer than this many line heights become one Line.
+        box_thresh, unclip_ratio: the DB detector's box score floor and box growth.
+        model_dir: where the three .onnx files are; default the rapidocr-onnxruntime wheel's.
+        """
+        if rec_batch_size < 1:
+            raise ValueError("rec_batch_size must be >= 1")
+        if not 0.0 <= text_score <= 1.0:
+            raise ValueError("text_score must be within [0, 1]")
+        if intra_op_threads is not None and intra_op_threads < 1:
+            raise ValueError("intra_op_threads must be >= 1 or None")
+        self.rec_batch_size = rec_batch_size
+        self.text_score = text_score
+        self.intra_op_threads = intra_op_threads
+        self.merge_gap = merge_gap
+        self.box_thresh = box_thresh
+        self.unclip_ratio = unclip_ratio
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self._det: Any = None
+        self._cls: Any = None
+        self._rec: Any = None
+        self._charset: list[str] = []
+
+    # ---------------------------------------------------------------------------- lifecycle
+
+    def model_paths(self) -> dict[str, Path]:
+        root = self.model_dir if self.model_dir is not None else default_model_dir()
+        return {stage: root / filename for stage, filename in MODEL_FILES.items()}
+
+    def _stage_config(self, stage: str, path: Path) -> dict[str, Any]:
+        """The config dict the library's stage classes read (the keys of its config.yaml)."""
+        config: dict[str, Any] = {
+            "model_path": str(path),
+            "use_cuda": False,
+            "use_dml": False,
+            "intra_op_num_threads": self.intra_op_threads or -1,
+            "inter_op_num_threads": -1,
+        }
+        if stage == "det":
+            config.update(
+                limit_side_len=DET_LIMIT_SIDE_LEN,
+                limit_type="min",
+                mean=[0.5, 0.5, 0.5],
+                std=[0.5, 0.5, 0.5],
+                thresh=0.3,
+                box_thresh=self.box_thresh,
+                max_candidates=1000,
+                unclip_ratio=self.unclip_ratio,
+                use_dilation=True,
+                score_mode="fast",
+            )
+        elif stage == "cls":
+            config.update(
+                cls_image_shape=[3, 48, 192],
+                cls_batch_num=self.rec_batch_size,
+                cls_thresh=CLS_THRESH,
+                label_list=["0", "180"],
+            )
+        else:
+            config.update(
+                rec_img_shape=[3, REC_HEIGHT, REC_MIN_WIDTH], rec_batch_num=self.rec_batch_size
+            )
+        return config
+
+    def load(self) -> None:
+        """Create the three onnxruntime sessions; fail clearly when a model file is missing."""
+        if self._rec is not None:
+            return
+        paths = self.model_paths()
+        missing = [str(p) for p in paths.values() if not p.is_file()]
+        if missing:
+            raise RuntimeError(
+                f"engine 'rapid' cannot start, model file(s) missing: {', '.join(missing)} "
+                "(they ship inside the rapidocr-onnxruntime==1.4.4 wheel: reinstall it)"
+            )
+        try:
+            from rapidocr_onnxruntime.ch_ppocr_cls import TextClassifier
+            from rapidocr_onnxruntime.ch_ppocr_det import TextDetector
+            from rapidocr_onnxruntime.ch_ppocr_rec import TextRecognizer
+        except ImportError as exc:
+            raise RuntimeError(
+                "engine 'rapid' needs rapidocr-onnxruntime==1.4.4: pip install 'ocrq[cpu]'"
+            ) from exc
+        try:
+            det = TextDetector(self._stage_config("det", paths["det"]))
+            cls = TextClassifier(self._stage_config("cls", paths["cls"]))
+            rec = TextRecognizer(self._stage_config("rec", paths["rec"]))
+        except Exception as exc:
+            raise RuntimeError(f"engine 'rapid' could not load its ONNX models: {exc}") from exc
+        self._det, self._cls, self._rec = det, cls, rec
+        self._charset = list(rec.postprocess_op.character)
+
+    def close(self) -> None:
+        self._det = self._cls = self._rec = None
+
+    def describe(self) -> dict[str, str]:
+        """Facts that key a tuning profile: models, runtime, and the resize limits."""
+        import onnxruntime
+
+        return {
+            "engine": self.name,
+            "det_model": MODEL_FILES["det"],
+            "cls_model": MODEL_FILES["cls"],
+            "rec_model": MODEL_FILES["rec"],
+            "onnxruntime": onnxruntime.__version__,
+            "rapidocr_onnxruntime": metadata.version("rapidocr-onnxruntime"),
+            "max_side_len": str(MAX_SIDE_LEN),
+            "det_limit_side_len": str(DET_LIMIT_SIDE_LEN),
+        }
+
+    # ---------------------------------------------------------------------------- planning
+
+    def estimate(self, item: PreparedImage) -> ItemCost:
+        """An image's host-memory cost beyond the run's workspace (see `cost_model`).
+
+        `pixels` is the detector's input; `patches` counts KiB: DET_BYTES_PER_PIXEL per detector
+        input pixel and IMAGE_BYTES_PER_PIXEL per pixel of the image itself (its BGR copy, the
+        crops cut from it at full resolution, the lines held until the recogniser has read them).
+        """
+        w, h = item.size
+        try:
+            det_w, det_h = det_plan(w, h).det_input
+        except ValueError:
+            return ItemCost(tokens=0, patches=0, pixels=0)
+        pixels = det_w * det_h
+        work = DET_BYTES_PER_PIXEL * pixels + IMAGE_BYTES_PER_PIXEL * w * h
+        return ItemCost(tokens=0, patches=math.ceil(work / 1024), pixels=pixels)
+
+    def cost_model(self) -> CostModel:
+        """Peak host RSS = loaded process + one run's workspace + the images' own terms.
+
+        Measured with bench/rapid_memory.py (results in bench/results/rapid_memory_cpu.md): each
+        case in a fresh process, engine loaded and images decoded, then VmHWM growth over one
+        `run()` (onnxruntime with the library's session options: CPU arena off, so freed
+        activations go back to the OS between calls). The images' decoded pixels are outside it:
+        the worker's prefetch holds them whatever the engine does.
+
+        The largest part is the detector's activations, about 160 bytes per input pixel (666 MiB
+        at its 4 MP cap, measured alone). Images are detected one after the other, so that is a
+        per-run maximum, not a per-image sum: RUN_WORKSPACE_BYTES covers one detection at the
+        cap, and also one recogniser call (at most REC_MAX_CALL_COLUMNS columns: 320 MiB). What
+        grows with the batch is per image: the BGR copy and full-resolution crops while it is
+        cut up, and its lines until they are read. On the 2-core CI VM single images grew by
+        140-925 MiB (a 40 MP 400x100000 page the most; repeated runs vary by up to 20%) and were
+        predicted at least 1.27x that (pages 1.27-1.65x, small strips 2.4-3.2x); batches (8
+        receipts, 4 A4 pages, 8 40 MP pages, 125 word crops) 1.6-4.8x, the safe side. The estimate
+        by detector pixels alone (512 MiB + 64 KiB per 1024) had predicted 0.84-0.96 of what a
+        40 MP page or a 4961x7016 receipt took.
+        `ocrq tune` refits it on the host.
+        """
+        return CostModel(fixed_bytes=LOADED_RSS_BYTES + RUN_WORKSPACE_BYTES, per_patch_bytes=1024.0)
+
+    # ---------------------------------------------------------------------------- running
+
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        """OCR a batch: detect per image, then classify and recognise all crops together."""
+        if self._rec is None:
+            raise RuntimeError("engine 'rapid' is not loaded; call load() first")
+        results: list[OcrResult | Exception | None] = [None] * len(batch)
+        pieces: dict[int, list[_Piece]] = {}
+        for i, item in enumerate(batch):
+            if item.task not in SUPPORTED_TASKS:
+                results[i] = unsupported_task(item.task)
+                continue
+            try:
+                pieces[i] = self._regions(item)
+            except MemoryError:
+                raise
+            except Exception as exc:
+                results[i] = exc
+        for i, exc in self._read_all(pieces).items():
+            results[i] = exc
+            del pieces[i]
+        for i, item_pieces in pieces.items():
+            try:
+                results[i] = self._assemble(batch[i], item_pieces)
+            except Exception as exc:
+                results[i] = exc
+        lost = RuntimeError("engine 'rapid' lost this image's result")
+        return [r if r is not None else lost for r in results]
+
+    def _regions(self, item: PreparedImage) -> list[_Piece]:
+        """The regions of one image to read: detected lines, or the whole image as one line.
+
+        Crops are brought down to the recogniser's height as they are cut, so a batch of large
+        pages never holds its lines at full resolution. A region too long to read is refused
+        here, before any recogniser work (`tiles.check_line`).
+        """
+        img = to_bgr(item.image)
+        h, w = img.shape[:2]
+        plan = det_plan(w, h)
+        quads = self._detect(img, plan)
+        boxes = [_aabb(q) for q in quads]
+        one_row = plan.line_candidate and len(group_rows(boxes)) < 2
+        if not quads or (one_row and not _longer_than_a_tile(w, h)):
+            # Read the whole image; its box is where the detector saw text, if anywhere.
+            box = union(boxes) if boxes else (0.0, 0.0, float(w), float(h))
+            if not plan.line_candidate:  # a page with nothing found: no need for its pixels
+                img = reduce_short_side(img, 2 * REC_HEIGHT)
+            turned = upright(img)
+            crop = widen(turned)
+            stretch = crop.shape[1] / turned.shape[1]
+            pieces = [_Piece(box, shrink_to_rec_height(crop), whole=True, stretch=stretch)]
+        else:
+            pieces = [
+                _Piece(box=box, crop=shrink_to_rec_height(crop_quad(img, q)), whole=False)
+                for q, box in zip(quads, boxes, strict=True)
+            ]
+        for piece in pieces:
+            ch, cw = piece.crop.shape[:2]
+            check_line(cw, ch, "the whole image" if piece.whole else "a text region")
+        return pieces
+
+    def _detect(self, img: np.ndarray, plan: DetPlan) -> list[np.ndarray]:
+        """Detector quads (tl, tr, br, bl) in the pixels of `img`, clipped to it."""
+        h, w = img.shape[:2]
+        canvas = img if plan.resized == (w, h) else cv2.resize(img, plan.resized)
+        px, py = plan.pad
+        if px or py:
+            border = cv2.BORDER_REPLICATE if plan.line_candidate else cv2.BORDER_CONSTANT
+            canvas = cv2.copyMakeBorder(canvas, py, py, px, px, border, value=(0, 0, 0))
+        net_in = cv2.resize(canvas, plan.det_input).astype(np.float32)
+        net_in *= 2.0 / 255.0  # in place: (x / 255 - 0.5) / 0.5 without three temporaries
+        net_in -= 1.0
+        probs = self._det.infer(np.ascontiguousarray(net_in.transpose(2, 0, 1)[np.newaxis]))[0]
+        del net_in
+        canvas_hw = canvas.shape[:2]
+        boxes, _ = self._det.postprocess_op(probs, canvas_hw)
+        boxes = self._det.filter_tag_det_res(boxes, canvas_hw) if len(boxes) else []
+        rx, ry = w / plan.resized[0], h / plan.resized[1]
+        quads = []
+        for box in boxes:
+            quad = np.asarray(box, dtype=np.float32).copy()
+            quad[:, 0] = np.clip((quad[:, 0] - px) * rx, 0, w)
+            quad[:, 1] = np.clip((quad[:, 1] - py) * ry, 0, h)
+            if np.ptp(quad[:, 0]) >= 2 and np.ptp(quad[:, 1]) >= 2:
+                quads.append(quad)
+        return quads
+
+    def _read_all(self, pieces: dict[int, list[_Piece]]) -> dict[int, Exception]:
+        """Classify and recognise the crops of every image in shared calls.
+
+        Should a shared call fail, each image's crops are read alone so the failure lands on the
+        image that caused it; those exceptions come back by item index.
+        """
+        try:
+            self._read([p for item_pieces in pieces.values() for p in item_pieces])
+            return {}
+        except MemoryError:
+            raise
+        except Exception:
+            failed: dict[int, Exception] = {}
+            for i, item_pieces in pieces.items():
+                try:
+                    self._read(item_pieces)
+                except MemoryError:
+                    raise
+                except Exception as exc:
+                    failed[i] = exc
+            return failed
+
+    def _read(self, pieces: list[_Piece]) -> None:
+        """Turn upside-down detected lines over, then recognise every crop, in tiles where it is
+        longer than one (see `tiles`), in batched calls.
+
+        Works on copies of the crops and only sets text and score, so reading the same pieces
+        again (after a shared call failed) starts from the same pixels.
+        """
+        crops = [p.crop for p in pieces]
+        detected = [k for k, p in enumerate(pieces) if not p.whole]
+        for k, flip in zip(detected, self._upside_down([crops[k] for k in detected]), strict=True):
+            if flip:
+                crops[k] = cv2.rotate(crops[k], cv2.ROTATE_180)
+        parts = [(k, tile) for k, crop in enumerate(crops) for tile in tiles(crop)]
+        inputs = [crops[k][:, tile.start : tile.stop] for k, tile in parts]
+        readings: list[Reading] = [Reading()] * len(parts)
+        for width, chunk in self._chunks(inputs):
+            for j, reading in zip(
+                chunk, self._recognise([inputs[j] for j in chunk], width), strict=True
+            ):
+                readings[j] = reading
+        del inputs
+        by_piece: dict[int, list[tuple[Tile, Reading]]] = {}
+        for (k, tile), reading in zip(parts, readings, strict=True):
+            by_piece.setdefault(k, []).append((tile, reading))
+        for k, piece in enumerate(pieces):
+            whole = stitch(by_piece[k])
+            piece.text = word_gaps(crops[k], piece.stretch).join(whole.chars, whole.xs)
+            piece.score = float(whole.probs.mean()) if whole.chars else 0.0
+
+    def _upside_down(self, crops: list[np.ndarray]) -> list[bool]:
+        """Which crops the direction classifier finds upside down.
+
+        The classifier squeezes its input into 192x48: fine for a line of a receipt, but a line
+        longer than a recogniser tile came out as noise (a 13270x44 line: "180" at 0.97). Such a
+        crop is judged by up to CLS_MAX_WINDOWS windows of CLS_WINDOW_RATIO x its height spread
+        along it, turned when more windows say "180" than "0" with the library's confidence
+        (windows of 24 x the height were squeezed too: 5 windows of a turned 26667x48 strip voted
+        2-3 with scores of 0.67-0.91; at 8 x all five said "180" at 0.95-1.0). A crop within one
+        tile is one window, which is the library's rule.
+        """
+        if not crops:
+            return []
+        windows: list[np.ndarray] = []
+        owners: list[int] = []
+        for k, crop in enumerate(crops):
+            h, w = crop.shape[:2]
+            span = CLS_WINDOW_RATIO * h
+            if line_columns(w, h) <= REC_TILE_COLUMNS:
+                starts = [0]
+                span = w
+            else:
+                count = min(CLS_MAX_WINDOWS, math.ceil(w / span))
+                starts = [round(x) for x in np.linspace(0, w - span, count)]
+            windows += [crop[:, x : x + span] for x in starts]
+            owners += [k] * len(starts)
+        _, labels, _ = self._cls(windows)
+        votes = [0] * len(crops)
+        for k, (label, score) in zip(owners, labels, strict=True):
+            if score > CLS_THRESH:  # an unsure window (a blank stretch, say) does not vote
+                votes[k] += 1 if "180" in label else -1
+        return [v > 0 for v in votes]
+
+    def _chunks(self, crops: list[np.ndarray]) -> list[tuple[int, list[int]]]:
+        """Recogniser calls as (padded width, crop indices): crops of one `rec_input_width`, up
+        to rec_batch_size of them and at most REC_MAX_CALL_COLUMNS columns in all, which bounds
+        a call's memory."""
+        by_width: dict[int, list[int]] = {}
+        for k, crop in enumerate(crops):
+            by_width.setdefault(rec_input_width(crop), []).append(k)
+        chunks = []
+        for width in sorted(by_width):
+            group = by_width[width]
+            size = max(1, min(self.rec_batch_size, REC_MAX_CALL_COLUMNS // width))
+            chunks += [(width, group[i : i + size]) for i in range(0, len(group), size)]
+        return chunks
+
+    def _recognise(self, crops: list[np.ndarray], width: int) -> list[Reading]:
+        """One recogniser call on crops that share the padded input width `width`."""
+        probs = self._rec.session(np.stack([rec_input(c, width) for c in crops]))[0]
+        step = width / probs.shape[1]  # input pixels per output step
+        readings = []
+        for crop, crop_probs in zip(crops, probs, strict=True):
+            h, w = crop.shape[:2]
+            content_w = min(math.ceil(REC_HEIGHT * w / h), width)
+            readings.append(self._decode(crop_probs, step * w / content_w))
+        return readings
+
+    def _decode(self, probs: np.ndarray, x_scale: float) -> Reading:
+        """Greedy CTC decoding: the characters, each at x = (t + 0.5) * x_scale in the crop for
+        the step t that emitted it, with that step's probability (their mean is the library's
+        score)."""
+        best = probs.argmax(axis=1)
+        emitted = np.flatnonzero((best != 0) & (best != np.concatenate(([0], best[:-1]))))
+        return Reading(
+            chars=[self._charset[k] for k in best[emitted]],
+            xs=(emitted + 0.5) * x_scale,
+            probs=probs[emitted, best[emitted]].astype(np.float64),
+        )
+
+    def _assemble(self, item: PreparedImage, pieces: list[_Piece]) -> OcrResult:
+        """Drop weak lines, order and merge, and express boxes in original-image pixels."""
+        kept = [(p.text, p.box, p.score) for p in pieces if p.text and p.score >= self.text_score]
+        sx, sy = item.scale_to_original()
+        ow, oh = item.original_size
+        lines = []
+        for text, (x1, y1, x2, y2), score in merge_rows(kept, self.merge_gap):
+            box = (
+                _clamp(math.floor(x1 * sx), ow),
+                _clamp(math.floor(y1 * sy), oh),
+                _clamp(math.ceil(x2 * sx), ow),
+                _clamp(math.ceil(y2 * sy), oh),
+            )
+            lines.append(Line(text=text, box=box, score=score))
+        return OcrResult(text="\n".join(line.text for line in lines), lines=lines)
+
+
+def _longer_than_a_tile(w: int, h: int) -> bool:
+    """Whether a w x h image read whole (turned upright first) needs more than one tile."""
+    if h / w >= 1.5:
+        w, h = h, w
+    return line_columns(w, h) > REC_TILE_COLUMNS
+
+
+def _aabb(quad: np.ndarray) -> Box:
+    return (
+        float(quad[:, 0].min()),
+        float(quad[:, 1].min()),
+        float(quad[:, 0].max()),
+        float(quad[:, 1].max()),
+    )
+
+
+def _clamp(value: int, limit: int) -> int:
+    return min(max(value, 0), limit)

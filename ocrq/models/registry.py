@@ -1,0 +1,35 @@
+"""Engine names -> factories: adding an engine is one entry here (see README, "Adding an engine").
+
+A plain mapping of functions that import their engine when called, so the CPU path never loads
+torch and an engine's optional dependencies are needed only where it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ocrq.core.settings import Settings
+from ocrq.models.base import Engine
+
+
+def _rapid(settings: Settings) -> Engine:
+    from ocrq.models.rapid import RapidEngine
+
+    return RapidEngine()
+
+
+def _hunyuan(settings: Settings) -> Engine:
+    from ocrq.models.hunyuan import HunyuanEngine
+
+    return HunyuanEngine.from_settings(settings)
+
+
+ENGINES: dict[str, Callable[[Settings], Engine]] = {"rapid": _rapid, "hunyuan": _hunyuan}
+
+
+def create_engine(name: str, settings: Settings) -> Engine:
+    """Build (but do not load) the engine called `name`."""
+    factory = ENGINES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}")
+    return factory(settings)

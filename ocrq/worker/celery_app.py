@@ -1,0 +1,81 @@
+"""The Celery app of the worker: delivery guarantees are set here, in one place.
+
+- acks_late + reject_on_worker_lost: a message is acked only after the task returned, i.e.
+  after its row was committed; a worker that dies mid-batch leaves its messages to redelivery.
+- prefetch multiplier 1 with the threads pool: the worker reserves exactly as many messages as
+  it has task threads, which is how many images can be prefetching or waiting for the batcher.
+- visibility_timeout: Redis redelivers an unacked message after this long, so it must exceed
+  the worst delivery-to-ack time (queue wait inside the worker + batch time).
+- task events on, so Flower lists every image's task: received, started, succeeded/failed.
+- malformed messages are rejected by the transport (ocrq/worker/broker.py), never crash the worker.
+"""
+
+from __future__ import annotations
+
+from celery import Celery, signals
+
+from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME
+from ocrq.core.settings import Settings
+
+
+def make_app(settings: Settings) -> Celery:
+    app = Celery("ocrq", broker=settings.broker_url, include=["ocrq.worker.tasks"])
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        from ocrq.worker.broker import TRANSPORT
+
+        # survives a Redis restart (see ocrq/worker/broker.py)
+        app.conf.broker_transport = TRANSPORT
+    app.conf.update(
+        task_default_queue=settings.queue or DEFAULT_QUEUE,
+        task_routes={TASK_NAME: {"queue": settings.queue or DEFAULT_QUEUE}},
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        task_ignore_result=True,
+        result_backend=None,
+        worker_prefetch_multiplier=1,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_track_started=True,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            # The lock that serialises restoring expired unacked messages outlives a Redis
+            # restart (the append-only file keeps it): a short expiry lets the reconnected
+            # worker restore them within a minute instead of kombu's default five.
+            "unacked_mutex_expire": 60,
+            # Scan for unacked messages past the visibility timeout every 10 s (kombu's
+            # unacked_restore_interval) rather than every 10th time (~100 s): a message whose
+            # worker died comes back soon after the timeout. One ZRANGE per scan.
+            "unacked_restore_throttle": 1,
+            # Messages on these queues must be these tasks, in Celery's protocol: anything
+            # else is rejected with one log line before Celery sees it (ocrq/worker/envelope.py).
+            "ocrq_task_queues": [settings.queue or DEFAULT_QUEUE],
+            "ocrq_task_names": [TASK_NAME],
+        },
+        task_serializer="json",
+        accept_content=["json"],
+    )
+    return app
+
+
+
+@signals.worker_ready.connect
+def _load_engine_at_start(**_: object) -> None:
+    """Load the model before the first message, so a missing model fails at start-up."""
+    from ocrq.worker.lifecycle import request_recycle, startup_failed
+    from ocrq.worker.runtime import get_runtime
+
+    try:
+        get_runtime(on_recycle=request_recycle)
+    except Exception as exc:  # a missing model or bad settings: stop now, loudly
+        startup_failed(exc)
+
+
+@signals.worker_shutdown.connect
+def _close_engine(**_: object) -> None:
+    from ocrq.worker.runtime import shutdown_runtime
+
+    shutdown_runtime()

@@ -1,0 +1,92 @@
+"""`ocrq run`: the service's job path in one process, fed from local files, no Redis/PostgreSQL.
+
+Same JobRunner, batcher, planner, intake and engine as the worker; a thread pool plays the part
+of Celery's task threads, and a SQLite file plays the part of PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from ocrq.core.contract import ImageRef, JobRequest
+from ocrq.core.db import get_engine
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore
+from ocrq.worker.jobs import JobOutcome
+from ocrq.worker.runtime import build_runtime
+
+IMAGE_SUFFIXES = {
+    ".jpg",
+    ".jpeg",
+    ".png",
+    ".tif",
+    ".tiff",
+    ".bmp",
+    ".webp",
+    ".gif",
+    ".pbm",
+    ".pgm",
+    ".ppm",
+}
+
+
+def expand(paths: Sequence[Path]) -> list[Path]:
+    """Files as given; a directory means the image files directly inside it, sorted."""
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            out.extend(
+                sorted(c for c in p.iterdir() if c.is_file() and c.suffix.lower() in IMAGE_SUFFIXES)
+            )
+        else:
+            out.append(p)
+    return out
+
+
+def run_paths(
+    paths: Sequence[Path],
+    settings: Settings,
+    db_url: str,
+    on_result: Callable[[JobOutcome], None],
+    task: str = "text",
+) -> dict[str, int]:
+    """OCR every path; results reach `on_result` in input order. Returns counts by status."""
+    files = expand(paths)
+    # The user named these files: allow exactly their folders.
+    roots = sorted({f.expanduser().resolve().parent for f in files} | set(settings.roots()))
+    settings = settings.model_copy(update={"allowed_roots": roots})
+    store = JobStore(get_engine(db_url))
+    store.create_tables()
+    runtime = build_runtime(settings, store=store, worker_name="embedded")
+    counts = {"done": 0, "failed": 0}
+    try:
+        with ThreadPoolExecutor(settings.concurrency, thread_name_prefix="ocrq-fetch") as pool:
+            for outcome in _in_order(
+                pool, files, runtime.runner.process, task, settings.concurrency
+            ):
+                counts[outcome.status] = counts.get(outcome.status, 0) + 1
+                on_result(outcome)
+    finally:
+        runtime.close()
+    return counts
+
+
+def _in_order(
+    pool: ThreadPoolExecutor,
+    files: Sequence[Path],
+    process: Callable[[JobRequest], JobOutcome],
+    task: str,
+    window: int,
+) -> Iterator[JobOutcome]:
+    """Keep `window` jobs in flight (bounded memory) and yield them in submission order."""
+    pending: deque[Future[JobOutcome]] = deque()
+    for f in files:
+        request = JobRequest(image=ImageRef(path=str(f)), task=task)
+        pending.append(pool.submit(process, request))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()

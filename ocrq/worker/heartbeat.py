@@ -1,0 +1,111 @@
+"""A worker process's heartbeat, and its share of the stalled-job sweep, in one daemon thread.
+
+The thread beats every OCRQ_HEARTBEAT_S (one upsert of this process's ocr_workers row) and,
+every OCRQ_STALLED_SWEEP_S, re-sends the running jobs of workers that stopped beating. It
+sweeps only after its own beats have succeeded for OCRQ_STALLED_AFTER_S in a row: after a
+database outage every heartbeat is stale, and a worker that swept at once would take live
+workers for dead ones; by then they have all beaten again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Engine
+
+from ocrq.core import workers_table
+from ocrq.core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def unique_worker_name(engine_name: str) -> str:
+    """This process's name in ocr_jobs.worker and ocr_workers: a restarted process (same host,
+    maybe the same pid in a fresh container) must never be taken for the one that died."""
+    return f"{engine_name}@{socket.gethostname()}/{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        db: Engine,
+        name: str,
+        settings: Settings,
+        sweep: Callable[[], list[str]] | None = None,
+    ) -> None:
+        self.db = db
+        self.name = name
+        self.interval_s = settings.heartbeat_s
+        self.stalled_after_s = settings.stalled_after_s
+        self.sweep_s = settings.stalled_sweep_s
+        self._sweep = sweep
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ocrq-heartbeat", daemon=True)
+        self._healthy_since: float | None = None
+        self._next_sweep = 0.0
+
+    def start(self) -> Heartbeat:
+        """Register now, then beat in the thread (which keeps trying if the database is down:
+        a worker that never registered is only recovered by the visibility timeout)."""
+        try:
+            workers_table.beat(self.db, self.name)
+            self._healthy_since = time.monotonic()
+            self._next_sweep = self._healthy_since + self.stalled_after_s
+        except Exception as exc:
+            log.warning("heartbeat: cannot register %s yet: %s", self.name, exc)
+        self._thread.start()
+        log.info(
+            "heartbeat: worker %s beats every %.0f s; jobs of workers silent for %.0f s are "
+            "re-sent",
+            self.name,
+            self.interval_s,
+            self.stalled_after_s,
+        )
+        return self
+
+    def stop(self) -> None:
+        """A clean exit: stop beating and retire the row (see workers_table.retire)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.interval_s + 10)
+        try:
+            workers_table.retire(self.db, self.name)
+        except Exception as exc:  # the row then just goes stale; sweeps clean it up
+            log.warning("heartbeat: could not retire %s: %s", self.name, exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                workers_table.beat(self.db, self.name)
+            except Exception as exc:
+                if self._healthy_since is not None:
+                    log.warning("heartbeat: cannot reach the database (%s); retrying", exc)
+                self._healthy_since = None
+                continue
+            t = time.monotonic()
+            if self._healthy_since is None:
+                log.info("heartbeat: database reachable again")
+                self._healthy_since = t
+                self._next_sweep = t + self.stalled_after_s
+            if self._sweep is not None and t >= self._next_sweep:
+                self._next_sweep = t + self.sweep_s
+                self._run_sweep()
+
+    def _run_sweep(self) -> None:
+        try:
+            sent = self._sweep() if self._sweep is not None else []
+        except Exception as exc:  # the broker or database went away: try at the next sweep
+            log.warning("stalled-job sweep failed: %s: %s", type(exc).__name__, exc)
+            return
+        if sent:
+            log.warning(
+                "stalled-job sweep: re-sent %d running job(s) of dead workers: %s",
+                len(sent),
+                " ".join(sent[:20]) + (" ..." if len(sent) > 20 else ""),
+            )

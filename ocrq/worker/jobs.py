@@ -1,0 +1,234 @@
+"""One job from request to stored row: the steps the Celery task and `ocrq run` share.
+
+claim row -> fetch + decode (in the caller's thread: this is the prefetch) -> batcher -> store.
+The caller's thread blocks on the batcher's future while the engine works on a whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError
+from tenacity import (
+    before_sleep_log,
+    retry,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential,
+)
+
+from ocrq.core.contract import TASKS, JobRequest, canonical_job_id
+from ocrq.core.settings import Settings
+from ocrq.core.store import Claim, JobStore, public_view
+from ocrq.models.base import Engine, PreparedImage
+from ocrq.worker import images, metrics
+from ocrq.worker.batcher import Batcher
+from ocrq.worker.envelope import safe_text
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    job_id: str
+    source: str
+    status: str  # done | failed
+    text: str | None = None
+    lines: list[dict[str, Any]] | None = None
+    error: str | None = None
+    already_done: bool = False
+    truncated: str | None = None  # why the text ended early: "max_tokens", "repetition"
+
+    def as_json(self) -> dict[str, Any]:
+        """The same JSON object `ocrq status` and the api show for the stored row."""
+        return public_view(
+            {
+                "id": self.job_id,
+                "source": self.source,
+                "status": self.status,
+                "text": self.text,
+                "lines": self.lines,
+                "error": self.error,
+                "truncated": self.truncated,
+            }
+        )
+
+
+def _db_unavailable(exc: BaseException) -> bool:
+    """Connection-level failures are worth waiting out; constraint errors are not."""
+    return isinstance(exc, DBAPIError) and (
+        exc.connection_invalidated or type(exc.orig).__name__ in ("OperationalError",)
+    )
+
+
+def _timed_out(seconds: float) -> str:
+    return f"timed out after {seconds:g} s (OCRQ_JOB_TIMEOUT_S)"
+
+
+class JobRunner:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        batcher: Batcher,
+        store: JobStore,
+        worker_name: str,
+        prefetch_images: int = 64,
+        db_retry_s: float = 300.0,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.batcher = batcher
+        self.store = store
+        self.worker_name = worker_name
+        # Caps decoded images held at once (prefetched + in the running batch): memory stays
+        # bounded however many task threads there are.
+        self._decoded = threading.BoundedSemaphore(prefetch_images)
+        # While the database is down, results wait in this thread (and the message stays
+        # unacked) rather than being dropped or acked without a row.
+        self._db = retry(
+            retry=retry_if_exception(_db_unavailable),
+            wait=wait_exponential(multiplier=0.5, max=5),
+            stop=stop_after_delay(db_retry_s),
+            before_sleep=before_sleep_log(log, logging.WARNING),
+            reraise=True,
+        )
+
+    def process(self, request: JobRequest) -> JobOutcome:
+        source = request.image.describe()
+        task = request.task if request.task in TASKS else "custom"
+        claim = self._db(self.store.claim)(
+            request.job_id,
+            request.task,
+            source,
+            self.worker_name,
+            max_attempts=self.settings.max_attempts,
+        )
+        if not claim.run:
+            return self._not_run(request.job_id, source, claim)
+        # One deadline for the whole wait: a slot for the decoded image, then the batch. The
+        # fetch is bounded by the intake's own deadline. Celery's task time limits do not work
+        # with the threads pool, so this is the task time limit.
+        timeout = self.settings.job_timeout_s
+        deadline = time.monotonic() + timeout
+        if not self._decoded.acquire(timeout=timeout):
+            return self._fail(request.job_id, source, _timed_out(timeout))
+        release_slot = True
+        try:
+            try:
+                loaded = images.load(request.image, self.settings, self.engine.max_pixels)
+                item = PreparedImage(
+                    key=request.job_id,
+                    image=loaded.image,
+                    original_size=loaded.original_size,
+                    task=task,
+                    prompt=request.prompt,
+                    max_pixels=request.max_pixels,
+                )
+                self.engine.prepare(item)  # CPU preprocessing, here in the prefetch thread
+            except Exception as exc:  # bad image, or one the engine's preprocessing refuses
+                message = (
+                    str(exc)
+                    if isinstance(exc, images.ImageError)
+                    else f"{type(exc).__name__}: {exc}"
+                )
+                return self._fail(request.job_id, source, message)
+            image_fields = {
+                "sha256": loaded.sha256,
+                "width": loaded.original_size[0],
+                "height": loaded.original_size[1],
+            }
+            future = self.batcher.submit(item)
+            del item
+            try:
+                outcome = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                # The batch goes on and its result is dropped; the image still counts against
+                # the decoded-image cap until the batcher lets go of it.
+                future.add_done_callback(lambda _: self._decoded.release())
+                release_slot = False
+                return self._fail(request.job_id, source, _timed_out(timeout), **image_fields)
+        finally:
+            if release_slot:
+                self._decoded.release()
+        common = {
+            **image_fields,
+            "engine": outcome.engine,
+            "batch_id": outcome.batch_id or None,
+        }
+        if outcome.error is not None or outcome.result is None:
+            message = f"{type(outcome.error).__name__}: {outcome.error}"
+            return self._fail(request.job_id, source, message, **common)
+        lines = [line.as_json() for line in outcome.result.lines]
+        self._db(self.store.finish)(
+            request.job_id,
+            status="done",
+            text=outcome.result.text,
+            lines=lines,
+            error=None,
+            truncated=outcome.result.truncated,
+            **common,
+        )
+        metrics.JOBS.labels("done").inc()
+        return JobOutcome(
+            request.job_id,
+            source,
+            "done",
+            outcome.result.text,
+            lines,
+            truncated=outcome.result.truncated,
+        )
+
+    def _not_run(self, job_id: str, source: str, claim: Claim) -> JobOutcome:
+        """A claim that said no: already done, the id taken by another image, or out of tries."""
+        row = claim.row or {}
+        if claim.error is None:
+            log.info("job %s already done; redelivery ignored", job_id)
+            return JobOutcome(
+                job_id,
+                source,
+                row.get("status", "done"),
+                row.get("text"),
+                row.get("lines"),
+                row.get("error"),
+                already_done=True,
+            )
+        # Nothing is written: a reused id's row belongs to its first image, and a job out of
+        # attempts was failed by the claim itself.
+        log.warning("job %s refused: %s", job_id, claim.error)
+        metrics.JOBS.labels("failed").inc()
+        return JobOutcome(job_id, source, "failed", error=claim.error)
+
+    def reject(self, job_id: Any, source: str, task: str, message: str) -> None:
+        """Record a malformed request as a failed job, when it carries a usable job id.
+
+        `source` and `task` must already be storable (see `storable_text`). Without a usable
+        id there is no row to write: the log line, and Flower's failed task, are the record.
+        """
+        try:
+            job_id = canonical_job_id(job_id)
+        except ValueError:
+            log.warning(
+                "rejected a request without a valid job id (%s): %s",
+                safe_text(repr(job_id), 80),
+                safe_text(message, 300),
+            )
+            return
+        claim = self._db(self.store.claim)(
+            job_id, task, source, self.worker_name, max_attempts=self.settings.max_attempts
+        )
+        if claim.run:
+            self._fail(job_id, source, message)
+        elif claim.error is not None:
+            self._not_run(job_id, source, claim)
+
+    def _fail(self, job_id: str, source: str, message: str, **fields: Any) -> JobOutcome:
+        log.warning("job %s failed: %s", job_id, message)
+        self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
+        metrics.JOBS.labels("failed").inc()
+        return JobOutcome(job_id, source, "failed", error=message)

@@ -1,0 +1,187 @@
+"""Wire settings -> engine -> batcher -> job runner, once per process.
+
+The Celery app and embedded mode both build a Runtime; it is created after Celery has set up
+its pool, in the process that will run the engine, so CUDA is never initialised before a fork.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ocrq.core.db import get_engine
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore
+from ocrq.models.base import Engine
+from ocrq.models.costs import CostModel, GiB
+from ocrq.models.memory import memory_of
+from ocrq.models.registry import create_engine
+from ocrq.worker import metrics
+from ocrq.worker.batcher import BatchConfig, Batcher, BatchRecord
+from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
+from ocrq.worker.jobs import JobRunner
+from ocrq.worker.profiles import choose_cost_model
+from ocrq.worker.recycle import RecyclePolicy, Recycler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    batcher: Batcher
+    runner: JobRunner
+    recycler: Recycler | None = None
+    heartbeat: Heartbeat | None = None
+
+    def close(self) -> None:
+        self.batcher.stop()
+        self.engine.close()
+        if self.heartbeat is not None:  # after the batcher: no job of ours is running now
+            self.heartbeat.stop()
+
+
+def batch_config(settings: Settings, engine: Engine, model: CostModel | None = None) -> BatchConfig:
+    """The budget a batch may use above the fixed part of `model` (a tuned profile's, when the
+    worker found one; else the engine's default)."""
+    fixed = (model or engine.cost_model()).fixed_bytes
+    if settings.memory_budget_gib is not None:
+        # Plan to a share of the budget: the allocator's cache and workspaces live in the rest
+        # (on the H200 a batch using 17.3 GiB of tensors had 19.4 GiB reserved).
+        usable = settings.memory_budget_gib * settings.memory_utilization
+        budget = int(usable * GiB) - fixed
+        if budget <= 0:
+            raise ValueError(
+                f"OCRQ_MEMORY_BUDGET_GIB={settings.memory_budget_gib} x OCRQ_MEMORY_UTILIZATION="
+                f"{settings.memory_utilization} does not cover the engine's fixed part "
+                f"({fixed / GiB:.2f} GiB)"
+            )
+    else:
+        budget = memory_of(engine).default_budget_bytes()
+    return BatchConfig(
+        max_items=settings.max_batch, wait_s=settings.batch_wait_ms / 1000, budget_bytes=budget
+    )
+
+
+def recycle_policy(settings: Settings) -> RecyclePolicy:
+    def gib(value: float | None) -> int | None:
+        return None if value is None else int(value * GiB)
+
+    return RecyclePolicy(
+        max_images=settings.max_images,
+        max_rss_bytes=gib(settings.max_rss_gib),
+        max_fragmentation_bytes=gib(settings.max_fragmentation_gib),
+        patience=settings.recycle_patience,
+    )
+
+
+def build_runtime(
+    settings: Settings,
+    store: JobStore | None = None,
+    worker_name: str | None = None,
+    on_recycle: Callable[[str], None] | None = None,
+) -> Runtime:
+    """Load the engine and start its batcher; with `on_recycle`, watch for recycling too."""
+    engine = create_engine(settings.engine, settings)
+    engine.load()
+    choice = choose_cost_model(engine, settings.profile_dir)
+    log.info(choice.describe())
+    config = batch_config(settings, engine, choice.model)
+    recycler = None
+    if on_recycle is not None:
+        fragmentation = memory_of(engine).fragmentation_bytes
+        recycler = Recycler(recycle_policy(settings), on_recycle, fragmentation=fragmentation)
+    hooks: list[Callable[[BatchRecord], None]] = [_log_batch, _count_batch]
+    if recycler is not None:
+        hooks.append(recycler.after_batch)
+
+    def on_batch(record: BatchRecord) -> None:
+        for hook in hooks:
+            hook(record)
+
+    batcher = Batcher(engine, config, on_batch=on_batch, cost_model=choice.model).start()
+    store = store or JobStore(get_engine(settings.database_url))
+    name = worker_name or unique_worker_name(settings.engine)
+    prefetch = settings.prefetch_images or 2 * config.max_items
+    runner = JobRunner(settings, engine, batcher, store, name, prefetch_images=prefetch)
+    log.info(
+        "engine %s loaded; batches up to %d images within %.2f GiB above %.2f GiB fixed (%s)",
+        engine.name,
+        config.max_items,
+        config.budget_bytes / GiB,
+        choice.model.fixed_bytes / GiB,
+        choice.model.source,
+    )
+    return Runtime(settings, engine, batcher, runner, recycler)
+
+
+def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
+    """Beat for worker `name`, and sweep other workers' stalled jobs back to the queue."""
+    from ocrq.api.client import Client  # the same re-send path as `ocrq requeue --stalled`
+
+    client = Client(settings)
+    return Heartbeat(
+        client.store.engine,
+        name,
+        settings,
+        sweep=lambda: client.requeue_stalled(exclude_worker=name),
+    ).start()
+
+
+def _count_batch(record: BatchRecord) -> None:
+    metrics.BATCHES.inc()
+    metrics.BATCH_SIZE.observe(record.size)
+    metrics.BATCH_SECONDS.observe(record.ended - record.started)
+    metrics.DEFERRED.set(record.deferred)
+    metrics.BUDGET_BYTES.set(record.budget_bytes)
+
+
+def _log_batch(record: BatchRecord) -> None:
+    log.info(
+        "batch %s: %d images in %.3f s (%d failed, predicted %.3f GiB, %d left waiting)",
+        record.batch_id[:8],
+        record.size,
+        record.ended - record.started,
+        record.failed_items,
+        record.predicted_bytes / GiB,
+        record.deferred,
+    )
+
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None
+_settings: Settings | None = None
+
+
+def configure(settings: Settings) -> None:
+    """The Settings this worker process runs with, read once by its entry point
+    (ocrq/worker/main.py); `get_runtime` builds from them."""
+    global _settings
+    _settings = settings
+
+
+def get_runtime(
+    settings: Settings | None = None, on_recycle: Callable[[str], None] | None = None
+) -> Runtime:
+    """The worker process's runtime, built on first use (worker start-up calls this early),
+    with its heartbeat; the name it claims jobs under is unique to this process."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            settings = settings or _settings or Settings()
+            name = unique_worker_name(settings.engine)
+            runtime = build_runtime(settings, worker_name=name, on_recycle=on_recycle)
+            runtime.heartbeat = start_heartbeat(settings, name)
+            _runtime = runtime
+        return _runtime
+
+
+def shutdown_runtime() -> None:
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            _runtime.close()
+            _runtime = None
