@@ -237,7 +237,7 @@ ENGINE_CHECK = textwrap.dedent(
 
     engine = HunyuanEngine(cpu_settings(sys.argv[1], MAX_NEW), decode="fast")
     engine.load()
-    models.hunyuan.prefill.PADDED_ROWS = 2  # the padded prefill's attention in two slices
+    ocrq.models.hunyuan.prefill.PADDED_ROWS = 2  # the padded prefill's attention in two slices
     batch = [item(100, 150, 11), item(160, 90, 12, task="spotting"), item(64, 64, 13)]
     plain = engine.generate(batch, output_logits=True, decode="generate")
     fast = engine.generate(batch, output_logits=True, decode="fast")

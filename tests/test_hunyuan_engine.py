@@ -580,4 +580,6 @@ def test_planner_downscales_the_biggest_15_pages_over_budget() -> None:
         batcher.stop()
     assert outcome.error is None
     assert shrunk and shrunk[0][0] * shrunk[0][1] <= 4096 * 4096 // 2
-    assert model.batch_bytes([rec.estimate(huge)]) <= one // 3
+    small = PreparedImage("s", Image.new("RGB", shrunk[0]), shrunk[0], task="custom", prompt="x")
+    assert model.batch_bytes([rec.estimate(small)]) <= one // 3
+    assert huge.image.size == (4096, 4096)  # the submitted item is left alone
