@@ -93,9 +93,37 @@ class JobRunner:
             before_sleep=before_sleep_log(log, logging.WARNING),
             reraise=True,
         )
+        # Jobs a task thread of this process is running now, with what they name. A second
+        # delivery of one of them (the same id in another spelling, a producer's retry) is not
+        # a retry of a dead attempt: claimed again, it ran the job once more and, with enough
+        # copies, failed a healthy job as "the worker died" (probe of issue 16).
+        self._in_flight: dict[str, tuple[str, str]] = {}
+        self._in_flight_lock = threading.Lock()
 
     def process(self, request: JobRequest) -> JobOutcome:
         source = request.image.describe()
+        named = (source, request.task)
+        with self._in_flight_lock:
+            duplicate = self._in_flight.get(request.job_id) == named
+            if not duplicate and request.job_id not in self._in_flight:
+                self._in_flight[request.job_id] = named
+                owner = True
+            else:
+                owner = False
+        if duplicate:
+            # Safe to ack: the running delivery's own message stays unacked until its row is
+            # stored, and comes back if this process dies.
+            log.info("job %s is running in this worker already; duplicate ignored", request.job_id)
+            return JobOutcome(request.job_id, source, "running", already_done=True)
+        try:
+            # Another image under a running job's id goes on to the claim, which refuses it.
+            return self._process(request, source)
+        finally:
+            if owner:
+                with self._in_flight_lock:
+                    del self._in_flight[request.job_id]
+
+    def _process(self, request: JobRequest, source: str) -> JobOutcome:
         task = request.task if request.task in TASKS else "custom"
         claim = self._db(self.store.claim)(
             request.job_id,
