@@ -84,10 +84,12 @@ def _read_path(raw: str, settings: Settings) -> bytes:
         fd = _open_beneath(root, parts)
     except OSError:
         raise hidden from None
+    # Checked on the bare descriptor: fdopen itself raises IsADirectoryError for a folder.
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ImageError(f"not a regular file: {raw}")
     with os.fdopen(fd, "rb") as fh:
         info = os.fstat(fh.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ImageError(f"not a regular file: {raw}")
         limit = settings.max_image_bytes
         if info.st_size > limit:
             raise ImageError(f"image too large: {info.st_size} bytes > limit {limit}")

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -70,6 +70,14 @@ def _timed_out(seconds: float) -> str:
     return f"timed out after {seconds:g} s (OCRQ_JOB_TIMEOUT_S)"
 
 
+@dataclass
+class _Running:
+    """A job a task thread of this process is running: what it names, and when it is done."""
+
+    named: tuple[str, str]  # source, task
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
 class JobRunner:
     def __init__(
         self,
@@ -98,9 +106,53 @@ class JobRunner:
             before_sleep=before_sleep_log(log, logging.WARNING),
             reraise=True,
         )
+        # Jobs a task thread of this process is running now. A second delivery of one of them
+        # (the same id in another spelling, a producer's retry, a visibility-timeout
+        # redelivery) is not a retry of a dead attempt: claimed again, it ran the job once more
+        # and, with enough copies, failed a healthy job as "the worker died" (issue 16's probe).
+        self._in_flight: dict[str, _Running] = {}
+        self._in_flight_lock = threading.Lock()
 
     def process(self, request: JobRequest) -> JobOutcome:
         source = request.image.describe()
+        named = (source, request.task)
+        with self._in_flight_lock:
+            running = self._in_flight.get(request.job_id)
+            owner = running is None
+            if running is None:
+                running = self._in_flight[request.job_id] = _Running(named)
+        if not owner and running.named == named:
+            return self._await_running(request.job_id, source, running)
+        try:
+            # Another image under a running job's id goes on to the claim, which refuses it.
+            return self._process(request, source)
+        finally:
+            if owner:
+                with self._in_flight_lock:
+                    del self._in_flight[request.job_id]
+                running.finished.set()
+
+    def _await_running(self, job_id: str, source: str, running: _Running) -> JobOutcome:
+        """A copy of a job running in this process: report its outcome once it is stored.
+
+        The copy's message is acked only after that: a message redelivered to this very process
+        shares the running one's delivery tag, so acking it early could drop the job if the
+        process then died.
+        """
+        log.info("job %s is running in this worker already; this delivery waits for it", job_id)
+        running.finished.wait(self.settings.job_timeout_s + 60)
+        row = self._db(self.store.get)([job_id]).get(job_id) or {}
+        return JobOutcome(
+            job_id,
+            source,
+            row.get("status", "running"),
+            row.get("text"),
+            row.get("lines"),
+            row.get("error"),
+            already_done=True,
+        )
+
+    def _process(self, request: JobRequest, source: str) -> JobOutcome:
         task = request.task if request.task in TASKS else "custom"
         claim = self._db(self.store.claim)(
             request.job_id,
