@@ -39,9 +39,9 @@ from sqlalchemy import func, select
 
 from bench.rapid_memory import long_line, long_line_text, text_page, thin, words
 from bench.scoring import cer
-from ocrq.db import get_engine, ocr_jobs
-from ocrq.samples import draw_text_image
-from ocrq.store import REUSED_ID, JobStore, now
+from ocrq.core.db import get_engine, ocr_jobs
+from ocrq.core.samples import draw_text_image
+from ocrq.core.store import REUSED_ID, JobStore, now
 from tests.badfiles import png_bomb, write_bad_files
 from tests.conftest import FIGURES
 from tests.servers import free_port
@@ -553,7 +553,8 @@ def run(
     secret = LoopServer("127.0.0.1", SECRET)
     public = LoopServer(PUBLIC_HOST, PUBLIC)
     ctx = Ctx(root, outside, secret, public)
-    worker = CappedWorker(env, base / "worker.log", CAP, "--no-supervise", "--concurrency", "8")
+    worker = CappedWorker(env, base / "ocrq.worker.log", CAP, "--no-supervise", "--concurrency",
+    "8")
     r = redis.Redis.from_url(broker_url)
     store = JobStore(get_engine(database_url))
     try:
