@@ -44,6 +44,20 @@ class JobOutcome:
     already_done: bool = False
     truncated: str | None = None  # why the text ended early: "max_tokens", "repetition"
 
+    @classmethod
+    def of_row(cls, job_id: str, source: str, row: dict[str, Any], status: str) -> JobOutcome:
+        """A job another delivery ran: its stored row (`status` while it has none)."""
+        return cls(
+            job_id,
+            source,
+            row.get("status", status),
+            row.get("text"),
+            row.get("lines"),
+            row.get("error"),
+            already_done=True,
+            truncated=row.get("truncated"),
+        )
+
     def as_json(self) -> dict[str, Any]:
         """The same JSON object `ocrq status` and the api show for the stored row."""
         return public_view(
@@ -142,15 +156,7 @@ class JobRunner:
         log.info("job %s is running in this worker already; this delivery waits for it", job_id)
         running.finished.wait(self.settings.job_timeout_s + 60)
         row = self._db(self.store.get)([job_id]).get(job_id) or {}
-        return JobOutcome(
-            job_id,
-            source,
-            row.get("status", "running"),
-            row.get("text"),
-            row.get("lines"),
-            row.get("error"),
-            already_done=True,
-        )
+        return JobOutcome.of_row(job_id, source, row, "running")
 
     def _process(self, request: JobRequest, source: str) -> JobOutcome:
         task = request.task if request.task in TASKS else "custom"
@@ -241,15 +247,7 @@ class JobRunner:
         row = claim.row or {}
         if claim.error is None:
             log.info("job %s already done; redelivery ignored", job_id)
-            return JobOutcome(
-                job_id,
-                source,
-                row.get("status", "done"),
-                row.get("text"),
-                row.get("lines"),
-                row.get("error"),
-                already_done=True,
-            )
+            return JobOutcome.of_row(job_id, source, row, "done")
         # Nothing is written: a reused id's row belongs to its first image, and a job out of
         # attempts was failed by the claim itself.
         log.warning("job %s refused: %s", job_id, claim.error)
