@@ -538,6 +538,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stem", default="decode_speed_h200")
     add_model_args(ap)
+    ap.add_argument("--version", choices=("1.0", "1.5"), default="1.0",
+                    help="checkpoint shape; 1.5 decodes with its repetition penalty (1.08)")
     ap.add_argument("--pages", default=",".join(PAGES))
     ap.add_argument("--batches", default="64,128")
     ap.add_argument("--batch1-pages", default="page-1024", help="pages also run at batch 1")
@@ -580,12 +582,13 @@ def main() -> None:
     bw = report.data["bandwidth"].get("copy_tb_s", 0) * 1e12
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = random_checkpoint(Path(tmp), args)
+        ckpt = random_checkpoint(Path(tmp), args, version=args.version)
         settings = Settings(model=str(ckpt), model_subfolder=None, dtype=args.dtype,
                             device=args.device, max_new_tokens=args.new_tokens)
         engine = HunyuanEngine(settings, decode="fast")
         engine.load()
         report.data["meta"]["decode_attention"] = engine._decoder.attention
+        report.data["meta"]["model_version"] = args.version
         report.data["meta"]["load_done_s"] = round(time.perf_counter() - started, 1)
         clock = StepClock(torch, args.device)
         engine.model.register_forward_hook(clock)
