@@ -12,6 +12,7 @@ import argparse
 import platform
 import sys
 import time
+import traceback
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -142,3 +143,20 @@ class DeviceSpan:
     def __init__(self, e: Any) -> None:
         self.name = e.name
         self.dur = e.time_range.end - e.time_range.start
+
+
+def run_part(report: Any, started: float, name: str, fn: Any) -> Any:
+    """One named part of a long GPU run: its failure is recorded, not fatal, its seconds go to
+    the report's meta, and the report is written after it, so a run cut short keeps what it
+    measured. `report` has `data` (with "meta" and "errors") and `write()`."""
+    t = time.perf_counter()
+    try:
+        return fn()
+    except Exception as exc:
+        report.data["errors"].append({"part": name, "error": repr(exc)[:600]})
+        traceback.print_exc()
+        return None
+    finally:
+        report.data["meta"][f"{name}_s"] = round(time.perf_counter() - t, 1)
+        report.write()
+        print(f"[{time.perf_counter() - started:.0f} s] {name} done", flush=True)

@@ -30,7 +30,6 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
@@ -52,6 +51,7 @@ from bench.common import (  # noqa: E402
     page_image,
     random_checkpoint,
     run_meta,
+    run_part,
     top,
 )
 from ocrq.core.settings import Settings  # noqa: E402
@@ -565,17 +565,7 @@ def main() -> None:
                            "cpus": os.cpu_count()}
 
     def part(name: str, fn: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn()
-        except Exception as exc:
-            report.data["errors"].append({"part": name, "error": repr(exc)[:600]})
-            traceback.print_exc()
-            return None
-        finally:
-            report.data["meta"][f"{name}_s"] = round(time.perf_counter() - t, 1)
-            report.write()
-            print(f"[{time.perf_counter() - started:.0f} s] {name} done", flush=True)
+        return run_part(report, started, name, fn)
 
     if cuda:
         report.data["bandwidth"] = part("bandwidth", lambda: measure_bandwidth(torch)) or {}

@@ -35,14 +35,19 @@ import json
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import add_model_args, page_image, random_checkpoint, run_meta  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_model_args,
+    page_image,
+    random_checkpoint,
+    run_meta,
+    run_part,
+)
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
@@ -245,17 +250,7 @@ def main() -> None:
     }
 
     def part(name: str, fn: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn()
-        except Exception as exc:
-            report.data["errors"].append({"part": name, "error": repr(exc)[:600]})
-            traceback.print_exc()
-            return None
-        finally:
-            report.data["meta"][f"{name}_s"] = round(time.perf_counter() - t, 1)
-            report.write()
-            print(f"[{time.perf_counter() - started:.0f} s] {name} done", flush=True)
+        return run_part(report, started, name, fn)
 
     images = {page: page_image(w, h) for page, (w, h) in PAGES.items()}
     with tempfile.TemporaryDirectory() as tmp:
