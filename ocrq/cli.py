@@ -132,8 +132,6 @@ def worker(
         "worker",
         "--pool",
         "threads",
-        "--concurrency",
-        str(settings.concurrency),
         "--queues",
         settings.queue,
         "--loglevel",
@@ -145,6 +143,8 @@ def worker(
         "--without-gossip",
         "--without-mingle",
     ]
+    if settings.concurrency is not None:  # else the worker follows its batch cap (main.py)
+        argv += ["--concurrency", str(settings.concurrency)]
     if supervise:  # a child interpreter per worker process, its options in its environment
         raise typer.Exit(run_supervised(argv, _child_env(**given)))
     raise typer.Exit(run_worker(argv, settings))

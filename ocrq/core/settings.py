@@ -60,8 +60,9 @@ class Settings(BaseSettings):
     )
 
     # Batching.
-    # Hard cap on images per engine call, whatever the budget allows.
-    max_batch: int = Field(default=32, ge=1, le=4096)
+    # Hard cap on images per engine call, whatever the budget allows; None: the engine's own
+    # (`EngineCore.preferred_max_batch`: 256 for HunyuanOCR on a GPU, 32 otherwise).
+    max_batch: int | None = Field(default=None, ge=1, le=4096)
     # How long the batcher lingers for more items once one is waiting.
     batch_wait_ms: int = Field(default=50, ge=0, le=60_000)
     # Total memory the engine may use, fixed part included; None: the engine's default budget.
@@ -70,8 +71,9 @@ class Settings(BaseSettings):
     memory_utilization: float = Field(default=0.85, gt=0.1, le=1.0)
     # Where `ocrq tune` writes cost-model profiles and workers look for theirs at start.
     profile_dir: Path = Path("~/.cache/ocrq/profiles")
-    # Celery task threads: images being fetched + waiting for the batcher.
-    concurrency: int = Field(default=16, ge=1, le=4096)
+    # Celery task threads: images being fetched + waiting for the batcher; None: follow the
+    # batch cap (`Runtime.task_threads`: two batches' worth plus room for fetching).
+    concurrency: int | None = Field(default=None, ge=1, le=8192)
     # Decoded images held at once (waiting + in the running batch); None: two batches' worth,
     # i.e. the next batch is decoded while the current one runs. max_batch turns prefetch off.
     prefetch_images: int | None = Field(default=None, ge=1, le=100_000)

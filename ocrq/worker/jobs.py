@@ -110,6 +110,7 @@ class JobRunner:
         self.worker_name = worker_name
         # Caps decoded images held at once (prefetched + in the running batch): memory stays
         # bounded however many task threads there are.
+        self.prefetch_images = prefetch_images
         self._decoded = threading.BoundedSemaphore(prefetch_images)
         # While the database is down, results wait in this thread (and the message stays
         # unacked) rather than being dropped or acked without a row.

@@ -59,10 +59,12 @@ def request_recycle(reason: str) -> None:
         metrics.RECYCLES.labels(reason.split(" ")[0]).inc()
 
 
-def startup_failed(exc: BaseException) -> None:
-    """The engine could not be loaded: exit with a code that tells supervisors not to retry."""
+def startup_failed(exc: BaseException, *, signal_self: bool = True) -> None:
+    """The engine could not be loaded: exit with a code that tells supervisors not to retry.
+    `signal_self=False` before Celery runs: the caller returns the code itself."""
     log.critical("worker cannot start: %s: %s", type(exc).__name__, exc)
-    _request_exit(STARTUP_FAILED_EXIT_CODE, f"startup failed: {exc}")
+    if signal_self:
+        _request_exit(STARTUP_FAILED_EXIT_CODE, f"startup failed: {exc}")
 
 
 def check_database(settings: Settings) -> int | None:

@@ -23,6 +23,17 @@ def run(argv: Sequence[str], settings: Settings) -> int:
     if refused is not None:
         return refused
     runtime.configure(settings)  # the engine, batcher and heartbeat are built from these
+    argv = list(argv)
+    if "--concurrency" not in argv:
+        # The thread count follows the batch cap, known once the engine has loaded; so load it
+        # before Celery starts (a missing model fails here, as it did at worker_ready).
+        try:
+            threads = runtime.get_runtime(on_recycle=lifecycle.request_recycle).task_threads
+        except Exception as exc:
+            lifecycle.startup_failed(exc, signal_self=False)
+            return lifecycle.STARTUP_FAILED_EXIT_CODE
+        logging.getLogger(__name__).info("task threads: %d (from the batch cap)", threads)
+        argv += ["--concurrency", str(threads)]
     from ocrq.worker.celery_app import make_app  # after the checks: nothing is consumed before them
 
     return lifecycle.run_celery(make_app(settings), argv)
