@@ -65,6 +65,7 @@ from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.patches import batch_vision_attention, isolate_rows
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
 from ocrq.models.hunyuan.resolution import pixel_cap
+from ocrq.models.hunyuan.scripted import scripted_lengths
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import (
     LATEST,
@@ -98,6 +99,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
         self.processor: Any = None
         self.model_dir: Path | None = None
         self.device: str | None = None
+        self.scripted: dict[str, int] = {}  # bench only (ocrq/models/hunyuan/scripted.py)
         self.tokens: SpecialTokens | None = None  # the one place eos and pad ids live
         self.templates: PromptTemplates | None = None
         self.preprocess_row: Preprocessor | None = None
@@ -150,6 +152,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
             cap_of=self.pixel_cap,
         )
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
+        self.scripted = scripted_lengths(ckpt.path)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, "
             "repetition penalty %s, max %d pixels) in %.1f s",
@@ -258,7 +261,9 @@ class HunyuanEngine(HunyuanMemory, Engine):
         the engine is loaded)."""
         if self.preprocess_row is None:
             raise RuntimeError("HunyuanEngine.load() must run before preprocess()")
-        return self.preprocess_row(item)
+        row = self.preprocess_row(item)
+        row.stop_after = self.scripted.get(item.key)
+        return row
 
     def prepare(self, item: PreparedImage) -> None:
         """Preprocess in the prefetch thread; `run` then skips the processor for this item.
@@ -327,6 +332,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
             fast = self._decoder.generate(
                 inputs,
                 tokens,
+                stop_after=[r.stop_after for r in rows] if self.scripted else None,
                 max_new_tokens=n_new,
                 min_new_tokens=min_new_tokens,
                 output_logits=output_logits,
