@@ -46,11 +46,19 @@ class Client:
             self._store = JobStore(get_engine(self.settings.database_url))
         return self._store
 
-    def submit(self, image: dict[str, str], task: str = "text", record: bool = True) -> str:
-        """Enqueue one job; with `record`, its row exists as `queued` before the message."""
+    def submit(
+        self,
+        image: dict[str, str],
+        task: str = "text",
+        record: bool = True,
+        job_id: str | None = None,
+    ) -> str:
+        """Enqueue one job; with `record`, its row exists as `queued` before the message.
+        `job_id`: the producer's own id (a UUID), else a new one."""
         # Validated as the worker will (ValidationError, a ValueError: NUL bytes, lone
         # surrogates...), so nothing is enqueued that could not be stored.
-        request = JobRequest.model_validate({"image": image, "task": task})
+        fields = {"image": image, "task": task} | ({"job_id": job_id} if job_id else {})
+        request = JobRequest.model_validate(fields)
         kwargs = job_kwargs(image, task, request.job_id)
         if record:
             # The worker's claim compares a row's source with the message's: same description.
