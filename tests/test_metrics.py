@@ -249,3 +249,45 @@ def test_health_verdicts() -> None:
     assert not health.readiness(beat, ok, "database at revision x").ok
     assert not health.readiness(health.WorkerState(ready=0, started_at=1), ok, None).ok
     assert not health.readiness(beat, health.Verdict(False, "silent"), None).ok
+
+
+def test_flower_sees_the_batch_of_each_task(
+    worker: WorkerProcess,
+    service_env: dict[str, str],
+    database_url: str,
+    text_images: dict[str, Path],
+    image_root: Path,
+) -> None:
+    """What Flower shows is what the worker's task events carry (there is no result backend):
+    a done task's result and a failed task's exception name its batch and the wait for it.
+    Received here by a real Celery event receiver, as Flower receives them."""
+    import ast
+    import threading
+
+    from celery import Celery
+
+    app = Celery(broker=service_env["OCRQ_BROKER_URL"])
+    events: list[dict] = []
+    with app.connection() as conn:
+        receiver = app.events.Receiver(conn, handlers={"*": events.append})
+        thread = threading.Thread(target=receiver.capture, kwargs={"limit": None}, daemon=True)
+        thread.start()
+        wait_for(lambda: bool(events), 30, "a first event (the worker's heartbeat)")
+        bad = image_root / "not-an-image.png"
+        bad.write_bytes(b"this is no image at all" * 10)
+        env = {**service_env, "OCRQ_QUEUE": "ocr"}
+        done_id, failed_id = submit(env, [text_images["word"], bad])
+
+        def seen(kind: str, job: str) -> list[dict]:
+            return [e for e in list(events) if e["type"] == kind and e.get("uuid") == job]
+
+        wait_for(lambda: bool(seen("task-succeeded", done_id)), 60, "task-succeeded")
+        receiver.should_stop = True
+        thread.join(10)
+    rows = JobStore(get_engine(database_url)).get([done_id, failed_id])
+    result = ast.literal_eval(seen("task-succeeded", done_id)[0]["result"])
+    assert result["batch_id"] == rows[done_id]["batch_id"] and result["batch_id"]
+    assert 0 <= result["batch_wait_s"] < 60
+    assert rows[failed_id]["status"] == "failed"  # refused at intake: it never had a batch
+    (failure,) = seen("task-failed", failed_id)
+    assert "batch" not in failure["exception"] and "image" in failure["exception"]
