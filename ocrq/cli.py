@@ -146,7 +146,7 @@ def worker(
     if settings.concurrency is not None:  # else the worker follows its batch cap (main.py)
         argv += ["--concurrency", str(settings.concurrency)]
     if supervise:  # a child interpreter per worker process, its options in its environment
-        raise typer.Exit(run_supervised(argv, _child_env(**given)))
+        raise typer.Exit(run_supervised(argv, _child_env(**given), settings))
     raise typer.Exit(run_worker(argv, settings))
 
 
@@ -312,6 +312,39 @@ def samples(
 
     for path in write_samples(folder):
         typer.echo(path)
+
+
+
+@app.command()
+def health(
+    live: Annotated[
+        bool, typer.Option("--live", help="Liveness (/healthz) instead of readiness (/readyz).")
+    ] = False,
+    url: Annotated[
+        str | None,
+        typer.Option(help="Worker monitor base URL; default http://127.0.0.1:OCRQ_METRICS_PORT."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the answer.")] = 5.0,
+) -> None:
+    """Probe a worker: exit 0 when ready (or live, with --live), 1 when not, 2 if unreachable.
+
+    For Docker HEALTHCHECK and exec probes, where no curl is installed."""
+    import httpx
+
+    if url is None:
+        port = _settings().metrics_port
+        if port is None:
+            err.print("OCRQ_METRICS_PORT is not set: the worker serves no health endpoints")
+            raise typer.Exit(2)
+        url = f"http://127.0.0.1:{port}"
+    path = "/healthz" if live else "/readyz"
+    try:
+        answer = httpx.get(url.rstrip("/") + path, timeout=timeout)
+    except httpx.HTTPError as exc:
+        err.print(f"{url}{path}: {type(exc).__name__}: {exc}")
+        raise typer.Exit(2) from None
+    typer.echo(answer.text.strip())
+    raise typer.Exit(0 if answer.status_code == 200 else 1)
 
 
 if __name__ == "__main__":

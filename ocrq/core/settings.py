@@ -92,8 +92,11 @@ class Settings(BaseSettings):
     max_fragmentation_gib: float | None = Field(default=None, gt=0, le=65_536)
     # ... for this many consecutive batches.
     recycle_patience: int = Field(default=3, ge=1, le=10_000)
-    # Prometheus metrics of the worker on this port when set (ocrq/worker/metrics.py `serve`).
+    # The worker's /metrics, /healthz and /readyz on this port when set (ocrq/worker/monitor.py),
+    # served by the supervisor (across recycles) or, with --no-supervise, the worker itself.
     metrics_port: int | None = Field(default=None, ge=1, le=65_535)
+    # Where they listen: all interfaces, so Prometheus and the kubelet reach a container.
+    metrics_address: str = "0.0.0.0"
 
     # Liveness (ocrq/worker/heartbeat.py). Each worker process refreshes its row in ocr_workers
     # every heartbeat_s; a worker silent for stalled_after_s is dead and its `running` jobs are

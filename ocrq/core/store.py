@@ -46,6 +46,9 @@ class Claim:
     run: bool
     row: dict[str, Any] | None = None
     error: str | None = None
+    # When the producer wrote the row (its enqueue time: the queue-wait metric); None when the
+    # claim created the row itself.
+    created_at: dt.datetime | None = None
 
 
 class JobStore:
@@ -125,7 +128,10 @@ class JobStore:
                     worker=worker,
                 )
             )
-        return Claim(run=True)
+        created = row["created_at"]
+        if created is not None and created.tzinfo is None:  # SQLite keeps no time zone
+            created = created.replace(tzinfo=dt.UTC)
+        return Claim(run=True, created_at=created)
 
     def finish(self, job_id: str, **fields: Any) -> bool:
         """Store a final status; never overwrites a done row. Returns whether a row changed."""

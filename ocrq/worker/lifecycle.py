@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -123,7 +125,10 @@ def run_celery(app: Celery, argv: Sequence[str]) -> int:
 
 
 def supervise(
-    child_argv: Sequence[str], env: Mapping[str, str], max_crash_backoff_s: float = 30.0
+    child_argv: Sequence[str],
+    env: Mapping[str, str],
+    settings: Settings | None = None,
+    max_crash_backoff_s: float = 30.0,
 ) -> int:
     """Start the worker as a child interpreter; start it again after a recycle or a crash.
 
@@ -131,9 +136,25 @@ def supervise(
     (the child reads its Settings from it once); this process's own environment is left alone.
     A recycle restarts at once; a crash restarts after a growing pause, so a worker that dies
     at start-up (a missing model, say) does not spin. SIGTERM/SIGINT stop child and supervisor.
+    With `settings.metrics_port`, this process serves the children's metrics and health there
+    (it outlives them: counters keep counting across recycles; see ocrq/worker/metrics.py).
     """
     stopping = threading.Event()
     child: subprocess.Popen[bytes] | None = None
+    multiproc: str | None = None
+    if settings is not None and settings.metrics_port is not None:
+        from ocrq.worker import monitor
+
+        multiproc = tempfile.mkdtemp(prefix="ocrq-metrics-")  # fresh: no stale files summed
+        env = {k: v for k, v in env.items() if k.upper() != "OCRQ_METRICS_PORT"}
+        env["PROMETHEUS_MULTIPROC_DIR"] = multiproc
+        registry = monitor.multiprocess_registry(multiproc)
+        alive = lambda: child is not None and child.poll() is None  # noqa: E731
+        monitor.serve(
+            monitor.Monitor(registry, settings, process_alive=alive),
+            settings.metrics_port,
+            settings.metrics_address,
+        )
 
     def forward(signum: int, _frame: object) -> None:
         stopping.set()
@@ -144,41 +165,52 @@ def supervise(
     signal.signal(signal.SIGINT, forward)
     backoff = 1.0
     recycles = 0
-    while True:
-        started = time.monotonic()
-        child = subprocess.Popen([sys.executable, "-m", "ocrq.worker.main", *child_argv],
-        env=dict(env))
-        print(
-            f"ocrq supervisor: started worker process pid {child.pid}", file=sys.stderr, flush=True
-        )
-        code = child.wait()
-        if stopping.is_set():
-            return 0 if code in (0, RECYCLE_EXIT_CODE, -signal.SIGTERM) else code
-        if code == STARTUP_FAILED_EXIT_CODE:
+    try:
+        while True:
+            started = time.monotonic()
+            child = subprocess.Popen(
+                [sys.executable, "-m", "ocrq.worker.main", *child_argv], env=dict(env)
+            )
             print(
-                "ocrq supervisor: worker cannot start (see above); not restarting",
+                f"ocrq supervisor: started worker process pid {child.pid}",
                 file=sys.stderr,
                 flush=True,
             )
-            return code
-        if code == RECYCLE_EXIT_CODE:
-            recycles += 1
+            code = child.wait()
+            if multiproc is not None:  # its gauges go; its counters and histograms stay
+                from prometheus_client import multiprocess
+
+                multiprocess.mark_process_dead(child.pid, multiproc)
+            if stopping.is_set():
+                return 0 if code in (0, RECYCLE_EXIT_CODE, -signal.SIGTERM) else code
+            if code == STARTUP_FAILED_EXIT_CODE:
+                print(
+                    "ocrq supervisor: worker cannot start (see above); not restarting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return code
+            if code == RECYCLE_EXIT_CODE:
+                recycles += 1
+                print(
+                    f"ocrq supervisor: worker recycled ({recycles} so far); starting a new one",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                backoff = 1.0
+                continue
+            # Any other exit that we did not ask for (a crash, an unrecoverable broker error, a
+            # remote shutdown) gets a new worker: a supervisor's job is to keep one running.
+            if time.monotonic() - started > 60:
+                backoff = 1.0
             print(
-                f"ocrq supervisor: worker recycled ({recycles} so far); starting a new one",
+                f"ocrq supervisor: worker exited with {code}; restarting in {backoff:.0f} s",
                 file=sys.stderr,
                 flush=True,
             )
-            backoff = 1.0
-            continue
-        # Any other exit that we did not ask for (a crash, an unrecoverable broker error, a
-        # remote shutdown) gets a new worker: a supervisor's job is to keep one running.
-        if time.monotonic() - started > 60:
-            backoff = 1.0
-        print(
-            f"ocrq supervisor: worker exited with {code}; restarting in {backoff:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-        if stopping.wait(backoff):
-            return code
-        backoff = min(backoff * 2, max_crash_backoff_s)
+            if stopping.wait(backoff):
+                return code
+            backoff = min(backoff * 2, max_crash_backoff_s)
+    finally:
+        if multiproc is not None:
+            shutil.rmtree(multiproc, ignore_errors=True)

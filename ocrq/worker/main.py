@@ -10,15 +10,20 @@ once, from the environment the supervisor built for it (or handed in by `ocrq wo
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 from collections.abc import Sequence
 
 from ocrq.core.settings import Settings
-from ocrq.worker import lifecycle, runtime
+from ocrq.worker import lifecycle, metrics, runtime
 
 
 def run(argv: Sequence[str], settings: Settings) -> int:
     """Checks, then the Celery worker with these settings; the process's exit code."""
+    metrics.STARTED_AT.set(time.time())
+    if settings.metrics_port is not None:  # --no-supervise (a supervisor serves its children)
+        serve_own_metrics(settings)
     refused = lifecycle.preflight(settings)
     if refused is not None:
         return refused
@@ -37,6 +42,21 @@ def run(argv: Sequence[str], settings: Settings) -> int:
     from ocrq.worker.celery_app import make_app  # after the checks: nothing is consumed before them
 
     return lifecycle.run_celery(make_app(settings), argv)
+
+
+def serve_own_metrics(settings: Settings) -> None:
+    """/metrics, /healthz, /readyz of this process, from its start (probes then say
+    "starting"), on the port a supervisor would otherwise serve them on."""
+    from prometheus_client import REGISTRY
+
+    from ocrq.worker import monitor
+
+    multiproc = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    registry = monitor.multiprocess_registry(multiproc) if multiproc else REGISTRY
+    assert settings.metrics_port is not None
+    monitor.serve(
+        monitor.Monitor(registry, settings), settings.metrics_port, settings.metrics_address
+    )
 
 
 def main(argv: Sequence[str]) -> int:

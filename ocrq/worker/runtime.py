@@ -118,7 +118,13 @@ def build_runtime(
     if on_recycle is not None:
         fragmentation = memory_of(engine).fragmentation_bytes
         recycler = Recycler(recycle_policy(settings), on_recycle, fragmentation=fragmentation)
-    hooks: list[Callable[[BatchRecord], None]] = [_log_batch, _count_batch]
+    fixed = choice.model.fixed_bytes
+    metrics.CONFIGURED_BUDGET_BYTES.set(config.budget_bytes)
+    metrics.BUDGET_BYTES.set(config.budget_bytes)
+    hooks: list[Callable[[BatchRecord], None]] = [
+        _log_batch,
+        lambda record: _count_batch(record, fixed),
+    ]
     if recycler is not None:
         hooks.append(recycler.after_batch)
 
@@ -155,12 +161,16 @@ def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
     ).start()
 
 
-def _count_batch(record: BatchRecord) -> None:
+def _count_batch(record: BatchRecord, fixed_bytes: int) -> None:
     metrics.BATCHES.inc()
     metrics.BATCH_SIZE.observe(record.size)
     metrics.BATCH_SECONDS.observe(record.ended - record.started)
     metrics.DEFERRED.set(record.deferred)
     metrics.BUDGET_BYTES.set(record.budget_bytes)
+    metrics.PLANNED_PEAK_BYTES.set(fixed_bytes + record.predicted_bytes)
+    if record.measured_peak_bytes is not None:
+        metrics.MEASURED_PEAK_BYTES.set(record.measured_peak_bytes)
+    metrics.sample_gpu_memory()
 
 
 def _log_batch(record: BatchRecord) -> None:
