@@ -30,6 +30,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +43,8 @@ from pathlib import Path
 from statistics import mean, median
 from typing import Any
 
+# As the worker sets it (ocrq/worker/main.py), for the engine alone in this process.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -98,12 +101,12 @@ def draw_a4(path: Path, lines: list[str]) -> None:
     image = Image.new("RGB", A4, "white")
     draw = ImageDraw.Draw(image)
     try:
-        font = ImageFont.load_default(size=16)
+        font = ImageFont.load_default(size=14)
     except TypeError:  # Pillow < 10.1
         font = ImageFont.load_default()
     y = 60
     for line in lines:
-        draw.text((70, y), line[:120], fill="black", font=font)
+        draw.text((40, y), line[:120], fill="black", font=font)
         y += 20
         if y > A4[1] - 60:
             break
@@ -134,12 +137,15 @@ def build_workload(
     for k in range(min(60, max(1, int(n_jobs * a4_share)))):
         # Lengths around MinerU2.5's ~1,100 tokens a page: lognormal, median 1,000.
         target = int(min(cap - 1, max(150, rng.lognormvariate(math.log(1000), 0.45))))
-        start = rng.randrange(len(corpus))
+        at = rng.randrange(len(corpus))
         lines, tokens = [], 0
         while tokens < target and len(lines) < 80:
-            line = corpus[(start + len(lines)) % len(corpus)]
-            lines.append(line)
-            tokens += approx_tokens(line) + 1
+            line = ""
+            while len(line) < 100:  # a full-width line of a dense page
+                line = f"{line} {corpus[at % len(corpus)]}".strip()
+                at += 1
+            lines.append(line[:120])
+            tokens += approx_tokens(line[:120]) + 1
         path = pages_dir / f"a4-{k:03d}.png"
         if not path.exists():
             draw_a4(path, lines)
@@ -414,6 +420,7 @@ def service(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
     rows = _rows(db)
+    shutil.copy(log, args.out / log.name)
     out = rates(jobs, {k: v for k, v in finish.items()}, started, sampler)
     wall = max(finish.values()) - started if finish else 0.0
     out.update(
@@ -500,7 +507,9 @@ def _exactly_once(rows: list[dict[str, Any]], jobs: list[Job], broker: str) -> d
         "lost": len({j.job_id for j in jobs} - {i for i, x in zip(ids, rows, strict=True)
                                                   if x["status"] == "done"}),
         "attempts_over_1": sum((x["attempts"] or 0) > 1 for x in rows),
-        "truncated": sum(x["truncated"] is not None for x in rows),
+        "truncated": {
+            why: sum(x["truncated"] == why for x in rows) for why in ("max_tokens", "repetition")
+        },
         "queue_left": int(r.llen("ocr")),
         "unacked_left": int(r.hlen("unacked")),
         "first_errors": [x["error"] for x in rows if x["error"]][:3],

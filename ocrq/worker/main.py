@@ -24,6 +24,11 @@ def run(argv: Sequence[str], settings: Settings) -> int:
     metrics.STARTED_AT.set(time.time())
     if settings.metrics_port is not None:  # --no-supervise (a supervisor serves its children)
         serve_own_metrics(settings)
+    # Batches of varying shapes fragment PyTorch's caching allocator: on an H200 a worker held
+    # 32.8 GiB reserved but unallocated beside 104.7 GiB of tensors and hit an out-of-memory
+    # error at a planned 105.9 GiB (bench/results/service_gpu_h200_run1.md). Expandable
+    # segments let freed blocks grow into one another. A value the user set is kept.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     refused = lifecycle.preflight(settings)
     if refused is not None:
         return refused

@@ -237,6 +237,8 @@ class HunyuanDecoder:
 
         assert state.stopped is not None
         newly = finder(state.out[:, :n]) & ~state.finished
+        if state.eos_at is not None:  # bench only: a scripted row's length is the bench's call
+            newly &= state.eos_at >= state.out.shape[1]
         state.stopped.copy_(torch.where(newly, n, state.stopped))
         state.finished |= newly
 
