@@ -186,7 +186,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
         SHA-256 and sent as path jobs. 202 when recorded now, 200 for a retry of a job
         already recorded."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind == "application/json":
+        if kind in ("", "application/json") or kind.endswith("+json"):  # as FastAPI
             try:
                 data = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
