@@ -6,7 +6,8 @@ records it. NULL: the engine's per-task default, as before. A nullable column wi
 rewrites no row.
 
 ix_ocr_jobs_created_at: `GET /jobs` and `ocrq jobs` page through jobs by (created_at, id),
-newest first; without it each page sorts the whole table.
+newest first; without it each page sorts the whole table. Built CONCURRENTLY on PostgreSQL (out
+of the migration's transaction), so producers and workers keep writing while it builds.
 
 Revision ID: 0005
 Revises: 0004
@@ -26,7 +27,13 @@ depends_on = None
 
 def upgrade() -> None:
     op.add_column("ocr_jobs", sa.Column("max_pixels", sa.Integer, nullable=True))
-    op.create_index("ix_ocr_jobs_created_at", "ocr_jobs", ["created_at", "id"])
+    with op.get_context().autocommit_block():
+        op.create_index(
+            "ix_ocr_jobs_created_at",
+            "ocr_jobs",
+            ["created_at", "id"],
+            postgresql_concurrently=True,
+        )
 
 
 def downgrade() -> None:
