@@ -113,6 +113,17 @@ class Settings(BaseSettings):
     api_allow_no_auth: bool = False
     # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
     api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
+    # Where the api stores uploaded images (multipart, raw bodies, inline b64), one file per
+    # content hash; the same folder, at the same path, must be mounted on every worker, which
+    # reads it as one more allowed root. None: uploads get 503, b64 travels inline.
+    upload_dir: Path | None = None
+    # /docs, /redoc and /openapi.json (assets served from the fastapi-offline wheel, no CDN):
+    # "token" behind the bearer token like every path, "public" without it, "off" not served.
+    api_docs: Literal["token", "public", "off"] = "token"
+    # Longest a long-poll (GET /jobs/{id}?wait=S, POST /jobs/lookup with wait) is held open.
+    api_max_wait_s: float = Field(default=60.0, ge=0, le=3600)
+    # Most jobs in one batch submit or bulk lookup, and rows in one page of GET /jobs.
+    api_max_batch: int = Field(default=1000, ge=1, le=100_000)
 
     # Poison messages and stuck jobs (issue 16).
     # Claims of a job whose previous attempt never finished (its worker died under it) allowed
@@ -211,8 +222,11 @@ class Settings(BaseSettings):
         return value
 
     def roots(self) -> list[Path]:
-        """Resolved allowed roots; `/` only when none are set and allow_any_path says so."""
-        roots = self.allowed_roots or ([Path("/")] if self.allow_any_path else [])
+        """Resolved allowed roots; `/` only when none are set and allow_any_path says so. The
+        api's upload folder is always one of them: workers read what the api stored there."""
+        roots = list(self.allowed_roots) or ([Path("/")] if self.allow_any_path else [])
+        if self.upload_dir is not None:
+            roots.append(self.upload_dir)
         return [p.expanduser().resolve() for p in roots]
 
     def require_safe_roots(self) -> None:
@@ -223,7 +237,7 @@ class Settings(BaseSettings):
         """
         if self.allow_any_path:
             return
-        if not self.allowed_roots:
+        if not self.allowed_roots and self.upload_dir is None:
             raise ValueError(
                 "OCRQ_ALLOWED_ROOTS is not set: set it to the folders that path images may be "
                 f"read from ({os.pathsep!r}-separated), or OCRQ_ALLOW_ANY_PATH=true to allow any"
