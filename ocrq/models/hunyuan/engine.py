@@ -260,7 +260,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
         return self.preprocess_row(item)
 
     def prepare(self, item: PreparedImage) -> None:
-        """Preprocess in the prefetch thread; `run` then skips the processor for this item.
+        """Preprocess in the prefetch thread; `run` then skips preprocessing for this item.
         The image is first shrunk to its resolution preset, so a 300 dpi page waits in memory
         at the size the model will see."""
         item.image = fit_to_cap(item.image, self.geometry, self.pixel_cap(item))
