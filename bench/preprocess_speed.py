@@ -237,7 +237,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (pinned staging, GPU feeder)")
     ap.add_argument("--threads", type=int, default=cores(), help="N (default: usable cores)")
-    ap.add_argument("--seconds", type=float, default=0.6, help="per measurement")
+    ap.add_argument("--seconds", type=float, default=0.5, help="per measurement")
     ap.add_argument("--pages", nargs="*", default=list(PAGES), choices=list(PAGES))
     ap.add_argument("--out", type=Path, default=None, help="folder for the .json and .md")
     ap.add_argument("--name", default=None, help="result file stem")
