@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 DecodeMode = Literal["fast", "generate"]
 # The fast loop's decode attention: Triton on CUDA when installed ("auto"), or forced.
 DecodeAttention = Literal["auto", "triton", "torch"]
+PreprocessMode = Literal["tensor", "processor"]
 
 
 class Settings(BaseSettings):
@@ -153,6 +154,9 @@ class Settings(BaseSettings):
     decode: DecodeMode = "fast"
     # The fast loop's decode attention; "torch" also turns the fused norm/RoPE kernels off.
     decode_attention: DecodeAttention = "auto"
+    # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
+    # output, GIL released) or "processor" (transformers' processor, for comparison).
+    preprocess: PreprocessMode = "tensor"
 
     @model_validator(mode="after")
     def _liveness_margin(self) -> Settings:

@@ -150,12 +150,16 @@ class HunyuanEngine(HunyuanMemory, Engine):
             pin=self._cuda(),
             prompt_for=self.prompt_for,
             cap_of=self.pixel_cap,
+            mode=self.settings.preprocess,
         )
+        if self.preprocess_row.spans is not None:  # a tokenizer the tensor path cannot splice
+            for prompt in self.version.prompts.values():  # shows at start-up, not per job
+                self.preprocess_row.spans.pieces(self.templates(prompt)[0])
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
         self.scripted = scripted_lengths(ckpt.path)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, "
-            "repetition penalty %s, max %d pixels) in %.1f s",
+            "repetition penalty %s, max %d pixels, %s preprocessing) in %.1f s",
             self.version.name,
             ckpt.path,
             ckpt.device,
@@ -163,6 +167,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
             self.settings.attention,
             self.repetition_penalty,
             self.geometry.max_pixels,
+            self.settings.preprocess,
             time.perf_counter() - started,
         )
 
@@ -257,8 +262,8 @@ class HunyuanEngine(HunyuanMemory, Engine):
     # -- running -----------------------------------------------------------------------------
 
     def preprocess(self, item: PreparedImage) -> EncodedImage:
-        """Run the processor on one image (CPU only; safe to call from a prefetch thread once
-        the engine is loaded)."""
+        """Make one image's row (CPU only; safe to call from a prefetch thread once the engine
+        is loaded): by ocrq's tensor ops or transformers' processor (OCRQ_PREPROCESS)."""
         if self.preprocess_row is None:
             raise RuntimeError("HunyuanEngine.load() must run before preprocess()")
         row = self.preprocess_row(item)
@@ -266,7 +271,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
         return row
 
     def prepare(self, item: PreparedImage) -> None:
-        """Preprocess in the prefetch thread; `run` then skips the processor for this item.
+        """Preprocess in the prefetch thread; `run` then skips preprocessing for this item.
         The image is first shrunk to its resolution preset, so a 300 dpi page waits in memory
         at the size the model will see."""
         item.image = fit_to_cap(item.image, self.geometry, self.pixel_cap(item))
