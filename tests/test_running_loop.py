@@ -12,7 +12,6 @@ for all of them at once.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -155,7 +154,6 @@ def test_per_row_cap_comes_from_the_item(engine: HunyuanEngine) -> None:
 
 def test_engine_streams_rows_through_submit_and_poll(engine: HunyuanEngine) -> None:
     from ocrq.models.base import OcrResult
-
     from ocrq.models.costs import CostModel
 
     per_token = engine.cost_model().per_cache_token_bytes  # the tiny model's KV per token

@@ -75,7 +75,7 @@ def test_admission_keeps_the_running_set_within_the_pool_and_slots(
         assert len({s for s, _, _ in live.values()}) == len(live)
         spans = sorted((start, start + cap) for _, start, cap in live.values())
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
-        assert all(0 <= s and e <= pool.size for s, e in spans)
+        assert all(s >= 0 and e <= pool.size for s, e in spans)
         if was_empty and had_waiting:  # an empty loop always takes the oldest row
             assert placed
     assert admitted_order == arrived_order[: len(admitted_order)]

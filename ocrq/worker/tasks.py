@@ -28,12 +28,22 @@ class JobFailed(Exception):
     throws=(JobFailed,),
 )
 def recognize(
-    self: Task, image: Any = None, task: str = "text", job_id: str | None = None, **_: Any
+    self: Task,
+    image: Any = None,
+    task: str = "text",
+    job_id: str | None = None,
+    max_pixels: Any = None,
+    max_new_tokens: Any = None,
+    **_: Any,
 ) -> dict[str, Any]:
     try:
         kwargs = {"image": image, "task": task}
         if job_id is not None:
             kwargs["job_id"] = job_id
+        if max_pixels is not None:
+            kwargs["max_pixels"] = max_pixels
+        if max_new_tokens is not None:
+            kwargs["max_new_tokens"] = max_new_tokens
         request = JobRequest.model_validate(kwargs)
     except ValidationError as exc:
         message = storable_text(
