@@ -9,6 +9,8 @@ oldest waiting row is admitted (nothing starves). `RunningBudget` never plans pa
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,7 +76,7 @@ def test_admission_keeps_the_running_set_within_the_pool_and_slots(
         assert len(live) <= slots
         assert len({s for s, _, _ in live.values()}) == len(live)
         spans = sorted((start, start + cap) for _, start, cap in live.values())
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
         assert all(s >= 0 and e <= pool.size for s, e in spans)
         if was_empty and had_waiting:  # an empty loop always takes the oldest row
             assert placed
