@@ -73,7 +73,7 @@ from ocrq.models.hunyuan.versions import (
     RepetitionGuard,
     version_of_checkpoint,
 )
-from ocrq.models.slots import RunningBudget
+from ocrq.models.slots import RunningBudget, capacity_of
 
 log = logging.getLogger(__name__)
 
@@ -411,6 +411,15 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             # The torch attention also keeps a key mask per slot: a byte per slot and pool token.
             per_token = model.per_cache_token_bytes + s.max_batch
             budget = replace(budget, pool_tokens=int(budget.pool_bytes // per_token) // 16 * 16)
+        # No more than every slot could hold at once (a host's memory as budget is far more).
+        most = budget.slots * capacity_of(s.prefill_tokens, s.max_new_tokens)
+        if budget.pool_tokens > most:
+            budget = replace(
+                budget,
+                pool_tokens=most,
+                pool_bytes=int(most * (model.per_cache_token_bytes + (
+                    0 if self._decoder.attention == "triton" else s.max_batch))),
+            )
         self.loop = None
         self.release_memory()
         self.loop = RunningLoop(self._decoder, self.tokens, self.loop_config(budget))
