@@ -419,6 +419,12 @@ def tune(
     assert outcome.report.fit is not None
     Console(width=140).print(table(outcome.report, f"ocrq tune: {settings.engine}"))
     typer.echo(fit_summary(outcome.report.fit))
+    if outcome.running:
+        r = outcome.running
+        typer.echo(
+            f"running loop at this budget: {r['slots']} slots, a KV pool of {r['pool_tokens']} "
+            f"tokens, prefill passes of {r['prefill_tokens']} tokens"
+        )
     typer.echo(f"profile: {outcome.profile}")
     typer.echo(f"plot: {outcome.plot}")
 

@@ -351,6 +351,11 @@ def test_tune_tiny_hunyuan_writes_a_profile_the_worker_loads(
     assert statuses.count("ok") >= 4
     assert any(p["label"].startswith("mixed") and p["status"] == "ok" for p in body["probes"])
     assert Path(body["plot"]).is_file()
+    # What the running loop gets at the tuned budget, from the fitted model.
+    loop = body["running_loop"]
+    assert loop["pool_tokens"] > 0 and loop["slots"] == 8
+    assert loop["pool_bytes"] + loop["prefill_bytes"] <= body["budget_bytes"]
+    assert f"a KV pool of {loop['pool_tokens']} tokens" in proc.stdout
 
     # The same key from an engine loaded in this process: the worker finds the profile.
     runtime = build_runtime(tiny_settings(profile_dir=profiles), store=sqlite_store(tmp_path))

@@ -128,6 +128,9 @@ class JobRequest(BaseModel):
     job_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
     # Optional: fewer pixels than the engine's per-task default (or more, up to the model's).
     max_pixels: Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])] = None
+    # Optional: the job's own cap on new tokens, within the worker's OCRQ_MAX_NEW_TOKENS (a word
+    # crop needs few; the running loop frees its slot when it is reached).
+    max_new_tokens: Annotated[int | None, Field(ge=1, le=131_072)] = None
 
     @field_validator("job_id", mode="before")
     @classmethod

@@ -20,6 +20,12 @@ DecodeMode = Literal["fast", "generate"]
 # The fast loop's decode attention: Triton on CUDA when installed ("auto"), or forced.
 DecodeAttention = Literal["auto", "triton", "torch"]
 PreprocessMode = Literal["tensor", "processor"]
+# How rows share the device: whole batches run to their longest row ("static"), or the running
+# loop, where finished rows leave at once and waiting ones take their slots ("continuous",
+# ocrq/models/hunyuan/running.py).
+Scheduler = Literal["static", "continuous"]
+# When the running loop prefills waiting rows (ocrq/models/hunyuan/running.py says how each goes).
+PrefillSchedule = Literal["alternate", "chunked"]
 
 
 class Settings(BaseSettings):
@@ -157,6 +163,14 @@ class Settings(BaseSettings):
     # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
     # output, GIL released) or "processor" (transformers' processor, for comparison).
     preprocess: PreprocessMode = "tensor"
+    # Static batches or the running loop (continuous batching; the fast loop only).
+    scheduler: Scheduler = "continuous"
+    # The running loop: when it prefills ("alternate": one big pass once a quarter of the slots
+    # are free; "chunked": a chunk before every decode step), and how many padded prompt tokens
+    # a pass / a chunk holds (their activations are reserved in the memory budget).
+    prefill_schedule: PrefillSchedule = "chunked"
+    prefill_tokens: int = Field(default=16384, ge=256, le=1_048_576)
+    prefill_chunk_tokens: int = Field(default=4096, ge=256, le=1_048_576)
 
     @model_validator(mode="after")
     def _liveness_margin(self) -> Settings:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from ocrq.models.costs import CostModel, ItemCost
+from ocrq.models.slots import RunningBudget
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class PreparedImage:
     prompt: str = ""  # the job's free prompt, for "custom"; engines hold the named tasks' own
     # The job's own cap on the pixels the model sees (None: the engine's per-task default).
     max_pixels: int | None = None
+    # The row's own cap on new tokens, at most the engine's (None: the engine's): a generating
+    # engine ends the row there as at an end of sequence. Benches draw it per row.
+    max_new_tokens: int | None = None
     # Engine-private inputs made by `Engine.prepare` in a prefetch thread (a VLM's processor
     # output, say); cleared whenever the image changes, so `run` redoes what is missing.
     encoded: object | None = None
@@ -156,22 +160,26 @@ class StreamingEngine(EngineCore):
     Why a second kind: with continuous batching (vLLM, or a loop that refills the slots of
     finished rows) the engine decides step by step which rows run, and a synchronous
     `run(batch)` would make every batch wait for its longest row. The batcher drives it with the
-    same planner and a different loop (not built yet; `ocrq/worker/batcher.py` drives `Engine`):
+    same planner and a different loop (ocrq/worker/streaming.py):
 
-    * the planner still decides which waiting images go next and downscales those too big;
-      the budget it plans against is the engine's budget minus the predicted bytes of the rows
-      in flight, which the batcher tracks from their `estimate`s;
-    * `submit(rows)` hands planned rows over and returns at once; the engine queues and
-      schedules them itself (vLLM: one request per row);
-    * `poll(timeout_s)` returns the rows finished since the last call, each exactly once and in
-      any order, waiting at most `timeout_s` for the first; the batcher resolves their futures
-      and gives their bytes back to the budget.
+    * `open(budget_bytes, model)` sizes the loop once from the memory budget (above the cost
+      model's fixed part) and says what it holds (`RunningBudget`: slots, KV pool tokens, the
+      prefill pass); the batcher keeps the rows it has handed over within that;
+    * the planner still decides which waiting images go next and downscales those too big for
+      the loop alone;
+    * `submit(rows)` hands planned rows over and returns at once; the engine queues them and
+      admits them oldest first as slots and KV room free up;
+    * `poll(timeout_s)` runs the loop (in the batcher's thread: one thread owns the device) and
+      returns the rows finished since the last call, each exactly once, waiting at most
+      `timeout_s` for the first; the batcher resolves their futures at once.
 
-    Memory inside the loop is the engine's business (vLLM preallocates its KV cache and preempts
-    rows itself): an out-of-memory error surfaces as the failed rows' exceptions, never from
-    `submit`. `close` stops the loop; rows still in flight come back from a last `poll` as
-    failures, so no future is left waiting.
+    An out-of-memory error raised by `poll` concerns the loop: the batcher calls `reset`, which
+    returns the rows in flight (their futures still waiting), and opens it again smaller.
     """
+
+    @abstractmethod
+    def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
+        """Size and start the loop within `budget_bytes` above `model.fixed_bytes`."""
 
     @abstractmethod
     def submit(self, rows: Sequence[PreparedImage]) -> None:
@@ -180,3 +188,11 @@ class StreamingEngine(EngineCore):
     @abstractmethod
     def poll(self, timeout_s: float) -> list[Finished]:
         """Rows finished since the last call (possibly none after `timeout_s`)."""
+
+    def reset(self) -> list[str]:
+        """Drop every row in flight (after an error) and free the loop; their keys."""
+        return []
+
+    def streams(self) -> bool:
+        """Whether this engine, as configured, runs its rows in the running loop."""
+        return True

@@ -29,6 +29,7 @@ from ocrq.models.base import Engine, PreparedImage
 from ocrq.worker import images, metrics
 from ocrq.worker.batcher import Batcher
 from ocrq.worker.envelope import safe_text
+from ocrq.worker.streaming import StreamingBatcher
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class JobRunner:
         self,
         settings: Settings,
         engine: Engine,
-        batcher: Batcher,
+        batcher: Batcher | StreamingBatcher,
         store: JobStore,
         worker_name: str,
         prefetch_images: int = 64,
@@ -195,6 +196,7 @@ class JobRunner:
                     task=task,
                     prompt=request.prompt,
                     max_pixels=request.max_pixels,
+                    max_new_tokens=request.max_new_tokens,
                 )
                 with metrics.stage_timer("preprocess"):
                     self.engine.prepare(item)  # CPU preprocessing, here in the prefetch thread

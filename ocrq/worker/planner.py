@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ocrq.models.costs import CostModel, GiB, ItemCost
+from ocrq.models.slots import RunningBudget, capacity_of
 
 # The cost of item `key` downscaled to at most `pixels` pixels (aspect ratio kept).
 EstimateAt = Callable[[str, int], ItemCost]
@@ -133,14 +134,17 @@ def shrink_to_fit(
     model: CostModel,
     estimate_at: EstimateAt | None,
     rule: ShrinkRule = ShrinkRule(),
+    alone: Callable[[ItemCost], int] | None = None,
 ) -> Downscale | Refusal:
     """Halve the item's pixels until the model says it fits `limit_bytes` alone.
 
     Always shrinks at least once (callers ask only when the present size does not fit). Stops
     with a refusal at `rule.min_pixels`, after `rule.max_steps` halvings, or as soon as a
     smaller size costs no less (an engine that upscales small images: shrinking cannot help).
+    `alone` is what one item needs (default: the model's bytes of a batch of it alone).
     """
-    before = model.batch_bytes([item.cost])
+    need_of = alone or (lambda c: model.batch_bytes([c]))
+    before = need_of(item.cost)
     limit = f"the budget {limit_bytes / GiB:.2f} GiB"
     if estimate_at is None or item.pixels <= 0:
         return Refusal(item.key, f"image needs {before / GiB:.2f} GiB alone, over {limit}")
@@ -153,7 +157,7 @@ def shrink_to_fit(
             cost = estimate_at(item.key, pixels)
         except Exception as exc:  # the engine refuses the smaller image (too thin, say)
             return Refusal(item.key, f"image cannot be downscaled to fit {limit}: {exc}")
-        need = model.batch_bytes([cost])
+        need = need_of(cost)
         if need <= limit_bytes:
             return Downscale(item.key, pixels, cost)
         if need >= before:
@@ -188,3 +192,52 @@ def after_oom(
         mid = len(keys) // 2
         return Recovery(halves=(keys[:mid], keys[mid:]))
     return Recovery(retry=shrink_to_fit(failed[0], retry_bytes, model, estimate_at, rule))
+
+
+def plan_running(
+    waiting: Sequence[Waiting],
+    held_tokens: int,
+    loop: RunningBudget,
+    estimate_at: EstimateAt | None = None,
+    rule: ShrinkRule = ShrinkRule(),
+) -> Plan:
+    """Which waiting items to hand to a running loop (continuous batching) now.
+
+    The loop holds `loop.pool_tokens` of KV: each row its prompt and new tokens
+    (ocrq/models/slots.py `capacity_of`), `held_tokens` of them taken by rows already handed
+    over. Oldest first, stopping at the first that does not fit (a younger row never passes an
+    older one, so a long row cannot be starved by short ones); a leader that could never fit
+    the loop alone is downscaled or refused as `plan` does. `predicted_bytes` is the KV the
+    rows taken add.
+    """
+    if not waiting:
+        return Plan((), 0, loop.pool_bytes, ())
+    by_age = sorted(waiting, key=lambda w: w.seq)
+    leader = by_age[0]
+    share = loop.bytes
+
+    def alone(cost: ItemCost) -> int:
+        return int(loop.need(cost, cost.new_tokens) * share)
+
+    if not loop.fits_alone(leader.cost, leader.cost.new_tokens):
+        rest = tuple(w.key for w in by_age[1:])
+        model = CostModel(0)
+        fate = shrink_to_fit(leader, share, model, estimate_at, rule, alone=alone)
+        if isinstance(fate, Downscale):
+            return Plan((), 0, loop.pool_bytes, rest, downscale=(fate,))
+        return Plan((), 0, loop.pool_bytes, rest, refused=(fate,))
+    taken: list[str] = []
+    tokens = held_tokens
+    for w in by_age:
+        need = capacity_of(w.cost.prompt_tokens, w.cost.new_tokens)
+        if tokens + need > loop.pool_tokens or not loop.fits_alone(w.cost, w.cost.new_tokens):
+            break
+        taken.append(w.key)
+        tokens += need
+    per_token = loop.pool_bytes / max(loop.pool_tokens, 1)
+    return Plan(
+        keys=tuple(taken),
+        predicted_bytes=int((tokens - held_tokens) * per_token),
+        budget_bytes=loop.pool_bytes,
+        deferred=tuple(w.key for w in by_age[len(taken) :]),
+    )

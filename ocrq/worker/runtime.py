@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ocrq.core.db import get_engine
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
-from ocrq.models.base import Engine
+from ocrq.models.base import Engine, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.registry import create_engine
@@ -24,6 +24,7 @@ from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
 from ocrq.worker.profiles import choose_cost_model
 from ocrq.worker.recycle import RecyclePolicy, Recycler
+from ocrq.worker.streaming import StreamingBatcher
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 class Runtime:
     settings: Settings
     engine: Engine
-    batcher: Batcher
+    batcher: Batcher | StreamingBatcher
     runner: JobRunner
     recycler: Recycler | None = None
     heartbeat: Heartbeat | None = None
@@ -132,7 +133,12 @@ def build_runtime(
         for hook in hooks:
             hook(record)
 
-    batcher = Batcher(engine, config, on_batch=on_batch, cost_model=choice.model).start()
+    batcher: Batcher | StreamingBatcher
+    if isinstance(engine, StreamingEngine) and engine.streams():
+        # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
+        batcher = StreamingBatcher(engine, config, on_batch, choice.model).start()
+    else:
+        batcher = Batcher(engine, config, on_batch=on_batch, cost_model=choice.model).start()
     store = store or JobStore(get_engine(settings.database_url))
     name = worker_name or unique_worker_name(settings.engine)
     prefetch = settings.prefetch_images or 2 * config.max_items

@@ -34,7 +34,13 @@ class RecognizeTask(Task):  # type: ignore[misc]
     throws=(JobFailed,),
 )
 def recognize(
-    self: Task, image: Any = None, task: str = "text", job_id: str | None = None, **_: Any
+    self: Task,
+    image: Any = None,
+    task: str = "text",
+    job_id: str | None = None,
+    max_pixels: Any = None,
+    max_new_tokens: Any = None,
+    **_: Any,
 ) -> dict[str, Any]:
     try:
         return _recognize(image, task, job_id)
@@ -47,6 +53,10 @@ def _recognize(image: Any, task: str, job_id: str | None) -> dict[str, Any]:
         kwargs = {"image": image, "task": task}
         if job_id is not None:
             kwargs["job_id"] = job_id
+        if max_pixels is not None:
+            kwargs["max_pixels"] = max_pixels
+        if max_new_tokens is not None:
+            kwargs["max_new_tokens"] = max_new_tokens
         request = JobRequest.model_validate(kwargs)
     except ValidationError as exc:
         message = storable_text(

@@ -106,12 +106,36 @@ def plot(report: TuneReport, path: Path, title: str) -> Path:
     return path
 
 
+def running_loop(report: TuneReport, engine: Engine) -> dict[str, Any] | None:
+    """What the fitted model gives the running loop (continuous batching) at the tuned budget:
+    slots, KV pool tokens, the prefill reserve (ocrq/models/slots.py); None for an engine
+    without one or a budget that leaves no pool."""
+    from ocrq.models.base import StreamingEngine
+    from ocrq.models.slots import RunningBudget
+
+    if report.fit is None or not isinstance(engine, StreamingEngine) or not engine.streams():
+        return None
+    settings = getattr(engine, "settings", None)
+    model = report.fit.model
+    try:
+        planned = RunningBudget.plan(
+            model,
+            report.budget_bytes - model.fixed_bytes,
+            slots=getattr(settings, "max_batch", 32),
+            prefill_tokens=getattr(settings, "prefill_tokens", 16384),
+        )
+    except ValueError:
+        return None
+    return asdict(planned)
+
+
 @dataclass(frozen=True)
 class TuneOutcome:
     report: TuneReport
     key: dict[str, str]
     profile: Path
     plot: Path
+    running: dict[str, Any] | None = None  # the running loop at this budget (`running_loop`)
 
 
 def save(report: TuneReport, engine: Engine, profile_dir: Path) -> TuneOutcome:
@@ -130,7 +154,9 @@ def save(report: TuneReport, engine: Engine, profile_dir: Path) -> TuneOutcome:
         row["fit_bytes"] = predicted_peak(report, p)
         row["images_per_s"] = p.images_per_s
         probes.append(row)
+    running = running_loop(report, engine)
     extra = {
+        "running_loop": running,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "budget_bytes": report.budget_bytes,
         "baseline_bytes": report.baseline_bytes,
@@ -145,7 +171,7 @@ def save(report: TuneReport, engine: Engine, profile_dir: Path) -> TuneOutcome:
         "probes": probes,
     }
     path = write_profile(profile_dir, key, report.fit.model, extra)
-    return TuneOutcome(report, key, path, png)
+    return TuneOutcome(report, key, path, png, running)
 
 
 def tune(

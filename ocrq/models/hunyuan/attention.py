@@ -78,7 +78,7 @@ def _kernels() -> tuple[Any, Any]:
     def split_kernel(
         Q, K, V, Start, End, Acc, Mx, Sm, Out,
         s_qb, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-        s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
+        s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, s_eb,
         scale, split_len,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, SINGLE: tl.constexpr,
@@ -87,7 +87,7 @@ def _kernels() -> tuple[Any, Any]:
         kvh = tl.program_id(1)
         s = tl.program_id(2)
         start = tl.load(Start + b)
-        end = tl.load(End)
+        end = tl.load(End + b * s_eb)
         lo = tl.maximum(start, s * split_len)
         hi = tl.minimum(end, (s + 1) * split_len)
         offs_g = tl.arange(0, GP)
@@ -167,7 +167,9 @@ class TritonDecodeAttention:
     """Split-K decode attention for one batch shape: buffers sized once, so it can be graphed.
 
     `start` (B,) int32: first key of each row (left padding skipped); `end` (1,) int32: one past
-    the last key written, the same for every row since rows advance in lockstep.
+    the last key written, the same for every row since rows advance in lockstep; or `end` (B,):
+    each row's own (the running loop, whose rows live at their own offsets of one KV pool that
+    is passed expanded over the rows with batch stride 0).
     """
 
     def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, cache_len: int,
@@ -215,6 +217,7 @@ class TritonDecodeAttention:
             v.stride(0), v.stride(1), v.stride(2),
             self.acc.stride(0), self.acc.stride(1), self.acc.stride(2),
             self.mx.stride(0), self.mx.stride(1), out.stride(0), out.stride(1),
+            end.stride(0) if end.numel() > 1 else 0,
             scale, self.split_len,
             G=self.group, GP=self.group_pad, D=self.head_dim, BLOCK_N=c.block_n,
             UPCAST=q.dtype == torch.float32, SINGLE=single,

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ocrq.core.settings import Settings
-from ocrq.models.base import Engine, OcrResult, PreparedImage
+from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.checkpoint import (
     check_settings,
@@ -65,6 +65,7 @@ from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.patches import batch_vision_attention, isolate_rows
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
 from ocrq.models.hunyuan.resolution import pixel_cap
+from ocrq.models.hunyuan.running import Done, LoopConfig, LoopRow, RunningLoop
 from ocrq.models.hunyuan.scripted import scripted_lengths
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import (
@@ -73,11 +74,12 @@ from ocrq.models.hunyuan.versions import (
     RepetitionGuard,
     version_of_checkpoint,
 )
+from ocrq.models.slots import RunningBudget, capacity_of
 
 log = logging.getLogger(__name__)
 
 
-class HunyuanEngine(HunyuanMemory, Engine):
+class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
     """Tencent HunyuanOCR (HunYuanVLForConditionalGeneration) on one device."""
 
     name = "hunyuan"
@@ -111,6 +113,11 @@ class HunyuanEngine(HunyuanMemory, Engine):
         self.version: ModelVersion = LATEST
         self.geometry = replace(DEFAULT_GEOMETRY, max_pixels=LATEST.max_pixels)
         self.repetition_penalty: float = LATEST.repetition_penalty
+        # The running loop (continuous batching), once `open` has sized it.
+        self.loop: RunningLoop | None = None
+        self.running: RunningBudget | None = None
+        self._items: dict[str, PreparedImage] = {}  # rows in the loop, by key
+        self._failed: list[Finished] = []  # rows that failed before reaching the loop
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HunyuanEngine:
@@ -172,6 +179,7 @@ class HunyuanEngine(HunyuanMemory, Engine):
         )
 
     def close(self) -> None:
+        self.loop = None
         self.model = self.processor = self.preprocess_row = self._decoder = None
         gc.collect()
         try:
@@ -237,9 +245,14 @@ class HunyuanEngine(HunyuanMemory, Engine):
         return item_cost(
             *size,
             prompt_tokens=prompt_tokens,
-            max_new_tokens=self.settings.max_new_tokens,
+            max_new_tokens=self.row_cap(item),
             geometry=self.geometry,
         )
+
+    def row_cap(self, item: PreparedImage) -> int:
+        """New tokens `item` may make: its own cap within the engine's."""
+        cap = self.settings.max_new_tokens
+        return cap if item.max_new_tokens is None else max(1, min(item.max_new_tokens, cap))
 
     def decode_path(self) -> str:
         """ "fast-fused" (fused prefill and step kernels), "fast" (the lean loop on torch
@@ -379,3 +392,138 @@ class HunyuanEngine(HunyuanMemory, Engine):
         for item, gen in zip(batch, output.items, strict=True):
             results.append(gen if isinstance(gen, Exception) else result_of(item, gen, prompts))
         return results
+
+    # -- the running loop (continuous batching) ---------------------------------------------------
+
+    def streams(self) -> bool:
+        """The running loop needs the fast decode path (and OCRQ_SCHEDULER=continuous)."""
+        return (
+            self.settings.scheduler == "continuous"
+            and self.decode == "fast"
+            and self._decoder is not None
+        )
+
+    def state_bytes_per_slot(self) -> int:
+        """Device bytes each slot's state holds beside the pool: its output tokens, its
+        repetition-penalty mask (one bool per vocabulary id) and, for the torch attention, its
+        key mask (the pool's width is not known yet: charged by the pool tokens instead)."""
+        vocab = int(self.model.lm_head.weight.shape[0]) if self.model is not None else 120818
+        seen = vocab if self.repetition_penalty != 1.0 else 0
+        return 8 * self.settings.max_new_tokens + seen + 64
+
+    def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
+        """Size the running loop (slots = OCRQ_MAX_BATCH) within `budget_bytes` above the fixed
+        part, and allocate its KV pool now."""
+        if not self.streams() or self._decoder is None or self.tokens is None:
+            raise RuntimeError("the running loop needs a loaded engine on the fast decode path")
+        s = self.settings
+        budget = RunningBudget.plan(
+            model,
+            budget_bytes,
+            slots=s.max_batch,
+            prefill_tokens=s.prefill_tokens,
+            state_bytes_per_slot=self.state_bytes_per_slot(),
+        )
+        if self._decoder.attention != "triton":
+            # The torch attention also keeps a key mask per slot: a byte per slot and pool token.
+            per_token = model.per_cache_token_bytes + s.max_batch
+            budget = replace(budget, pool_tokens=int(budget.pool_bytes // per_token) // 16 * 16)
+        # No more than every slot could hold at once (a host's memory as budget is far more).
+        most = budget.slots * capacity_of(s.prefill_tokens, s.max_new_tokens)
+        if budget.pool_tokens > most:
+            budget = replace(
+                budget,
+                pool_tokens=most,
+                pool_bytes=int(most * (model.per_cache_token_bytes + (
+                    0 if self._decoder.attention == "triton" else s.max_batch))),
+            )
+        self.loop = None
+        self.release_memory()
+        self.loop = RunningLoop(self._decoder, self.tokens, self.loop_config(budget))
+        self.running = budget
+        log.info(
+            "running loop: %d slots, KV pool of %d tokens (%.2f GiB), prefill %s up to %d tokens",
+            budget.slots,
+            budget.pool_tokens,
+            budget.pool_bytes / 2**30,
+            s.prefill_schedule,
+            s.prefill_tokens if s.prefill_schedule == "alternate" else s.prefill_chunk_tokens,
+        )
+        return budget
+
+    def loop_config(self, budget: RunningBudget, **overrides: Any) -> LoopConfig:
+        s = self.settings
+        values: dict[str, Any] = {
+            "slots": budget.slots,
+            "pool_tokens": budget.pool_tokens,
+            "max_new_tokens": s.max_new_tokens,
+            "schedule": s.prefill_schedule,
+            "prefill_tokens": s.prefill_tokens,
+            "chunk_tokens": s.prefill_chunk_tokens,
+            "penalty": self.repetition_penalty,
+            "guard": self.version.guard,
+        }
+        values.update(overrides)
+        return LoopConfig(**values)
+
+    def submit(self, rows: Sequence[PreparedImage]) -> None:
+        """Queue rows to the running loop (preprocessed in the prefetch threads already, else
+        here); a row the processor refuses comes back from the next `poll` as its error."""
+        if self.loop is None:
+            raise RuntimeError("HunyuanEngine.open() must run before submit()")
+        queued = []
+        for item in rows:
+            encoded = self._preprocess_or_error(item)
+            if isinstance(encoded, Exception):
+                self._failed.append(Finished(item.key, encoded))
+                continue
+            queued.append(LoopRow(item.key, encoded, self.row_cap(item)))
+            self._items[item.key] = item
+        try:
+            self.loop.add(queued)
+        except ValueError as exc:  # over the pool alone: the planner should have said so
+            for row in queued:
+                self._items.pop(row.key, None)
+                self._failed.append(Finished(row.key, exc))
+
+    def poll(self, timeout_s: float) -> list[Finished]:
+        """Run the loop until a row finishes or `timeout_s` passes; the rows finished."""
+        out, self._failed = self._failed, []
+        if self.loop is None or self.loop.idle():
+            return out
+        done = self.loop.run(timeout_s)
+        return out + [self._finished(d) for d in done]
+
+    def finish(self, done: Done) -> Any:
+        """A finished loop row as `generate` returns rows (a `Generated`)."""
+        import torch
+
+        assert self.tokens is not None
+        new = torch.tensor([done.tokens], dtype=torch.long)
+        logits = done.logits[None] if done.logits is not None else None
+        return generated_rows(
+            new,
+            logits,
+            self.tokens,
+            self.processor,
+            [done.row.prompt_tokens],
+            stopped=torch.tensor([done.stopped]),
+        )[0]
+
+    def _finished(self, done: Done) -> Finished:
+        item = self._items.pop(done.row.key)
+        try:
+            return Finished(item.key, result_of(item, self.finish(done), self.version.prompts))
+        except Exception as exc:  # its output fails to parse: this row alone
+            return Finished(item.key, exc)
+
+    def reset(self) -> list[str]:
+        """Drop the loop and its rows (after an out-of-memory error); their keys."""
+        keys = list(self._items)
+        self._items.clear()
+        if self.loop is not None:
+            self.loop.clear()
+        self.loop = None
+        self.release_memory()
+        return keys
+

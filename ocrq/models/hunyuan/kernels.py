@@ -51,7 +51,7 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit
     def rope_rms_norm_kernel(
         X, Cos, Sin, W, Out, Slot, V, VOut, heads, eps,
-        s_xb, s_xh, s_cb, s_ob, s_oh, s_ol, s_vb, s_vh, s_vob, s_voh, s_vol,
+        s_xb, s_xh, s_cb, s_ob, s_oh, s_ol, s_vb, s_vh, s_vob, s_voh, s_vol, s_sb,
         HALF: tl.constexpr, TO_SLOT: tl.constexpr, COPY_V: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -76,13 +76,13 @@ def _kernels() -> tuple[Any, Any]:
         w2 = tl.load(W + HALF + offs).to(tl.float32)
         out = Out + b * s_ob + h * s_oh
         if TO_SLOT:
-            slot = tl.load(Slot)
+            slot = tl.load(Slot + b * s_sb)
             out += slot * s_ol
         tl.store(out + offs, (w1 * y1).to(Out.dtype.element_ty))
         tl.store(out + HALF + offs, (w2 * y2).to(Out.dtype.element_ty))
         if COPY_V:
             v_row = V + b * s_vb + h * s_vh
-            v_out = VOut + b * s_vob + h * s_voh + tl.load(Slot) * s_vol
+            v_out = VOut + b * s_vob + h * s_voh + tl.load(Slot + b * s_sb) * s_vol
             tl.store(v_out + offs, tl.load(v_row + offs))
             tl.store(v_out + HALF + offs, tl.load(v_row + HALF + offs))
 
@@ -119,7 +119,9 @@ def rope_rms_norm(
     """RoPE then per-head RMSNorm of x (B, heads, D); cos, sin (B, D) float32.
 
     Returns the result, or with `cache` (B, heads, L, D) and `slot` (1,) writes it into the cache
-    at that column (and `v` into `v_cache` there) and returns None.
+    at that column (and `v` into `v_cache` there) and returns None. A `slot` of shape (B,) gives
+    each row its own column (the running loop's pool, ocrq/models/hunyuan/running.py: there the
+    cache is one pool expanded over the rows, batch stride 0).
     """
     import torch
 
@@ -135,6 +137,7 @@ def rope_rms_norm(
         x, cos, sin, weight, out, slot if to_slot else x, vv, vo, heads, eps,
         x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1), s_ol,
         vv.stride(0), vv.stride(1), vo.stride(0), vo.stride(1), vo.stride(2) if copy_v else 0,
+        slot.stride(0) if to_slot and slot is not None and slot.numel() > 1 else 0,
         HALF=dim // 2, TO_SLOT=to_slot, COPY_V=copy_v, num_warps=1,
     )
     return None if to_slot else out

@@ -75,12 +75,16 @@ class TextModel:
         values: list[torch.Tensor],
         attend: Any,
         fused: bool,
+        pooled: bool = False,
     ) -> torch.Tensor:
         """Logits (B, V) for one token per row (`tok`, at RoPE positions `pos`), writing its
-        keys and values into the static cache at column `slot`."""
+        keys and values into the static cache at column `slot`.
+
+        `pooled`: the cache is one pool (1, KVH, T, D) shared by every row and `slot` (B,) is
+        each row's own column in it (the running loop, ocrq/models/hunyuan/running.py)."""
         if fused:
-            return self._layers_fused(tok, pos, slot, keys, values, attend)
-        return self._layers(tok, pos, slot, keys, values, attend)
+            return self._layers_fused(tok, pos, slot, keys, values, attend, pooled)
+        return self._layers(tok, pos, slot, keys, values, attend, pooled)
 
     def _layers(
         self,
@@ -90,6 +94,7 @@ class TextModel:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         attend: Any,
+        pooled: bool = False,
     ) -> torch.Tensor:
         """The text decoder over one token per row, module by module."""
         batch = tok.shape[0]
@@ -106,8 +111,12 @@ class TextModel:
             q = attn.query_layernorm(q)
             k = attn.key_layernorm(k)
             kc, vc = keys[li], values[li]
-            kc.index_copy_(2, slot, k[:, :, None, :])
-            vc.index_copy_(2, slot, v[:, :, None, :])
+            if pooled:  # row b's key at column slot[b] of the shared pool
+                kc[0].index_copy_(1, slot, k.transpose(0, 1))
+                vc[0].index_copy_(1, slot, v.transpose(0, 1))
+            else:
+                kc.index_copy_(2, slot, k[:, :, None, :])
+                vc.index_copy_(2, slot, v[:, :, None, :])
             o = attend(q, kc, vc)
             h = h + attn.o_proj(o.reshape(batch, self.heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -121,6 +130,7 @@ class TextModel:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         attend: Any,
+        pooled: bool = False,
     ) -> torch.Tensor:
         """The same decoder with RMSNorm (+ residual add) and RoPE + q/k norm (+ KV write)
         fused: ~16 kernels per layer instead of ~64."""
@@ -140,9 +150,17 @@ class TextModel:
             qn, kn = attn.query_layernorm, attn.key_layernorm
             q = rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon)
             kc, vc = keys[li], values[li]
-            rope_rms_norm(
-                k, cos, sin, kn.weight, kn.variance_epsilon, cache=kc, slot=slot, v=v, v_cache=vc
-            )
+            if pooled:  # the pool seen as one cache per row (batch stride 0), a column per row
+                shape = (batch, *kc.shape[1:])
+                rope_rms_norm(
+                    k, cos, sin, kn.weight, kn.variance_epsilon,
+                    cache=kc.expand(shape), slot=slot, v=v, v_cache=vc.expand(shape),
+                )
+            else:
+                rope_rms_norm(
+                    k, cos, sin, kn.weight, kn.variance_epsilon, cache=kc, slot=slot, v=v,
+                    v_cache=vc,
+                )
             o = attend(q, kc, vc)
             post = layer.post_attention_layernorm
             h, x = add_rms_norm(

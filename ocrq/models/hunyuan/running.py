@@ -1,0 +1,572 @@
+"""The fast loop as a running loop: a fixed set of slots, rows leaving and joining between steps.
+
+Why: the static loop (ocrq/models/hunyuan/decode.py) runs a batch until its longest row ends, so a
+word crop waits for an A4 page of its batch, freed rows leave their slots idle, and the next
+batch's prefill waits for the whole decode. Here a row that ends (an eos, its own
+`max_new_tokens`, the repetition guard) is handed back at the next host check and its slot and
+KV range are given to the oldest waiting row, prefilled between decode steps.
+
+Layout (ocrq/models/slots.py says why a pool of ranges):
+
+* one KV pool per layer, (1, KV heads, pool tokens + 1, head dim), allocated once; row r holds
+  [start_r, start_r + capacity_r); the last column is scratch, where slots without a live row
+  write and read, so a step needs no branch on which slots are live;
+* every per-slot tensor (token fed, RoPE positions, the column written, visible range, token
+  count, own cap, finished, output tokens, repetition-penalty mask) has a fixed address, so a
+  step over the first `k` slots can be captured in a CUDA graph once per bucket `k` and replayed
+  whatever rows come and go; rows take the lowest free slot, so the bucket shrinks as the queue
+  drains;
+* the Triton decode kernel reads row r's keys [start_r, end_r) of the pool expanded over the
+  rows (batch stride 0); the torch reference reads the pool under a per-slot mask, which admission
+  clears (`_forget_keys`) before a new row's prompt is marked: the tests show that skipping that
+  clear lets an old row's keys leak into the new one.
+
+Prefill schedules (`LoopConfig.schedule`), the knob the GPU bench compares:
+
+* "alternate": decode until a quarter of the slots are free (or nothing runs), then prefill every
+  waiting row that fits in one pass of at most `prefill_tokens` padded prompt tokens; fewer,
+  larger prefill passes, slots idle a little longer;
+* "chunked": before every decode step, prefill the waiting rows that fit in a chunk of at most
+  `chunk_tokens` padded prompt tokens (whole rows: the vision tower needs a whole image), so
+  prefill work is spread between the steps and freed slots refill at once.
+
+The greedy arithmetic (scores, repetition penalty, eos ban, the guard's rule) is the static
+loop's, per row; a row's tokens do not depend on the rows beside it (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ocrq.models.hunyuan.inputs import EncodedImage, collate
+from ocrq.models.hunyuan.prefill import prompt_pass
+from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
+from ocrq.models.hunyuan.tokens import SpecialTokens
+from ocrq.models.hunyuan.versions import RepetitionGuard
+from ocrq.models.slots import Admission, Candidate, KvPool, admit, capacity_of
+
+if TYPE_CHECKING:
+    import torch
+
+    from ocrq.models.hunyuan.decode import HunyuanDecoder
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("alternate", "chunked")
+BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # graphed slot counts
+
+
+@dataclass
+class LoopRow:
+    """One image in the running loop. `max_new_tokens` is the row's own cap (at most the loop's):
+    the row ends there as it would at an eos (`truncated="max_tokens"`)."""
+
+    key: str
+    encoded: EncodedImage
+    max_new_tokens: int
+    min_new_tokens: int = 0  # eos banned before this many tokens (benches force lengths)
+    # Set by the loop.
+    slot: int = -1
+    start: int = -1
+    capacity: int = 0
+    steps: int = 0  # decode steps run since its prefill (its tokens so far: steps + 1, live)
+    admitted_at: float = 0.0
+    logits: list[Any] = field(default_factory=list)  # raw logits per token, when kept (tests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.encoded.input_ids.shape[0])
+
+
+@dataclass
+class Done:
+    """A finished row: its generated ids (eos included when it ended on one), how many the
+    repetition guard kept (0: not stopped), and its logits when kept."""
+
+    row: LoopRow
+    tokens: list[int]
+    stopped: int
+    logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    slots: int
+    pool_tokens: int
+    max_new_tokens: int
+    schedule: str = "chunked"
+    prefill_tokens: int = 16384  # padded prompt tokens of one prefill pass ("alternate")
+    chunk_tokens: int = 4096  # ... of one chunk between decode steps ("chunked")
+    check_every: int = 16  # decode steps between host checks for finished rows
+    penalty: float = 1.0
+    guard: RepetitionGuard | None = None
+    keep_logits: bool = False  # tests: every token's raw logits per row (a host sync per step)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if self.slots < 1 or self.pool_tokens < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"invalid loop config {self}")
+
+    @property
+    def pass_tokens(self) -> int:
+        return self.prefill_tokens if self.schedule == "alternate" else self.chunk_tokens
+
+
+@dataclass
+class LoopStats:
+    """Where the loop's time went (seconds) and what it did; the bench reads it."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    capture_s: float = 0.0
+    prefills: int = 0
+    prefilled_rows: int = 0
+    steps: int = 0
+    row_steps: int = 0  # live rows summed over steps: the useful share of slot-steps
+    slot_steps: int = 0  # slots stepped (the bucket) summed over steps
+    graphs: int = 0
+
+
+class RunningLoop:
+    """Slots, a KV pool and the rows in them, for one loaded model on one device."""
+
+    def __init__(
+        self, decoder: HunyuanDecoder, tokens: SpecialTokens, config: LoopConfig
+    ) -> None:
+        import torch
+
+        self.decoder = decoder
+        self.text = decoder.text
+        self.tokens = tokens
+        self.config = config
+        self.device = decoder.device
+        self.stats = LoopStats()
+        self.waiting: deque[LoopRow] = deque()
+        self.rows: dict[int, LoopRow] = {}  # slot -> live row
+        self.pool = KvPool.empty(config.pool_tokens)
+        self.graphs: dict[int, Any] = {}
+        self._graph_pool: Any = None
+        self._kernels: dict[int, Any] = {}
+        self._finder = (
+            LoopFinder(config.guard, self.device) if config.guard is not None else None
+        )
+        s, n, dev = config.slots, config.max_new_tokens, self.device
+        text = self.text
+        self.scratch = config.pool_tokens  # the column every slot without a live row uses
+        width = config.pool_tokens + 1
+        shape = (1, text.kv_heads, width, text.head_dim)
+        self.keys = [torch.zeros(shape, dtype=text.dtype, device=dev) for _ in text.layers]
+        self.values = [torch.zeros(shape, dtype=text.dtype, device=dev) for _ in text.layers]
+        self.use_triton = decoder.attention == "triton"
+        self.track_valid = not self.use_triton
+        # The torch attention's per-slot key mask; the Triton kernel reads [start, end) instead.
+        self.valid = (
+            torch.zeros(s, width, dtype=torch.bool, device=dev) if self.track_valid else None
+        )
+        long = torch.long
+        self.tok = torch.full((s,), tokens.pad, dtype=long, device=dev)
+        self.pos = torch.zeros(text.axes, s, dtype=long, device=dev)
+        self.write = torch.full((s,), self.scratch, dtype=long, device=dev)
+        self.start = torch.full((s,), self.scratch, dtype=torch.int32, device=dev)
+        self.end = torch.full((s,), self.scratch + 1, dtype=torch.int32, device=dev)
+        self.base = torch.full((s,), self.scratch, dtype=torch.int32, device=dev)
+        self.count = torch.zeros(s, dtype=long, device=dev)
+        self.cap = torch.ones(s, dtype=long, device=dev)
+        self.min_new = torch.zeros(s, dtype=long, device=dev)
+        self.finished = torch.ones(s, dtype=torch.bool, device=dev)
+        self.stopped = torch.zeros(s, dtype=long, device=dev)
+        self.out = torch.full((s, n), tokens.pad, dtype=long, device=dev)
+        self.eos = torch.tensor(tokens.eos_list, dtype=long, device=dev)
+        vocab = int(text.lm_head.weight.shape[0])
+        self.seen = (
+            torch.zeros(s, vocab, dtype=torch.bool, device=dev) if config.penalty != 1.0 else None
+        )
+        self.scratch_col = torch.tensor([self.scratch], dtype=long, device=dev)
+        self._since_check = 0
+
+    # -- the host side -------------------------------------------------------------------------
+
+    @property
+    def live(self) -> int:
+        return len(self.rows)
+
+    def idle(self) -> bool:
+        return not self.rows and not self.waiting
+
+    def add(self, rows: Sequence[LoopRow]) -> None:
+        """Queue rows, oldest first; each must fit the pool alone (the planner's check)."""
+        for row in rows:
+            if not 1 <= row.max_new_tokens <= self.config.max_new_tokens:
+                raise ValueError(
+                    f"row {row.key}: max_new_tokens {row.max_new_tokens} outside "
+                    f"1..{self.config.max_new_tokens}"
+                )
+            row.capacity = capacity_of(row.prompt_tokens, row.max_new_tokens)
+            if row.capacity > self.config.pool_tokens:
+                raise ValueError(
+                    f"row {row.key} needs {row.capacity} KV tokens, over the pool's "
+                    f"{self.config.pool_tokens}"
+                )
+            self.waiting.append(row)
+
+    def run(self, timeout_s: float | None = None) -> list[Done]:
+        """Run until at least one row finishes (returning those finished since the last call),
+        nothing is left, or `timeout_s` passes."""
+        import torch
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        done: list[Done] = []
+        with torch.inference_mode():
+            while not done and not self.idle():
+                self._refill()
+                if self.rows:
+                    self._decode_step()
+                    done = self._harvest(force=False)
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+            if not done and self.rows:
+                done = self._harvest(force=True)
+        return done
+
+    def drain(self) -> list[Done]:
+        """Every row queued, run to its end (tests and the bench)."""
+        done: list[Done] = []
+        while not self.idle():
+            done += self.run()
+        return done
+
+    def clear(self) -> list[LoopRow]:
+        """Forget every row (after an error); the rows that were in flight or waiting."""
+        rows = list(self.rows.values()) + list(self.waiting)
+        for slot in list(self.rows):
+            self._release(slot)
+        self.waiting.clear()
+        self.graphs.clear()
+        return rows
+
+    def _free_slots(self) -> list[int]:
+        return [s for s in range(self.config.slots) if s not in self.rows]
+
+    def _bucket(self) -> int:
+        """Slots a step runs over: the smallest bucket covering the highest live slot."""
+        top = max(self.rows) + 1
+        for b in BUCKETS:
+            if b >= top:
+                return min(b, self.config.slots)
+        return self.config.slots
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def _refill(self) -> None:
+        if not self.waiting:
+            return
+        free = self._free_slots()
+        if not free:
+            return
+        cfg = self.config
+        if cfg.schedule == "alternate" and self.rows and len(free) * 4 < cfg.slots:
+            return  # let more slots free up first: one larger prefill pass
+        candidates = [Candidate(r.key, r.prompt_tokens, r.capacity) for r in self.waiting]
+        plan = admit(candidates, self.pool, free, cfg.pass_tokens)
+        if plan.placements:
+            self._prefill(plan)
+
+    def _prefill(self, plan: Admission) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        rows: list[LoopRow] = []
+        for placement in plan.placements:
+            row = self.waiting.popleft()
+            assert row.key == placement.key
+            row.slot, row.start, row.steps = placement.slot, placement.start, 0
+            row.admitted_at = time.monotonic()
+            rows.append(row)
+        self.pool = plan.pool
+        text = self.text
+        inputs = collate(
+            [r.encoded for r in rows], self.tokens.pad, device=self.device, dtype=text.dtype
+        )
+        positions = inputs.pop("position_ids", None)
+        if positions is None:
+            positions, _ = text.model.model.get_rope_index(
+                inputs["input_ids"],
+                mm_token_type_ids=inputs["mm_token_type_ids"],
+                image_grid_thw=inputs.get("image_grid_thw"),
+                attention_mask=inputs["attention_mask"],
+            )
+        prompt_kv, first_logits = prompt_pass(text, inputs, positions, self.decoder.fused)
+        mask = inputs["attention_mask"].bool()
+        lengths = [r.prompt_tokens for r in rows]
+        columns = torch.cat(
+            [torch.arange(r.start, r.start + n, device=self.device) for r, n in zip(
+                rows, lengths, strict=True)]
+        )
+        for index in range(len(prompt_kv)):
+            k, v = prompt_kv[index]
+            # (B, KVH, P, D) -> the real (unpadded) tokens of every row, in row order
+            k_real = k.permute(1, 0, 2, 3)[:, mask]
+            v_real = v.permute(1, 0, 2, 3)[:, mask]
+            self.keys[index][0].index_copy_(1, columns, k_real)
+            self.values[index][0].index_copy_(1, columns, v_real)
+            prompt_kv[index] = None  # type: ignore[call-overload]  # free the layer now
+            del k, v, k_real, v_real
+        del prompt_kv
+
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
+        n = len(rows)
+        starts = torch.tensor([r.start for r in rows], dtype=torch.int32, device=self.device)
+        plens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        for r, length in zip(rows, lengths, strict=True):
+            self._forget_keys(r.slot)
+            if self.valid is not None:
+                self.valid[r.slot, r.start : r.start + length] = True
+        self.base.index_copy_(0, slots, starts)
+        self.write.index_copy_(0, slots, (starts + plens).long())
+        self.pos.index_copy_(1, slots, positions[:, :, -1] + 1)
+        self.count.index_fill_(0, slots, 0)
+        caps = [r.max_new_tokens for r in rows]
+        self.cap.index_copy_(0, slots, torch.tensor(caps, device=self.device))
+        mins = [r.min_new_tokens for r in rows]
+        self.min_new.index_copy_(0, slots, torch.tensor(mins, device=self.device))
+        self.finished.index_fill_(0, slots, False)
+        self.stopped.index_fill_(0, slots, 0)
+        self.out.index_fill_(0, slots, self.tokens.pad)
+        if self.seen is not None:
+            self.seen.index_fill_(0, slots, False)
+            ids = inputs["input_ids"]
+            marks = torch.zeros(n, self.seen.shape[1], dtype=torch.bool, device=self.device)
+            marks.scatter_(1, torch.where(mask, ids, ids.gather(1, mask.int().argmax(-1)[:, None])),
+                           True)
+            self.seen.index_copy_(0, slots, marks)
+        for r in rows:
+            self.rows[r.slot] = r
+        self._choose(first_logits, slots, rows)
+        if self.decoder.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefills += 1
+        self.stats.prefilled_rows += n
+
+    def _forget_keys(self, slot: int) -> None:
+        """No key of the slot's previous row stays visible to the next one (the torch mask;
+        the Triton kernel reads [start, end), reset for the new row)."""
+        if self.valid is not None:
+            self.valid[slot].fill_(False)
+
+    # -- choosing tokens ------------------------------------------------------------------------
+
+    def _scores(self, logits: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+        """Float32 scores as transformers' processors make them, per row: the repetition
+        penalty over the ids the row has seen, eos banned before its min_new_tokens."""
+        import torch
+
+        scores = logits.float()
+        seen = self.seen if slots is None or self.seen is None else self.seen[slots]
+        if seen is not None:
+            p = self.config.penalty
+            if slots is None:
+                seen = seen[: scores.shape[0]]
+            scores = torch.where(seen, torch.where(scores < 0, scores * p, scores / p), scores)
+        count = self.count if slots is None else self.count[slots]
+        min_new = self.min_new if slots is None else self.min_new[slots]
+        count, min_new = count[: scores.shape[0]], min_new[: scores.shape[0]]
+        banned = (count < min_new)[:, None]
+        eos_scores = scores.index_select(1, self.eos)
+        return scores.index_copy(
+            1, self.eos, torch.where(banned, torch.full_like(eos_scores, float("-inf")), eos_scores)
+        )
+
+    def _choose(self, logits: torch.Tensor, slots: torch.Tensor, rows: list[LoopRow]) -> None:
+        """The first token of freshly prefilled rows (at `slots`), as the static loop's."""
+        scores = self._scores(logits, slots)
+        nxt = scores.argmax(-1)
+        if self.config.keep_logits:
+            for i, r in enumerate(rows):
+                r.logits = [logits[i].float().cpu()]
+        self.out[:, 0].index_copy_(0, slots, nxt)
+        self.tok.index_copy_(0, slots, nxt)
+        ended = (nxt[:, None] == self.eos[None, :]).any(1)
+        self.count.index_fill_(0, slots, 1)
+        ended |= self.cap[slots] <= 1
+        self.finished.index_copy_(0, slots, ended)
+        if self.seen is not None:
+            self.seen[slots, nxt] = True
+
+    # -- decoding -----------------------------------------------------------------------------
+
+    def _attention(self, k: int) -> Any:
+        """The attention function of a step over the first `k` slots."""
+        if self.use_triton:
+            from ocrq.models.hunyuan.attention import TritonDecodeAttention
+
+            if k not in self._kernels:
+                self._kernels[k] = TritonDecodeAttention(
+                    k, self.text.heads, self.text.kv_heads, self.text.head_dim,
+                    self.config.pool_tokens + 1, self.device, self.decoder.kernel,
+                )
+            kernel = self._kernels[k]
+            start, end, scale = self.start[:k], self.end[:k], self.text.scale
+
+            def triton_attend(q: Any, kc: Any, vc: Any) -> Any:
+                shape = (k, *kc.shape[1:])
+                return kernel(q, kc.expand(shape), vc.expand(shape), start, end, scale)
+
+            return triton_attend
+
+        from ocrq.models.hunyuan.attention import attend_torch
+
+        assert self.valid is not None
+        valid, scale = self.valid[:k], self.text.scale
+
+        def torch_attend(q: Any, kc: Any, vc: Any) -> Any:
+            shape = (k, *kc.shape[1:])
+            return attend_torch(q, kc.expand(shape), vc.expand(shape), valid, scale)
+
+        return torch_attend
+
+    def _decode_step(self) -> None:
+        self._guard()
+        k = self._bucket()
+        t0 = time.perf_counter()
+        graphed = self.decoder.use_graph and self.decoder.is_cuda and not self.config.keep_logits
+        if graphed and k in self.graphs:
+            self.graphs[k].replay()
+        else:
+            self._step(k)
+            if graphed:
+                self._capture(k)
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.slot_steps += k
+        self.stats.row_steps += len(self.rows)
+        for row in self.rows.values():
+            row.steps += 1
+        self._since_check += 1
+
+    def _capture(self, k: int) -> None:
+        """Record the step over `k` slots (recorded, not run: its first step ran eagerly just
+        before, which also warmed its kernels up)."""
+        import torch
+
+        t = time.perf_counter()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            self._step(k)
+        torch.cuda.synchronize(self.device)
+        self.graphs[k] = graph
+        self.stats.graphs += 1
+        self.stats.capture_s += time.perf_counter() - t
+
+    def _step(self, k: int) -> None:
+        """One decode step over slots [0, k): fixed shapes, no host sync, no data-dependent
+        Python. Slots without a live row (finished, or empty) read and write the scratch
+        column and keep their state."""
+        import torch
+
+        live = ~self.finished[:k]
+        col = torch.where(live, self.write[:k], self.scratch_col)
+        self.start[:k].copy_(torch.where(live, self.base[:k], self.scratch_col.int()))
+        self.end[:k].copy_(col.int() + 1)
+        if self.valid is not None:
+            self.valid[:k].scatter_(1, col[:, None], True)
+        logits = self.text.step(
+            self.tok[:k], self.pos[:, :k], col, self.keys, self.values, self._attention(k),
+            self.decoder.fused, pooled=True,
+        )
+        if self.config.keep_logits:
+            self._kept = logits.float()
+        scores = self._scores(logits, None)
+        nxt = scores.argmax(-1)
+        nxt = torch.where(live, nxt, torch.full_like(nxt, self.tokens.pad))
+        at = self.count[:k].clamp(max=self.out.shape[1] - 1)[:, None]
+        kept = self.out[:k].gather(1, at)[:, 0]
+        self.out[:k].scatter_(1, at, torch.where(live, nxt, kept)[:, None])
+        self.count[:k] += live
+        ended = (nxt[:, None] == self.eos[None, :]).any(1) | (self.count[:k] >= self.cap[:k])
+        self.finished[:k] |= live & ended
+        self.tok[:k].copy_(torch.where(live, nxt, self.tok[:k]))
+        self.pos[:, :k] += live
+        self.write[:k] += live
+        if self.seen is not None:
+            self.seen[:k].scatter_(1, nxt[:, None], live[:, None] | self.seen[:k].gather(
+                1, nxt[:, None]))
+
+    def _guard(self) -> None:
+        """Stop the live rows whose tokens so far end in a loop, at the token counts the static
+        loop checks (`guard_due`); the host knows each row's count without a sync (a live row
+        makes one token a step)."""
+        import torch
+
+        if self._finder is None:
+            return
+        guard = self._finder.guard
+        due: dict[int, list[int]] = {}
+        for slot, row in self.rows.items():
+            n = row.steps + 1
+            if guard_due(guard, n, row.min_new_tokens, row.max_new_tokens):
+                due.setdefault(n, []).append(slot)
+        for n, slots in due.items():
+            index = torch.tensor(slots, dtype=torch.long, device=self.device)
+            hits = self._finder(self.out[index, :n]) & ~self.finished[index]
+            self.stopped.index_copy_(0, index, torch.where(hits, n, self.stopped[index]))
+            self.finished.index_copy_(0, index, self.finished[index] | hits)
+
+    # -- finished rows ---------------------------------------------------------------------------
+
+    def _harvest(self, force: bool) -> list[Done]:
+        """Hand back the rows that ended: every `check_every` steps (one host sync), at once
+        when a row reached its own cap (the host knows), or when asked."""
+        if self.config.keep_logits:
+            self._keep_logits()
+            force = True
+        capped = any(r.steps + 1 >= r.max_new_tokens for r in self.rows.values())
+        if not (force or capped or self._since_check >= self.config.check_every):
+            return []
+        self._since_check = 0
+        slots = sorted(self.rows)
+        finished = self.finished[slots].tolist()
+        ended = [s for s, f in zip(slots, finished, strict=True) if f]
+        if not ended:
+            return []
+        counts = self.count[ended].tolist()
+        stopped = self.stopped[ended].tolist()
+        outs = self.out[ended].tolist()
+        done = []
+        for slot, n, kept, ids in zip(ended, counts, stopped, outs, strict=True):
+            row = self.rows[slot]
+            logits = None
+            if self.config.keep_logits:
+                import torch
+
+                logits = torch.stack(row.logits)
+            done.append(Done(row, ids[:n], int(kept), logits))
+            self._release(slot)
+        return done
+
+    def _keep_logits(self) -> None:
+        """Tests: the logits of the step just run, per live row that made a token in it."""
+        kept = getattr(self, "_kept", None)
+        if kept is None:
+            return
+        counts = self.count.tolist()
+        for slot, row in self.rows.items():
+            if slot < kept.shape[0] and counts[slot] > len(row.logits):
+                row.logits.append(kept[slot].cpu())
+        self._kept = None
+
+    def _release(self, slot: int) -> None:
+        row = self.rows.pop(slot)
+        self.pool = self.pool.give(row.start, row.capacity)
+        self.finished[slot] = True
+        self.write[slot] = self.scratch
+        self.base[slot] = self.scratch

@@ -1,0 +1,175 @@
+"""The running loop (ocrq/models/hunyuan/running.py) on the tiny HunyuanOCR 1.5, on the CPU.
+
+A row admitted mid-flight, into a slot and a KV range another row has just left, must make the
+same tokens AND the same per-step logits as that row alone through the static fast loop (a
+tiny random model emits near-identical tokens for every image, so tokens alone could not fail:
+ARCHITECTURE.md). The check is shown to fail when a slot's old keys stay visible: `LeakyLoop`
+skips the per-slot clear at admission, and the reused row's logits then move by far more than
+the tolerance. Rows of very different lengths (their own caps, eos banned so each runs exactly
+to it) all complete in both prefill schedules, with fewer slots than rows and a pool too small
+for all of them at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ocrq.models.base import PreparedImage
+from ocrq.models.hunyuan import HunyuanEngine
+from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.slots import RunningBudget
+from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
+
+pytestmark = pytest.mark.hunyuan
+
+MAX_NEW = 24
+TOLERANCE = 1e-3  # fp32 on the CPU: the loops differ by ~5e-6 (see test_hunyuan_decode)
+
+
+class LeakyLoop(RunningLoop):
+    """Does not clear a slot's key mask when a new row takes it: the old row's keys leak in."""
+
+    def _forget_keys(self, slot: int) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
+    path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.5")
+    eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW), decode="fast")
+    eng.load()
+    assert eng.repetition_penalty == 1.08  # the penalty's per-row state is exercised too
+    return eng
+
+
+def budget(slots: int, pool_tokens: int) -> RunningBudget:
+    return RunningBudget(slots, pool_tokens, 4096, 0, 0, 0, 0)
+
+
+def make_loop(engine: HunyuanEngine, slots: int, pool: int, cls: type = RunningLoop,
+              **extra: Any) -> RunningLoop:
+    assert engine._decoder is not None and engine.tokens is not None
+    return cls(engine._decoder, engine.tokens, engine.loop_config(budget(slots, pool), **extra))
+
+
+def rows(engine: HunyuanEngine, items: list[PreparedImage], caps: list[int],
+         forced: bool = False) -> list[LoopRow]:
+    return [
+        LoopRow(it.key, engine.preprocess(it), cap, min_new_tokens=cap if forced else 0)
+        for it, cap in zip(items, caps, strict=True)
+    ]
+
+
+# Row 0 (the largest image) leaves after 3 tokens; row 2 (small) then takes its slot and the
+# start of its KV range, so the old row's columns beyond the new prompt are stale.
+ITEMS = [item(160, 150, 1), item(100, 90, 2, task="spotting"), item(64, 64, 3), item(300, 40, 4)]
+CAPS = [3, MAX_NEW, 12, 16]
+
+
+@pytest.fixture(scope="module")
+def alone(engine: HunyuanEngine) -> dict[str, Any]:
+    """Each row alone through the static fast loop, with its logits."""
+    return {
+        it.key: engine.generate([it], max_new_tokens=cap, output_logits=True).items[0]
+        for it, cap in zip(ITEMS, CAPS, strict=True)
+    }
+
+
+def run_mid_flight(engine: HunyuanEngine, cls: type = RunningLoop) -> dict[str, Any]:
+    loop = make_loop(engine, 2, 1024, cls, keep_logits=True)
+    loop.add(rows(engine, ITEMS, CAPS))
+    done = {d.row.key: d for d in loop.drain()}
+    assert loop.idle() and loop.pool.free_tokens == 1024  # every range given back
+    return done
+
+
+def test_a_row_admitted_mid_flight_equals_the_row_alone(
+    engine: HunyuanEngine, alone: dict[str, Any]
+) -> None:
+    done = run_mid_flight(engine)
+    assert set(done) == {it.key for it in ITEMS}
+    # Rows 2 and 3 joined while row 1 was decoding, in slot 0 where row 0 had been.
+    assert done["img3"].row.slot == 0 and done["img4"].row.slot == 0
+    assert done["img1"].row.start == done["img3"].row.start == 0
+    for key, want in alone.items():
+        got = done[key]
+        generated = engine.finish(got)
+        assert generated.token_ids == want.token_ids and generated.truncated == want.truncated
+        assert got.logits.shape == want.logits.shape
+        assert float((got.logits - want.logits).abs().max()) < TOLERANCE, key
+    # Different images differ by far more than the tolerance: the comparison can fail.
+    assert float((alone["img1"].logits[0] - alone["img3"].logits[0]).abs().max()) > 0.1
+
+
+def test_a_slots_old_keys_leaking_in_is_caught(
+    engine: HunyuanEngine, alone: dict[str, Any]
+) -> None:
+    done = run_mid_flight(engine, LeakyLoop)
+    # The first two rows took fresh slots: untouched by the mutation.
+    for key in ("img1", "img2"):
+        assert float((done[key].logits - alone[key].logits).abs().max()) < TOLERANCE
+    # The rows that reused slot 0 see the old row's keys.
+    for key in ("img3", "img4"):
+        diff = done[key].logits - alone[key].logits
+        assert float(diff.abs().max()) > 100 * TOLERANCE, key
+
+
+@pytest.mark.parametrize("schedule", ["alternate", "chunked"])
+def test_rows_of_very_different_lengths_all_complete(
+    engine: HunyuanEngine, schedule: str
+) -> None:
+    caps = [1, MAX_NEW, 2, 17, 5, MAX_NEW, 3, 9]
+    items = [item(64 + 12 * i, 64 + 20 * (i % 3), 40 + i) for i in range(len(caps))]
+    batch = rows(engine, items, caps, forced=True)
+    biggest = max(r.prompt_tokens for r in batch) + MAX_NEW
+    # 3 slots, and a pool that holds about two of the longest rows at once.
+    loop = make_loop(engine, 3, 2 * biggest + 32, schedule=schedule, chunk_tokens=256)
+    loop.add(batch)
+    finished_order = []
+    results = {}
+    while not loop.idle():
+        for d in loop.run():
+            finished_order.append(d.row.key)
+            results[d.row.key] = d
+    assert sorted(results) == sorted(it.key for it in items)
+    for it, cap in zip(items, caps, strict=True):
+        assert len(results[it.key].tokens) == cap, it.key
+        assert engine.finish(results[it.key]).truncated == "max_tokens"
+    # Short rows left before the long ones that started with them ended.
+    assert finished_order.index("img40") < finished_order.index("img41")
+    assert loop.stats.prefills >= 2 and loop.stats.row_steps <= loop.stats.slot_steps
+    assert loop.pool.free_tokens == loop.config.pool_tokens
+
+
+def test_per_row_cap_comes_from_the_item(engine: HunyuanEngine) -> None:
+    it = item(64, 64, 7)
+    it.max_new_tokens = 5
+    assert engine.row_cap(it) == 5
+    assert engine.estimate(it).new_tokens == 5
+    it.max_new_tokens = 10 * MAX_NEW
+    assert engine.row_cap(it) == MAX_NEW
+
+
+def test_engine_streams_rows_through_submit_and_poll(engine: HunyuanEngine) -> None:
+    from ocrq.models.base import OcrResult
+    from ocrq.models.costs import CostModel
+
+    per_token = engine.cost_model().per_cache_token_bytes  # the tiny model's KV per token
+    model = CostModel(0, per_token_bytes=100.0, per_cache_token_bytes=per_token)
+    engine.open(2**24, model)
+    running = engine.running
+    assert running is not None and running.pool_tokens > 1000
+    assert running.bytes <= 2**24 and running.pool_bytes >= running.pool_tokens * per_token
+    items = [item(64, 64, 50), item(100, 100, 51), item(64, 64, 52)]
+    items[0].max_new_tokens = 2
+    engine.submit(items)
+    got: dict[str, Any] = {}
+    while len(got) < 3:
+        for f in engine.poll(1.0):
+            got[f.key] = f.result
+    assert all(isinstance(r, OcrResult) for r in got.values())
+    static = engine.run([items[1]])[0]
+    assert got["img51"] == static
+    engine.reset()

@@ -1,0 +1,96 @@
+"""The whole service with the running loop: `ocrq worker` (hunyuan engine, tiny 1.5 on the CPU,
+OCRQ_SCHEDULER=continuous) <- Redis <- jobs, results in PostgreSQL.
+
+Short jobs (their own `max_new_tokens` of 2) sent together with long ones (the worker's cap of
+48, eos banned by nothing: a random model rarely ends early) must be stored, each as soon as its
+row ends, while the long rows still decode: with static batches every row of a batch is
+resolved when its longest row ends.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from tests.conftest import WorkerProcess
+from tests.test_service import _wait_rows
+
+pytestmark = pytest.mark.hunyuan
+
+LONG = 48
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ocrq.models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
+    from tests.tiny_hunyuan import fake_hf_cache
+
+    root = tmp_path_factory.mktemp("hf")
+    return fake_hf_cache(root, lambda p, version: build_checkpoint(p, TINY_SHAPES[version]))
+
+
+@pytest.fixture(scope="module")
+def running_worker(
+    service_env: dict[str, str], tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[WorkerProcess, str]]:
+    queue = f"ocr-running-{uuid.uuid4().hex[:6]}"
+    env = {
+        **service_env,
+        "OCRQ_ENGINE": "hunyuan",
+        "OCRQ_QUEUE": queue,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(tiny_cache),
+        "OCRQ_DEVICE": "cpu",
+        "OCRQ_DTYPE": "float32",
+        "OCRQ_MAX_NEW_TOKENS": str(LONG),
+        "OCRQ_SCHEDULER": "continuous",
+        "OCRQ_MAX_BATCH": "8",
+        "OCRQ_BATCH_WAIT_MS": "500",
+        # The CPU plans with the GPU's default model (2.52 GiB fixed): ~0.37 GiB above it.
+        "OCRQ_MEMORY_BUDGET_GIB": "3.4",
+        "OCRQ_PREFILL_TOKENS": "1024",
+        "OCRQ_PREFILL_CHUNK_TOKENS": "1024",
+        "OCRQ_PROFILE_DIR": str(tmp_path_factory.mktemp("profiles")),
+    }
+    log = tmp_path_factory.mktemp("worker") / "ocrq.worker.log"
+    proc = WorkerProcess(env, log, "--concurrency", "8").wait_ready(timeout=240)
+    yield proc, queue
+    proc.stop()
+
+
+def test_short_rows_are_stored_while_long_rows_decode(
+    running_worker: tuple[WorkerProcess, str],
+    broker_url: str,
+    database_url: str,
+    text_images: dict[str, Path],
+) -> None:
+    proc, queue = running_worker
+    assert proc.alive()
+    app = Celery(broker=broker_url)
+    paths = list(text_images.values())
+    jobs: dict[str, int | None] = {}
+    for i in range(6):
+        short = i % 2 == 1
+        job_id = str(uuid.uuid4())
+        kwargs = {"image": {"path": str(paths[i % len(paths)])}, "job_id": job_id}
+        if short:
+            kwargs["max_new_tokens"] = 2
+        app.send_task("ocrq.recognize", kwargs=kwargs, queue=queue, task_id=job_id)
+        jobs[job_id] = 2 if short else None
+    rows = _wait_rows(database_url, list(jobs), timeout=300)
+    assert all(r["status"] == "done" for r in rows.values()), rows
+    short = [rows[j] for j, cap in jobs.items() if cap == 2]
+    long = [rows[j] for j, cap in jobs.items() if cap is None]
+    assert all(r["truncated"] == "max_tokens" for r in short)
+    ran_long = [r for r in long if r["truncated"] == "max_tokens"]
+    assert ran_long, "every long row ended early: nothing to compare"
+    last_short = max(r["finished_at"] for r in short)
+    last_long = max(r["finished_at"] for r in ran_long)
+    # 48 tokens take seconds on the CPU; 2 take a step or two.
+    assert (last_long - last_short).total_seconds() > 1.0, (last_short, last_long)
+    # Each short row was resolved on its own, not with the batch of the long rows.
+    assert not {r["batch_id"] for r in short} & {r["batch_id"] for r in ran_long}
