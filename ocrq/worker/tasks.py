@@ -43,14 +43,16 @@ def recognize(
     **_: Any,
 ) -> dict[str, Any]:
     try:
-        return _recognize(image, task, job_id)
+        return _recognize(image, task, job_id, max_pixels, max_new_tokens)
     finally:
         task_returned(self.request.id)
 
 
-def _recognize(image: Any, task: str, job_id: str | None) -> dict[str, Any]:
+def _recognize(
+    image: Any, task: str, job_id: str | None, max_pixels: Any, max_new_tokens: Any
+) -> dict[str, Any]:
     try:
-        kwargs = {"image": image, "task": task}
+        kwargs: dict[str, Any] = {"image": image, "task": task}
         if job_id is not None:
             kwargs["job_id"] = job_id
         if max_pixels is not None:
