@@ -121,7 +121,7 @@ def running_loop(report: TuneReport, engine: Engine) -> dict[str, Any] | None:
         planned = RunningBudget.plan(
             model,
             report.budget_bytes - model.fixed_bytes,
-            slots=getattr(settings, "max_batch", 32),
+            slots=getattr(settings, "max_batch", None) or engine.preferred_max_batch(),
             prefill_tokens=getattr(settings, "prefill_tokens", 16384),
         )
     except ValueError:

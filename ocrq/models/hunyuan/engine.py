@@ -412,21 +412,22 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         return 8 * self.settings.max_new_tokens + seen + 64
 
     def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
-        """Size the running loop (slots = OCRQ_MAX_BATCH) within `budget_bytes` above the fixed
-        part, and allocate its KV pool now."""
+        """Size the running loop (slots = OCRQ_MAX_BATCH, else `preferred_max_batch`) within
+        `budget_bytes` above the fixed part, and allocate its KV pool now."""
         if not self.streams() or self._decoder is None or self.tokens is None:
             raise RuntimeError("the running loop needs a loaded engine on the fast decode path")
         s = self.settings
+        slots = s.max_batch or self.preferred_max_batch()
         budget = RunningBudget.plan(
             model,
             budget_bytes,
-            slots=s.max_batch,
+            slots=slots,
             prefill_tokens=s.prefill_tokens,
             state_bytes_per_slot=self.state_bytes_per_slot(),
         )
         if self._decoder.attention != "triton":
             # The torch attention also keeps a key mask per slot: a byte per slot and pool token.
-            per_token = model.per_cache_token_bytes + s.max_batch
+            per_token = model.per_cache_token_bytes + slots
             budget = replace(budget, pool_tokens=int(budget.pool_bytes // per_token) // 16 * 16)
         # No more than every slot could hold at once (a host's memory as budget is far more).
         most = budget.slots * capacity_of(s.prefill_tokens, s.max_new_tokens)
@@ -435,7 +436,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
                 budget,
                 pool_tokens=most,
                 pool_bytes=int(most * (model.per_cache_token_bytes + (
-                    0 if self._decoder.attention == "triton" else s.max_batch))),
+                    0 if self._decoder.attention == "triton" else slots))),
             )
         self.loop = None
         self.release_memory()
@@ -477,7 +478,15 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             if isinstance(encoded, Exception):
                 self._failed.append(Finished(item.key, encoded))
                 continue
-            queued.append(LoopRow(item.key, encoded, self.row_cap(item)))
+            scripted = encoded.stop_after  # bench only (ocrq/models/hunyuan/scripted.py)
+            queued.append(
+                LoopRow(
+                    item.key,
+                    encoded,
+                    self.row_cap(item),
+                    eos_at=None if scripted is None else max(scripted, 1) - 1,
+                )
+            )
             self._items[item.key] = item
         try:
             self.loop.add(queued)

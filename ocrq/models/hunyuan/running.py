@@ -70,6 +70,9 @@ class LoopRow:
     encoded: EncodedImage
     max_new_tokens: int
     min_new_tokens: int = 0  # eos banned before this many tokens (benches force lengths)
+    # Bench only (ocrq/models/hunyuan/scripted.py): the token index at which the row takes eos as
+    # if the model chose it; None: the model's own choice. Its KV range still holds its cap.
+    eos_at: int | None = None
     # Set by the loop.
     slot: int = -1
     start: int = -1
@@ -179,6 +182,7 @@ class RunningLoop:
         self.count = torch.zeros(s, dtype=long, device=dev)
         self.cap = torch.ones(s, dtype=long, device=dev)
         self.min_new = torch.zeros(s, dtype=long, device=dev)
+        self.eos_at = torch.full((s,), n + 1, dtype=long, device=dev)  # past any token: none
         self.finished = torch.ones(s, dtype=torch.bool, device=dev)
         self.stopped = torch.zeros(s, dtype=long, device=dev)
         self.out = torch.full((s, n), tokens.pad, dtype=long, device=dev)
@@ -335,6 +339,8 @@ class RunningLoop:
         self.cap.index_copy_(0, slots, torch.tensor(caps, device=self.device))
         mins = [r.min_new_tokens for r in rows]
         self.min_new.index_copy_(0, slots, torch.tensor(mins, device=self.device))
+        eos_at = [self.out.shape[1] + 1 if r.eos_at is None else r.eos_at for r in rows]
+        self.eos_at.index_copy_(0, slots, torch.tensor(eos_at, device=self.device))
         self.finished.index_fill_(0, slots, False)
         self.stopped.index_fill_(0, slots, 0)
         self.out.index_fill_(0, slots, self.tokens.pad)
@@ -385,8 +391,11 @@ class RunningLoop:
 
     def _choose(self, logits: torch.Tensor, slots: torch.Tensor, rows: list[LoopRow]) -> None:
         """The first token of freshly prefilled rows (at `slots`), as the static loop's."""
+        import torch
+
         scores = self._scores(logits, slots)
         nxt = scores.argmax(-1)
+        nxt = torch.where(self.eos_at[slots] == 0, self.eos[0].expand_as(nxt), nxt)  # bench only
         if self.config.keep_logits:
             for i, r in enumerate(rows):
                 r.logits = [logits[i].float().cpu()]
@@ -487,6 +496,7 @@ class RunningLoop:
             self._kept = logits.float()
         scores = self._scores(logits, None)
         nxt = scores.argmax(-1)
+        nxt = torch.where(self.eos_at[:k] == self.count[:k], self.eos[0].expand_as(nxt), nxt)
         nxt = torch.where(live, nxt, torch.full_like(nxt, self.tokens.pad))
         at = self.count[:k].clamp(max=self.out.shape[1] - 1)[:, None]
         kept = self.out[:k].gather(1, at)[:, 0]
@@ -513,6 +523,8 @@ class RunningLoop:
         due: dict[int, list[int]] = {}
         for slot, row in self.rows.items():
             n = row.steps + 1
+            if row.eos_at is not None:  # bench only: a scripted row's length is the bench's call
+                continue
             if guard_due(guard, n, row.min_new_tokens, row.max_new_tokens):
                 due.setdefault(n, []).append(slot)
         for n, slots in due.items():
