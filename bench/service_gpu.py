@@ -277,6 +277,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str])
     from ocrq.worker.batcher import Batcher
     from ocrq.worker.profiles import choose_cost_model
     from ocrq.worker.runtime import batch_config, task_threads
+    from ocrq.worker.streaming import StreamingBatcher
 
     old = dict(os.environ)
     os.environ.update({k: v for k, v in env.items() if k.startswith(("OCRQ_", "HF_"))})
@@ -289,7 +290,12 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str])
     engine.load()
     choice = choose_cost_model(engine, settings.profile_dir)
     config = batch_config(settings, engine, choice.model)
-    batcher = Batcher(engine, config, cost_model=choice.model).start()
+    # The batcher a worker would pick (ocrq/worker/runtime.py): the running loop on a GPU.
+    batcher: Batcher | StreamingBatcher
+    if engine.streams():
+        batcher = StreamingBatcher(engine, config, None, choice.model).start()
+    else:
+        batcher = Batcher(engine, config, cost_model=choice.model).start()
     prefetch = settings.prefetch_images or 2 * config.max_items
     threads = task_threads(settings, prefetch)
     decoded = threading.BoundedSemaphore(prefetch)
@@ -323,6 +329,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str])
     sizes = [r.size for r in batcher.records]
     out = rates(jobs, finish, started, gpus)
     out.update(
+        scheduler="continuous" if engine.streams() else "static",
         task_threads=threads,
         max_batch=config.max_items,
         budget_gib=round(config.budget_bytes / 2**30, 2),

@@ -23,7 +23,7 @@ PreprocessMode = Literal["tensor", "processor"]
 # How rows share the device: whole batches run to their longest row ("static"), or the running
 # loop, where finished rows leave at once and waiting ones take their slots ("continuous",
 # ocrq/models/hunyuan/running.py).
-Scheduler = Literal["static", "continuous"]
+Scheduler = Literal["auto", "static", "continuous"]
 # When the running loop prefills waiting rows (ocrq/models/hunyuan/running.py says how each goes).
 PrefillSchedule = Literal["alternate", "chunked"]
 
@@ -164,7 +164,9 @@ class Settings(BaseSettings):
     # output, GIL released) or "processor" (transformers' processor, for comparison).
     preprocess: PreprocessMode = "tensor"
     # Static batches or the running loop (continuous batching; the fast loop only).
-    scheduler: Scheduler = "continuous"
+    # "auto": the running loop where its Triton attention runs (CUDA), static batches elsewhere
+    # (on a CPU the loop's torch attention reads the whole KV pool every step: slower).
+    scheduler: Scheduler = "auto"
     # The running loop: when it prefills ("alternate": one big pass once a quarter of the slots
     # are free; "chunked": a chunk before every decode step), and how many padded prompt tokens
     # a pass / a chunk holds (their activations are reserved in the memory budget).

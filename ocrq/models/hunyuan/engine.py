@@ -396,12 +396,14 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
     # -- the running loop (continuous batching) ---------------------------------------------------
 
     def streams(self) -> bool:
-        """The running loop needs the fast decode path (and OCRQ_SCHEDULER=continuous)."""
-        return (
-            self.settings.scheduler == "continuous"
-            and self.decode == "fast"
-            and self._decoder is not None
-        )
+        """Whether the worker runs rows through the running loop: OCRQ_SCHEDULER=continuous, or
+        "auto" with the Triton decode attention (a GPU); always on the fast decode path."""
+        if self.decode != "fast" or self._decoder is None:
+            return False
+        mode = self.settings.scheduler
+        if mode == "auto":
+            return self._decoder.attention == "triton"
+        return mode == "continuous"
 
     def state_bytes_per_slot(self) -> int:
         """Device bytes each slot's state holds beside the pool: its output tokens, its
@@ -414,7 +416,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
     def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
         """Size the running loop (slots = OCRQ_MAX_BATCH, else `preferred_max_batch`) within
         `budget_bytes` above the fixed part, and allocate its KV pool now."""
-        if not self.streams() or self._decoder is None or self.tokens is None:
+        if self.decode != "fast" or self._decoder is None or self.tokens is None:
             raise RuntimeError("the running loop needs a loaded engine on the fast decode path")
         s = self.settings
         slots = s.max_batch or self.preferred_max_batch()
