@@ -6,6 +6,7 @@ reserved but not started go back to the queue, and the process exits with RECYCL
 Whatever supervises it starts a fresh one: Docker (`restart: always`), systemd
 (`Restart=always`), Kubernetes, or `ocrq worker` itself, which runs each worker as a new
 interpreter (never a fork, so CUDA is never initialised in a forked process): ocrq/worker/main.py.
+With `--gpus` it supervises one such process per GPU, each on its own (`supervise`).
 
 This module holds the process's exit state and never imports the Celery app: the app's signal
 handlers call in here (`request_recycle`, `startup_failed`), and the entry point hands the app
@@ -22,9 +23,11 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ocrq.worker import metrics
+from ocrq.worker.gpus import Gpu, GpuSelectionError
 from ocrq.worker.recycle import RECYCLE_EXIT_CODE
 
 if TYPE_CHECKING:
@@ -120,63 +123,174 @@ def run_celery(app: Celery, argv: Sequence[str]) -> int:
     return _exit_code if _exit_code is not None else code
 
 
-def supervise(
-    child_argv: Sequence[str], env: Mapping[str, str], max_crash_backoff_s: float = 30.0
-) -> int:
-    """Start the worker as a child interpreter; start it again after a recycle or a crash.
+@dataclass(frozen=True)
+class Child:
+    """One worker process the supervisor keeps running: `python -m ocrq.worker.main ARGV`."""
 
-    `env` is the child's whole environment, built by the caller with the options it was given
-    (the child reads its Settings from it once); this process's own environment is left alone.
+    argv: tuple[str, ...]  # `celery worker` arguments, its --hostname included
+    env: Mapping[str, str]  # its whole environment (it reads its Settings from it once)
+    label: str | None = None  # "gpu0" with --gpus; None: the one worker of a plain supervisor
+
+
+def node_with_label(node: str, label: str) -> str:
+    """The Celery node name of one GPU's worker: `ocrq-rapid-7@%h` -> `ocrq-rapid-7-gpu0@%h`."""
+    name, sep, host = node.partition("@")
+    return f"{name}-{label}{sep}{host}"
+
+
+def child_env(
+    base: Mapping[str, str],
+    given: Mapping[str, object],
+    gpu: Gpu | None = None,
+    index: int = 0,
+) -> dict[str, str]:
+    """The environment a worker process is started with: `base` (the supervisor's), plus the
+    options given on the command line as their OCRQ_* variables, plus, on one GPU of several,
+    what makes it that GPU's worker. The one place a child's environment is built.
+
+    On a GPU: CUDA_VISIBLE_DEVICES names it alone (so its engine, its default memory budget and
+    its tuned profile, keyed by the device's name, are that GPU's); CUDA_DEVICE_ORDER=PCI_BUS_ID
+    unless set, so indices are nvidia-smi's; OCRQ_DEVICE `auto` becomes `cuda:0`, so a GPU that
+    is not there fails at start-up (exit 78) instead of running the model on the CPU; a metrics
+    port is offset by the child's index, so the children do not fight over one port.
+    """
+    env = {**base, **{f"OCRQ_{k.upper()}": str(v) for k, v in given.items() if v is not None}}
+    if gpu is None:
+        return env
+    env.pop("OCRQ_GPUS", None)  # the child is one worker, not a supervisor
+    env["CUDA_VISIBLE_DEVICES"] = gpu.visible
+    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    device = env.get("OCRQ_DEVICE", "auto").strip().lower() or "auto"
+    if device == "auto":
+        env["OCRQ_DEVICE"] = "cuda:0"
+    elif device not in ("cuda", "cuda:0"):
+        raise GpuSelectionError(
+            f"OCRQ_DEVICE={device} with --gpus: each worker sees only its own GPU, as cuda:0; "
+            "leave OCRQ_DEVICE unset (auto)"
+        )
+    port = env.get("OCRQ_METRICS_PORT", "").strip()
+    if port.isdigit():
+        env["OCRQ_METRICS_PORT"] = str(int(port) + index)
+    return env
+
+
+def worker_children(
+    argv: Sequence[str],
+    node: str,
+    base_env: Mapping[str, str],
+    given: Mapping[str, object],
+    gpus: Sequence[Gpu] = (),
+) -> list[Child]:
+    """The worker processes to supervise: one, or one per GPU (its label in its node name)."""
+    if not gpus:
+        return [Child((*argv, "--hostname", node), child_env(base_env, given))]
+    return [
+        Child(
+            (*argv, "--hostname", node_with_label(node, gpu.label)),
+            child_env(base_env, given, gpu, index),
+            gpu.label,
+        )
+        for index, gpu in enumerate(gpus)
+    ]
+
+
+def _say(child: Child, message: str) -> None:
+    prefix = "ocrq supervisor: " + (f"{child.label}: " if child.label else "")
+    print(prefix + message, file=sys.stderr, flush=True)
+
+
+def supervise(children: Sequence[Child], max_crash_backoff_s: float = 30.0) -> int:
+    """Keep each child running: start it again after a recycle or a crash, on its own.
+
+    Each child has a thread that starts it, waits for it and decides; the children's fates are
+    independent (one recycling, crashing or being killed leaves the others' processes alone).
     A recycle restarts at once; a crash restarts after a growing pause, so a worker that dies
-    at start-up (a missing model, say) does not spin. SIGTERM/SIGINT stop child and supervisor.
+    at start-up does not spin. A child that exits STARTUP_FAILED_EXIT_CODE is not restarted
+    (restarting will not help) and the others go on: a broken GPU must not take the host's
+    other GPUs offline, and a configuration error common to all (a missing model, an unmigrated
+    database) stops every child the same way, so the supervisor then exits 78 too. SIGTERM/SIGINT
+    are forwarded to every child (a warm shutdown each) and the supervisor returns once all have
+    exited. The exit code is the first failure's (78 if a child gave up), else 0.
     """
     stopping = threading.Event()
-    child: subprocess.Popen[bytes] | None = None
+    running: dict[int, subprocess.Popen[bytes]] = {}
+    lock = threading.Lock()  # taken by the child threads and the handler, never held by main
 
     def forward(signum: int, _frame: object) -> None:
         stopping.set()
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
+        with lock:
+            live = list(running.values())
+        for proc in live:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def keep(slot: int, child: Child) -> int:
+        backoff = 1.0
+        recycles = 0
+        while True:
+            started = time.monotonic()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ocrq.worker.main", *child.argv], env=dict(child.env)
+            )
+            with lock:
+                running[slot] = proc
+            if stopping.is_set():  # a stop that came while it was being started
+                proc.send_signal(signal.SIGTERM)
+            _say(child, f"started worker process pid {proc.pid}")
+            code = proc.wait()
+            with lock:
+                running.pop(slot, None)
+            if stopping.is_set():
+                return 0 if code in (0, RECYCLE_EXIT_CODE, -signal.SIGTERM) else code
+            if code == STARTUP_FAILED_EXIT_CODE:
+                others = len(children) - 1
+                _say(
+                    child,
+                    "worker cannot start (see above); not restarting"
+                    + (f" it (the other {others} go on)" if others else ""),
+                )
+                return code
+            if code == RECYCLE_EXIT_CODE:
+                recycles += 1
+                _say(child, f"worker recycled ({recycles} so far); starting a new one")
+                backoff = 1.0
+                continue
+            # Any other exit that we did not ask for (a crash, an unrecoverable broker error, a
+            # remote shutdown) gets a new worker: a supervisor's job is to keep one running.
+            if time.monotonic() - started > 60:
+                backoff = 1.0
+            _say(child, f"worker exited with {code}; restarting in {backoff:.0f} s")
+            if stopping.wait(backoff):
+                return code
+            backoff = min(backoff * 2, max_crash_backoff_s)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    backoff = 1.0
-    recycles = 0
-    while True:
-        started = time.monotonic()
-        child = subprocess.Popen([sys.executable, "-m", "ocrq.worker.main", *child_argv],
-        env=dict(env))
-        print(
-            f"ocrq supervisor: started worker process pid {child.pid}", file=sys.stderr, flush=True
+    codes: list[int | None] = [None] * len(children)
+
+    def run(slot: int, child: Child) -> None:
+        codes[slot] = keep(slot, child)
+
+    threads = [
+        threading.Thread(target=run, args=(i, c), name=f"ocrq-child-{c.label or i}", daemon=True)
+        for i, c in enumerate(children)
+    ]
+    if any(c.label for c in children):
+        gpus = (
+            f"{c.label} (CUDA_VISIBLE_DEVICES={c.env.get('CUDA_VISIBLE_DEVICES')})"
+            for c in children
         )
-        code = child.wait()
-        if stopping.is_set():
-            return 0 if code in (0, RECYCLE_EXIT_CODE, -signal.SIGTERM) else code
-        if code == STARTUP_FAILED_EXIT_CODE:
-            print(
-                "ocrq supervisor: worker cannot start (see above); not restarting",
-                file=sys.stderr,
-                flush=True,
-            )
-            return code
-        if code == RECYCLE_EXIT_CODE:
-            recycles += 1
-            print(
-                f"ocrq supervisor: worker recycled ({recycles} so far); starting a new one",
-                file=sys.stderr,
-                flush=True,
-            )
-            backoff = 1.0
-            continue
-        # Any other exit that we did not ask for (a crash, an unrecoverable broker error, a
-        # remote shutdown) gets a new worker: a supervisor's job is to keep one running.
-        if time.monotonic() - started > 60:
-            backoff = 1.0
         print(
-            f"ocrq supervisor: worker exited with {code}; restarting in {backoff:.0f} s",
+            "ocrq supervisor: one worker process per GPU: " + ", ".join(gpus),
             file=sys.stderr,
             flush=True,
         )
-        if stopping.wait(backoff):
-            return code
-        backoff = min(backoff * 2, max_crash_backoff_s)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(0.5)  # short waits: the signal handler runs in this thread
+    failed = [c for c in codes if c]
+    if STARTUP_FAILED_EXIT_CODE in failed:
+        return STARTUP_FAILED_EXIT_CODE
+    return failed[0] if failed else 0
