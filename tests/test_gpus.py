@@ -244,6 +244,7 @@ def test_two_gpu_workers_spread_jobs_restart_alone_and_stop_warm(
             sup,
             "second round not started",
         )
+        stop_at = time.monotonic()
         os.kill(sup.proc.pid, signal.SIGTERM)
         assert sup.proc.wait(120) == 0, sup.text()[-4000:]
         live = [first["gpu0"][0], after["gpu1"][1]]
@@ -260,7 +261,7 @@ def test_two_gpu_workers_spread_jobs_restart_alone_and_stop_warm(
         sup.stop()
         if rescuer is not None:
             rescuer.stop()
-    figures = report("gpus sigterm", more, rows, store, 0.0)
+    figures = report("gpus sigterm", more, rows, store, time.monotonic() - stop_at)
     FIGURES.append(f"[gpus sigterm] done before the stop: {stopped_with} of {len(more)}")
     assert figures["done"] == 80 and figures["lost"] == 0 and figures["duplicated"] == 0
     assert figures["rerun"] == 0  # a warm stop abandons no job
@@ -285,12 +286,12 @@ def test_two_gpu_workers_recycle_independently(
         seconds = time.monotonic() - t0
     finally:
         sup.stop()
-    figures = report("gpus recycle", ids, rows, store, seconds)
-    assert figures["done"] == 100 and figures["lost"] == 0 and figures["duplicated"] == 0
     text = sup.text()
-    recycles = defaultdict(int)
+    recycles: dict[str, int] = defaultdict(int)
     for label in RECYCLED.findall(text):
         recycles[label] += 1
+    figures = report("gpus recycle", ids, rows, store, seconds, sum(recycles.values()))
+    assert figures["done"] == 100 and figures["lost"] == 0 and figures["duplicated"] == 0
     pids = started(sup)
     assert recycles["gpu0"] >= 1 and recycles["gpu1"] >= 1, text[-4000:]
     for label in ("gpu0", "gpu1"):  # each restarted once per recycle of its own
