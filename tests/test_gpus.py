@@ -321,6 +321,42 @@ def test_every_child_refusing_to_start_stops_the_supervisor_with_78(
         assert f"{label}: worker cannot start (see above); not restarting it" in proc.stderr
 
 
+def test_one_child_refusing_to_start_leaves_the_other_running(
+    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    """A configuration error of one child only: OCRQ_METRICS_PORT=65535 gives gpu1 port 65536,
+    which its Settings refuse (exit 78). gpu1 is not restarted; gpu0 goes on taking jobs; the
+    supervisor, stopped later, says with 78 that a worker could not start."""
+    queue = f"ocr-gpus-half-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue, "OCRQ_METRICS_PORT": "65535"}
+    client = Client(
+        Settings(broker_url=env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue)
+    )
+    store = JobStore(get_engine(database_url))
+    sup = WorkerProcess(env, tmp_path / "sup.log", "--gpus", "0,1", "--concurrency", "4")
+    try:
+        wait_for(lambda: " ready." in sup.text(), 180, sup, "gpu0 not ready")
+        wait_for(
+            lambda: (
+                "gpu1: worker cannot start (see above); not restarting it (the other 1 go on)"
+                in sup.text()
+            ),
+            60,
+            sup,
+            "gpu1 did not give up",
+        )
+        ids = [client.submit({"path": str(p)}) for p in make_images(image_root / "half", 6)]
+        rows = wait_all(store, ids, timeout=180)
+        assert {gpu_of(r["worker"]) for r in rows.values()} == {"gpu0"}
+        assert all(r["status"] == "done" for r in rows.values())
+        assert [label for label, _ in STARTED.findall(sup.text())] == ["gpu0", "gpu1"]
+        os.kill(sup.proc.pid, signal.SIGTERM)
+        assert sup.proc.wait(120) == 78, sup.text()[-4000:]
+    finally:
+        sup.stop()
+    assert "metrics_port" in sup.text()  # gpu1's reason, in the log
+
+
 def test_gpus_all_without_a_gpu_fails_clearly(service_env: dict[str, str]) -> None:
     if gpus.PROC_GPUS.exists():
         pytest.skip("this host has NVIDIA GPUs: test_all_lists_whole_gpus covers discovery")
