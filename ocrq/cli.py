@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
+import re
 import sys
+import tempfile
+import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -23,6 +28,14 @@ err = Console(stderr=True)
 # Help strings name what is there: the registry's engines, the contract's tasks.
 ENGINE_HELP = f"OCR engine: {' | '.join(ENGINES)}."
 TASK_HELP = f"{' | '.join(TASKS)} | a free prompt."
+
+# Exit codes scripts can rely on (README "Commands"); 2 is click's own for a usage error.
+EXIT_FAILED = 1  # at least one job failed
+EXIT_USAGE = 2  # a bad option or argument
+EXIT_PENDING = 3  # --timeout passed with jobs still queued or running
+EXIT_UNKNOWN = 4  # a job id has no row
+JOB_ID_CHARS = 36
+TABLE_MIN_WIDTH = 80  # narrower terminals get one block per job: ids are never cut
 
 
 def _progress() -> Progress:
@@ -48,18 +61,41 @@ def _logging(level: str) -> None:
     )
 
 
+def _summary(counts: dict[str, int], total: int, seconds: float) -> str:
+    """The last line of `run` and `submit --wait`, on stderr."""
+    parts = [f"done: {counts.get('done', 0)}", f"failed: {counts.get('failed', 0)}"]
+    pending = total - counts.get("done", 0) - counts.get("failed", 0)
+    if pending:
+        parts.append(f"not finished: {pending}")
+    return ", ".join(parts) + f", total: {total} in {seconds:.1f} s"
+
+
+def _results_file() -> Path:
+    return Path(f"ocrq-results-{dt.datetime.now():%Y%m%d-%H%M%S}.jsonl").resolve()
+
+
 @app.command()
 def run(
     paths: Annotated[list[Path], typer.Argument(help="Image files or folders of images.")],
     engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="JSONL file.")] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="JSONL file. Default: stdout, or when stdout is a terminal (where the progress "
+            "bar is) a new ocrq-results-*.jsonl in this folder.",
+        ),
+    ] = None,
     task: Annotated[str, typer.Option(help=TASK_HELP)] = "text",
-    db: Annotated[str, typer.Option(help="SQLite (or other) URL for the job rows.")] = (
-        "sqlite:///ocrq-run.sqlite"
-    ),
+    db: Annotated[
+        str | None,
+        typer.Option(help="SQLite (or other) URL for the job rows; default: a temporary file."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Logging level on stderr.")] = "WARNING",
 ) -> None:
-    """OCR images in this process (no Redis, no PostgreSQL): one JSON object per image."""
+    """OCR images in this process (no Redis, no PostgreSQL): one JSON object per image.
+    Exit code 1 when any image failed."""
     from ocrq.worker.embedded import expand, run_paths
 
     _logging(log_level)
@@ -68,9 +104,12 @@ def run(
     if missing:
         err.print(f"[yellow]not found (reported as failed):[/] {', '.join(missing)}")
     total = len(expand(paths))
+    if output is None and sys.stdout.isatty():
+        output = _results_file()  # JSONL lines would tear through the progress bar
     out = output.open("w", encoding="utf-8") if output else sys.stdout
+    started = time.monotonic()
     try:
-        with _progress() as progress:
+        with tempfile.TemporaryDirectory(prefix="ocrq-run-") as scratch, _progress() as progress:
             bar = progress.add_task(f"OCR ({settings.engine})", total=total)
 
             def emit(outcome) -> None:  # type: ignore[no-untyped-def]
@@ -80,14 +119,16 @@ def run(
                 out.flush()
                 progress.advance(bar)
 
-            counts = run_paths(paths, settings, db, emit, task=task)
+            db_url = db or f"sqlite:///{Path(scratch) / 'run.sqlite'}"
+            counts = run_paths(paths, settings, db_url, emit, task=task)
     finally:
         if output:
             out.close()
-    err.print(
-        f"done: {counts.get('done', 0)}, failed: {counts.get('failed', 0)}"
-        + (f" -> {output}" if output else "")
-    )
+    err.print(_summary(counts, total, time.monotonic() - started))
+    if output:
+        err.print(f"results: {output}")
+    if counts.get("failed", 0):
+        raise typer.Exit(EXIT_FAILED)
 
 
 @app.command()
@@ -139,8 +180,6 @@ def worker(
         "worker",
         "--pool",
         "threads",
-        "--concurrency",
-        str(settings.concurrency),
         "--queues",
         settings.queue,
         "--loglevel",
@@ -149,6 +188,8 @@ def worker(
         "--without-gossip",
         "--without-mingle",
     ]
+    if settings.concurrency is not None:  # else the worker follows its batch cap (main.py)
+        argv += ["--concurrency", str(settings.concurrency)]
     # Stable across recycles, so Flower shows one worker going offline and online.
     node = hostname or f"ocrq-{settings.engine}-{os.getpid()}@%h"
     if not supervise:
@@ -166,10 +207,16 @@ def worker(
     try:
         found = select(settings.gpus) if settings.gpus else []
         children = worker_children(argv, node, os.environ, given, found)
+        last = (settings.metrics_port or 0) + len(children) - 1
+        if settings.metrics_port is not None and last > 65_535:
+            raise GpuSelectionError(
+                f"OCRQ_METRICS_PORT={settings.metrics_port}: each GPU's worker is served on the "
+                f"next port, and {len(children)} need ports up to {last} (> 65535)"
+            )
     except GpuSelectionError as exc:
         err.print(f"[red]ocrq worker:[/] {exc}", soft_wrap=True)
         raise typer.Exit(STARTUP_FAILED_EXIT_CODE) from None
-    raise typer.Exit(run_supervised(children))
+    raise typer.Exit(run_supervised(children, settings))
 
 
 @app.command()
@@ -192,6 +239,7 @@ def submit(
             refs.append(target)
         else:
             refs.extend(str(p) for p in expand([Path(target)]))
+    started = time.monotonic()
     ids = [client.submit(image_ref(t), task) for t in refs]
     if not wait:
         for job_id in ids:
@@ -202,18 +250,61 @@ def submit(
         results = client.wait(
             ids, timeout, on_progress=lambda d, _t: progress.update(bar, completed=d)
         )
-    pending = 0
+    counts: dict[str, int] = {}
     for row in results:
-        pending += row["status"] not in ("done", "failed")
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
         typer.echo(
             json.dumps(row, ensure_ascii=False)
             if as_json
             else f"{row['job_id']}  {row['status']:7}  {row.get('path')}  "
             f"{(row.get('text') or row.get('error') or '').replace(chr(10), ' | ')[:80]}"
         )
+    err.print(_summary(counts, len(ids), time.monotonic() - started))
+    pending = len(ids) - counts.get("done", 0) - counts.get("failed", 0)
     if pending:
         err.print(f"[yellow]{pending} job(s) not finished within {timeout} s")
-        raise typer.Exit(3)
+        raise typer.Exit(EXIT_PENDING)
+    if counts.get("failed", 0):
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _print_rows(rows: Iterable[dict[str, Any]], as_json: bool) -> None:
+    """Rows as JSON lines, a table, or (narrower than TABLE_MIN_WIDTH) one block per job; a
+    job id is always printed whole, at any width."""
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps(row, ensure_ascii=False))
+        return
+    console = Console()
+
+    def status_of(row: dict[str, Any]) -> str:
+        cut = f" (truncated: {row['truncated']})" if row.get("truncated") else ""
+        return row["status"] + cut
+
+    def excerpt(row: dict[str, Any], chars: int) -> str:
+        return (row.get("text") or row.get("error") or "").replace("\n", " | ")[:chars]
+
+    if console.width < TABLE_MIN_WIDTH:
+        for row in rows:
+            typer.echo(f"{row['job_id']}  {status_of(row)}")
+            for label, value in (("path", row.get("path")), ("text", excerpt(row, 200))):
+                if value:
+                    typer.echo(f"  {label}: {value}")
+        return
+    table = Table("job_id", "status", "created", "path", "text / error")
+    table.columns[0].no_wrap = True
+    table.columns[0].min_width = JOB_ID_CHARS
+    table.columns[1].no_wrap = True
+    table.columns[2].no_wrap = True
+    for row in rows:
+        table.add_row(
+            row["job_id"],
+            status_of(row),
+            (row.get("created_at") or "")[:19].replace("T", " "),
+            str(row.get("path") or ""),
+            excerpt(row, 60),
+        )
+    console.print(table)
 
 
 @app.command()
@@ -221,24 +312,61 @@ def status(
     job_ids: Annotated[list[str], typer.Argument(help="Job ids.")],
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
 ) -> None:
-    """Show jobs' status and results from the database."""
+    """Show jobs' rows. Exit code 4 when an id has no row, else 1 when a job failed."""
     from ocrq.api.client import Client
 
     rows = Client(Settings()).status(job_ids)
-    if as_json:
-        for row in rows:
-            typer.echo(json.dumps(row, ensure_ascii=False))
-        return
-    table = Table("job_id", "status", "path", "text / error")
-    for row in rows:
-        cut = f" (truncated: {row['truncated']})" if row.get("truncated") else ""
-        table.add_row(
-            row["job_id"],
-            row["status"] + cut,
-            str(row.get("path") or ""),
-            (row.get("text") or row.get("error") or "")[:60],
-        )
-    Console().print(table)
+    _print_rows(rows, as_json)
+    if any(r["status"] == "unknown" for r in rows):
+        unknown = [r["job_id"] for r in rows if r["status"] == "unknown"]
+        err.print(f"[yellow]unknown job id(s):[/] {', '.join(unknown)}")
+        raise typer.Exit(EXIT_UNKNOWN)
+    if any(r["status"] == "failed" for r in rows):
+        raise typer.Exit(EXIT_FAILED)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def since_time(value: str, now: dt.datetime | None = None) -> dt.datetime:
+    """`--since`: a duration back from now (90s, 30m, 2h, 7d, 1w) or an ISO time (UTC if it
+    names no zone)."""
+    now = now or dt.datetime.now(dt.UTC)
+    match = _DURATION.match(value)
+    if match:
+        return now - dt.timedelta(seconds=float(match[1]) * _SECONDS[match[2]])
+    try:
+        stamp = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise typer.BadParameter("a duration (30m, 2h, 7d) or an ISO time") from None
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC)
+
+
+@app.command()
+def jobs(
+    status: Annotated[
+        list[str] | None,
+        typer.Option(help="queued | running | done | failed; repeatable."),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Created at most this long ago (30m, 2h, 7d) or since an ISO time."),
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10_000, help="Rows at most.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
+) -> None:
+    """List recent jobs, newest first."""
+    from ocrq.api.client import Client
+    from ocrq.core.store import full_view
+
+    statuses = [s.strip() for item in status or () for s in item.split(",") if s.strip()]
+    bad = sorted(set(statuses) - {"queued", "running", "done", "failed"})
+    if bad:
+        raise typer.BadParameter(f"unknown status {bad}", param_hint="--status")
+    after = since_time(since) if since else None
+    page = Client(Settings()).page(statuses, created_after=after, limit=limit)
+    _print_rows([full_view(r) for r in page.rows], as_json)
 
 
 @app.command()
@@ -334,6 +462,39 @@ def samples(
 
     for path in write_samples(folder):
         typer.echo(path)
+
+
+
+@app.command()
+def health(
+    live: Annotated[
+        bool, typer.Option("--live", help="Liveness (/healthz) instead of readiness (/readyz).")
+    ] = False,
+    url: Annotated[
+        str | None,
+        typer.Option(help="Worker monitor base URL; default http://127.0.0.1:OCRQ_METRICS_PORT."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the answer.")] = 5.0,
+) -> None:
+    """Probe a worker: exit 0 when ready (or live, with --live), 1 when not, 2 if unreachable.
+
+    For Docker HEALTHCHECK and exec probes, where no curl is installed."""
+    import httpx
+
+    if url is None:
+        port = _settings().metrics_port
+        if port is None:
+            err.print("OCRQ_METRICS_PORT is not set: the worker serves no health endpoints")
+            raise typer.Exit(2)
+        url = f"http://127.0.0.1:{port}"
+    path = "/healthz" if live else "/readyz"
+    try:
+        answer = httpx.get(url.rstrip("/") + path, timeout=timeout)
+    except httpx.HTTPError as exc:
+        err.print(f"{url}{path}: {type(exc).__name__}: {exc}")
+        raise typer.Exit(2) from None
+    typer.echo(answer.text.strip())
+    raise typer.Exit(0 if answer.status_code == 200 else 1)
 
 
 if __name__ == "__main__":

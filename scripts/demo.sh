@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quick start, part 1: install ocrq with the CPU engine and OCR the sample images, embedded
-# (no Redis, no PostgreSQL). Results: out/results.jsonl, rows in ocrq-run.sqlite.
+# (no Redis, no PostgreSQL). Results: out/results.jsonl (rows in a temporary SQLite file).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/venv.sh cpu

@@ -436,21 +436,38 @@ def test_default_cost_model_covers_the_fast_path_measurements() -> None:
     assert plain.batch_bytes([cost] * 128) > 1.1 * run["increment_gib"] * 1024**3
 
 
+@pytest.mark.parametrize("mode", ["processor", "tensor"])
 def test_at_most_preprocess_slots_threads_run_the_processor(
-    engine10: HunyuanEngine, monkeypatch: pytest.MonkeyPatch
+    engine10: HunyuanEngine, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """Many prefetch threads, at most PREPROCESS_SLOTS of them in the processor at once (the
-    GIL is left to the thread that feeds the GPU), and every one of them still gets its row."""
+    GIL is left to the thread that feeds the GPU), at most a core's worth in the tensor path
+    (its ops release the GIL), and every one of them still gets its row."""
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from ocrq.models.hunyuan.inputs import PREPROCESS_SLOTS
+    from ocrq.models.hunyuan.inputs import PREPROCESS_SLOTS, Preprocessor, tensor_slots
+
+    row = engine10.preprocess_row
+    assert row is not None and row.mode == "tensor"  # the default
+    preprocessor = Preprocessor(
+        row.model,
+        row.processor,
+        row.templates,
+        row.geometry,
+        pin=False,
+        prompt_for=row.prompt_for,
+        cap_of=row.cap_of,
+        mode=mode,
+    )
+    limit = PREPROCESS_SLOTS if mode == "processor" else tensor_slots()
+    assert preprocessor.limit == limit
 
     inside = 0
     most = 0
     lock = threading.Lock()
-    encode = engine10.preprocess_row.encode
+    encode = preprocessor.encode
 
     def counted(*args: Any) -> Any:
         nonlocal inside, most
@@ -464,11 +481,12 @@ def test_at_most_preprocess_slots_threads_run_the_processor(
             with lock:
                 inside -= 1
 
-    monkeypatch.setattr(engine10.preprocess_row, "encode", counted)
-    items = [item(64 + i, 64, 40 + i) for i in range(12)]
-    with ThreadPoolExecutor(8) as pool:
-        rows = list(pool.map(engine10.preprocess, items))
-    assert most == PREPROCESS_SLOTS == 2
+    monkeypatch.setattr(preprocessor, "encode", counted)
+    items = [item(64 + i, 64, 40 + i) for i in range(limit + 12)]
+    with ThreadPoolExecutor(limit + 6) as pool:
+        rows = list(pool.map(preprocessor, items))
+    assert most == limit
+    assert PREPROCESS_SLOTS == 2
     assert all(r.positions is not None and len(r.input_ids) > 0 for r in rows)
 
 

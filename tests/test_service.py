@@ -243,7 +243,7 @@ def test_embedded_run(tmp_path: Path, text_images: dict[str, Path]) -> None:
         cwd=tmp_path,
         check=False,
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # broken.png failed
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [Path(r["path"]).name for r in rows] == sorted(p.name for p in folder.iterdir())
     by_name = {Path(r["path"]).stem: r for r in rows}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import urllib.error
 import urllib.request
 
 import pytest
@@ -64,10 +65,21 @@ def test_worker_options_reach_the_child_without_touching_our_environment() -> No
     assert "rapid" in ENGINE_HELP and "hunyuan" in ENGINE_HELP  # from the registry
 
 
-def test_metrics_port_is_the_one_place_metrics_are_served_from() -> None:
-    assert metrics.serve(Settings(metrics_port=None)) is False
+def test_monitor_serves_metrics_and_probes_from_a_registry() -> None:
+    """In-process (`--no-supervise`): /metrics from the registry, /healthz and /readyz from its
+    health gauges, 404 elsewhere."""
+    from prometheus_client import REGISTRY
+
+    from ocrq.worker import monitor
+
     port = free_port()
-    assert metrics.serve(Settings(metrics_port=port)) is True
+    monitor.serve(monitor.Monitor(REGISTRY, Settings()), port, "127.0.0.1")
     metrics.OOM_EVENTS.inc(0)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    base = f"http://127.0.0.1:{port}"
+    body = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
     assert "ocrq_oom_events_total" in body and "ocrq_batch_deferred_images" in body
+    assert urllib.request.urlopen(f"{base}/healthz", timeout=5).status == 200  # starting
+    for path, code in (("/readyz", 503), ("/nothing", 404)):  # no engine loaded here
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(base + path, timeout=5)
+        assert caught.value.code == code

@@ -6,8 +6,11 @@ queue="ocr")` is the whole contract. This module is what `ocrq submit` and the H
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +19,31 @@ from celery import Celery
 from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, JobRequest, canonical_job_id, job_kwargs
 from ocrq.core.db import get_engine
 from ocrq.core.settings import Settings
-from ocrq.core.store import JobStore, public_view
+from ocrq.core.store import JobStore, NewJob, Page, full_view
 
 FINAL = ("done", "failed")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """One job of a submit: `created` False when its id was already recorded for the same
+    image and task (an idempotent retry), then nothing was sent and `status` is the row's."""
+
+    job_id: str
+    created: bool
+    status: str
+
+
+class NotSent(Exception):
+    """The broker refused a message: the jobs in `sent` went out before it (they will run);
+    the rest were not sent and their rows were deleted again, except `kept` (the database
+    failed too: they stay `queued`, and `ocrq requeue` sends them later)."""
+
+    def __init__(self, sent: Sequence[str], kept: Sequence[str], cause: BaseException) -> None:
+        self.sent = list(sent)
+        self.kept = list(kept)
+        super().__init__(f"broker unavailable: {type(cause).__name__}: {cause}")
 
 
 def producer_app(broker_url: str) -> Celery:
@@ -46,22 +71,71 @@ class Client:
             self._store = JobStore(get_engine(self.settings.database_url))
         return self._store
 
-    def submit(self, image: dict[str, str], task: str = "text", record: bool = True) -> str:
+    def submit(
+        self,
+        image: dict[str, str],
+        task: str = "text",
+        record: bool = True,
+        job_id: str | None = None,
+        max_pixels: int | None = None,
+    ) -> str:
         """Enqueue one job; with `record`, its row exists as `queued` before the message."""
         # Validated as the worker will (ValidationError, a ValueError: NUL bytes, lone
         # surrogates...), so nothing is enqueued that could not be stored.
-        request = JobRequest.model_validate({"image": image, "task": task})
-        kwargs = job_kwargs(image, task, request.job_id)
-        if record:
-            # The worker's claim compares a row's source with the message's: same description.
-            self.store.enqueue(kwargs["job_id"], task, request.image.describe())
+        fields: dict[str, Any] = {"image": image, "task": task, "max_pixels": max_pixels}
+        if job_id is not None:
+            fields["job_id"] = job_id
+        request = JobRequest.model_validate(fields)
+        if not record:
+            self._send(request)
+            return request.job_id
+        return self.submit_many([request])[0].job_id
+
+    def submit_many(self, requests: Sequence[JobRequest]) -> list[Submitted]:
+        """Record every job as `queued`, then send a message for each new one.
+
+        Row first, message second: a worker's claim then always finds the row, and a message
+        never exists for a job the producer was not told about. When the broker refuses a
+        message, the rows of the jobs not sent are deleted again (only while still `queued` and
+        unclaimed) and NotSent says which jobs did go out; a job id already recorded for the
+        same image and task is not sent again (an idempotent retry); one recorded for another
+        image raises JobIdReused and nothing is recorded or sent.
+        """
+        news = [NewJob(r.job_id, r.task, r.image.describe(), r.max_pixels) for r in requests]
+        existing = self.store.enqueue_many(news)
+        unique = list({r.job_id: r for r in requests}.values())
+        to_send = [r for r in unique if existing[r.job_id] is None]
+        sent: list[str] = []
+        try:
+            for request in to_send:
+                self._send(request)
+                sent.append(request.job_id)
+        except Exception as exc:
+            unsent = [r.job_id for r in to_send[len(sent) :]]
+            kept: list[str] = []
+            try:
+                self.store.discard_queued(unsent)
+            except Exception:
+                log.exception("could not delete the rows of jobs never sent: %s", unsent)
+                kept = unsent
+            raise NotSent(sent, kept, exc) from exc
+        return [
+            Submitted(r.job_id, existing[r.job_id] is None, existing[r.job_id] or "queued")
+            for r in unique
+        ]
+
+    def _send(self, request: JobRequest) -> None:
         self.app.send_task(
             TASK_NAME,
-            kwargs=kwargs,
+            kwargs=job_kwargs(
+                request.image.model_dump(exclude_none=True),
+                request.task,
+                request.job_id,
+                request.max_pixels,
+            ),
             queue=self.settings.queue or DEFAULT_QUEUE,
-            task_id=kwargs["job_id"],
+            task_id=request.job_id,
         )
-        return kwargs["job_id"]
 
     def requeue(self, older_than_s: float) -> list[str]:
         """Send again every job still `queued` (never claimed by a worker) after `older_than_s`.
@@ -80,14 +154,18 @@ class Client:
         with self.store.engine.connect() as conn:
             rows = conn.execute(
                 select(
-                    ocr_jobs.c.id, ocr_jobs.c.task, ocr_jobs.c.source, ocr_jobs.c.created_at
+                    ocr_jobs.c.id,
+                    ocr_jobs.c.task,
+                    ocr_jobs.c.source,
+                    ocr_jobs.c.created_at,
+                    ocr_jobs.c.max_pixels,
                 ).where(ocr_jobs.c.status == "queued")
             ).all()
         sent = []
-        for job_id, task, source, created in rows:
+        for job_id, task, source, created, max_pixels in rows:
             if created.timestamp() > cutoff or source == "b64" or source.startswith("b64:"):
                 continue
-            self._resend(job_id, task, source)
+            self._resend(job_id, task, source, max_pixels)
             sent.append(job_id)
         return sent
 
@@ -107,20 +185,24 @@ class Client:
         stalled = workers_table.flip_stalled(self.store.engine, after, exclude=exclude_worker)
         sent: list[str] = []
         try:
+            # The sweep's row carries no max_pixels: read the jobs' own caps.
+            caps = {
+                i: r.get("max_pixels") for i, r in self.store.get([j.id for j in stalled]).items()
+            }
             for job in stalled:
-                self._resend(job.id, job.task, job.source)
+                self._resend(job.id, job.task, job.source, caps.get(job.id))
                 sent.append(job.id)
         finally:  # the broker failed mid-way: leave the rest for the next sweep
             workers_table.unflip(self.store.engine, [j.id for j in stalled[len(sent) :]])
         workers_table.forget_dead(self.store.engine, after)
         return sent
 
-    def _resend(self, job_id: str, task: str, source: str) -> None:
+    def _resend(self, job_id: str, task: str, source: str, max_pixels: int | None = None) -> None:
         """A job's message rebuilt from its row (path or URL; the row holds no inline bytes)."""
         image = {"url": source} if source.startswith(("http://", "https://")) else {"path": source}
         self.app.send_task(
             TASK_NAME,
-            kwargs=job_kwargs(image, task, job_id),
+            kwargs=job_kwargs(image, task, job_id, max_pixels),
             queue=self.settings.queue or DEFAULT_QUEUE,
             task_id=job_id,
         )
@@ -130,8 +212,19 @@ class Client:
         ids = [_canonical_or_none(j) or j for j in job_ids]
         rows = self.store.get(ids)
         return [
-            public_view(rows[j]) if j in rows else {"job_id": j, "status": "unknown"} for j in ids
+            full_view(rows[j]) if j in rows else {"job_id": j, "status": "unknown"} for j in ids
         ]
+
+    def page(
+        self,
+        statuses: Sequence[str] = (),
+        created_after: dt.datetime | None = None,
+        created_before: dt.datetime | None = None,
+        limit: int = 50,
+        after: tuple[dt.datetime, str] | None = None,
+    ) -> Page:
+        """Recent jobs, newest first (`ocrq jobs`, `GET /jobs`)."""
+        return self.store.page(statuses, created_after, created_before, limit, after)
 
     def wait(
         self,

@@ -1,58 +1,48 @@
-"""A small HTTP front door for producers that cannot speak Celery: POST a job, GET its row.
+"""A small HTTP front door for producers that cannot speak Celery: submit jobs (JSON, uploads,
+batches), read, list and wait for their rows.
 
 Run: `uvicorn ocrq.api.http:app` (settings from OCRQ_* variables). It only enqueues and reads; it
-never touches an engine. Safe by default:
+never touches an engine. The endpoints live in routes.py (jobs), health.py (/healthz, /readyz)
+and docs.py (offline OpenAPI pages); this module assembles them behind the safe defaults:
 
-- every path but `/healthz` needs `Authorization: Bearer $OCRQ_API_TOKEN`, checked before
-  any of the body is read; without a token the app refuses to start (and, if started some
-  other way, answers 503) unless OCRQ_API_ALLOW_NO_AUTH=true says a proxy authenticates;
+- every path but `/healthz` and `/readyz` (and the docs, with OCRQ_API_DOCS=public) needs
+  `Authorization: Bearer $OCRQ_API_TOKEN`, checked before any of the body is read; without a
+  token the app refuses to start (and, if started some other way, answers 503) unless
+  OCRQ_API_ALLOW_NO_AUTH=true says a proxy authenticates;
 - request bodies over OCRQ_API_MAX_BODY_BYTES get 413 as soon as the count passes the limit
   (FastAPI's own limit, counted while reading, chunked bodies included);
 - a 422 names the fields and what is wrong with them, never the values sent;
-- no /docs or /openapi.json: the contract is in README.md.
+- Redis or PostgreSQL down is a 503 with Retry-After, and leaves no job half-submitted
+  (client.py's submit_many says how).
 """
 
 from __future__ import annotations
 
 import hmac
-import uuid
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+import kombu.exceptions
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi.security import HTTPBearer
+from sqlalchemy import exc as sa_exc
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ocrq.api.client import Client
-from ocrq.core.contract import ImageRef
+from ocrq.api import docs, health, routes
+from ocrq.api.client import Client, NotSent
 from ocrq.core.settings import Settings
+from ocrq.core.store import REUSED_ID, JobIdReused
 
-MAX_TASK_CHARS = 4000  # as the worker's JobRequest
-MAX_REF_CHARS = 8192  # a path or URL longer than this is not a real reference
 MIN_TOKEN_CHARS = 16
 MAX_ERRORS = 20  # a 422 lists at most this many problems
-OPEN_PATHS = frozenset({"/healthz"})
-
-
-class JobIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    image: ImageRef
-    task: Annotated[str, Field(min_length=1, max_length=MAX_TASK_CHARS)] = "text"
-
-    @model_validator(mode="after")
-    def _storable(self) -> JobIn:
-        for name in ("path", "url"):
-            value = getattr(self.image, name)
-            if value and len(value) > MAX_REF_CHARS:
-                raise ValueError(f"image.{name} is longer than {MAX_REF_CHARS} characters")
-        if any("\x00" in (v or "") for v in (self.task, self.image.path, self.image.url)):
-            raise ValueError("NUL characters are not allowed")
-        return self
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+RETRY_AFTER_S = "5"
+log = logging.getLogger(__name__)
 
 
 def auth_problem(settings: Settings) -> str | None:
@@ -80,9 +70,16 @@ class BearerAuth:
         self.problem = auth_problem(settings)
         token = settings.api_token.get_secret_value() if settings.api_token else ""
         self.token = token.encode() if token else None
+        doc_paths, self.open_prefixes = docs.open_paths(settings.api_docs)
+        self.open_paths = OPEN_PATHS | doc_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if (
+            scope["type"] != "http"
+            or path in self.open_paths
+            or path.startswith(self.open_prefixes)
+        ):
             return await self.app(scope, receive, send)
         if self.problem is not None:  # started without the lifespan check: fail closed
             response = JSONResponse({"detail": "api not configured"}, status_code=503)
@@ -120,6 +117,37 @@ async def validation_failed(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=422)
 
 
+def _unavailable(what: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"detail": f"{what} unavailable, try again later", **extra},
+        status_code=503,
+        headers={"Retry-After": RETRY_AFTER_S},
+    )
+
+
+async def database_down(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("database unavailable: %s", exc)
+    return _unavailable("database")
+
+
+async def broker_down(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("broker unavailable: %s", exc)
+    return _unavailable("broker")
+
+
+async def not_sent(_: Request, exc: Exception) -> JSONResponse:
+    """The broker failed mid-submit. Unsent jobs' rows were deleted again, so a retry of the
+    same request (with its job ids) finishes the job; the body names what did go out."""
+    assert isinstance(exc, NotSent)
+    log.warning("%s (sent %d, kept %d)", exc, len(exc.sent), len(exc.kept))
+    return _unavailable("broker", sent=exc.sent, recorded_not_sent=exc.kept)
+
+
+async def id_reused(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, JobIdReused)
+    return JSONResponse({"detail": REUSED_ID, "job_ids": exc.job_ids[:MAX_ERRORS]}, 409)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -137,33 +165,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_body_size=settings.api_max_body_bytes,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url=None if settings.api_docs == "off" else docs.OPENAPI,
     )
     app.add_middleware(BearerAuth, settings=settings)
     app.add_exception_handler(RequestValidationError, validation_failed)
+    # Connection-level failures only: a constraint or data error is a bug and stays a 500.
+    for exc in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError):
+        app.add_exception_handler(exc, database_down)
+    for exc in (kombu.exceptions.OperationalError, ConnectionError):
+        app.add_exception_handler(exc, broker_down)
+    app.add_exception_handler(NotSent, not_sent)
+    app.add_exception_handler(JobIdReused, id_reused)
     client = Client(settings)
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        """Liveness for load balancers: the process answers; no auth, no backend calls."""
-        return {"status": "ok"}
-
-    @app.post("/jobs", status_code=202)
-    def create_job(job: JobIn) -> dict[str, str]:
-        image = job.image.model_dump(exclude_none=True)
-        return {"job_id": client.submit(image, job.task)}
-
-    @app.get("/jobs/{job_id}")
-    def get_job(job_id: str) -> dict[str, Any]:
-        try:
-            key = str(uuid.UUID(job_id))
-        except ValueError:
-            raise HTTPException(404, "no such job") from None
-        row = client.status([key])[0]
-        if row["status"] == "unknown":
-            raise HTTPException(404, "no such job")
-        return row
-
+    app.include_router(health.router(client.app, lambda: client.store.engine))
+    # The bearer scheme in the schema, so Swagger UI's "Authorize" sends it; BearerAuth checks.
+    app.include_router(
+        routes.router(settings, client), dependencies=[Depends(HTTPBearer(auto_error=False))]
+    )
+    if settings.api_docs != "off":
+        docs.mount(app)
     return app
 
 

@@ -154,10 +154,18 @@ class JobRequest(BaseModel):
         return "" if self.task in TASKS else self.task
 
 
-def job_kwargs(image: dict[str, str], task: str = "text", job_id: str | None = None) -> dict:
+def job_kwargs(
+    image: dict[str, str],
+    task: str = "text",
+    job_id: str | None = None,
+    max_pixels: int | None = None,
+) -> dict:
     """Build send_task kwargs; a producer may equally write this dict by hand."""
-    return {
+    kwargs: dict = {
         "image": image,
         "task": task,
         "job_id": canonical_job_id(job_id) if job_id else str(uuid.uuid4()),
     }
+    if max_pixels is not None:
+        kwargs["max_pixels"] = max_pixels
+    return kwargs

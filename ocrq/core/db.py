@@ -41,6 +41,7 @@ ocr_jobs = Table(
     Column("lines", JsonType),
     Column("error", Text),
     Column("truncated", String(16)),  # None | max_tokens | repetition (migrations/0003)
+    Column("max_pixels", Integer),  # the job's own pixel cap, for re-sends (migrations/0005)
     Column("engine", String(32)),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("worker", Text),

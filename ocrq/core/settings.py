@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 DecodeMode = Literal["fast", "generate"]
 # The fast loop's decode attention: Triton on CUDA when installed ("auto"), or forced.
 DecodeAttention = Literal["auto", "triton", "torch"]
+PreprocessMode = Literal["tensor", "processor"]
 
 
 class Settings(BaseSettings):
@@ -60,8 +61,9 @@ class Settings(BaseSettings):
     )
 
     # Batching.
-    # Hard cap on images per engine call, whatever the budget allows.
-    max_batch: int = Field(default=32, ge=1, le=4096)
+    # Hard cap on images per engine call, whatever the budget allows; None: the engine's own
+    # (`EngineCore.preferred_max_batch`: 256 for HunyuanOCR on a GPU, 32 otherwise).
+    max_batch: int | None = Field(default=None, ge=1, le=4096)
     # How long the batcher lingers for more items once one is waiting.
     batch_wait_ms: int = Field(default=50, ge=0, le=60_000)
     # Total memory the engine may use, fixed part included; None: the engine's default budget.
@@ -70,8 +72,9 @@ class Settings(BaseSettings):
     memory_utilization: float = Field(default=0.85, gt=0.1, le=1.0)
     # Where `ocrq tune` writes cost-model profiles and workers look for theirs at start.
     profile_dir: Path = Path("~/.cache/ocrq/profiles")
-    # Celery task threads: images being fetched + waiting for the batcher.
-    concurrency: int = Field(default=16, ge=1, le=4096)
+    # Celery task threads: images being fetched + waiting for the batcher; None: follow the
+    # batch cap (`Runtime.task_threads`: two batches' worth plus room for fetching).
+    concurrency: int | None = Field(default=None, ge=1, le=8192)
     # Decoded images held at once (waiting + in the running batch); None: two batches' worth,
     # i.e. the next batch is decoded while the current one runs. max_batch turns prefetch off.
     prefetch_images: int | None = Field(default=None, ge=1, le=100_000)
@@ -90,8 +93,11 @@ class Settings(BaseSettings):
     max_fragmentation_gib: float | None = Field(default=None, gt=0, le=65_536)
     # ... for this many consecutive batches.
     recycle_patience: int = Field(default=3, ge=1, le=10_000)
-    # Prometheus metrics of the worker on this port when set (ocrq/worker/metrics.py `serve`).
+    # The worker's /metrics, /healthz and /readyz on this port when set (ocrq/worker/monitor.py),
+    # served by the supervisor (across recycles) or, with --no-supervise, the worker itself.
     metrics_port: int | None = Field(default=None, ge=1, le=65_535)
+    # Where they listen: all interfaces, so Prometheus and the kubelet reach a container.
+    metrics_address: str = "0.0.0.0"
     # `ocrq worker` only: one worker process per GPU, "all" or indices "0,1" (ocrq/worker/gpus.py).
     gpus: str | None = None
 
@@ -110,6 +116,17 @@ class Settings(BaseSettings):
     api_allow_no_auth: bool = False
     # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
     api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
+    # Where the api stores uploaded images (multipart, raw bodies, inline b64), one file per
+    # content hash; the same folder, at the same path, must be mounted on every worker, which
+    # reads it as one more allowed root. None: uploads get 503, b64 travels inline.
+    upload_dir: Path | None = None
+    # /docs, /redoc and /openapi.json (assets served from the fastapi-offline wheel, no CDN):
+    # "token" behind the bearer token like every path, "public" without it, "off" not served.
+    api_docs: Literal["token", "public", "off"] = "token"
+    # Longest a long-poll (GET /jobs/{id}?wait=S, POST /jobs/lookup with wait) is held open.
+    api_max_wait_s: float = Field(default=60.0, ge=0, le=3600)
+    # Most jobs in one batch submit or bulk lookup, and rows in one page of GET /jobs.
+    api_max_batch: int = Field(default=1000, ge=1, le=100_000)
 
     # Poison messages and stuck jobs (issue 16).
     # Claims of a job whose previous attempt never finished (its worker died under it) allowed
@@ -139,6 +156,9 @@ class Settings(BaseSettings):
     decode: DecodeMode = "fast"
     # The fast loop's decode attention; "torch" also turns the fused norm/RoPE kernels off.
     decode_attention: DecodeAttention = "auto"
+    # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
+    # output, GIL released) or "processor" (transformers' processor, for comparison).
+    preprocess: PreprocessMode = "tensor"
 
     @model_validator(mode="after")
     def _liveness_margin(self) -> Settings:
@@ -222,8 +242,11 @@ class Settings(BaseSettings):
         return value
 
     def roots(self) -> list[Path]:
-        """Resolved allowed roots; `/` only when none are set and allow_any_path says so."""
-        roots = self.allowed_roots or ([Path("/")] if self.allow_any_path else [])
+        """Resolved allowed roots; `/` only when none are set and allow_any_path says so. The
+        api's upload folder is always one of them: workers read what the api stored there."""
+        roots = list(self.allowed_roots) or ([Path("/")] if self.allow_any_path else [])
+        if self.upload_dir is not None:
+            roots.append(self.upload_dir)
         return [p.expanduser().resolve() for p in roots]
 
     def require_safe_roots(self) -> None:
@@ -234,7 +257,7 @@ class Settings(BaseSettings):
         """
         if self.allow_any_path:
             return
-        if not self.allowed_roots:
+        if not self.allowed_roots and self.upload_dir is None:
             raise ValueError(
                 "OCRQ_ALLOWED_ROOTS is not set: set it to the folders that path images may be "
                 f"read from ({os.pathsep!r}-separated), or OCRQ_ALLOW_ANY_PATH=true to allow any"

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, delete, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ocrq.core.db import ocr_jobs
@@ -35,6 +35,32 @@ def gave_up(attempts: int) -> str:
 
 
 @dataclass(frozen=True)
+class NewJob:
+    """A job a producer is about to send: what its row records before the message goes."""
+
+    id: str
+    task: str
+    source: str
+    max_pixels: int | None = None
+
+
+class JobIdReused(ValueError):
+    """Job ids whose rows name another image or task: nothing of the request was recorded."""
+
+    def __init__(self, job_ids: Sequence[str]) -> None:
+        self.job_ids = list(job_ids)
+        super().__init__(f"{REUSED_ID}: {', '.join(self.job_ids)}")
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of jobs, newest first; `next_after` is the (created_at, id) to go on from."""
+
+    rows: list[dict[str, Any]]
+    next_after: tuple[dt.datetime, str] | None
+
+
+@dataclass(frozen=True)
 class Claim:
     """The outcome of claiming a job: run it, or not (then `row` is the stored row).
 
@@ -46,6 +72,9 @@ class Claim:
     run: bool
     row: dict[str, Any] | None = None
     error: str | None = None
+    # When the producer wrote the row (its enqueue time: the queue-wait metric); None when the
+    # claim created the row itself.
+    created_at: dt.datetime | None = None
 
 
 class JobStore:
@@ -57,13 +86,116 @@ class JobStore:
         """For embedded SQLite only; the service's schema is Alembic's (`ocrq migrate`)."""
         ocr_jobs.metadata.create_all(self.engine)
 
-    def enqueue(self, job_id: str, task: str, source: str) -> None:
+    def enqueue(self, job_id: str, task: str, source: str, max_pixels: int | None = None) -> None:
         """Record a submitted job as queued; an existing row (any status) is kept."""
         stmt = self._insert(ocr_jobs).values(
-            id=job_id, status="queued", task=task, source=source, created_at=now(), attempts=0
+            id=job_id,
+            status="queued",
+            task=task,
+            source=source,
+            max_pixels=max_pixels,
+            created_at=now(),
+            attempts=0,
         )
         with self.engine.begin() as conn:
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
+
+    def enqueue_many(self, jobs: Sequence[NewJob]) -> dict[str, str | None]:
+        """Record jobs as queued, all or none: job id -> None when its row is new, else the
+        status of the row that was already there (an idempotent retry: same image and task).
+
+        Raises JobIdReused, recording nothing, when any id's row names another image or task
+        (the worker's claim refuses such a message anyway: better the producer hears it now).
+        """
+        t = now()
+        ids = list(dict.fromkeys(j.id for j in jobs))
+        with self.engine.begin() as conn:
+            found = {
+                r.id: r
+                for r in conn.execute(
+                    select(ocr_jobs.c.id, ocr_jobs.c.source, ocr_jobs.c.task, ocr_jobs.c.status)
+                    .where(ocr_jobs.c.id.in_(ids))
+                    .with_for_update()
+                )
+            }
+            new = {j.id: j for j in jobs if j.id not in found}
+            inserted: set[str] = set()
+            if new:
+                values = [
+                    {
+                        "id": j.id,
+                        "status": "queued",
+                        "task": j.task,
+                        "source": j.source,
+                        "max_pixels": j.max_pixels,
+                        "created_at": t,
+                        "attempts": 0,
+                    }
+                    for j in new.values()
+                ]
+                stmt = (
+                    self._insert(ocr_jobs)
+                    .values(values)
+                    .on_conflict_do_nothing(index_elements=["id"])
+                    .returning(ocr_jobs.c.id)
+                )
+                inserted = set(conn.execute(stmt).scalars())
+            raced = [i for i in new if i not in inserted]  # another producer's row, just now
+            if raced:
+                found.update(
+                    (r.id, r)
+                    for r in conn.execute(
+                        select(
+                            ocr_jobs.c.id, ocr_jobs.c.source, ocr_jobs.c.task, ocr_jobs.c.status
+                        ).where(ocr_jobs.c.id.in_(raced))
+                    )
+                )
+            stored = {i: (j.source, j.task) for i, j in new.items()}
+            stored.update((i, (r.source, r.task)) for i, r in found.items())
+            reused = [j.id for j in jobs if stored[j.id] != (j.source, j.task)]
+            if reused:  # leaving the block rolls the inserts back
+                raise JobIdReused(list(dict.fromkeys(reused)))
+        return {i: (found[i].status if i in found else None) for i in ids}
+
+    def discard_queued(self, job_ids: Sequence[str]) -> int:
+        """Delete rows recorded by enqueue whose message was never sent (the broker failed):
+        only rows still `queued` and never claimed, so a job a worker took is never lost."""
+        if not job_ids:
+            return 0
+        stmt = delete(ocr_jobs).where(
+            ocr_jobs.c.id.in_(list(job_ids)),
+            ocr_jobs.c.status == "queued",
+            ocr_jobs.c.attempts == 0,
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount
+
+    def page(
+        self,
+        statuses: Sequence[str] = (),
+        created_after: dt.datetime | None = None,
+        created_before: dt.datetime | None = None,
+        limit: int = 50,
+        after: tuple[dt.datetime, str] | None = None,
+    ) -> Page:
+        """Jobs newest first, filtered; `after` is the previous page's `next_after` (keyset
+        paging: stable while new jobs arrive, and each page is one index range scan)."""
+        stmt = select(ocr_jobs)
+        if statuses:
+            stmt = stmt.where(ocr_jobs.c.status.in_(list(statuses)))
+        if created_after is not None:
+            stmt = stmt.where(ocr_jobs.c.created_at >= created_after)
+        if created_before is not None:
+            stmt = stmt.where(ocr_jobs.c.created_at < created_before)
+        if after is not None:
+            stmt = stmt.where(tuple_(ocr_jobs.c.created_at, ocr_jobs.c.id) < tuple_(*after))
+        stmt = stmt.order_by(ocr_jobs.c.created_at.desc(), ocr_jobs.c.id.desc()).limit(limit + 1)
+        with self.engine.connect() as conn:
+            rows = [dict(r) for r in conn.execute(stmt).mappings()]
+        more = len(rows) > limit
+        rows = rows[:limit]
+        last = rows[-1] if more else None
+        return Page(rows, (last["created_at"], last["id"]) if last else None)
 
     def claim(
         self, job_id: str, task: str, source: str, worker: str, max_attempts: int | None = None
@@ -125,7 +257,10 @@ class JobStore:
                     worker=worker,
                 )
             )
-        return Claim(run=True)
+        created = row["created_at"]
+        if created is not None and created.tzinfo is None:  # SQLite keeps no time zone
+            created = created.replace(tzinfo=dt.UTC)
+        return Claim(run=True, created_at=created)
 
     def finish(self, job_id: str, **fields: Any) -> bool:
         """Store a final status; never overwrites a done row. Returns whether a row changed."""
@@ -165,4 +300,28 @@ def public_view(row: dict[str, Any]) -> dict[str, Any]:
         "lines": row.get("lines") or [],
         "error": row.get("error"),
         "truncated": row.get("truncated"),  # None | "max_tokens" | "repetition"
+    }
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def full_view(row: dict[str, Any]) -> dict[str, Any]:
+    """Everything a job's row says, for `GET /jobs/{id}` and `ocrq status --json`: the public
+    view plus task, timings, engine, worker, attempts, batch and image facts."""
+    return {
+        **public_view(row),
+        "task": row.get("task"),
+        "max_pixels": row.get("max_pixels"),
+        "engine": row.get("engine"),
+        "worker": row.get("worker"),
+        "attempts": row.get("attempts"),
+        "batch_id": row.get("batch_id"),
+        "sha256": row.get("sha256"),
+        "width": row.get("width"),
+        "height": row.get("height"),
+        "created_at": _iso(row.get("created_at")),
+        "started_at": _iso(row.get("started_at")),
+        "finished_at": _iso(row.get("finished_at")),
     }

@@ -110,6 +110,15 @@ class EngineCore(ABC):
     def cost_model(self) -> CostModel:
         """The memory model the planner uses (its default; `ocrq tune` may measure another)."""
 
+    def preferred_max_batch(self) -> int:
+        """Images per batch this engine wants at most when the user sets no cap (after `load`).
+
+        Why the engine says it: a GPU engine needs batches of 64-256 rows to use the device
+        (bench/results/decode_speed_h200.md), a CPU engine gains nothing past a few dozen and
+        only holds more decoded images; the memory budget still decides each batch below it.
+        """
+        return 32
+
     def prepare(self, item: PreparedImage) -> None:  # noqa: B027 - optional hook
         """CPU preprocessing worth doing in the prefetch threads, off the device's critical path.
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ocrq.models.base import Engine, OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, GiB
+from ocrq.worker import metrics
 from ocrq.worker.downscaling import Downscaler
 from ocrq.worker.governor import BudgetGovernor
 from ocrq.worker.planner import Plan, ShrinkRule, plan
@@ -58,6 +59,8 @@ class ItemOutcome:
     error: BaseException | None
     batch_id: str
     engine: str
+    waited_s: float = 0.0  # from `submit` to its batch's start: the wait for a batch
+    run_s: float = 0.0  # its batch's engine time (OOM splits and retries included)
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,14 @@ class BatchRecord:
     oom_events: int = 0
     budget_bytes: int = 0
     deferred: int = 0  # images left waiting when it was planned (the plan's `deferred`)
+    measured_peak_bytes: int | None = None  # the engine's peak during it (memory_of(engine))
 
 
 @dataclass(frozen=True)
 class _Entry:
     row: Row
     future: Future[ItemOutcome]
+    submitted: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -208,7 +213,9 @@ class Batcher:
                 waiting = self._state.waiting
                 for shrink in decided.downscale:
                     old = waiting[shrink.key]
-                    waiting[shrink.key] = _Entry(old.row.shrunk(shrink, downscaler), old.future)
+                    waiting[shrink.key] = _Entry(
+                        old.row.shrunk(shrink, downscaler), old.future, old.submitted
+                    )
                     log_downscale(old.row.item, waiting[shrink.key].row.item, "to fit the budget")
                 for refusal in decided.refused:
                     entry = waiting.pop(refusal.key)
@@ -221,37 +228,51 @@ class Batcher:
 
     def _execute(self, batch: dict[str, _Entry], decided: Plan) -> None:
         batch_id = str(uuid.uuid4())
-        started = time.monotonic()
         entries = list(batch.values())
         ooms_before = self.oom_events
         failed = 0
+        watching = self._reset_peak()
+        metrics.BATCH_SINCE.set(time.time())
+        started = time.monotonic()
+
+        def outcome(entry: _Entry, result: OcrResult | None, error: BaseException | None) -> None:
+            waited, ran = started - entry.submitted, time.monotonic() - started
+            _resolve(
+                entry.future,
+                ItemOutcome(result, error, batch_id, self.engine.name, waited, ran),
+            )
+
         try:
             results = self.executor.run({k: e.row for k, e in batch.items()})
             for entry, res in zip(entries, results, strict=True):
                 if isinstance(res, BaseException):
                     failed += 1
-                    outcome = ItemOutcome(None, res, batch_id, self.engine.name)
+                    outcome(entry, None, res)
                 else:
-                    outcome = ItemOutcome(res, None, batch_id, self.engine.name)
-                _resolve(entry.future, outcome)
+                    outcome(entry, res, None)
         except BaseException as exc:  # the whole batch failed: every member learns why
             log.exception("batch %s of %d images failed", batch_id, len(entries))
             for entry in entries:
-                if _resolve(entry.future, ItemOutcome(None, exc, batch_id, self.engine.name)):
+                if not entry.future.done():
                     failed += 1
+                    outcome(entry, None, exc)
         finally:
+            metrics.BATCH_SINCE.set(0)
+            ended = time.monotonic()
+            peak = self._peak() if watching else None
             ooms = self.oom_events - ooms_before
             self.executor.finished(ooms)
             record = BatchRecord(
                 batch_id,
                 len(entries),
                 started,
-                time.monotonic(),
+                ended,
                 decided.predicted_bytes,
                 failed,
                 ooms,
                 self.budget_bytes,
                 len(decided.deferred),
+                peak,
             )
             self.records.append(record)
             if self._on_batch is not None:
@@ -259,6 +280,21 @@ class Batcher:
                     self._on_batch(record)
                 except Exception:
                     log.exception("on_batch hook failed")
+
+    def _reset_peak(self) -> bool:
+        """Start a peak-memory window for the batch (the planned-vs-measured metric); whether
+        the engine's memory can be watched here."""
+        try:
+            self.executor.memory.reset_peak_memory()
+        except Exception:
+            return False
+        return True
+
+    def _peak(self) -> int | None:
+        try:
+            return self.executor.memory.peak_memory_bytes()
+        except Exception:
+            return None
 
 
 def _resolve(future: Future[ItemOutcome], outcome: ItemOutcome) -> bool:

@@ -65,6 +65,7 @@ def make_app(settings: Settings) -> Celery:
 @signals.worker_ready.connect
 def _load_engine_at_start(**_: object) -> None:
     """Load the model before the first message, so a missing model fails at start-up."""
+    from ocrq.worker import metrics
     from ocrq.worker.lifecycle import request_recycle, startup_failed
     from ocrq.worker.runtime import get_runtime
 
@@ -72,6 +73,16 @@ def _load_engine_at_start(**_: object) -> None:
         get_runtime(on_recycle=request_recycle)
     except Exception as exc:  # a missing model or bad settings: stop now, loudly
         startup_failed(exc)
+        return
+    metrics.READY.set(1)
+
+
+@signals.worker_shutting_down.connect
+def _not_ready(**_: object) -> None:
+    """A warm shutdown (a recycle, SIGTERM) stops consuming: not ready from now on."""
+    from ocrq.worker import metrics
+
+    metrics.READY.set(0)
 
 
 @signals.worker_shutdown.connect

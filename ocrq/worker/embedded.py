@@ -63,10 +63,9 @@ def run_paths(
     runtime = build_runtime(settings, store=store, worker_name="embedded")
     counts = {"done": 0, "failed": 0}
     try:
-        with ThreadPoolExecutor(settings.concurrency, thread_name_prefix="ocrq-fetch") as pool:
-            for outcome in _in_order(
-                pool, files, runtime.runner.process, task, settings.concurrency
-            ):
+        threads = runtime.task_threads
+        with ThreadPoolExecutor(threads, thread_name_prefix="ocrq-fetch") as pool:
+            for outcome in _in_order(pool, files, runtime.runner.process, task, threads):
                 counts[outcome.status] = counts.get(outcome.status, 0) + 1
                 on_result(outcome)
     finally:

@@ -21,6 +21,7 @@ from sqlalchemy import Engine
 
 from ocrq.core import workers_table
 from ocrq.core.settings import Settings
+from ocrq.worker import metrics
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Heartbeat:
     def start(self) -> Heartbeat:
         """Register now, then beat in the thread (which keeps trying if the database is down:
         a worker that never registered is only recovered by the visibility timeout)."""
+        metrics.HEARTBEAT_AT.set(time.time())
         try:
             workers_table.beat(self.db, self.name)
             self._healthy_since = time.monotonic()
@@ -86,6 +88,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            metrics.HEARTBEAT_AT.set(time.time())  # liveness: this process's threads run
             try:
                 workers_table.beat(self.db, self.name)
             except Exception as exc:

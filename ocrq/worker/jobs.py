@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -24,7 +24,7 @@ from tenacity import (
 
 from ocrq.core.contract import TASKS, JobRequest, canonical_job_id
 from ocrq.core.settings import Settings
-from ocrq.core.store import Claim, JobStore, public_view
+from ocrq.core.store import Claim, JobStore, now, public_view
 from ocrq.models.base import Engine, PreparedImage
 from ocrq.worker import images, metrics
 from ocrq.worker.batcher import Batcher
@@ -43,6 +43,8 @@ class JobOutcome:
     error: str | None = None
     already_done: bool = False
     truncated: str | None = None  # why the text ended early: "max_tokens", "repetition"
+    batch_id: str | None = None  # the batch that ran it (Flower shows it in the task result)
+    batch_wait_s: float | None = None  # how long it waited for that batch to start
 
     @classmethod
     def of_row(cls, job_id: str, source: str, row: dict[str, Any], status: str) -> JobOutcome:
@@ -110,6 +112,7 @@ class JobRunner:
         self.worker_name = worker_name
         # Caps decoded images held at once (prefetched + in the running batch): memory stays
         # bounded however many task threads there are.
+        self.prefetch_images = prefetch_images
         self._decoded = threading.BoundedSemaphore(prefetch_images)
         # While the database is down, results wait in this thread (and the message stays
         # unacked) rather than being dropped or acked without a row.
@@ -160,6 +163,7 @@ class JobRunner:
 
     def _process(self, request: JobRequest, source: str) -> JobOutcome:
         task = request.task if request.task in TASKS else "custom"
+        started = now()
         claim = self._db(self.store.claim)(
             request.job_id,
             request.task,
@@ -169,6 +173,8 @@ class JobRunner:
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
+        if claim.created_at is not None:  # the producer's row: when the job was enqueued
+            metrics.observe_stage("queue_wait", (started - claim.created_at).total_seconds())
         # One deadline for the whole wait: a slot for the decoded image, then the batch. The
         # fetch is bounded by the intake's own deadline. Celery's task time limits do not work
         # with the threads pool, so this is the task time limit.
@@ -176,10 +182,12 @@ class JobRunner:
         deadline = time.monotonic() + timeout
         if not self._decoded.acquire(timeout=timeout):
             return self._fail(request.job_id, source, _timed_out(timeout))
+        metrics.IN_FLIGHT.inc()
         release_slot = True
         try:
             try:
-                loaded = images.load(request.image, self.settings, self.engine.max_pixels)
+                with metrics.stage_timer("fetch_decode"):
+                    loaded = images.load(request.image, self.settings, self.engine.max_pixels)
                 item = PreparedImage(
                     key=request.job_id,
                     image=loaded.image,
@@ -188,7 +196,8 @@ class JobRunner:
                     prompt=request.prompt,
                     max_pixels=request.max_pixels,
                 )
-                self.engine.prepare(item)  # CPU preprocessing, here in the prefetch thread
+                with metrics.stage_timer("preprocess"):
+                    self.engine.prepare(item)  # CPU preprocessing, here in the prefetch thread
             except Exception as exc:  # bad image, or one the engine's preprocessing refuses
                 message = (
                     str(exc)
@@ -208,12 +217,15 @@ class JobRunner:
             except FutureTimeout:
                 # The batch goes on and its result is dropped; the image still counts against
                 # the decoded-image cap until the batcher lets go of it.
-                future.add_done_callback(lambda _: self._decoded.release())
+                future.add_done_callback(lambda _: self._release_slot())
                 release_slot = False
                 return self._fail(request.job_id, source, _timed_out(timeout), **image_fields)
         finally:
             if release_slot:
-                self._decoded.release()
+                self._release_slot()
+        metrics.observe_stage("batch_wait", outcome.waited_s)
+        metrics.observe_stage("gpu", outcome.run_s)
+        batch = {"batch_id": outcome.batch_id or None, "batch_wait_s": round(outcome.waited_s, 4)}
         common = {
             **image_fields,
             "engine": outcome.engine,
@@ -221,18 +233,20 @@ class JobRunner:
         }
         if outcome.error is not None or outcome.result is None:
             message = f"{type(outcome.error).__name__}: {outcome.error}"
-            return self._fail(request.job_id, source, message, **common)
+            failed = self._fail(request.job_id, source, message, **common)
+            return replace(failed, **batch)
         lines = [line.as_json() for line in outcome.result.lines]
-        self._db(self.store.finish)(
-            request.job_id,
-            status="done",
-            text=outcome.result.text,
-            lines=lines,
-            error=None,
-            truncated=outcome.result.truncated,
-            **common,
-        )
-        metrics.JOBS.labels("done").inc()
+        with metrics.stage_timer("store"):
+            self._db(self.store.finish)(
+                request.job_id,
+                status="done",
+                text=outcome.result.text,
+                lines=lines,
+                error=None,
+                truncated=outcome.result.truncated,
+                **common,
+            )
+        metrics.JOBS.labels("done", self.engine.name).inc()
         return JobOutcome(
             request.job_id,
             source,
@@ -240,7 +254,12 @@ class JobRunner:
             outcome.result.text,
             lines,
             truncated=outcome.result.truncated,
+            **batch,
         )
+
+    def _release_slot(self) -> None:
+        self._decoded.release()
+        metrics.IN_FLIGHT.dec()
 
     def _not_run(self, job_id: str, source: str, claim: Claim) -> JobOutcome:
         """A claim that said no: already done, the id taken by another image, or out of tries."""
@@ -251,7 +270,7 @@ class JobRunner:
         # Nothing is written: a reused id's row belongs to its first image, and a job out of
         # attempts was failed by the claim itself.
         log.warning("job %s refused: %s", job_id, claim.error)
-        metrics.JOBS.labels("failed").inc()
+        metrics.JOBS.labels("failed", self.engine.name).inc()
         return JobOutcome(job_id, source, "failed", error=claim.error)
 
     def reject(self, job_id: Any, source: str, task: str, message: str) -> None:
@@ -279,6 +298,7 @@ class JobRunner:
 
     def _fail(self, job_id: str, source: str, message: str, **fields: Any) -> JobOutcome:
         log.warning("job %s failed: %s", job_id, message)
-        self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
-        metrics.JOBS.labels("failed").inc()
+        with metrics.stage_timer("store"):
+            self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
+        metrics.JOBS.labels("failed", self.engine.name).inc()
         return JobOutcome(job_id, source, "failed", error=message)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,10 +64,12 @@ def request_recycle(reason: str) -> None:
         metrics.RECYCLES.labels(reason.split(" ")[0]).inc()
 
 
-def startup_failed(exc: BaseException) -> None:
-    """The engine could not be loaded: exit with a code that tells supervisors not to retry."""
+def startup_failed(exc: BaseException, *, signal_self: bool = True) -> None:
+    """The engine could not be loaded: exit with a code that tells supervisors not to retry.
+    `signal_self=False` before Celery runs: the caller returns the code itself."""
     log.critical("worker cannot start: %s: %s", type(exc).__name__, exc)
-    _request_exit(STARTUP_FAILED_EXIT_CODE, f"startup failed: {exc}")
+    if signal_self:
+        _request_exit(STARTUP_FAILED_EXIT_CODE, f"startup failed: {exc}")
 
 
 def check_database(settings: Settings) -> int | None:
@@ -142,7 +146,6 @@ def child_env(
     base: Mapping[str, str],
     given: Mapping[str, object],
     gpu: Gpu | None = None,
-    index: int = 0,
 ) -> dict[str, str]:
     """The environment a worker process is started with: `base` (the supervisor's), plus the
     options given on the command line as their OCRQ_* variables, plus, on one GPU of several,
@@ -151,8 +154,8 @@ def child_env(
     On a GPU: CUDA_VISIBLE_DEVICES names it alone (so its engine, its default memory budget and
     its tuned profile, keyed by the device's name, are that GPU's); CUDA_DEVICE_ORDER=PCI_BUS_ID
     unless set, so indices are nvidia-smi's; OCRQ_DEVICE `auto` becomes `cuda:0`, so a GPU that
-    is not there fails at start-up (exit 78) instead of running the model on the CPU; a metrics
-    port is offset by the child's index, so the children do not fight over one port.
+    is not there fails at start-up (exit 78) instead of running the model on the CPU. (Metrics:
+    the supervisor serves each child's, see `supervise`.)
     """
     env = {**base, **{f"OCRQ_{k.upper()}": str(v) for k, v in given.items() if v is not None}}
     if gpu is None:
@@ -168,9 +171,6 @@ def child_env(
             f"OCRQ_DEVICE={device} with --gpus: each worker sees only its own GPU, as cuda:0; "
             "leave OCRQ_DEVICE unset (auto)"
         )
-    port = env.get("OCRQ_METRICS_PORT", "").strip()
-    if port.isdigit():
-        env["OCRQ_METRICS_PORT"] = str(int(port) + index)
     return env
 
 
@@ -187,10 +187,10 @@ def worker_children(
     return [
         Child(
             (*argv, "--hostname", node_with_label(node, gpu.label)),
-            child_env(base_env, given, gpu, index),
+            child_env(base_env, given, gpu),
             gpu.label,
         )
-        for index, gpu in enumerate(gpus)
+        for gpu in gpus
     ]
 
 
@@ -199,7 +199,38 @@ def _say(child: Child, message: str) -> None:
     print(prefix + message, file=sys.stderr, flush=True)
 
 
-def supervise(children: Sequence[Child], max_crash_backoff_s: float = 30.0) -> int:
+class _Metrics:
+    """The supervisor's side of a child's metrics and health (ocrq/worker/metrics.py): a
+    multiprocess folder the child's processes write to, served by this process on `port`, so
+    counters outlive recycles. One per child: with --gpus each GPU's worker has its own port
+    (OCRQ_METRICS_PORT + its index), so its health and figures are its own."""
+
+    def __init__(self, settings: Settings, port: int, alive: Callable[[], bool]) -> None:
+        from ocrq.worker import monitor
+
+        self.folder = tempfile.mkdtemp(prefix="ocrq-metrics-")  # fresh: no stale files summed
+        registry = monitor.multiprocess_registry(self.folder)
+        monitor.serve(
+            monitor.Monitor(registry, settings, process_alive=alive), port, settings.metrics_address
+        )
+
+    def child_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        out = {k: v for k, v in env.items() if k.upper() != "OCRQ_METRICS_PORT"}
+        out["PROMETHEUS_MULTIPROC_DIR"] = self.folder
+        return out
+
+    def exited(self, pid: int) -> None:  # its gauges go; its counters and histograms stay
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, self.folder)
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def supervise(
+    children: Sequence[Child], settings: Settings | None = None, max_crash_backoff_s: float = 30.0
+) -> int:
     """Keep each child running: start it again after a recycle or a crash, on its own.
 
     Each child has a thread that starts it, waits for it and decides; the children's fates are
@@ -211,10 +242,24 @@ def supervise(children: Sequence[Child], max_crash_backoff_s: float = 30.0) -> i
     database) stops every child the same way, so the supervisor then exits 78 too. SIGTERM/SIGINT
     are forwarded to every child (a warm shutdown each) and the supervisor returns once all have
     exited. The exit code is the first failure's (78 if a child gave up), else 0.
+    With `settings.metrics_port`, this process serves each child's metrics and health (`_Metrics`).
     """
     stopping = threading.Event()
     running: dict[int, subprocess.Popen[bytes]] = {}
     lock = threading.Lock()  # taken by the child threads and the handler, never held by main
+
+    def alive(slot: int) -> Callable[[], bool]:
+        def check() -> bool:
+            proc = running.get(slot)
+            return proc is not None and proc.poll() is None
+
+        return check
+
+    served: list[_Metrics | None] = [None] * len(children)
+    if settings is not None and settings.metrics_port is not None:
+        served = [
+            _Metrics(settings, settings.metrics_port + i, alive(i)) for i in range(len(children))
+        ]
 
     def forward(signum: int, _frame: object) -> None:
         stopping.set()
@@ -227,10 +272,12 @@ def supervise(children: Sequence[Child], max_crash_backoff_s: float = 30.0) -> i
     def keep(slot: int, child: Child) -> int:
         backoff = 1.0
         recycles = 0
+        watch = served[slot]
+        env = dict(child.env) if watch is None else watch.child_env(child.env)
         while True:
             started = time.monotonic()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "ocrq.worker.main", *child.argv], env=dict(child.env)
+                [sys.executable, "-m", "ocrq.worker.main", *child.argv], env=env
             )
             with lock:
                 running[slot] = proc
@@ -240,6 +287,8 @@ def supervise(children: Sequence[Child], max_crash_backoff_s: float = 30.0) -> i
             code = proc.wait()
             with lock:
                 running.pop(slot, None)
+            if watch is not None:
+                watch.exited(proc.pid)
             if stopping.is_set():
                 return 0 if code in (0, RECYCLE_EXIT_CODE, -signal.SIGTERM) else code
             if code == STARTUP_FAILED_EXIT_CODE:
@@ -276,20 +325,27 @@ def supervise(children: Sequence[Child], max_crash_backoff_s: float = 30.0) -> i
         for i, c in enumerate(children)
     ]
     if any(c.label for c in children):
+        port = settings.metrics_port if settings is not None else None
         gpus = (
-            f"{c.label} (CUDA_VISIBLE_DEVICES={c.env.get('CUDA_VISIBLE_DEVICES')})"
-            for c in children
+            f"{c.label} (CUDA_VISIBLE_DEVICES={c.env.get('CUDA_VISIBLE_DEVICES')}"
+            + (f", metrics on :{port + i})" if port is not None else ")")
+            for i, c in enumerate(children)
         )
         print(
             "ocrq supervisor: one worker process per GPU: " + ", ".join(gpus),
             file=sys.stderr,
             flush=True,
         )
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        while thread.is_alive():
-            thread.join(0.5)  # short waits: the signal handler runs in this thread
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)  # short waits: the signal handler runs in this thread
+    finally:
+        for watch in served:
+            if watch is not None:
+                watch.close()
     failed = [c for c in codes if c]
     if STARTUP_FAILED_EXIT_CODE in failed:
         return STARTUP_FAILED_EXIT_CODE

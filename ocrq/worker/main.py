@@ -10,11 +10,13 @@ once, from the environment the supervisor built for it (or handed in by `ocrq wo
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 from collections.abc import Sequence
 
 from ocrq.core.settings import Settings
-from ocrq.worker import lifecycle, runtime
+from ocrq.worker import lifecycle, metrics, runtime
 
 
 def node_name(argv: Sequence[str]) -> str | None:
@@ -35,14 +37,48 @@ def node_name(argv: Sequence[str]) -> str | None:
 
 def run(argv: Sequence[str], settings: Settings) -> int:
     """Checks, then the Celery worker with these settings; the process's exit code."""
+    metrics.STARTED_AT.set(time.time())
+    if settings.metrics_port is not None:  # --no-supervise (a supervisor serves its children)
+        serve_own_metrics(settings)
+    # Batches of varying shapes fragment PyTorch's caching allocator: on an H200 a worker held
+    # 32.8 GiB reserved but unallocated beside 104.7 GiB of tensors and hit an out-of-memory
+    # error at a planned 105.9 GiB (bench/results/service_gpu_h200_run1.md). Expandable
+    # segments let freed blocks grow into one another. A value the user set is kept.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     refused = lifecycle.preflight(settings)
     if refused is not None:
         return refused
     # The engine, batcher and heartbeat are built from these.
     runtime.configure(settings, node=node_name(argv))
+    argv = list(argv)
+    if "--concurrency" not in argv:
+        # The thread count follows the batch cap, known once the engine has loaded; so load it
+        # before Celery starts (a missing model fails here, as it did at worker_ready).
+        try:
+            threads = runtime.get_runtime(on_recycle=lifecycle.request_recycle).task_threads
+        except Exception as exc:
+            lifecycle.startup_failed(exc, signal_self=False)
+            return lifecycle.STARTUP_FAILED_EXIT_CODE
+        logging.getLogger(__name__).info("task threads: %d (from the batch cap)", threads)
+        argv += ["--concurrency", str(threads)]
     from ocrq.worker.celery_app import make_app  # after the checks: nothing is consumed before them
 
     return lifecycle.run_celery(make_app(settings), argv)
+
+
+def serve_own_metrics(settings: Settings) -> None:
+    """/metrics, /healthz, /readyz of this process, from its start (probes then say
+    "starting"), on the port a supervisor would otherwise serve them on."""
+    from prometheus_client import REGISTRY
+
+    from ocrq.worker import monitor
+
+    multiproc = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    registry = monitor.multiprocess_registry(multiproc) if multiproc else REGISTRY
+    assert settings.metrics_port is not None
+    monitor.serve(
+        monitor.Monitor(registry, settings), settings.metrics_port, settings.metrics_address
+    )
 
 
 def main(argv: Sequence[str]) -> int:

@@ -1,29 +1,126 @@
-"""Prometheus metrics of a worker process; served on OCRQ_METRICS_PORT when it is set."""
+"""Prometheus metrics of a worker process, and the stages a job's latency is split into.
+
+Why multiprocess-aware: under `ocrq worker` (supervised) each worker process is recycled after
+`OCRQ_MAX_IMAGES`, and counters kept in its memory would die with it. The supervisor gives each
+child a `PROMETHEUS_MULTIPROC_DIR` (ocrq/worker/lifecycle.py); prometheus-client then keeps every
+value in a file per process there, and the supervisor, which outlives recycles, serves their sum
+(ocrq/worker/monitor.py). Counters and histograms of exited processes stay counted; gauges are
+`live*` modes, so an exited process's gauges vanish once the supervisor marks it dead. Under
+`--no-supervise` the process serves its own values: its orchestrator restarts the whole
+container, and Prometheus' `rate()` / `increase()` handle the counter reset.
+
+Names are listed in README "Metrics and health"; keep the two together.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from ocrq.core.settings import Settings
+from prometheus_client import Counter, Gauge, Histogram
 
-JOBS = Counter("ocrq_jobs_total", "Jobs finished by this worker", ["status"])
+# The stages of one job, in order; `ocrq_stage_seconds{stage=...}` observes each once per job,
+# so the means add up to the job's end-to-end time (gpu = the engine time of its batch).
+STAGES = ("queue_wait", "fetch_decode", "preprocess", "batch_wait", "gpu", "store", "ack")
+# 1 ms .. 1 h: a rapid image's preprocess is milliseconds, a queue wait under load is minutes.
+STAGE_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
+    120.0, 300.0, 600.0, 1800.0, 3600.0,
+)  # fmt: skip
+
+JOBS = Counter("ocrq_jobs_total", "Jobs finished by this worker", ["status", "engine"])
+STAGE_SECONDS = Histogram(
+    "ocrq_stage_seconds", "Seconds one job spent in each stage", ["stage"], buckets=STAGE_BUCKETS
+)
 BATCHES = Counter("ocrq_batches_total", "Engine batches run")
 BATCH_SIZE = Histogram(
-    "ocrq_batch_images", "Images per batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
+    "ocrq_batch_images", "Images per batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 )
-BATCH_SECONDS = Histogram("ocrq_batch_seconds", "Engine time per batch")
-# The planner's `deferred`: images that waited on when the last batch was planned. Above zero
-# with batches below OCRQ_MAX_BATCH, the memory budget (not the count) is what closes batches.
-DEFERRED = Gauge("ocrq_batch_deferred_images", "Images left waiting by the last batch planned")
-BUDGET_BYTES = Gauge("ocrq_batch_budget_bytes", "Memory budget batches are planned to now")
+BATCH_SECONDS = Histogram("ocrq_batch_seconds", "Engine time per batch", buckets=STAGE_BUCKETS)
 RECYCLES = Counter("ocrq_recycles_total", "Worker recycles requested", ["reason"])
 OOM_EVENTS = Counter("ocrq_oom_events_total", "Device out-of-memory events recovered from")
 
+# Gauges: the value of the live worker process (livemax / livesum over its one process).
+# The planner's `deferred`: images that waited on when the last batch was planned. Above zero
+# with batches below OCRQ_MAX_BATCH, the memory budget (not the count) is what closes batches.
+DEFERRED = Gauge(
+    "ocrq_batch_deferred_images",
+    "Images left waiting by the last batch planned",
+    multiprocess_mode="livemax",
+)
+BUDGET_BYTES = Gauge(
+    "ocrq_batch_budget_bytes",
+    "Memory budget batches are planned to now (lowered after an OOM)",
+    multiprocess_mode="livemax",
+)
+CONFIGURED_BUDGET_BYTES = Gauge(
+    "ocrq_batch_configured_budget_bytes",
+    "Memory budget the worker was configured with (above the fixed part)",
+    multiprocess_mode="livemax",
+)
+PLANNED_PEAK_BYTES = Gauge(
+    "ocrq_batch_planned_peak_bytes",
+    "Peak memory the cost model predicted for the last batch (fixed part included)",
+    multiprocess_mode="livemax",
+)
+MEASURED_PEAK_BYTES = Gauge(
+    "ocrq_batch_measured_peak_bytes",
+    "Peak memory measured during the last batch (device tensors, or host RSS for CPU engines)",
+    multiprocess_mode="livemax",
+)
+IN_FLIGHT = Gauge(
+    "ocrq_images_in_flight",
+    "Decoded images held: prefetched, waiting for a batch, or in the running batch",
+    multiprocess_mode="livesum",
+)
+GPU_BYTES = Gauge(
+    "ocrq_gpu_memory_bytes",
+    "torch.cuda memory after the last batch (kind: allocated | reserved)",
+    ["kind"],
+    multiprocess_mode="livemax",
+)
+# Health (ocrq/worker/health.py reads these back, in this process or through the supervisor).
+READY = Gauge(
+    "ocrq_worker_ready", "1 once the engine is loaded and consuming", multiprocess_mode="livemax"
+)
+STARTED_AT = Gauge(
+    "ocrq_worker_started_timestamp_seconds",
+    "When the worker process started",
+    multiprocess_mode="livemax",
+)
+HEARTBEAT_AT = Gauge(
+    "ocrq_worker_heartbeat_timestamp_seconds",
+    "Last tick of the worker process's heartbeat thread (whether or not the database answered)",
+    multiprocess_mode="livemax",
+)
+BATCH_SINCE = Gauge(
+    "ocrq_batch_running_since_timestamp_seconds",
+    "When the batch running now started; 0 while the engine is idle",
+    multiprocess_mode="livemax",
+)
 
-def serve(settings: Settings) -> bool:
-    """Serve this process's metrics on `settings.metrics_port` (the one place it is read);
-    whether a server was started."""
-    if settings.metrics_port is None:
-        return False
-    start_http_server(settings.metrics_port)
-    return True
+
+def observe_stage(stage: str, seconds: float) -> None:
+    STAGE_SECONDS.labels(stage).observe(max(0.0, seconds))
+
+
+@contextmanager
+def stage_timer(stage: str) -> Iterator[None]:
+    """Observe the time the block took as `stage` (also when it raises)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        observe_stage(stage, time.perf_counter() - t)
+
+
+def sample_gpu_memory() -> None:
+    """torch.cuda's allocated/reserved bytes, when this process has initialised CUDA (never
+    imports torch or initialises CUDA itself: a CPU worker stays without them)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    GPU_BYTES.labels("allocated").set(torch.cuda.memory_allocated())
+    GPU_BYTES.labels("reserved").set(torch.cuda.memory_reserved())

@@ -37,6 +37,11 @@ class Runtime:
     recycler: Recycler | None = None
     heartbeat: Heartbeat | None = None
 
+    @property
+    def task_threads(self) -> int:
+        """How many task threads keep this runtime's batches full (see `task_threads`)."""
+        return task_threads(self.settings, self.runner.prefetch_images)
+
     def close(self) -> None:
         self.batcher.stop()
         self.engine.close()
@@ -62,8 +67,27 @@ def batch_config(settings: Settings, engine: Engine, model: CostModel | None = N
     else:
         budget = memory_of(engine).default_budget_bytes()
     return BatchConfig(
-        max_items=settings.max_batch, wait_s=settings.batch_wait_ms / 1000, budget_bytes=budget
+        max_items=settings.max_batch or engine.preferred_max_batch(),
+        wait_s=settings.batch_wait_ms / 1000,
+        budget_bytes=budget,
     )
+
+
+FETCH_HEADROOM = 8  # task threads beyond the decoded-image cap: claiming and fetching the next
+
+
+def task_threads(settings: Settings, prefetch_images: int) -> int:
+    """Celery task threads for a worker holding `prefetch_images` decoded images at once.
+
+    Why from the batch cap rather than a fixed 16: a thread holds its image from the claim to
+    the ack, so the threads are the images in flight; with fewer than two batches' worth the
+    batcher runs short batches while the GPU wants 64-256 rows (on an H200 the defaults of 16
+    threads took 72.7 s for 486 jobs, 512 threads 46.7 s: issue 13). Threads beyond the
+    decoded-image cap only wait on its semaphore, so the cap, not the threads, bounds memory.
+    """
+    if settings.concurrency is not None:
+        return settings.concurrency
+    return prefetch_images + FETCH_HEADROOM
 
 
 def recycle_policy(settings: Settings) -> RecyclePolicy:
@@ -94,7 +118,13 @@ def build_runtime(
     if on_recycle is not None:
         fragmentation = memory_of(engine).fragmentation_bytes
         recycler = Recycler(recycle_policy(settings), on_recycle, fragmentation=fragmentation)
-    hooks: list[Callable[[BatchRecord], None]] = [_log_batch, _count_batch]
+    fixed = choice.model.fixed_bytes
+    metrics.CONFIGURED_BUDGET_BYTES.set(config.budget_bytes)
+    metrics.BUDGET_BYTES.set(config.budget_bytes)
+    hooks: list[Callable[[BatchRecord], None]] = [
+        _log_batch,
+        lambda record: _count_batch(record, fixed),
+    ]
     if recycler is not None:
         hooks.append(recycler.after_batch)
 
@@ -131,12 +161,16 @@ def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
     ).start()
 
 
-def _count_batch(record: BatchRecord) -> None:
+def _count_batch(record: BatchRecord, fixed_bytes: int) -> None:
     metrics.BATCHES.inc()
     metrics.BATCH_SIZE.observe(record.size)
     metrics.BATCH_SECONDS.observe(record.ended - record.started)
     metrics.DEFERRED.set(record.deferred)
     metrics.BUDGET_BYTES.set(record.budget_bytes)
+    metrics.PLANNED_PEAK_BYTES.set(fixed_bytes + record.predicted_bytes)
+    if record.measured_peak_bytes is not None:
+        metrics.MEASURED_PEAK_BYTES.set(record.measured_peak_bytes)
+    metrics.sample_gpu_memory()
 
 
 def _log_batch(record: BatchRecord) -> None:

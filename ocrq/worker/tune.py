@@ -185,16 +185,17 @@ def tune_engine(
             total = resolve_budget(engine, budget_gib, budget_fraction)
         except ValueError as exc:
             raise BudgetError(str(exc)) from exc
+        max_batch = settings.max_batch or engine.preferred_max_batch()
         say(
             f"probing {settings.engine} within {total / GiB:.2f} GiB and {max_seconds:.0f} s "
-            f"(batches up to {settings.max_batch})"
+            f"(batches up to {max_batch})"
         )
         return tune(
             engine,
             settings.profile_dir,
             total,
             max_seconds=max_seconds,
-            max_batch=settings.max_batch,
+            max_batch=max_batch,
             on_result=lambda p: say(probe_line(p)),
         )
     finally:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,7 @@ class HunyuanDecoder:
         output_logits: bool = False,
         repetition_penalty: float = 1.0,
         guard: RepetitionGuard | None = None,
+        stop_after: Sequence[int | None] | None = None,
     ) -> Decoded:
         """Greedy tokens (B, steps) on the CPU, raw logits and the scores chosen from
         (B, steps, V) if asked, which rows the repetition guard stopped, and stats.
@@ -130,6 +132,8 @@ class HunyuanDecoder:
         `inputs` are the collated model inputs on the model's device; `tokens` says which ids
         end a row and what finished rows are padded with. `repetition_penalty` is transformers'
         (ocrq/models/hunyuan/repetition.py); `guard` stops rows whose tail loops (None: never).
+        `stop_after` (bench only, ocrq/models/hunyuan/scripted.py): per row, the new tokens
+        after which it ends at eos, or None for the model's own choice.
         """
         import torch
 
@@ -139,6 +143,12 @@ class HunyuanDecoder:
         t0 = time.perf_counter()
         with torch.inference_mode():
             state, first_logits = self._prefill(inputs, tokens, n_new, repetition_penalty)
+            if stop_after is not None and any(n is not None for n in stop_after):
+                state.eos_at = torch.tensor(
+                    [n_new if n is None else max(n, 1) - 1 for n in stop_after],
+                    dtype=torch.long,
+                    device=state.out.device,
+                )
             if output_logits:
                 state.logits, state.scores = [], []
             self._choose_first(state, first_logits, min_new)
@@ -211,6 +221,8 @@ class HunyuanDecoder:
             state.logits.append(logits.float())
             state.scores.append(scores)
         nxt = scores.argmax(-1)
+        if state.eos_at is not None:  # bench only: the scripted rows end here
+            nxt = torch.where(state.eos_at == state.kidx, state.eos[0].expand_as(nxt), nxt)
         nxt = torch.where(state.finished, torch.full_like(nxt, state.pad), nxt)
         if state.history is not None and state.hidx is not None:
             state.history.index_copy_(1, state.hidx, nxt[:, None])
@@ -225,6 +237,8 @@ class HunyuanDecoder:
 
         assert state.stopped is not None
         newly = finder(state.out[:, :n]) & ~state.finished
+        if state.eos_at is not None:  # bench only: a scripted row's length is the bench's call
+            newly &= state.eos_at >= state.out.shape[1]
         state.stopped.copy_(torch.where(newly, n, state.stopped))
         state.finished |= newly
 

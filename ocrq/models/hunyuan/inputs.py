@@ -1,13 +1,17 @@
 """One image's model inputs, made in a prefetch thread, and a batch of them padded together.
 
-Why the split: the processor (resize, patchify, tokenise) and each row's multimodal RoPE
-positions cost 35-110 ms of CPU a page, so the prefetch threads make them while the device runs
-the batch before (`Preprocessor`); the thread that feeds the device only pads rows together and
-copies them over (`collate`).
+Why the split: resizing, normalising and patchifying a page, tokenising its row and computing its
+multimodal RoPE positions cost milliseconds of CPU a page (35-110 ms through transformers'
+processor on an H200 host's core), so the prefetch threads make them while the device runs the
+batch before (`Preprocessor`); the thread that feeds the device only pads rows together and
+copies them over (`collate`). By default the rows are made by ocrq's own tensor ops
+(ocrq/models/hunyuan/pixels.py and spans.py, equal to the processor's output, the GIL released
+while they run); OCRQ_PREPROCESS=processor runs transformers' processor instead.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,18 +19,35 @@ from typing import TYPE_CHECKING, Any
 
 from ocrq.models.base import PreparedImage
 from ocrq.models.hunyuan.geometry import ImageGeometry
+from ocrq.models.hunyuan.pixels import PixelEncoder, PixelSpec
 from ocrq.models.hunyuan.prompts import PromptTemplates
+from ocrq.models.hunyuan.spans import RowSpans
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
-# Prefetch threads that may run the processor at once. Its Python holds the GIL, and the thread
-# that feeds the GPU needs the GIL to launch each batch's thousands of kernels: 16 prefetch
-# threads at once slowed a batch of 64 pages by 14-25% on the H200, 2 at once by nothing
+PREPROCESS_MODES = ("tensor", "processor")
+
+# Prefetch threads that may run transformers' processor at once. Its Python holds the GIL, and
+# the thread that feeds the GPU needs the GIL to launch each batch's thousands of kernels: 16
+# prefetch threads at once slowed a batch of 64 pages by 14-25% on the H200, 2 at once by nothing
 # measurable, while 1 could not keep up (bench/results/prefill_profile_h200.md, "Prefetch
 # beside a batch").
 PREPROCESS_SLOTS = 2
+
+
+def tensor_slots() -> int:
+    """Prefetch threads that may run the tensor path at once: one per core this process may
+    use, less one for the thread that feeds the GPU (at least 2). Its Python holds the GIL for
+    tens of microseconds between ops that release it (bench/preprocess_speed.py measures the
+    feeder's stall), so the cores, not the GIL, are the limit; more threads than cores would
+    only queue on them."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 2
+    return max(2, cores - 1)
 
 
 @dataclass
@@ -39,6 +60,8 @@ class EncodedImage:
     image_grid_thw: torch.Tensor  # (1, 3)
     # (axes, seq) multimodal RoPE positions of this row alone; None when not computed
     positions: torch.Tensor | None = None
+    # Bench only: new tokens after which the row ends as if at eos (ocrq/models/hunyuan/scripted.py)
+    stop_after: int | None = None
 
 
 class Preprocessor:
@@ -54,9 +77,13 @@ class Preprocessor:
         pin: bool,
         prompt_for: Callable[[PreparedImage], str],
         cap_of: Callable[[PreparedImage], int],
+        mode: str = "tensor",
     ) -> None:
         """`pin`: stage pixels in pinned host memory (the model is on a GPU). `prompt_for`: the
-        loaded version's instruction for an item; `cap_of`: its resolution preset in pixels."""
+        loaded version's instruction for an item; `cap_of`: its resolution preset in pixels.
+        `mode`: "tensor" (ocrq's torch ops) or "processor" (transformers' processor)."""
+        if mode not in PREPROCESS_MODES:
+            raise ValueError(f"preprocess mode must be one of {PREPROCESS_MODES}, not {mode!r}")
         self.model = model
         self.processor = processor
         self.templates = templates
@@ -64,7 +91,18 @@ class Preprocessor:
         self.pin = pin
         self.prompt_for = prompt_for
         self.cap_of = cap_of
-        self.slots = threading.BoundedSemaphore(PREPROCESS_SLOTS)
+        self.mode = mode
+        self.limit = tensor_slots() if mode == "tensor" else PREPROCESS_SLOTS
+        self.slots = threading.BoundedSemaphore(self.limit)
+        self.pixels: PixelEncoder | None = None
+        self.spans: RowSpans | None = None
+        if mode == "tensor":
+            self.pixels = PixelEncoder(
+                PixelSpec.of(processor.image_processor), geometry, dtype=model.dtype, pin=pin
+            )
+            config = model.config
+            axes = len((config.text_config.rope_parameters or {}).get("mrope_section", []))
+            self.spans = RowSpans(processor, axes, int(config.vision_config.spatial_merge_size))
 
     def __call__(self, item: PreparedImage) -> EncodedImage:
         image = item.image if item.image.mode == "RGB" else item.image.convert("RGB")
@@ -74,6 +112,21 @@ class Preprocessor:
             return self.encode(text, image)
 
     def encode(self, text: str, image: Image.Image) -> EncodedImage:
+        """The row of `text` (a templated prompt) and `image` (RGB, already capped)."""
+        if self.pixels is not None and self.spans is not None:
+            pixels, grid = self.pixels(image)
+            ids, types, positions = self.spans(text, grid)
+            return EncodedImage(
+                input_ids=ids,
+                mm_token_type_ids=types,
+                pixel_values=pixels,
+                image_grid_thw=grid,
+                positions=positions,
+            )
+        return self.encode_by_processor(text, image)
+
+    def encode_by_processor(self, text: str, image: Image.Image) -> EncodedImage:
+        """The row as transformers' processor and `get_rope_index` make it."""
         enc = self.processor(text=[text], images=[image], return_tensors="pt")
         return EncodedImage(
             input_ids=enc["input_ids"][0],

@@ -290,6 +290,7 @@ def build_checkpoint(
     del model
     if shape.version == "1.0":
         flatten_config(path / "config.json")
+    mark_random(path / "config.json")
 
     # `size`, not min_pixels/max_pixels: transformers 5.17 writes those two into the class-wide
     # default dict, changing every HunYuanVLImageProcessor built afterwards in the process.
@@ -303,6 +304,16 @@ def build_checkpoint(
     )
     processor.save_pretrained(path)
     return path
+
+
+def mark_random(config_json: Path) -> None:
+    """Say in the config that these weights are random: only such a checkpoint may end rows at
+    a bench's scripted lengths (ocrq/models/hunyuan/scripted.py)."""
+    from ocrq.models.hunyuan.scripted import RANDOM_MARK
+
+    config = json.loads(config_json.read_text())
+    config[RANDOM_MARK] = True
+    config_json.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def flatten_config(config_json: Path) -> None:

@@ -1,0 +1,286 @@
+"""The job endpoints: submit (JSON, multipart upload, raw image body, batches), read, list,
+look up many, and wait for results.
+
+Handlers are async so that a long-poll holds no thread while it sleeps; every database or
+broker call runs in the thread pool. Backend failures become 503s in http.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import datetime as dt
+import json
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from ocrq.api.client import FINAL, Client, Submitted
+from ocrq.api.schemas import (
+    Accepted,
+    BatchAccepted,
+    BatchIn,
+    JobIn,
+    JobList,
+    JobOut,
+    LookupIn,
+    Status,
+)
+from ocrq.api.uploads import CHUNK, Uploads, UploadTooLarge
+from ocrq.core.contract import canonical_job_id
+from ocrq.core.settings import Settings
+from ocrq.core.store import full_view
+
+RAW_TYPES = ("image/", "application/octet-stream")
+UPLOAD_FIELDS = ("task", "job_id", "max_pixels")
+
+# POST /jobs takes three bodies; FastAPI can declare only one, so the schema says all three.
+CREATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/JobIn"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "task": {"type": "string", "default": "text"},
+                        "job_id": {"type": "string", "format": "uuid"},
+                        "max_pixels": {"type": "integer"},
+                    },
+                }
+            },
+            "image/*": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+def _invalid(exc: ValidationError, where: str = "body") -> RequestValidationError:
+    return RequestValidationError([{**e, "loc": (where, *e.get("loc", ()))} for e in exc.errors()])
+
+
+def _job_in(data: Any, where: str = "body") -> JobIn:
+    try:
+        return JobIn.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc, where) from None
+
+
+def _encode_cursor(after: tuple[dt.datetime, str]) -> str:
+    raw = json.dumps([after[0].isoformat(), after[1]]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        stamp, job_id = json.loads(raw)
+        return dt.datetime.fromisoformat(stamp), canonical_job_id(job_id)
+    except (binascii.Error, ValueError, TypeError, json.JSONDecodeError):
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("query", "cursor"),
+                    "msg": "not a cursor from GET /jobs",
+                    "type": "value_error",
+                }
+            ]
+        ) from None
+
+
+def _utc(value: dt.datetime | None) -> dt.datetime | None:
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=dt.UTC)  # a time without a zone is UTC
+    return value
+
+
+def router(settings: Settings, client: Client) -> APIRouter:
+    api = APIRouter(tags=["jobs"])
+    uploads = (
+        Uploads(settings.upload_dir, settings.max_image_bytes) if settings.upload_dir else None
+    )
+
+    async def submit(jobs: list[JobIn]) -> list[Submitted]:
+        requests = [job.request() for job in jobs]
+        return await run_in_threadpool(client.submit_many, requests)
+
+    async def stored_upload(chunks: Any) -> str:
+        if uploads is None:
+            raise HTTPException(
+                415, "uploads are not enabled on this api (OCRQ_UPLOAD_DIR); send JSON"
+            )
+        try:
+            return str(await uploads.store(chunks))
+        except UploadTooLarge as exc:
+            raise HTTPException(413, str(exc)) from None
+
+    async def from_multipart(request: Request) -> JobIn:
+        async with request.form(max_files=1, max_fields=len(UPLOAD_FIELDS)) as form:
+            file = form.get("file")
+            if not isinstance(file, UploadFile):
+                raise RequestValidationError(
+                    [
+                        {
+                            "loc": ("body", "file"),
+                            "msg": "a file field is required",
+                            "type": "missing",
+                        }
+                    ]
+                )
+            unknown = sorted(set(form.keys()) - {"file", *UPLOAD_FIELDS})
+            if unknown:
+                raise RequestValidationError(
+                    [
+                        {"loc": ("body", k[:64]), "msg": "unknown field", "type": "extra_forbidden"}
+                        for k in unknown
+                    ]
+                )
+
+            async def chunks() -> Any:
+                while chunk := await file.read(CHUNK):
+                    yield chunk
+
+            fields = {k: form[k] for k in UPLOAD_FIELDS if isinstance(form.get(k), str)}
+            _job_in({"image": {"path": "/"}, **fields})  # fields checked before storing
+            path = await stored_upload(chunks())
+        return _job_in({"image": {"path": path}, **fields})
+
+    async def from_raw(request: Request, given: dict[str, Any]) -> JobIn:
+        fields = {k: v for k, v in given.items() if v is not None}
+        _job_in({"image": {"path": "/"}, **fields}, "query")
+        path = await stored_upload(request.stream())
+        return _job_in({"image": {"path": path}, **fields}, "query")
+
+    @api.post(
+        "/jobs",
+        status_code=202,
+        response_model=Accepted,
+        openapi_extra=CREATE_BODY,
+        responses={
+            200: {"model": Accepted, "description": "the job was already recorded (a retry)"},
+            409: {"description": "job_id already used for a different image"},
+            413: {"description": "body or image too large"},
+            415: {"description": "not JSON, multipart or an image (or uploads not enabled)"},
+            503: {"description": "Redis or PostgreSQL unavailable; nothing was recorded"},
+        },
+    )
+    async def create_job(
+        request: Request,
+        task: Annotated[str | None, Query(description="raw image bodies only")] = None,
+        job_id: Annotated[str | None, Query(description="raw image bodies only")] = None,
+        max_pixels: Annotated[int | None, Query(description="raw image bodies only")] = None,
+    ) -> JSONResponse:
+        """Submit one job: a JSON `JobIn`, a multipart upload (`file` plus optional `task`,
+        `job_id`, `max_pixels` fields) or a raw image body (`Content-Type: image/...`; those
+        fields as query parameters). Uploads are stored in OCRQ_UPLOAD_DIR under their
+        SHA-256 and sent as path jobs. 202 when recorded now, 200 for a retry of a job
+        already recorded."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind in ("", "application/json") or kind.endswith("+json"):  # as FastAPI
+            try:
+                data = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise RequestValidationError(
+                    [{"loc": ("body",), "msg": "JSON decode error", "type": "json_invalid"}]
+                ) from None
+            job = _job_in(data)
+        elif kind == "multipart/form-data":
+            job = await from_multipart(request)
+        elif kind.startswith(RAW_TYPES):
+            job = await from_raw(
+                request, {"task": task, "job_id": job_id, "max_pixels": max_pixels}
+            )
+        else:
+            raise HTTPException(415, "send application/json, multipart/form-data or image/*")
+        (done,) = await submit([job])
+        return JSONResponse(
+            Accepted(job_id=done.job_id, created=done.created, status=done.status).model_dump(),
+            status_code=202 if done.created else 200,
+        )
+
+    @api.post("/jobs/batch", status_code=202, response_model=BatchAccepted)
+    async def create_batch(batch: BatchIn) -> BatchAccepted:
+        """Submit many jobs in one request: recorded all or none (a reused `job_id` -> 409 and
+        nothing recorded), then sent; duplicate ids of the same job count once."""
+        if len(batch.jobs) > settings.api_max_batch:
+            raise HTTPException(413, f"more than {settings.api_max_batch} jobs in one batch")
+        done = await submit(batch.jobs)
+        return BatchAccepted(
+            jobs=[Accepted(job_id=d.job_id, created=d.created, status=d.status) for d in done]
+        )
+
+    async def wait_for(request: Request, ids: list[str], wait_s: float) -> list[dict[str, Any]]:
+        """Rows once none is queued or running, or after wait_s (capped): polling the table,
+        50 ms at first, then twice as long each time up to 1 s."""
+        deadline = time.monotonic() + min(wait_s, settings.api_max_wait_s)
+        delay = 0.05
+        while True:
+            rows = await run_in_threadpool(client.status, ids)
+            pending = any(r["status"] not in (*FINAL, "unknown") for r in rows)
+            left = deadline - time.monotonic()
+            if not pending or left <= 0 or await request.is_disconnected():
+                return rows
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 1.0)
+
+    @api.get("/jobs", response_model=JobList)
+    async def list_jobs(
+        status: Annotated[list[Status] | None, Query(description="repeatable")] = None,
+        created_after: dt.datetime | None = None,
+        created_before: dt.datetime | None = None,
+        limit: Annotated[int, Query(ge=1)] = 50,
+        cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
+    ) -> dict[str, Any]:
+        """Jobs newest first, filtered by status and creation time; page on with `cursor`."""
+        after = _decode_cursor(cursor) if cursor else None
+        page = await run_in_threadpool(
+            client.page,
+            status or (),
+            _utc(created_after),
+            _utc(created_before),
+            min(limit, settings.api_max_batch),
+            after,
+        )
+        return {
+            "jobs": [full_view(r) for r in page.rows],
+            "next_cursor": _encode_cursor(page.next_after) if page.next_after else None,
+        }
+
+    @api.post("/jobs/lookup", response_model=JobList)
+    async def lookup(request: Request, body: LookupIn) -> dict[str, Any]:
+        """Many jobs by id, in the order given (`status: "unknown"` for ids with no row); with
+        `wait`, answered once none is queued or running or after `wait` s (capped)."""
+        if len(body.job_ids) > settings.api_max_batch:
+            raise HTTPException(413, f"more than {settings.api_max_batch} job ids")
+        return {"jobs": await wait_for(request, body.job_ids, body.wait)}
+
+    @api.get("/jobs/{job_id}", response_model=JobOut, responses={404: {}})
+    async def get_job(
+        request: Request,
+        job_id: str,
+        wait: Annotated[
+            float, Query(ge=0, le=3600, description="seconds to wait for a final status")
+        ] = 0.0,
+    ) -> dict[str, Any]:
+        """The job's whole row; with `wait`, answered once it is done or failed or after
+        `wait` seconds (capped at OCRQ_API_MAX_WAIT_S), whichever comes first."""
+        try:
+            key = canonical_job_id(job_id)
+        except ValueError:
+            raise HTTPException(404, "no such job") from None
+        (row,) = await wait_for(request, [key], wait)
+        if row["status"] == "unknown":
+            raise HTTPException(404, "no such job")
+        return row
+
+    return api

@@ -1,0 +1,129 @@
+"""The HTTP api's request and response bodies, as pydantic models: they are the OpenAPI schema.
+
+Every request field is checked here with the worker's own rules (ocrq.core.contract), so a
+request the worker would refuse is a 422 at the door, never a 500 or a row that cannot be stored.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from ocrq.core.contract import MAX_PIXELS_RANGE, ImageRef, JobRequest, canonical_job_id
+
+MAX_TASK_CHARS = 4000  # as the worker's JobRequest
+MAX_REF_CHARS = 8192  # a path or URL longer than this is not a real reference
+
+Task = Annotated[str, Field(min_length=1, max_length=MAX_TASK_CHARS)]
+MaxPixels = Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])]
+Status = Literal["queued", "running", "done", "failed"]
+
+
+class JobIn(BaseModel):
+    """One job. `job_id` (a UUID) makes a retry idempotent: the same id with the same image
+    and task returns the job already recorded; with another image it is a 409."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: ImageRef
+    task: Task = "text"
+    job_id: str | None = None
+    max_pixels: MaxPixels = None
+
+    @field_validator("job_id")
+    @classmethod
+    def _canonical(cls, value: str | None) -> str | None:
+        return None if value is None else canonical_job_id(value)
+
+    @model_validator(mode="after")
+    def _storable(self) -> JobIn:
+        for name in ("path", "url"):
+            value = getattr(self.image, name)
+            if value and len(value) > MAX_REF_CHARS:
+                raise ValueError(f"image.{name} is longer than {MAX_REF_CHARS} characters")
+        try:  # NUL, lone surrogates, ...: the worker's rules, as a 422 that echoes no value
+            self.request()
+        except ValidationError as exc:
+            raise ValueError(
+                "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+            ) from None
+        return self
+
+    def request(self) -> JobRequest:
+        fields: dict[str, Any] = {
+            "image": self.image,
+            "task": self.task,
+            "max_pixels": self.max_pixels,
+        }
+        if self.job_id is not None:
+            fields["job_id"] = self.job_id
+        return JobRequest.model_validate(fields)
+
+
+class BatchIn(BaseModel):
+    """Many jobs in one request: recorded all or none, then sent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    jobs: Annotated[list[JobIn], Field(min_length=1)]
+
+
+class Accepted(BaseModel):
+    job_id: str
+    # False: the id was already recorded for this image and task (a retry); nothing was sent.
+    created: bool
+    status: Status
+
+
+class BatchAccepted(BaseModel):
+    jobs: list[Accepted]
+
+
+class LookupIn(BaseModel):
+    """Many job ids at once; with `wait`, answered once all are final or `wait` s passed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_ids: Annotated[list[str], Field(min_length=1)]
+    wait: Annotated[float, Field(ge=0, le=3600)] = 0.0
+
+
+class JobOut(BaseModel):
+    """A job's row. `status` "unknown" only in bulk lookups, for ids with no row."""
+
+    job_id: str
+    status: Status | Literal["unknown"]
+    path: str | None = None
+    text: str | None = None
+    # {text, box: [x1, y1, x2, y2] in the original image's pixels, score, and a label for
+    # layout regions and figures}
+    lines: list[dict[str, Any]] = []
+    error: str | None = None
+    truncated: Literal["max_tokens", "repetition"] | None = None
+    task: str | None = None
+    max_pixels: int | None = None
+    engine: str | None = None
+    worker: str | None = None
+    attempts: int | None = None
+    batch_id: str | None = None
+    sha256: str | None = None
+    width: int | None = None
+    height: int | None = None
+    created_at: dt.datetime | None = None
+    started_at: dt.datetime | None = None
+    finished_at: dt.datetime | None = None
+
+
+class JobList(BaseModel):
+    jobs: list[JobOut]
+    # Pass as `cursor` for the next page; None on the last one.
+    next_cursor: str | None = None

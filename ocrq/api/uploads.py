@@ -1,0 +1,89 @@
+"""Uploaded images on a folder that the api and every worker share (OCRQ_UPLOAD_DIR).
+
+The api writes each upload once, under the SHA-256 of its bytes (`ab/abcdef...`), and sends the
+worker an ordinary `{"path": ...}` job; the folder is one of the worker's allowed roots. Why:
+
+- messages stay small (Redis holds references, never megabytes of base64);
+- the row's `source` is the file's path, so `ocrq requeue` can send an uploaded job again;
+- one file per content: the same image uploaded twice is stored once, and the same `job_id`
+  with the same bytes names the same path, which is how an idempotent retry is recognised;
+- a file appears under its final name only when complete (written beside it, then renamed), so a
+  worker never reads half an upload.
+
+Object storage maps onto this as a mounted bucket (s3fs / gcsfuse / a CSI driver) at the same
+path on the api and the workers; README "HTTP api" says more. Files are never deleted here:
+a bucket lifecycle rule or a cron job removes old ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.concurrency import run_in_threadpool
+
+FILE_MODE = 0o644  # workers may run as another user of the same group or none
+CHUNK = 1 << 20
+
+
+class UploadTooLarge(Exception):
+    pass
+
+
+class Uploads:
+    def __init__(self, folder: Path, max_bytes: int) -> None:
+        self.folder = folder.expanduser().resolve()
+        self.max_bytes = max_bytes
+
+    def path_for(self, digest: str) -> Path:
+        return self.folder / digest[:2] / digest
+
+    async def store(self, chunks: AsyncIterator[bytes]) -> Path:
+        """Write the bytes to their content-addressed file and return its path.
+
+        Raises UploadTooLarge as soon as more than max_bytes arrived (the partial file is
+        removed); an empty body is stored too and fails its job on the worker like any other
+        unreadable image.
+        """
+        incoming = self.folder / ".incoming"
+        await run_in_threadpool(incoming.mkdir, parents=True, exist_ok=True)
+        partial = incoming / uuid.uuid4().hex
+        digest = hashlib.sha256()
+        size = 0
+        fh = await run_in_threadpool(partial.open, "wb")
+        try:
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > self.max_bytes:
+                    raise UploadTooLarge(f"image larger than {self.max_bytes} bytes")
+                digest.update(chunk)
+                await run_in_threadpool(fh.write, chunk)
+            await run_in_threadpool(fh.flush)
+            await run_in_threadpool(os.fsync, fh.fileno())
+        except BaseException:
+            fh.close()
+            with contextlib.suppress(OSError):
+                partial.unlink()
+            raise
+        fh.close()
+        return await run_in_threadpool(self._publish, partial, digest.hexdigest())
+
+    def _publish(self, partial: Path, digest: str) -> Path:
+        final = self.path_for(digest)
+        final.parent.mkdir(exist_ok=True)
+        partial.chmod(FILE_MODE)
+        if final.exists():  # the same bytes again: keep the first copy
+            partial.unlink()
+        else:
+            os.replace(partial, final)
+        return final
+
+    async def store_bytes(self, data: bytes) -> Path:
+        async def once() -> AsyncIterator[bytes]:
+            yield data
+
+        return await self.store(once())

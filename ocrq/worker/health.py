@@ -1,0 +1,87 @@
+"""Worker liveness and readiness, decided from the worker's own health gauges.
+
+Why from gauges: under the supervisor the process answering probes is not the one running the
+engine. The worker process publishes a few gauges (ocrq/worker/metrics.py: ready, started,
+heartbeat tick, batch running since) and whoever serves /healthz and /readyz reads them back
+from a registry: its own, or the supervisor's multiprocess one. The decision is a pure function
+of those values and the clock, so it is tested without threads or processes.
+
+- live: the process is starting (engine still loading), or its heartbeat thread ticked within
+  `stale_after_s` and no batch has run longer than `hung_after_s`. A database outage does not
+  make a worker dead (restarting it would not help): the tick counts, not the database's answer.
+- ready: live, the engine loaded and consuming (set at Celery's worker_ready after the model
+  loaded; cleared at shutdown), and the database schema at Alembic head (checked by the server
+  when probed, since a newer deploy may migrate under a running worker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client.registry import Collector
+
+GAUGES = {
+    "ocrq_worker_ready": "ready",
+    "ocrq_worker_started_timestamp_seconds": "started_at",
+    "ocrq_worker_heartbeat_timestamp_seconds": "heartbeat_at",
+    "ocrq_batch_running_since_timestamp_seconds": "batch_since",
+}
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """The health gauges of the live worker process (None or 0: it has not set them)."""
+
+    ready: float | None = None
+    started_at: float | None = None
+    heartbeat_at: float | None = None
+    batch_since: float | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str
+
+    def as_json(self) -> dict[str, object]:
+        return {"status": "ok" if self.ok else "fail", "reason": self.reason}
+
+
+def read_state(collectors: Iterable[Collector]) -> WorkerState:
+    values: dict[str, float] = {}
+    for collector in collectors:
+        for family in collector.collect():
+            for sample in family.samples:
+                if sample.name in GAUGES:
+                    values[GAUGES[sample.name]] = sample.value
+    return WorkerState(**values)
+
+
+def liveness(
+    state: WorkerState, now: float, stale_after_s: float, hung_after_s: float
+) -> Verdict:
+    if not state.started_at:  # None or 0: a gauge never set reads 0
+        return Verdict(True, "worker process starting")
+    if not state.heartbeat_at:
+        return Verdict(True, "engine loading")
+    silent = now - state.heartbeat_at
+    if silent > stale_after_s:
+        return Verdict(False, f"heartbeat thread silent for {silent:.0f} s")
+    if state.batch_since:
+        running = now - state.batch_since
+        if running > hung_after_s:
+            return Verdict(False, f"batch running for {running:.0f} s")
+    return Verdict(True, "heartbeat ticking")
+
+
+def readiness(
+    state: WorkerState, live: Verdict, schema_error: str | None
+) -> Verdict:
+    if not live.ok:
+        return live
+    if not state.ready:
+        return Verdict(False, "engine not loaded yet" if state.started_at else "no worker process")
+    if schema_error is not None:
+        return Verdict(False, schema_error)
+    return Verdict(True, "engine loaded, schema at head")
