@@ -53,13 +53,6 @@ def _settings(**overrides: object) -> Settings:
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def _child_env(**overrides: object) -> dict[str, str]:
-    """The environment a worker process is started with: this one's, plus the options given on
-    the command line as their OCRQ_* variables (the child reads its Settings from it once)."""
-    given = {f"OCRQ_{k.upper()}": str(v) for k, v in overrides.items() if v is not None}
-    return {**os.environ, **given}
-
-
 def _logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(),
@@ -149,6 +142,13 @@ def worker(
         int | None, typer.Option(help="Recycle the worker process after this many images.")
     ] = None,
     hostname: Annotated[str | None, typer.Option(help="Celery node name.")] = None,
+    gpus: Annotated[
+        str | None,
+        typer.Option(
+            help="all | 0,1,...: one worker process per GPU (nvidia-smi's indices), each "
+            "restarted on its own; off: one worker process, CUDA_VISIBLE_DEVICES as it is."
+        ),
+    ] = None,
     supervise: Annotated[
         bool,
         typer.Option(
@@ -159,6 +159,8 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Consume OCR jobs from the broker, batch them through the engine, store rows."""
+    from ocrq.worker.gpus import GpuSelectionError, select
+    from ocrq.worker.lifecycle import STARTUP_FAILED_EXIT_CODE, worker_children
     from ocrq.worker.lifecycle import supervise as run_supervised
     from ocrq.worker.main import run as run_worker
 
@@ -167,8 +169,13 @@ def worker(
         "queue": queue,
         "max_images": max_images,
         "concurrency": concurrency,
+        "gpus": gpus,
     }
-    settings = _settings(**given)  # checked here, before any process starts
+    try:
+        settings = _settings(**given)  # checked here, before any process starts
+    except ValueError as exc:
+        err.print(f"[red]ocrq worker: invalid settings:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(STARTUP_FAILED_EXIT_CODE) from None
     argv = [
         "worker",
         "--pool",
@@ -178,17 +185,38 @@ def worker(
         "--loglevel",
         loglevel,
         "--task-events",
-        # Stable across recycles, so Flower shows one worker going offline and online.
-        "--hostname",
-        hostname or f"ocrq-{settings.engine}-{os.getpid()}@%h",
         "--without-gossip",
         "--without-mingle",
     ]
     if settings.concurrency is not None:  # else the worker follows its batch cap (main.py)
         argv += ["--concurrency", str(settings.concurrency)]
-    if supervise:  # a child interpreter per worker process, its options in its environment
-        raise typer.Exit(run_supervised(argv, _child_env(**given), settings))
-    raise typer.Exit(run_worker(argv, settings))
+    # Stable across recycles, so Flower shows one worker going offline and online.
+    node = hostname or f"ocrq-{settings.engine}-{os.getpid()}@%h"
+    if not supervise:
+        if settings.gpus:
+            err.print(
+                "[red]ocrq worker: --gpus/OCRQ_GPUS starts one process per GPU and needs the "
+                "supervisor; under systemd or Kubernetes run one --no-supervise worker per GPU "
+                "with CUDA_VISIBLE_DEVICES set",
+                soft_wrap=True,
+            )
+            raise typer.Exit(STARTUP_FAILED_EXIT_CODE)
+        raise typer.Exit(run_worker([*argv, "--hostname", node], settings))
+    # A child interpreter per worker process (per GPU with --gpus), its options in its
+    # environment. GPUs are found without CUDA: this process never initialises it.
+    try:
+        found = select(settings.gpus) if settings.gpus else []
+        children = worker_children(argv, node, os.environ, given, found)
+        last = (settings.metrics_port or 0) + len(children) - 1
+        if settings.metrics_port is not None and last > 65_535:
+            raise GpuSelectionError(
+                f"OCRQ_METRICS_PORT={settings.metrics_port}: each GPU's worker is served on the "
+                f"next port, and {len(children)} need ports up to {last} (> 65535)"
+            )
+    except GpuSelectionError as exc:
+        err.print(f"[red]ocrq worker:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(STARTUP_FAILED_EXIT_CODE) from None
+    raise typer.Exit(run_supervised(children, settings))
 
 
 @app.command()

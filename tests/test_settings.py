@@ -9,9 +9,10 @@ import urllib.request
 import pytest
 from pydantic import ValidationError
 
-from ocrq.cli import ENGINE_HELP, _child_env
+from ocrq.cli import ENGINE_HELP
 from ocrq.core.settings import Settings
 from ocrq.worker import metrics
+from ocrq.worker.lifecycle import child_env
 from tests.servers import free_port
 
 
@@ -34,6 +35,9 @@ from tests.servers import free_port
         ("max_new_tokens", 0),
         ("decode", "beam"),
         ("decode_attention", "flash"),
+        ("gpus", "first"),
+        ("gpus", "0,0"),
+        ("gpus", "-1"),
     ],
 )
 def test_out_of_bounds_settings_are_refused(field: str, value: object) -> None:
@@ -53,7 +57,8 @@ def test_decode_options_are_typed_settings(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_worker_options_reach_the_child_without_touching_our_environment() -> None:
     before = dict(os.environ)
-    env = _child_env(engine="hunyuan", queue="pages", max_images=7, concurrency=None)
+    given = {"engine": "hunyuan", "queue": "pages", "max_images": 7, "concurrency": None}
+    env = child_env(os.environ, given)
     assert dict(os.environ) == before
     given = {"OCRQ_ENGINE": "hunyuan", "OCRQ_QUEUE": "pages", "OCRQ_MAX_IMAGES": "7"}
     assert env == {**before, **given}  # options not given are not set

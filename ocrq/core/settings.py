@@ -104,6 +104,8 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=1, le=65_535)
     # Where they listen: all interfaces, so Prometheus and the kubelet reach a container.
     metrics_address: str = "0.0.0.0"
+    # `ocrq worker` only: one worker process per GPU, "all" or indices "0,1" (ocrq/worker/gpus.py).
+    gpus: str | None = None
 
     # Liveness (ocrq/worker/heartbeat.py). Each worker process refreshes its row in ocr_workers
     # every heartbeat_s; a worker silent for stalled_after_s is dead and its `running` jobs are
@@ -182,6 +184,20 @@ class Settings(BaseSettings):
                 f"heartbeats (OCRQ_HEARTBEAT_S={self.heartbeat_s}), or live workers look dead"
             )
         return self
+
+    @field_validator("gpus")
+    @classmethod
+    def _check_gpus(cls, value: str | None) -> str | None:
+        """"all", or distinct GPU indices separated by commas (as nvidia-smi numbers them)."""
+        if value is None or not value.strip():
+            return None
+        value = value.strip().lower()
+        if value == "all":
+            return value
+        ids = [v.strip() for v in value.split(",")]
+        if not all(v.isdigit() for v in ids) or len(set(map(int, ids))) != len(ids):
+            raise ValueError(f"OCRQ_GPUS={value!r}: give `all` or distinct indices, e.g. 0,1")
+        return ",".join(str(int(v)) for v in ids)
 
     @field_validator("allowed_roots", mode="before")
     @classmethod

@@ -26,10 +26,15 @@ from ocrq.worker import metrics
 log = logging.getLogger(__name__)
 
 
-def unique_worker_name(engine_name: str) -> str:
+def unique_worker_name(engine_name: str, node: str | None = None) -> str:
     """This process's name in ocr_jobs.worker and ocr_workers: a restarted process (same host,
-    maybe the same pid in a fresh container) must never be taken for the one that died."""
-    return f"{engine_name}@{socket.gethostname()}/{os.getpid()}-{secrets.token_hex(3)}"
+    maybe the same pid in a fresh container) must never be taken for the one that died.
+
+    A Celery worker's name starts with its node name (`ocrq-rapid-7-gpu0@host`, what Flower
+    and `celery inspect` show), so a row says which worker, host and GPU ran it; other
+    processes name their engine and host."""
+    where = node or f"{engine_name}@{socket.gethostname()}"
+    return f"{where}/{os.getpid()}-{secrets.token_hex(3)}"
 
 
 class Heartbeat:

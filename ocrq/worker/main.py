@@ -19,6 +19,22 @@ from ocrq.core.settings import Settings
 from ocrq.worker import lifecycle, metrics, runtime
 
 
+def node_name(argv: Sequence[str]) -> str | None:
+    """The Celery node name `argv` asks for (`--hostname`/`-n`), expanded as Celery does
+    (`%h` -> this host), so the rows this process writes carry the name Flower shows."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg in ("--hostname", "-n") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--hostname="):
+            value = arg.partition("=")[2]
+    if not value:
+        return None
+    from celery.utils.nodenames import default_nodename, host_format
+
+    return host_format(default_nodename(value))
+
+
 def run(argv: Sequence[str], settings: Settings) -> int:
     """Checks, then the Celery worker with these settings; the process's exit code."""
     metrics.STARTED_AT.set(time.time())
@@ -32,7 +48,8 @@ def run(argv: Sequence[str], settings: Settings) -> int:
     refused = lifecycle.preflight(settings)
     if refused is not None:
         return refused
-    runtime.configure(settings)  # the engine, batcher and heartbeat are built from these
+    # The engine, batcher and heartbeat are built from these.
+    runtime.configure(settings, node=node_name(argv))
     argv = list(argv)
     if "--concurrency" not in argv:
         # The thread count follows the batch cap, known once the engine has loaded; so load it

@@ -194,13 +194,15 @@ def _log_batch(record: BatchRecord) -> None:
 _lock = threading.Lock()
 _runtime: Runtime | None = None
 _settings: Settings | None = None
+_node: str | None = None
 
 
-def configure(settings: Settings) -> None:
+def configure(settings: Settings, node: str | None = None) -> None:
     """The Settings this worker process runs with, read once by its entry point
-    (ocrq/worker/main.py); `get_runtime` builds from them."""
-    global _settings
+    (ocrq/worker/main.py), and its Celery node name; `get_runtime` builds from them."""
+    global _settings, _node
     _settings = settings
+    _node = node
 
 
 def get_runtime(
@@ -212,7 +214,7 @@ def get_runtime(
     with _lock:
         if _runtime is None:
             settings = settings or _settings or Settings()
-            name = unique_worker_name(settings.engine)
+            name = unique_worker_name(settings.engine, _node)
             runtime = build_runtime(settings, worker_name=name, on_recycle=on_recycle)
             runtime.heartbeat = start_heartbeat(settings, name)
             _runtime = runtime
