@@ -421,7 +421,7 @@ def service(
         cpu1 = _tree_cpu(proc.pid)
         stages = scrape_stages(args.metrics_port)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # a supervisor forwards it to each of its workers
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
@@ -696,10 +696,12 @@ def main() -> None:
             report.data[name] = run_part(
                 report, t_start, name, lambda g=gpus_arg: service(args, jobs, env, work, g)
             )
+            report.write()
         if not args.skip_engine_alone:
             report.data["engine_alone"] = run_part(
                 report, t_start, "engine_alone", lambda: engine_alone(args, jobs, env)
             )
+            report.write()
         alone, svc = report.data.get("engine_alone"), report.data.get("service")
         if alone and svc:
             report.data["ratio"] = round(
