@@ -11,7 +11,6 @@ while they run); OCRQ_PREPROCESS=processor runs transformers' processor instead.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,17 +36,19 @@ PREPROCESS_MODES = ("tensor", "processor")
 PREPROCESS_SLOTS = 2
 
 
+TENSOR_SLOTS = 2
+
+
 def tensor_slots() -> int:
-    """Prefetch threads that may run the tensor path at once: one per core this process may
-    use, less one for the thread that feeds the GPU (at least 2). Its Python holds the GIL for
-    tens of microseconds between ops that release it (bench/preprocess_speed.py measures the
-    feeder's stall), so the cores, not the GIL, are the limit; more threads than cores would
-    only queue on them."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 2
-    return max(2, cores - 1)
+    """Prefetch threads that may run the tensor path at once: 2, as for the processor.
+
+    Why not one per core: measured on the H200 host (bench/results/preprocess_speed_h200.md),
+    15 threads in the tensor path made 299 A4 pages/s but left a busy GPU-feeding thread 4% of
+    its rate (its many small ops each take the GIL back), while 2 processor threads left it
+    58-74%. One tensor thread already makes 70 A4 pages/s there (140 receipts at 2), over 10x
+    the ~5-15 pages/s the GPU takes, so two threads keep preprocessing off the critical path
+    without starving the thread that launches the GPU's kernels."""
+    return TENSOR_SLOTS
 
 
 @dataclass
