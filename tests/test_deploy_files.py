@@ -387,3 +387,26 @@ def test_systemd_unit_serves_health_and_waits_for_warm_shutdown() -> None:
     env = dict(v.split("=", 1) for k, v in entries if k == "Environment")
     assert env["OCRQ_METRICS_PORT"].startswith("910")
     assert seconds(dict(entries)["TimeoutStopSec"] + "s") >= 120
+
+
+def test_grafana_dashboard_queries_only_metrics_the_worker_exports() -> None:
+    """Every series a panel queries is one ocrq/worker/metrics.py defines (a renamed metric
+    would leave a panel silently empty)."""
+    from prometheus_client import REGISTRY
+
+    import ocrq.worker.metrics  # noqa: F401 (registers the metrics)
+
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "ocrq-dashboard.json").read_text())
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    exported = {
+        family.name + suffix
+        for family in REGISTRY.collect()
+        for suffix in suffixes.get(family.type, ("",))
+    }
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\bocrq_[a-z_]+", target["expr"])
+    }
+    assert len(queried) >= 15 and queried <= exported, queried - exported
