@@ -291,3 +291,35 @@ def test_flower_sees_the_batch_of_each_task(
     assert rows[failed_id]["status"] == "failed"  # refused at intake: it never had a batch
     (failure,) = seen("task-failed", failed_id)
     assert "batch" not in failure["exception"] and "image" in failure["exception"]
+
+
+def test_oom_lowered_budget_and_batch_timings_are_exported() -> None:
+    """The governor's lowered budget, the OOM count and the batch's planned vs measured peak
+    reach the metrics; each image learns its batch wait and engine time. The OOM comes from
+    the one fake the project allows (tests/test_batcher.py: a CUDA OOM cannot happen here)."""
+    from prometheus_client import REGISTRY
+
+    from ocrq.worker import runtime
+    from ocrq.worker.batcher import BatchConfig, Batcher
+    from tests.test_batcher import OomAbovePixels, item
+
+    def value(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    ooms_before = value("ocrq_oom_events_total")
+    engine = OomAbovePixels(limit=4 * 100 * 100)
+    config = BatchConfig(max_items=16, wait_s=0.2, budget_bytes=16 * 100 * 100)
+    batcher = Batcher(engine, config, on_batch=lambda r: runtime._count_batch(r, 1000)).start()
+    try:
+        futures = [batcher.submit(item(f"m{i}", 100)) for i in range(16)]
+        outcomes = [f.result(timeout=30) for f in futures]
+    finally:
+        batcher.stop()
+    assert all(o.error is None and o.batch_id for o in outcomes)
+    assert all(o.waited_s >= 0 and o.run_s > 0 for o in outcomes)
+    assert value("ocrq_oom_events_total") - ooms_before == batcher.oom_events >= 1
+    assert value("ocrq_batch_budget_bytes") == batcher.budget_bytes < config.budget_bytes
+    last = batcher.records[-1]
+    assert value("ocrq_batch_planned_peak_bytes") == 1000 + last.predicted_bytes
+    assert last.measured_peak_bytes and value("ocrq_batch_measured_peak_bytes") > 0
+    assert value("ocrq_batch_running_since_timestamp_seconds") == 0  # idle again
