@@ -294,11 +294,18 @@ def test_compose_starts_in_order_persists_and_keeps_internals_internal() -> None
         assert services[name]["networks"] == ["backend"], name
     # Workers: unsupervised, healthchecked by `ocrq health` on their metrics port, and given
     # the time a warm shutdown takes.
-    worker = services["worker"]
-    assert "--no-supervise" in worker["command"]
-    assert worker["healthcheck"]["test"][1:3] == ["ocrq", "health"]
-    assert worker["environment"]["OCRQ_METRICS_PORT"]
-    assert seconds(worker["stop_grace_period"]) >= 60
+    for name in ("worker", "worker-gpu"):
+        worker = services[name]
+        assert "--no-supervise" in worker["command"], name
+        assert worker["healthcheck"]["test"][1:3] == ["ocrq", "health"], name
+        assert worker["environment"]["OCRQ_METRICS_PORT"], name
+        assert seconds(worker["stop_grace_period"]) >= 60, name
+        assert worker["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    gpu = services["worker-gpu"]["deploy"]["resources"]
+    assert gpu["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
+    assert "memory" in gpu["reservations"] and "memory" in gpu["limits"]
     assert all(s.get("restart") for s in services.values())
 
 
