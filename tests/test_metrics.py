@@ -323,3 +323,24 @@ def test_oom_lowered_budget_and_batch_timings_are_exported() -> None:
     assert value("ocrq_batch_planned_peak_bytes") == 1000 + last.predicted_bytes
     assert last.measured_peak_bytes and value("ocrq_batch_measured_peak_bytes") > 0
     assert value("ocrq_batch_running_since_timestamp_seconds") == 0  # idle again
+
+
+@pytest.mark.parametrize("mode", [(), ("--no-supervise",)])
+def test_a_taken_metrics_port_stops_the_worker_with_a_config_error(
+    mode: tuple[str, ...], service_env: dict[str, str]
+) -> None:
+    """Exit 78 (no restart loop) naming the port, before any message is taken."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**service_env, "OCRQ_METRICS_PORT": str(port), "OCRQ_QUEUE": "ocr-port-taken"}
+        proc = subprocess.run(
+            [str(BIN / "ocrq"), "worker", *mode], env=env, capture_output=True, text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert f"OCRQ_METRICS_PORT={port}" in proc.stderr
+    assert "started worker process" not in proc.stderr

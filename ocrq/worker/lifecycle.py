@@ -148,11 +148,20 @@ def supervise(
         env["PROMETHEUS_MULTIPROC_DIR"] = multiproc
         registry = monitor.multiprocess_registry(multiproc)
         alive = lambda: child is not None and child.poll() is None  # noqa: E731
-        monitor.serve(
-            monitor.Monitor(registry, settings, process_alive=alive),
-            settings.metrics_port,
-            settings.metrics_address,
-        )
+        try:
+            monitor.serve(
+                monitor.Monitor(registry, settings, process_alive=alive),
+                settings.metrics_port,
+                settings.metrics_address,
+            )
+        except OSError as exc:  # the port is taken: a config error, not worth restarting
+            print(
+                f"ocrq supervisor: cannot serve OCRQ_METRICS_PORT={settings.metrics_port}: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            shutil.rmtree(multiproc, ignore_errors=True)
+            return STARTUP_FAILED_EXIT_CODE
 
     def forward(signum: int, _frame: object) -> None:
         stopping.set()
