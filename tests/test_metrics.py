@@ -114,8 +114,9 @@ def test_metrics_survive_recycles_and_cover_every_stage(
             count = total(samples, "ocrq_stage_seconds_count", stage=stage)
             if stage == "ack":  # observed after the task returned, before the process exits
                 wait_for(
-                    lambda: total(scrape(port), "ocrq_stage_seconds_count", stage="ack")
-                    == len(ids),
+                    lambda: (
+                        total(scrape(port), "ocrq_stage_seconds_count", stage="ack") == len(ids)
+                    ),
                     30,
                     "every ack timed",
                 )
@@ -212,9 +213,7 @@ def test_unsupervised_worker_serves_its_own_metrics_and_readiness_follows_the_sc
         wait_for(lambda: probe(port, "/readyz") == 200, 30, "/readyz 200")
         ids = submit(env, [text_images["hello"], text_images["word"]])
         wait_all(JobStore(get_engine(own_database)), ids, timeout=120)
-        wait_for(
-            lambda: total(scrape(port), "ocrq_jobs_total", status="done") == 2, 30, "2 done"
-        )
+        wait_for(lambda: total(scrape(port), "ocrq_jobs_total", status="done") == 2, 30, "2 done")
         samples = scrape(port)
         assert total(samples, "ocrq_stage_seconds_count", stage="gpu") == 2
         assert total(samples, "ocrq_batch_measured_peak_bytes") > 0  # the process's peak RSS
@@ -338,7 +337,10 @@ def test_a_taken_metrics_port_stops_the_worker_with_a_config_error(
         port = taken.getsockname()[1]
         env = {**service_env, "OCRQ_METRICS_PORT": str(port), "OCRQ_QUEUE": "ocr-port-taken"}
         proc = subprocess.run(
-            [str(BIN / "ocrq"), "worker", *mode], env=env, capture_output=True, text=True,
+            [str(BIN / "ocrq"), "worker", *mode],
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=120,
         )
     assert proc.returncode == 78, proc.stderr[-2000:]
