@@ -218,9 +218,202 @@ def test_flower_started_as_deployed_requires_basic_auth(broker_url: str, tmp_pat
                 time.sleep(0.3)
         wrong = httpx.get(f"{base}/api/tasks", auth=(user, "nope"), timeout=5)
         right = httpx.get(f"{base}/tasks", auth=(user, password), timeout=5)
+        # The JSON api takes the same login (FLOWER_UNAUTHENTICATED_API is for no auth at all),
+        # and the container healthcheck's /healthcheck needs none.
+        api = httpx.get(f"{base}/api/workers", auth=(user, password), timeout=5)
+        healthcheck = httpx.get(f"{base}/healthcheck", timeout=5)
     finally:
         flower.terminate()
         flower.wait(20)
         log.close()
     assert anonymous.status_code == 401 and wrong.status_code == 401
     assert right.status_code == 200
+    assert api.status_code == 200 and healthcheck.status_code == 200
+
+
+# -- start order, persistence, networks, grace, health (issue 15) ---------------------------
+
+SCHEMAS = REPO / "tests" / "schemas"
+DOCKERIGNORE = REPO / ".dockerignore"
+K8S_VERSION = "1.30.0"
+
+
+def compose_errors(document: dict[str, Any]) -> list[str]:
+    import jsonschema
+
+    schema = json.loads((SCHEMAS / "compose_spec.json").read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(document)]
+
+
+def test_compose_file_matches_the_compose_spec_schema() -> None:
+    document = yaml.safe_load(COMPOSE.read_text())
+    assert compose_errors(document) == []
+    # The check can fail: a misspelt condition and an unknown key are caught.
+    broken = yaml.safe_load(COMPOSE.read_text())
+    broken["services"]["worker"]["depends_on"]["migrate"]["condition"] = "service_finished"
+    broken["services"]["redis"]["stop_grace"] = "120s"
+    errors = compose_errors(broken)
+    assert any("depends_on" in e for e in errors) and any("stop_grace" in e for e in errors)
+
+
+def seconds(value: str) -> float:
+    match = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", value)
+    assert match and value, value
+    return int(match.group(1) or 0) * 60 + int(match.group(2) or 0)
+
+
+def test_compose_starts_in_order_persists_and_keeps_internals_internal() -> None:
+    document = yaml.safe_load(COMPOSE.read_text())
+    services: dict[str, dict[str, Any]] = document["services"]
+    # Every dependency waits on health or completion, never on a mere start, and a service
+    # waited on for its health has a healthcheck.
+    for name, service in services.items():
+        for dep, rule in service.get("depends_on", {}).items():
+            assert rule["condition"] in ("service_healthy", "service_completed_successfully"), (
+                name,
+                dep,
+            )
+            if rule["condition"] == "service_healthy":
+                assert "test" in services[dep]["healthcheck"], dep
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["migrate"]["restart"] == "no"  # one shot
+    for name in ("worker", "api"):  # both write rows: after the migrations
+        assert services[name]["depends_on"]["migrate"]["condition"] == (
+            "service_completed_successfully"
+        )
+    # Persistence: named volumes for the data, Redis with its append-only file.
+    command = services["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert "redis-data:/data" in services["redis"]["volumes"]
+    assert "pg-data:/var/lib/postgresql/data" in services["postgres"]["volumes"]
+    assert {"redis-data", "pg-data"} <= set(document["volumes"])
+    # Internal services only on the internal network.
+    assert document["networks"]["backend"]["internal"] is True
+    for name in ("redis", "postgres"):
+        assert services[name]["networks"] == ["backend"], name
+    # Workers: unsupervised, healthchecked by `ocrq health` on their metrics port, and given
+    # the time a warm shutdown takes.
+    for name in ("worker", "worker-gpu"):
+        worker = services[name]
+        assert "--no-supervise" in worker["command"], name
+        assert worker["healthcheck"]["test"][1:3] == ["ocrq", "health"], name
+        assert worker["environment"]["OCRQ_METRICS_PORT"], name
+        assert seconds(worker["stop_grace_period"]) >= 60, name
+        assert worker["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    gpu = services["worker-gpu"]["deploy"]["resources"]
+    assert gpu["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
+    assert "memory" in gpu["reservations"] and "memory" in gpu["limits"]
+    assert all(s.get("restart") for s in services.values())
+
+
+def test_dockerfile_healthcheck_and_dockerignore() -> None:
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^HEALTHCHECK .*CMD \[\"ocrq\", \"health\"\]$", text, re.M)
+    assert "OCRQ_METRICS_PORT=" in text
+    ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines()}
+    assert {".venv", ".git", ".env", "bench/results"} <= ignored
+    # What the Dockerfile copies is not ignored.
+    copies = [line.split()[1:-1] for line in text.splitlines() if line.startswith("COPY ")]
+    copied = {path for paths in copies for path in paths}
+    assert copied and not copied & ignored
+
+
+def deployment(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
+
+
+def keda_errors(document: dict[str, Any]) -> list[str]:
+    import jsonschema
+
+    schema = json.loads((SCHEMAS / "keda-v1alpha1.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(document)]
+
+
+def k8s_errors(document: dict[str, Any]) -> list[str]:
+    """kubeconform-style: strict schemas of Kubernetes' kinds (kubernetes-validate ships
+    them), the committed KEDA schema for KEDA's."""
+    if document["apiVersion"].startswith("keda.sh/"):
+        return keda_errors(document)
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(document, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return [str(exc)]
+    return []
+
+
+def test_kubernetes_manifests_match_their_schemas() -> None:
+    docs = k8s_documents()
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "Job", "ScaledObject"}
+    for doc in docs:
+        assert k8s_errors(doc) == [], (doc["kind"], doc["metadata"]["name"])
+    # The checks can fail: an unknown field, a number where KEDA wants a string.
+    worker = deployment(docs, "ocrq-worker")
+    worker["spec"]["template"]["spec"]["terminationGracePeriod"] = 600
+    assert k8s_errors(worker)
+    scaled = next(d for d in docs if d["kind"] == "ScaledObject")
+    scaled["spec"]["triggers"][0]["metadata"]["listLength"] = 64
+    assert keda_errors(scaled)
+
+
+def test_kubernetes_worker_probes_resources_grace_and_migration_job() -> None:
+    docs = k8s_documents()
+    worker = deployment(docs, "ocrq-worker")
+    pod = worker["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "--no-supervise" in container["args"]
+    assert pod["terminationGracePeriodSeconds"] >= 120
+    port = int(env_of(container)["OCRQ_METRICS_PORT"]["value"])
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe, path in (
+        ("startupProbe", "/healthz"),
+        ("livenessProbe", "/healthz"),
+        ("readinessProbe", "/readyz"),
+    ):
+        get = container[probe]["httpGet"]
+        assert get["path"] == path and named.get(get["port"], get["port"]) == port, probe
+    resources = container["resources"]
+    assert {"cpu", "memory"} <= set(resources["requests"])
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    for each in (d for d in docs if d["kind"] == "Deployment"):
+        for c in each["spec"]["template"]["spec"]["containers"]:
+            assert "requests" in c["resources"], each["metadata"]["name"]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    (migrate,) = job["spec"]["template"]["spec"]["containers"]
+    assert migrate["args"] == ["ocrq", "migrate"]
+    assert job["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_systemd_unit_serves_health_and_waits_for_warm_shutdown() -> None:
+    entries = unit_entries()
+    env = dict(v.split("=", 1) for k, v in entries if k == "Environment")
+    assert env["OCRQ_METRICS_PORT"].startswith("910")
+    assert seconds(dict(entries)["TimeoutStopSec"] + "s") >= 120
+
+
+def test_grafana_dashboard_queries_only_metrics_the_worker_exports() -> None:
+    """Every series a panel queries is one ocrq/worker/metrics.py defines (a renamed metric
+    would leave a panel silently empty)."""
+    from prometheus_client import REGISTRY
+
+    import ocrq.worker.metrics  # noqa: F401 (registers the metrics)
+
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "ocrq-dashboard.json").read_text())
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    exported = {
+        family.name + suffix
+        for family in REGISTRY.collect()
+        for suffix in suffixes.get(family.type, ("",))
+    }
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\bocrq_[a-z_]+", target["expr"])
+    }
+    assert len(queried) >= 15 and queried <= exported, queried - exported

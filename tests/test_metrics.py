@@ -114,8 +114,9 @@ def test_metrics_survive_recycles_and_cover_every_stage(
             count = total(samples, "ocrq_stage_seconds_count", stage=stage)
             if stage == "ack":  # observed after the task returned, before the process exits
                 wait_for(
-                    lambda: total(scrape(port), "ocrq_stage_seconds_count", stage="ack")
-                    == len(ids),
+                    lambda: (
+                        total(scrape(port), "ocrq_stage_seconds_count", stage="ack") == len(ids)
+                    ),
                     30,
                     "every ack timed",
                 )
@@ -212,9 +213,7 @@ def test_unsupervised_worker_serves_its_own_metrics_and_readiness_follows_the_sc
         wait_for(lambda: probe(port, "/readyz") == 200, 30, "/readyz 200")
         ids = submit(env, [text_images["hello"], text_images["word"]])
         wait_all(JobStore(get_engine(own_database)), ids, timeout=120)
-        wait_for(
-            lambda: total(scrape(port), "ocrq_jobs_total", status="done") == 2, 30, "2 done"
-        )
+        wait_for(lambda: total(scrape(port), "ocrq_jobs_total", status="done") == 2, 30, "2 done")
         samples = scrape(port)
         assert total(samples, "ocrq_stage_seconds_count", stage="gpu") == 2
         assert total(samples, "ocrq_batch_measured_peak_bytes") > 0  # the process's peak RSS
@@ -291,3 +290,59 @@ def test_flower_sees_the_batch_of_each_task(
     assert rows[failed_id]["status"] == "failed"  # refused at intake: it never had a batch
     (failure,) = seen("task-failed", failed_id)
     assert "batch" not in failure["exception"] and "image" in failure["exception"]
+
+
+def test_oom_lowered_budget_and_batch_timings_are_exported() -> None:
+    """The governor's lowered budget, the OOM count and the batch's planned vs measured peak
+    reach the metrics; each image learns its batch wait and engine time. The OOM comes from
+    the one fake the project allows (tests/test_batcher.py: a CUDA OOM cannot happen here)."""
+    from prometheus_client import REGISTRY
+
+    from ocrq.worker import runtime
+    from ocrq.worker.batcher import BatchConfig, Batcher
+    from tests.test_batcher import OomAbovePixels, item
+
+    def value(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    ooms_before = value("ocrq_oom_events_total")
+    engine = OomAbovePixels(limit=4 * 100 * 100)
+    config = BatchConfig(max_items=16, wait_s=0.2, budget_bytes=16 * 100 * 100)
+    batcher = Batcher(engine, config, on_batch=lambda r: runtime._count_batch(r, 1000)).start()
+    try:
+        futures = [batcher.submit(item(f"m{i}", 100)) for i in range(16)]
+        outcomes = [f.result(timeout=30) for f in futures]
+    finally:
+        batcher.stop()
+    assert all(o.error is None and o.batch_id for o in outcomes)
+    assert all(o.waited_s >= 0 and o.run_s > 0 for o in outcomes)
+    assert value("ocrq_oom_events_total") - ooms_before == batcher.oom_events >= 1
+    assert value("ocrq_batch_budget_bytes") == batcher.budget_bytes < config.budget_bytes
+    last = batcher.records[-1]
+    assert value("ocrq_batch_planned_peak_bytes") == 1000 + last.predicted_bytes
+    assert last.measured_peak_bytes and value("ocrq_batch_measured_peak_bytes") > 0
+    assert value("ocrq_batch_running_since_timestamp_seconds") == 0  # idle again
+
+
+@pytest.mark.parametrize("mode", [(), ("--no-supervise",)])
+def test_a_taken_metrics_port_stops_the_worker_with_a_config_error(
+    mode: tuple[str, ...], service_env: dict[str, str]
+) -> None:
+    """Exit 78 (no restart loop) naming the port, before any message is taken."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**service_env, "OCRQ_METRICS_PORT": str(port), "OCRQ_QUEUE": "ocr-port-taken"}
+        proc = subprocess.run(
+            [str(BIN / "ocrq"), "worker", *mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert f"OCRQ_METRICS_PORT={port}" in proc.stderr
+    assert "started worker process" not in proc.stderr

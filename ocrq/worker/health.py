@@ -58,9 +58,7 @@ def read_state(collectors: Iterable[Collector]) -> WorkerState:
     return WorkerState(**values)
 
 
-def liveness(
-    state: WorkerState, now: float, stale_after_s: float, hung_after_s: float
-) -> Verdict:
+def liveness(state: WorkerState, now: float, stale_after_s: float, hung_after_s: float) -> Verdict:
     if not state.started_at:  # None or 0: a gauge never set reads 0
         return Verdict(True, "worker process starting")
     if not state.heartbeat_at:
@@ -75,9 +73,7 @@ def liveness(
     return Verdict(True, "heartbeat ticking")
 
 
-def readiness(
-    state: WorkerState, live: Verdict, schema_error: str | None
-) -> Verdict:
+def readiness(state: WorkerState, live: Verdict, schema_error: str | None) -> Verdict:
     if not live.ok:
         return live
     if not state.ready:

@@ -210,9 +210,15 @@ class _Metrics:
 
         self.folder = tempfile.mkdtemp(prefix="ocrq-metrics-")  # fresh: no stale files summed
         registry = monitor.multiprocess_registry(self.folder)
-        monitor.serve(
-            monitor.Monitor(registry, settings, process_alive=alive), port, settings.metrics_address
-        )
+        try:
+            monitor.serve(
+                monitor.Monitor(registry, settings, process_alive=alive),
+                port,
+                settings.metrics_address,
+            )
+        except OSError:
+            self.close()
+            raise
 
     def child_env(self, env: Mapping[str, str]) -> dict[str, str]:
         out = {k: v for k, v in env.items() if k.upper() != "OCRQ_METRICS_PORT"}
@@ -257,9 +263,18 @@ def supervise(
 
     served: list[_Metrics | None] = [None] * len(children)
     if settings is not None and settings.metrics_port is not None:
-        served = [
-            _Metrics(settings, settings.metrics_port + i, alive(i)) for i in range(len(children))
-        ]
+        try:
+            served = [
+                _Metrics(settings, settings.metrics_port + i, alive(i))
+                for i in range(len(children))
+            ]
+        except OSError as exc:  # the port is taken: a config error, not worth restarting
+            print(
+                f"ocrq supervisor: cannot serve OCRQ_METRICS_PORT={settings.metrics_port}: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return STARTUP_FAILED_EXIT_CODE
 
     def forward(signum: int, _frame: object) -> None:
         stopping.set()

@@ -39,7 +39,13 @@ def run(argv: Sequence[str], settings: Settings) -> int:
     """Checks, then the Celery worker with these settings; the process's exit code."""
     metrics.STARTED_AT.set(time.time())
     if settings.metrics_port is not None:  # --no-supervise (a supervisor serves its children)
-        serve_own_metrics(settings)
+        try:
+            serve_own_metrics(settings)
+        except OSError as exc:  # the port is taken: a config error, not worth restarting
+            logging.getLogger(__name__).critical(
+                "worker cannot start: OCRQ_METRICS_PORT=%s: %s", settings.metrics_port, exc
+            )
+            return lifecycle.STARTUP_FAILED_EXIT_CODE
     # Batches of varying shapes fragment PyTorch's caching allocator: on an H200 a worker held
     # 32.8 GiB reserved but unallocated beside 104.7 GiB of tensors and hit an out-of-memory
     # error at a planned 105.9 GiB (bench/results/service_gpu_h200_run1.md). Expandable
