@@ -152,7 +152,9 @@ def worker(
 
 @app.command()
 def submit(
-    targets: Annotated[list[str], typer.Argument(help="Image paths, folders or URLs.")],
+    targets: Annotated[
+        list[str], typer.Argument(help="Image or document (PDF, TIFF) paths, folders or URLs.")
+    ],
     task: Annotated[str, typer.Option(help=TASK_HELP)] = "text",
     wait: Annotated[bool, typer.Option("--wait", help="Wait for results and print them.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
@@ -178,11 +180,11 @@ def submit(
     with _progress() as progress:
         bar = progress.add_task("waiting", total=len(ids))
         results = client.wait(
-            ids, timeout, on_progress=lambda d, _t: progress.update(bar, completed=d)
+            ids, timeout, on_progress=lambda d, t: progress.update(bar, completed=d, total=t)
         )
     pending = 0
     for row in results:
-        pending += row["status"] not in ("done", "failed")
+        pending += row["status"] not in ("done", "failed", "partial")  # partial: a document
         typer.echo(
             json.dumps(row, ensure_ascii=False)
             if as_json
@@ -210,6 +212,8 @@ def status(
     table = Table("job_id", "status", "path", "text / error")
     for row in rows:
         cut = f" (truncated: {row['truncated']})" if row.get("truncated") else ""
+        if row.get("document_id"):  # a document: its progress in pages
+            cut += f" ({row['pages_final']}/{row['pages'] or 0} pages)"
         table.add_row(
             row["job_id"],
             row["status"] + cut,

@@ -49,8 +49,10 @@ def text_pdf(
     font_size: float = 20,
     extra_trailer: str = "",
     encrypt: bytes | None = None,
+    sizes: dict[int, tuple[float, float]] | None = None,
 ) -> bytes:
-    """A PDF whose pages hold `pages`' lines as real text (a text layer), Helvetica."""
+    """A PDF whose pages hold `pages`' lines as real text (a text layer), Helvetica; `sizes`
+    gives some pages (0-based) another size in points."""
     objects: list[bytes] = []
     n = len(pages)
     # 1 catalog, 2 pages, 3 font, then per page: page object, content stream.
@@ -59,7 +61,7 @@ def text_pdf(
     objects.append(f"<< /Type /Pages /Kids [{kids}] /Count {n} >>".encode())
     objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
     for i, lines in enumerate(pages):
-        w, h = size
+        w, h = (sizes or {}).get(i, size)
         stream = f"BT /F1 {font_size} Tf {font_size * 1.6} TL 30 {h - 30 - font_size} Td "
         stream += " ".join(f"({_escape(line)}) Tj T*" for line in lines) + " ET"
         data = zlib.compress(stream.encode("latin-1"))

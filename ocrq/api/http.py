@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ocrq.api import documents
 from ocrq.api.client import Client
 from ocrq.core.contract import ImageRef
 from ocrq.core.settings import Settings
@@ -142,6 +143,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BearerAuth, settings=settings)
     app.add_exception_handler(RequestValidationError, validation_failed)
     client = Client(settings)
+    app.include_router(documents.router(client, settings))
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
