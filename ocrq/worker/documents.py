@@ -24,6 +24,7 @@ import hashlib
 import io
 import math
 import os
+import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -190,11 +191,21 @@ def _pdf(document: Document) -> Iterator[object]:
         try:
             pdf = pdfium.PdfDocument(document.stream())
         except pdfium.PdfiumError as exc:
+            if _declares_no_pages(document):  # PDFium refuses to open a page-less PDF at all
+                raise DocumentError(f"document has no pages: {document.source}") from None
             raise DocumentError(_pdf_refusal(str(exc), document.source)) from None
         try:
             yield pdf
         finally:
             pdf.close()
+
+
+_NO_PAGES = re.compile(rb"/Type\s*/Pages\b[^>]*?/Count\s+0\b|/Count\s+0\b[^>]*?/Type\s*/Pages\b")
+
+
+def _declares_no_pages(document: Document) -> bool:
+    """Whether the page tree's root (in the first MiB, unencoded) says it has no pages."""
+    return _NO_PAGES.search(document.stream().read(1 << 20)) is not None
 
 
 def _pdf_refusal(error: str, source: str) -> str:
