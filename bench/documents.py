@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -98,6 +99,8 @@ def main() -> None:
     from ocrq.api.client import Client
     from ocrq.core.settings import Settings
 
+    # A timeout's SIGTERM still runs the `finally` that stops the worker this script started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"ocrq-bench-docs-{uuid.uuid4().hex[:6]}"
     work.mkdir(parents=True)
     paths = page_images(args.data, args.pages)
