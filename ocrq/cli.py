@@ -221,7 +221,9 @@ def worker(
 
 @app.command()
 def submit(
-    targets: Annotated[list[str], typer.Argument(help="Image paths, folders or URLs.")],
+    targets: Annotated[
+        list[str], typer.Argument(help="Image or document (PDF, TIFF) paths, folders or URLs.")
+    ],
     task: Annotated[str, typer.Option(help=TASK_HELP)] = "text",
     wait: Annotated[bool, typer.Option("--wait", help="Wait for results and print them.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
@@ -248,7 +250,7 @@ def submit(
     with _progress() as progress:
         bar = progress.add_task("waiting", total=len(ids))
         results = client.wait(
-            ids, timeout, on_progress=lambda d, _t: progress.update(bar, completed=d)
+            ids, timeout, on_progress=lambda d, t: progress.update(bar, completed=d, total=t)
         )
     counts: dict[str, int] = {}
     for row in results:
@@ -260,11 +262,12 @@ def submit(
             f"{(row.get('text') or row.get('error') or '').replace(chr(10), ' | ')[:80]}"
         )
     err.print(_summary(counts, len(ids), time.monotonic() - started))
-    pending = len(ids) - counts.get("done", 0) - counts.get("failed", 0)
+    # partial: a document some of whose pages failed (it is finished, and counts as failed)
+    pending = len(ids) - sum(counts.get(k, 0) for k in ("done", "failed", "partial"))
     if pending:
         err.print(f"[yellow]{pending} job(s) not finished within {timeout} s")
         raise typer.Exit(EXIT_PENDING)
-    if counts.get("failed", 0):
+    if counts.get("failed", 0) or counts.get("partial", 0):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -279,6 +282,8 @@ def _print_rows(rows: Iterable[dict[str, Any]], as_json: bool) -> None:
 
     def status_of(row: dict[str, Any]) -> str:
         cut = f" (truncated: {row['truncated']})" if row.get("truncated") else ""
+        if row.get("document_id"):  # a document: its progress in pages
+            cut += f" ({row.get('pages_final', 0)}/{row.get('pages') or 0} pages)"
         return row["status"] + cut
 
     def excerpt(row: dict[str, Any], chars: int) -> str:

@@ -16,8 +16,17 @@ from typing import Any
 
 from celery import Celery
 
-from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, JobRequest, canonical_job_id, job_kwargs
+from ocrq.api import document_status
+from ocrq.core.contract import (
+    DEFAULT_QUEUE,
+    TASK_NAME,
+    JobRequest,
+    canonical_job_id,
+    job_kwargs,
+    resend_image,
+)
 from ocrq.core.db import get_engine
+from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, NewJob, Page, full_view
 
@@ -159,13 +168,14 @@ class Client:
                     ocr_jobs.c.source,
                     ocr_jobs.c.created_at,
                     ocr_jobs.c.max_pixels,
+                    ocr_jobs.c.page,
                 ).where(ocr_jobs.c.status == "queued")
             ).all()
         sent = []
-        for job_id, task, source, created, max_pixels in rows:
+        for job_id, task, source, created, max_pixels, page in rows:
             if created.timestamp() > cutoff or source == "b64" or source.startswith("b64:"):
                 continue
-            self._resend(job_id, task, source, max_pixels)
+            self._resend(job_id, task, source, max_pixels, page)
             sent.append(job_id)
         return sent
 
@@ -190,16 +200,23 @@ class Client:
                 i: r.get("max_pixels") for i, r in self.store.get([j.id for j in stalled]).items()
             }
             for job in stalled:
-                self._resend(job.id, job.task, job.source, caps.get(job.id))
+                self._resend(job.id, job.task, job.source, caps.get(job.id), job.page)
                 sent.append(job.id)
         finally:  # the broker failed mid-way: leave the rest for the next sweep
             workers_table.unflip(self.store.engine, [j.id for j in stalled[len(sent) :]])
         workers_table.forget_dead(self.store.engine, after)
         return sent
 
-    def _resend(self, job_id: str, task: str, source: str, max_pixels: int | None = None) -> None:
+    def _resend(
+        self,
+        job_id: str,
+        task: str,
+        source: str,
+        max_pixels: int | None = None,
+        page: int | None = None,
+    ) -> None:
         """A job's message rebuilt from its row (path or URL; the row holds no inline bytes)."""
-        image = {"url": source} if source.startswith(("http://", "https://")) else {"path": source}
+        image = resend_image(source, page)
         self.app.send_task(
             TASK_NAME,
             kwargs=job_kwargs(image, task, job_id, max_pixels),
@@ -211,9 +228,12 @@ class Client:
         """Rows by job id, in any UUID spelling (`{...}`, `urn:uuid:`, upper case, no dashes)."""
         ids = [_canonical_or_none(j) or j for j in job_ids]
         rows = self.store.get(ids)
-        return [
-            full_view(rows[j]) if j in rows else {"job_id": j, "status": "unknown"} for j in ids
-        ]
+        shown = document_status.views(self.documents, rows, {j: full_view(rows[j]) for j in rows})
+        return [shown.get(j, {"job_id": j, "status": "unknown"}) for j in ids]
+
+    @property
+    def documents(self) -> DocumentStore:
+        return DocumentStore(self.store.engine)
 
     def page(
         self,
@@ -233,14 +253,15 @@ class Client:
         poll_s: float = 0.25,
         on_progress: Any = None,
     ) -> list[dict[str, Any]]:
-        """Poll the table until every job is final or the timeout passes."""
+        """Poll the table until every job (a document: every page) is final or the timeout
+        passes; `on_progress(finished, total)` counts pages for documents, one per image."""
         ids = [_canonical_or_none(j) or j for j in job_ids]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             rows = self.store.get(ids)
-            final = sum(1 for r in rows.values() if r["status"] in FINAL)
+            units, total, final = document_status.progress(self.documents, ids, rows)
             if on_progress is not None:
-                on_progress(final, len(ids))
+                on_progress(units, total)
             if final == len(ids):
                 break
             if deadline is not None and time.monotonic() > deadline:

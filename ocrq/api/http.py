@@ -33,7 +33,7 @@ from sqlalchemy import exc as sa_exc
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ocrq.api import docs, health, routes
+from ocrq.api import docs, documents, health, routes
 from ocrq.api.client import Client, NotSent
 from ocrq.core.settings import Settings
 from ocrq.core.store import REUSED_ID, JobIdReused
@@ -177,6 +177,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(NotSent, not_sent)
     app.add_exception_handler(JobIdReused, id_reused)
     client = Client(settings)
+    app.include_router(documents.router(client, settings))
 
     app.include_router(health.router(client.app, lambda: client.store.engine))
     # The bearer scheme in the schema, so Swagger UI's "Authorize" sends it; BearerAuth checks.

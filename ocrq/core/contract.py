@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -29,6 +29,10 @@ TASKS = (
 MAX_PIXELS_RANGE = (32 * 32, 4096 * 4096)
 
 JobStatus = Literal["queued", "running", "done", "failed"]
+# A page job's row source is its document's source plus this mark and the page number.
+PAGE_MARK = "#page="
+MAX_DOCUMENT_PAGE = 1_000_000
+MAX_NAME_CHARS = 8400  # a reference of up to 8192 characters plus a page mark
 
 # Query parameters whose values are secrets in common signed/tokened URLs (S3 and GCS presigned
 # URLs, OAuth access tokens, API keys): masked wherever a URL is shown or stored.
@@ -66,6 +70,12 @@ class ImageRef(BaseModel):
     path: str | None = None
     url: str | None = None
     b64: str | None = None
+    # One page (1-based) of a document (PDF, multi-page TIFF) named by path, URL or b64: a
+    # page job. A document's own splitting job sends these; a producer may send one too.
+    page: Annotated[int | None, Field(ge=1, le=MAX_DOCUMENT_PAGE)] = None
+    # What the job's row calls this image instead of the reference itself: a page of a URL or
+    # inline document travels inline as a one-page document, named after its document's page.
+    name: Annotated[str | None, Field(max_length=MAX_NAME_CHARS)] = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ImageRef:
@@ -77,11 +87,15 @@ class ImageRef(BaseModel):
     def describe(self) -> str:
         """A short, loggable description of the source: never the inline bytes, never a URL's
         credentials (this is what the job's row stores and the API returns)."""
+        if self.name:
+            return self.name
         if self.path:
-            return self.path
-        if self.url:
-            return redact_url(self.url)
-        return f"b64:{len(self.b64 or '')} chars"
+            where = self.path
+        elif self.url:
+            where = redact_url(self.url)
+        else:
+            where = f"b64:{len(self.b64 or '')} chars"
+        return where if self.page is None else f"{where}{PAGE_MARK}{self.page}"
 
 
 def canonical_job_id(value: object) -> str:
@@ -144,7 +158,7 @@ class JobRequest(BaseModel):
 
     @model_validator(mode="after")
     def _storable_image(self) -> JobRequest:
-        for key in ("path", "url", "b64"):
+        for key in ("path", "url", "b64", "name"):
             value = getattr(self.image, key)
             if value is not None:
                 _storable(value, f"image.{key}")
@@ -157,8 +171,21 @@ class JobRequest(BaseModel):
         return "" if self.task in TASKS else self.task
 
 
+def resend_image(source: str, page: int | None = None) -> dict[str, object]:
+    """The image reference of a job rebuilt from its row (path or URL; rows hold no inline
+    bytes): a page job's row source ends in its page mark, which becomes `page` again."""
+    mark = f"{PAGE_MARK}{page}"
+    if page is not None and source.endswith(mark):
+        source = source[: -len(mark)]
+    key = "url" if source.startswith(("http://", "https://")) else "path"
+    image: dict[str, object] = {key: source}
+    if page is not None:
+        image["page"] = page
+    return image
+
+
 def job_kwargs(
-    image: dict[str, str],
+    image: dict[str, Any],
     task: str = "text",
     job_id: str | None = None,
     max_pixels: int | None = None,

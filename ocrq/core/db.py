@@ -49,6 +49,29 @@ ocr_jobs = Table(
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("started_at", DateTime(timezone=True)),
     Column("finished_at", DateTime(timezone=True)),
+    # A page job's document and its page number, 1-based (migrations/0004); NULL for images.
+    # The splitting job of a document has document_id = its own id and no page.
+    Column("document_id", String(36), index=True),
+    Column("page", Integer),
+)
+
+# One row per document (PDF, multi-page TIFF; migrations/0004). Its pages are the ocr_jobs rows
+# with its id in document_id; `status` becomes final (done | partial | failed) only when every
+# page row is final, decided from those rows (ocrq/core/documents_store.py).
+ocr_documents = Table(
+    "ocr_documents",
+    metadata,
+    Column("id", String(36), primary_key=True),  # the job id the document was submitted under
+    Column("status", String(16), nullable=False),  # running | done | partial | failed
+    Column("task", Text, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("sha256", String(64)),
+    Column("pages", Integer),  # page count; NULL when the document could not be opened
+    Column("text", Text),  # the pages' text in order, joined by a blank line
+    Column("result", JsonType),  # per page: page, job_id, status, size, text, lines, error
+    Column("error", Text),  # why it failed, or which pages failed (partial)
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("finished_at", DateTime(timezone=True)),
 )
 
 # One row per live worker process (migrations/versions/0002): `name` is what claim() writes to

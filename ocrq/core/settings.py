@@ -57,6 +57,18 @@ class Settings(BaseSettings):
     image_formats: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF", "PPM"]
     )
+    # Documents (PDF, multi-page TIFF; ocrq/worker/documents.py): one job per page.
+    # More pages than this fail the whole document before any page job is sent.
+    max_pdf_pages: int = Field(default=1000, ge=1, le=1_000_000)
+    # A path document is read lazily, page by page, so it may be larger than an image.
+    max_document_bytes: int = Field(default=1024**3, ge=1, le=2**40)
+    # Render DPI of PDF pages. None: follow the engine's resolution preset for the job's task
+    # (HunyuanOCR: an A4 page for `parse` at ~157 dpi), or 200 dpi for engines without one;
+    # always within pdf_min_dpi..pdf_max_dpi. A page's size at that DPI meets the image caps
+    # above before it is rendered.
+    pdf_dpi: float | None = Field(default=None, ge=10, le=1200)
+    pdf_min_dpi: float = Field(default=72.0, ge=10, le=1200)
+    pdf_max_dpi: float = Field(default=300.0, ge=10, le=1200)
     url_timeout_s: float = Field(default=15.0, gt=0, le=600)  # per connect / read / write
     url_deadline_s: float = Field(default=30.0, gt=0, le=3600)  # whole fetch, redirects included
     url_max_redirects: int = Field(default=5, ge=0, le=20)

@@ -198,7 +198,13 @@ class JobStore:
         return Page(rows, (last["created_at"], last["id"]) if last else None)
 
     def claim(
-        self, job_id: str, task: str, source: str, worker: str, max_attempts: int | None = None
+        self,
+        job_id: str,
+        task: str,
+        source: str,
+        worker: str,
+        max_attempts: int | None = None,
+        page: int | None = None,
     ) -> Claim:
         """Mark the job running (creating its row if the producer did not), unless it must not run.
 
@@ -225,6 +231,7 @@ class JobStore:
                         started_at=t,
                         attempts=1,
                         worker=worker,
+                        page=page,  # a page job sent by a producer: resendable from its row
                     )
                     .on_conflict_do_nothing(index_elements=["id"])
                     .returning(ocr_jobs.c.id)

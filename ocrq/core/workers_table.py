@@ -32,6 +32,7 @@ class StalledJob:
     task: str
     source: str
     worker: str
+    page: int | None = None  # a document's page job: resent as that page
 
 
 def _now(engine: Engine) -> Any:
@@ -92,7 +93,9 @@ def flip_stalled(
             ~ocr_jobs.c.source.startswith("b64"),
         )
         .values(status="queued")
-        .returning(ocr_jobs.c.id, ocr_jobs.c.task, ocr_jobs.c.source, ocr_jobs.c.worker)
+        .returning(
+            ocr_jobs.c.id, ocr_jobs.c.task, ocr_jobs.c.source, ocr_jobs.c.worker, ocr_jobs.c.page
+        )
     )
     if exclude is not None:
         stmt = stmt.where(ocr_jobs.c.worker != exclude)

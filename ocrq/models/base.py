@@ -130,6 +130,12 @@ class EngineCore(ABC):
         `item.encoded`. An exception here fails only this item.
         """
 
+    def page_pixels(self, task: str, max_pixels: int | None) -> int | None:
+        """Pixels a rendered document page should have for `task` (and a job's own cap): the
+        render DPI follows it, so a page is drawn at the size the model will see instead of
+        drawn large and shrunk. None: no preference (the worker's default DPI)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release device memory and sessions."""
 

@@ -1,18 +1,23 @@
 """`ocrq run`: the service's job path in one process, fed from local files, no Redis/PostgreSQL.
 
 Same JobRunner, batcher, planner, intake and engine as the worker; a thread pool plays the part
-of Celery's task threads, and a SQLite file plays the part of PostgreSQL.
+of Celery's task threads, and a SQLite file plays the part of PostgreSQL. A document's page jobs
+go to a second pool instead of the broker, and its result is emitted once every page is stored.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ocrq.core.contract import ImageRef, JobRequest
 from ocrq.core.db import get_engine
+from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from ocrq.worker.jobs import JobOutcome
@@ -30,7 +35,22 @@ IMAGE_SUFFIXES = {
     ".pbm",
     ".pgm",
     ".ppm",
+    ".pdf",  # a document: one page job per page, one result for the whole
 }
+
+
+@dataclass(frozen=True)
+class DocumentOutcome:
+    """A document's result in `ocrq run`: the view `ocrq status` shows for it."""
+
+    view: dict[str, Any]
+
+    @property
+    def status(self) -> str:
+        return str(self.view["status"])
+
+    def as_json(self) -> dict[str, Any]:
+        return dict(self.view)
 
 
 def expand(paths: Sequence[Path]) -> list[Path]:
@@ -50,7 +70,7 @@ def run_paths(
     paths: Sequence[Path],
     settings: Settings,
     db_url: str,
-    on_result: Callable[[JobOutcome], None],
+    on_result: Callable[[JobOutcome | DocumentOutcome], None],
     task: str = "text",
 ) -> dict[str, int]:
     """OCR every path; results reach `on_result` in input order. Returns counts by status."""
@@ -60,12 +80,39 @@ def run_paths(
     settings = settings.model_copy(update={"allowed_roots": roots})
     store = JobStore(get_engine(db_url))
     store.create_tables()
-    runtime = build_runtime(settings, store=store, worker_name="embedded")
+    pages: dict[str, list[dict[str, Any]]] = {}
+    lock = threading.Lock()
+
+    def send_page(document_id: str, kwargs: dict[str, Any]) -> None:
+        with lock:
+            pages.setdefault(document_id, []).append(kwargs)
+
+    runtime = build_runtime(settings, store=store, worker_name="embedded", send_page=send_page)
+    documents = DocumentStore(store.engine)
     counts = {"done": 0, "failed": 0}
     try:
         threads = runtime.task_threads
-        with ThreadPoolExecutor(threads, thread_name_prefix="ocrq-fetch") as pool:
-            for outcome in _in_order(pool, files, runtime.runner.process, task, threads):
+        with (
+            ThreadPoolExecutor(threads, thread_name_prefix="ocrq-fetch") as pool,
+            ThreadPoolExecutor(threads, thread_name_prefix="ocrq-page") as page_pool,
+        ):
+
+            def process(request: JobRequest) -> JobOutcome | DocumentOutcome:
+                outcome = runtime.runner.process(request)
+                if outcome.pages is None:
+                    return outcome
+                with lock:
+                    sent = pages.pop(request.job_id, [])
+                futures = [
+                    page_pool.submit(runtime.runner.process, JobRequest.model_validate(k))
+                    for k in sent
+                ]
+                for future in futures:
+                    future.result()
+                view = documents.view(request.job_id)
+                return DocumentOutcome(view) if view is not None else outcome
+
+            for outcome in _in_order(pool, files, process, task, threads):
                 counts[outcome.status] = counts.get(outcome.status, 0) + 1
                 on_result(outcome)
     finally:
@@ -76,12 +123,12 @@ def run_paths(
 def _in_order(
     pool: ThreadPoolExecutor,
     files: Sequence[Path],
-    process: Callable[[JobRequest], JobOutcome],
+    process: Callable[[JobRequest], JobOutcome | DocumentOutcome],
     task: str,
     window: int,
-) -> Iterator[JobOutcome]:
+) -> Iterator[JobOutcome | DocumentOutcome]:
     """Keep `window` jobs in flight (bounded memory) and yield them in submission order."""
-    pending: deque[Future[JobOutcome]] = deque()
+    pending: deque[Future[JobOutcome | DocumentOutcome]] = deque()
     for f in files:
         request = JobRequest(image=ImageRef(path=str(f)), task=task)
         pending.append(pool.submit(process, request))

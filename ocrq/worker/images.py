@@ -18,6 +18,7 @@ import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -58,13 +59,19 @@ def read_bytes(ref: ImageRef, settings: Settings) -> bytes:
 
 
 def _read_path(raw: str, settings: Settings) -> bytes:
-    """Read a file under an allowed root, opened once and never through a symlink swapped in.
+    with open_path(raw, settings) as fh:
+        return read_capped(fh, raw, settings.max_image_bytes)
+
+
+def open_path(raw: str, settings: Settings) -> BinaryIO:
+    """A file under an allowed root, opened once and never through a symlink swapped in.
 
     The path is resolved (symlinks inside the roots are fine), then opened by walking down
     from the root one component at a time with O_NOFOLLOW, relative to the folder opened just
     before: a folder swapped for a symlink between the check and the read fails the walk
-    instead of redirecting it. Size and type come from fstat of the very descriptor read.
+    instead of redirecting it. Its type comes from fstat of the very descriptor returned.
     Missing and outside-the-roots paths give the same message, so a job cannot probe the host.
+    Documents are read through this too, lazily, page by page (ocrq/worker/documents.py).
     """
     hidden = ImageError(
         f"image not found or outside allowed roots: {raw} (path images must be regular files "
@@ -88,15 +95,18 @@ def _read_path(raw: str, settings: Settings) -> bytes:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise ImageError(f"not a regular file: {raw}")
-    with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fh.fileno())
-        limit = settings.max_image_bytes
-        if info.st_size > limit:
-            raise ImageError(f"image too large: {info.st_size} bytes > limit {limit}")
-        try:
-            data = fh.read(limit + 1)
-        except OSError as exc:
-            raise ImageError(f"cannot read {raw}: {exc.strerror or exc}") from None
+    return os.fdopen(fd, "rb")
+
+
+def read_capped(fh: BinaryIO, raw: str, limit: int) -> bytes:
+    """The rest of an opened file, refused when it is (or grows) larger than `limit`."""
+    size = os.fstat(fh.fileno()).st_size
+    if size > limit:
+        raise ImageError(f"image too large: {size} bytes > limit {limit}")
+    try:
+        data = fh.read(limit + 1)
+    except OSError as exc:
+        raise ImageError(f"cannot read {raw}: {exc.strerror or exc}") from None
     if len(data) > limit:  # grew since fstat
         raise ImageError(f"image too large: over {limit} bytes")
     return data

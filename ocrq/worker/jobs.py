@@ -23,10 +23,11 @@ from tenacity import (
 )
 
 from ocrq.core.contract import TASKS, JobRequest, canonical_job_id
+from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
 from ocrq.models.base import Engine, PreparedImage
-from ocrq.worker import images, metrics
+from ocrq.worker import documents, images, metrics, splitting
 from ocrq.worker.batcher import Batcher
 from ocrq.worker.envelope import safe_text
 from ocrq.worker.streaming import StreamingBatcher
@@ -46,6 +47,7 @@ class JobOutcome:
     truncated: str | None = None  # why the text ended early: "max_tokens", "repetition"
     batch_id: str | None = None  # the batch that ran it (Flower shows it in the task result)
     batch_wait_s: float | None = None  # how long it waited for that batch to start
+    pages: int | None = None  # a document's splitting job: the page jobs it made
 
     @classmethod
     def of_row(cls, job_id: str, source: str, row: dict[str, Any], status: str) -> JobOutcome:
@@ -87,6 +89,10 @@ def _timed_out(seconds: float) -> str:
     return f"timed out after {seconds:g} s (OCRQ_JOB_TIMEOUT_S)"
 
 
+class _IsDocument(Exception):
+    """The job's bytes are a document: it is split into page jobs, not run as an image."""
+
+
 @dataclass
 class _Running:
     """A job a task thread of this process is running: what it names, and when it is done."""
@@ -105,8 +111,13 @@ class JobRunner:
         worker_name: str,
         prefetch_images: int = 64,
         db_retry_s: float = 300.0,
+        send_page: splitting.SendPage | None = None,
     ) -> None:
         self.settings = settings
+        # Where a document's page jobs go (ocrq/worker/splitting.py): the broker, or `ocrq run`'s
+        # own threads; built on first use, so image-only runs never connect for it.
+        self._send_page = send_page
+        self.documents = DocumentStore(store.engine)
         self.engine = engine
         self.batcher = batcher
         self.store = store
@@ -143,7 +154,12 @@ class JobRunner:
             return self._await_running(request.job_id, source, running)
         try:
             # Another image under a running job's id goes on to the claim, which refuses it.
-            return self._process(request, source)
+            outcome = self._process(request, source)
+            if request.image.page is not None:
+                # Also on a redelivery that finds the page done: its first delivery may have
+                # died between storing the page and completing the document.
+                self._db(self._complete_document)(request.job_id)
+            return outcome
         finally:
             if owner:
                 with self._in_flight_lock:
@@ -171,6 +187,7 @@ class JobRunner:
             source,
             self.worker_name,
             max_attempts=self.settings.max_attempts,
+            page=request.image.page,
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
@@ -186,9 +203,20 @@ class JobRunner:
         metrics.IN_FLIGHT.inc()
         release_slot = True
         try:
+            document: documents.Document | None = None
             try:
                 with metrics.stage_timer("fetch_decode"):
-                    loaded = images.load(request.image, self.settings, self.engine.max_pixels)
+                    if request.image.page is not None:  # a page job: render its page here
+                        pixels = self.engine.page_pixels(task, request.max_pixels)
+                        loaded = documents.load_page(
+                            request.image, self.settings, self.engine.max_pixels, pixels
+                        )
+                    else:
+                        taken = documents.take(request.image, self.settings)
+                        if isinstance(taken, documents.Document):
+                            document = taken
+                            raise _IsDocument
+                        loaded = images.decode(taken, self.settings, source, self.engine.max_pixels)
                 item = PreparedImage(
                     key=request.job_id,
                     image=loaded.image,
@@ -200,6 +228,9 @@ class JobRunner:
                 )
                 with metrics.stage_timer("preprocess"):
                     self.engine.prepare(item)  # CPU preprocessing, here in the prefetch thread
+            except _IsDocument:
+                assert document is not None
+                return self._split(request, source, document)
             except Exception as exc:  # bad image, or one the engine's preprocessing refuses
                 message = (
                     str(exc)
@@ -262,6 +293,28 @@ class JobRunner:
     def _release_slot(self) -> None:
         self._decoded.release()
         metrics.IN_FLIGHT.dec()
+
+    def _split(self, request: JobRequest, source: str, document: documents.Document) -> JobOutcome:
+        """A document's own job: its page jobs made and sent, then its row done."""
+        if self._send_page is None:
+            self._send_page = splitting.celery_sender(self.settings)
+        try:
+            with document:
+                pages = self._db(splitting.split)(
+                    request, document, self.settings, self.documents, self.store, self._send_page
+                )
+        except documents.DocumentError as exc:
+            return self._fail(request.job_id, source, str(exc))
+        self._db(self.store.finish)(request.job_id, status="done", error=None)
+        metrics.JOBS.labels("done").inc()
+        return JobOutcome(request.job_id, source, "done", pages=pages)
+
+    def _complete_document(self, job_id: str) -> None:
+        row = self.store.get([job_id]).get(job_id)
+        if row is not None and row.get("document_id") and row.get("page") is not None:
+            status = self.documents.complete(row["document_id"])
+            if status is not None:
+                log.info("document %s %s", row["document_id"], status)
 
     def _not_run(self, job_id: str, source: str, claim: Claim) -> JobOutcome:
         """A claim that said no: already done, the id taken by another image, or out of tries."""

@@ -24,6 +24,7 @@ from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
 from ocrq.worker.profiles import choose_cost_model
 from ocrq.worker.recycle import RecyclePolicy, Recycler
+from ocrq.worker.splitting import SendPage
 from ocrq.worker.streaming import StreamingBatcher
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,10 @@ def build_runtime(
     store: JobStore | None = None,
     worker_name: str | None = None,
     on_recycle: Callable[[str], None] | None = None,
+    send_page: SendPage | None = None,
 ) -> Runtime:
-    """Load the engine and start its batcher; with `on_recycle`, watch for recycling too."""
+    """Load the engine and start its batcher; with `on_recycle`, watch for recycling too;
+    `send_page`: where documents' page jobs go (default: the broker)."""
     engine = create_engine(settings.engine, settings)
     engine.load()
     choice = choose_cost_model(engine, settings.profile_dir)
@@ -142,7 +145,9 @@ def build_runtime(
     store = store or JobStore(get_engine(settings.database_url))
     name = worker_name or unique_worker_name(settings.engine)
     prefetch = settings.prefetch_images or 2 * config.max_items
-    runner = JobRunner(settings, engine, batcher, store, name, prefetch_images=prefetch)
+    runner = JobRunner(
+        settings, engine, batcher, store, name, prefetch_images=prefetch, send_page=send_page
+    )
     log.info(
         "engine %s loaded; batches up to %d images within %.2f GiB above %.2f GiB fixed (%s)",
         engine.name,

@@ -231,6 +231,12 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             item.task, item.max_pixels, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
         )
 
+    def page_pixels(self, task: str, max_pixels: int | None) -> int | None:
+        """A document page is rendered at its task's preset: what `pixel_cap` gives it."""
+        g = self.geometry
+        overrides = self.settings.task_max_pixels
+        return pixel_cap(task, max_pixels, overrides, g.min_pixels, g.max_pixels)
+
     def estimate(self, item: PreparedImage) -> ItemCost:
         """Tokens, patches and pixels of `item` as the model will see it (its resolution preset
         applied), by arithmetic; raises ImageShapeError for an image the processor would refuse

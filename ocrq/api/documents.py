@@ -1,0 +1,60 @@
+"""The api's document routes: upload a PDF or multi-page TIFF, read a document and its pages.
+
+A document named by path or URL needs no route of its own: `POST /jobs` with
+`{"image": {"path": "/srv/docs/report.pdf"}}` is a document job (the worker tells a document
+from an image by its bytes), and its job id is the document's id. `POST /documents` takes the
+file itself as the request body; it travels to the worker inline, once, capped by
+OCRQ_MAX_IMAGE_BYTES (the worker's cap on inline bytes): the worker then sends each page on as a
+one-page document, so no later message holds the whole file.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+
+from ocrq.api.client import Client
+from ocrq.core.doc_formats import document_kind
+from ocrq.core.settings import Settings
+
+MAX_TASK_CHARS = 4000
+
+
+def router(client: Client, settings: Settings) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.post("/documents", status_code=202)
+    async def upload_document(
+        request: Request,
+        task: Annotated[str, Query(min_length=1, max_length=MAX_TASK_CHARS)] = "text",
+    ) -> dict[str, str]:
+        """The body is the document's bytes (Content-Type: application/pdf or image/tiff)."""
+        body = await request.body()
+        if len(body) > settings.max_image_bytes:
+            raise HTTPException(
+                413, f"document over {settings.max_image_bytes} bytes (OCRQ_MAX_IMAGE_BYTES)"
+            )
+        if document_kind(body[:1024]) is None:
+            raise HTTPException(415, "not a PDF or TIFF document")
+        if "\x00" in task:
+            raise HTTPException(422, "NUL characters are not allowed")
+        image = {"b64": base64.b64encode(body).decode("ascii")}
+        job_id = client.submit(image, task)
+        return {"job_id": job_id, "document_id": job_id}
+
+    @routes.get("/documents/{document_id}")
+    def get_document(document_id: str) -> dict[str, Any]:
+        """The document with every page (text, lines with boxes in the page's pixels)."""
+        try:
+            key = str(uuid.UUID(document_id))
+        except ValueError:
+            raise HTTPException(404, "no such document") from None
+        view = client.documents.view(key)
+        if view is None:
+            raise HTTPException(404, "no such document")
+        return view
+
+    return routes

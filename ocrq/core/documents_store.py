@@ -1,0 +1,250 @@
+"""Document rows: the only code that writes `ocr_documents` and the page rows of a document.
+
+A document is complete when every one of its page rows is final, and that is decided from the
+rows themselves, under a lock on the document's row: whichever page job stores the last page
+(or a redelivery of any page, or a reader) assembles the result, and a second attempt finds the
+document final and leaves it. No page counter is kept: a redelivered page would make one drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Engine, and_, func, select, update
+
+from ocrq.core.db import ocr_documents, ocr_jobs
+from ocrq.core.store import now
+
+FINAL = ("done", "partial", "failed")
+PAGE_JOB_FINAL = ("done", "failed")
+PAGE_SEPARATOR = "\n\n"  # the pages' text joined like paragraphs (markdown for `parse`)
+NAMED_FAILURES = 50  # a partial document's error names at most this many failed pages
+
+
+class DocumentStore:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        if engine.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        self._insert = insert
+
+    def open(
+        self,
+        document_id: str,
+        task: str,
+        source: str,
+        sha256: str,
+        pages: int,
+        page_jobs: Sequence[tuple[str, int, str]],
+    ) -> list[int]:
+        """Record a split document and its page jobs (id, page, source) as queued; return the
+        pages still queued, to be sent. Idempotent: a redelivered split keeps every row."""
+        t = now()
+        with self.engine.begin() as conn:
+            conn.execute(
+                self._insert(ocr_documents)
+                .values(
+                    id=document_id,
+                    status="running",
+                    task=task,
+                    source=source,
+                    sha256=sha256,
+                    pages=pages,
+                    created_at=t,
+                )
+                .on_conflict_do_nothing(index_elements=["id"])
+            )
+            if page_jobs:
+                conn.execute(
+                    self._insert(ocr_jobs)
+                    .values(
+                        [
+                            {
+                                "id": job_id,
+                                "status": "queued",
+                                "task": task,
+                                "source": page_source,
+                                "created_at": t,
+                                "attempts": 0,
+                                "document_id": document_id,
+                                "page": page,
+                            }
+                            for job_id, page, page_source in page_jobs
+                        ]
+                    )
+                    .on_conflict_do_nothing(index_elements=["id"])
+                )
+            conn.execute(
+                update(ocr_jobs).where(ocr_jobs.c.id == document_id).values(document_id=document_id)
+            )
+            queued = conn.execute(
+                select(ocr_jobs.c.page)
+                .where(_pages_of(document_id), ocr_jobs.c.status == "queued")
+                .order_by(ocr_jobs.c.page)
+            )
+            return [row[0] for row in queued]
+
+    def fail(self, document_id: str, task: str, source: str, error: str, **fields: Any) -> None:
+        """A document refused whole (unreadable, encrypted, no pages, too many): its row says
+        why. A document already final is left as it was."""
+        t = now()
+        values = {"status": "failed", "error": error, "finished_at": t, **fields}
+        stmt = self._insert(ocr_documents).values(
+            id=document_id, task=task, source=source, created_at=t, **values
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["id"],
+            set_=values,
+            where=ocr_documents.c.status.not_in(FINAL),
+        )
+        with self.engine.begin() as conn:
+            conn.execute(stmt)
+            conn.execute(
+                update(ocr_jobs).where(ocr_jobs.c.id == document_id).values(document_id=document_id)
+            )
+
+    def complete(self, document_id: str) -> str | None:
+        """Assemble the document if every page row is final; returns its status when final.
+
+        The document's row is locked first, so of two page jobs finishing at once one
+        assembles and the other then sees it final; page rows are read after the lock, so
+        the last page's committed row is seen (READ COMMITTED takes a snapshot per statement).
+        """
+        locked = select(ocr_documents).where(ocr_documents.c.id == document_id).with_for_update()
+        with self.engine.begin() as conn:
+            doc = conn.execute(locked).mappings().first()
+            if doc is None:
+                return None
+            if doc["status"] in FINAL:
+                return doc["status"]
+            pending = conn.execute(
+                select(func.count()).where(
+                    _pages_of(document_id), ocr_jobs.c.status.not_in(PAGE_JOB_FINAL)
+                )
+            ).scalar_one()
+            stored = conn.execute(select(func.count()).where(_pages_of(document_id))).scalar_one()
+            if pending or stored < (doc["pages"] or 0):
+                return None
+            rows = [dict(r) for r in conn.execute(_page_rows(document_id)).mappings()]
+            fields = assemble(rows)
+            conn.execute(
+                update(ocr_documents)
+                .where(ocr_documents.c.id == document_id)
+                .values(**fields, finished_at=now())
+            )
+            return str(fields["status"])
+
+    def get(self, document_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(ocr_documents).where(ocr_documents.c.id.in_(list(document_ids)))
+            )
+            return {r["id"]: dict(r) for r in rows.mappings()}
+
+    def page_rows(self, document_id: str) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(_page_rows(document_id)).mappings()]
+
+    def progress(self, document_ids: Sequence[str]) -> dict[str, tuple[int, int, str]]:
+        """Per document: (final pages, pages, status): cheap enough to poll."""
+        docs = self.get(document_ids)
+        if not docs:
+            return {}
+        with self.engine.connect() as conn:
+            counts = dict(
+                conn.execute(
+                    select(ocr_jobs.c.document_id, func.count())
+                    .where(
+                        ocr_jobs.c.document_id.in_(list(docs)),
+                        ocr_jobs.c.page.is_not(None),
+                        ocr_jobs.c.status.in_(PAGE_JOB_FINAL),
+                    )
+                    .group_by(ocr_jobs.c.document_id)
+                ).all()
+            )
+        return {d: (counts.get(d, 0), row["pages"] or 0, row["status"]) for d, row in docs.items()}
+
+    def view(self, document_id: str) -> dict[str, Any] | None:
+        """The JSON object users see for a document (`ocrq status`, the api, `ocrq run`).
+
+        A document whose pages are all final but which nobody assembled yet (its last page's
+        worker died between storing the page and completing it) is completed here.
+        """
+        doc = self.get([document_id]).get(document_id)
+        if doc is None:
+            return None
+        if doc["status"] not in FINAL and self.complete(document_id) in FINAL:
+            doc = self.get([document_id])[document_id]
+        pages = doc["result"] if doc["status"] in FINAL and doc["result"] is not None else None
+        if pages is None:
+            pages = [page_view(r) for r in self.page_rows(document_id)]
+        return document_view(doc, pages)
+
+
+def _pages_of(document_id: str) -> Any:
+    return and_(ocr_jobs.c.document_id == document_id, ocr_jobs.c.page.is_not(None))
+
+
+def _page_rows(document_id: str) -> Any:
+    return select(ocr_jobs).where(_pages_of(document_id)).order_by(ocr_jobs.c.page)
+
+
+def page_view(row: dict[str, Any]) -> dict[str, Any]:
+    """One page of a document's result: its lines' boxes are in the page's own pixels."""
+    return {
+        "page": row["page"],
+        "job_id": row["id"],
+        "status": row["status"],
+        "width": row.get("width"),
+        "height": row.get("height"),
+        "text": row.get("text"),
+        "lines": row.get("lines") or [],
+        "error": row.get("error"),
+        "truncated": row.get("truncated"),
+    }
+
+
+def assemble(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A complete document's fields from its page rows, in page order."""
+    pages = [page_view(r) for r in sorted(rows, key=lambda r: r["page"])]
+    failed = [p["page"] for p in pages if p["status"] != "done"]
+    text = PAGE_SEPARATOR.join(p["text"] or "" for p in pages if p["status"] == "done")
+    if not failed:
+        status, error = "done", None
+    else:
+        status = "failed" if len(failed) == len(pages) else "partial"
+        named = ", ".join(str(n) for n in failed[:NAMED_FAILURES])
+        more = f" and {len(failed) - NAMED_FAILURES} more" if len(failed) > NAMED_FAILURES else ""
+        first = next(p for p in pages if p["status"] != "done")
+        error = (
+            f"{len(failed)} of {len(pages)} pages failed: page(s) {named}{more} "
+            f"(page {first['page']}: {first['error']})"
+        )
+    return {"status": status, "text": text, "result": pages, "error": error}
+
+
+def document_view(doc: dict[str, Any], pages: list[dict[str, Any]]) -> dict[str, Any]:
+    final = sum(p["status"] in PAGE_JOB_FINAL for p in pages)
+    return {
+        "job_id": doc["id"],
+        "document_id": doc["id"],
+        "path": doc["source"],
+        "status": doc["status"],
+        "task": doc["task"],
+        "sha256": doc["sha256"],
+        "pages": doc["pages"],
+        "pages_final": final,
+        "pages_failed": sum(p["status"] == "failed" for p in pages),
+        "text": doc["text"],
+        "error": doc["error"],
+        "page_results": pages,
+        "created_at": _iso(doc["created_at"]),
+        "finished_at": _iso(doc["finished_at"]),
+    }
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
