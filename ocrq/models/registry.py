@@ -24,7 +24,17 @@ def _hunyuan(settings: Settings) -> Engine:
     return HunyuanEngine.from_settings(settings)
 
 
-ENGINES: dict[str, Callable[[Settings], Engine]] = {"rapid": _rapid, "hunyuan": _hunyuan}
+def _vllm(settings: Settings) -> Engine:
+    from ocrq.models.vllm import VllmEngine
+
+    return VllmEngine.from_settings(settings)
+
+
+ENGINES: dict[str, Callable[[Settings], Engine]] = {
+    "rapid": _rapid,
+    "hunyuan": _hunyuan,
+    "vllm": _vllm,
+}
 
 
 def create_engine(name: str, settings: Settings) -> Engine:
