@@ -30,10 +30,17 @@ def _vllm(settings: Settings) -> Engine:
     return VllmEngine.from_settings(settings)
 
 
+def _openai(settings: Settings) -> Engine:
+    from ocrq.models.openai import OpenAIEngine
+
+    return OpenAIEngine.from_settings(settings)
+
+
 ENGINES: dict[str, Callable[[Settings], Engine]] = {
     "rapid": _rapid,
     "hunyuan": _hunyuan,
     "vllm": _vllm,
+    "openai": _openai,
 }
 
 

@@ -104,13 +104,16 @@ class ServedModel:
             per_patch_bytes=float(patch_pixels * RGB_BYTES),
         )
 
-    def result(
-        self, item: PreparedImage, text: str, finish_reason: str | None, token_ids: list[int]
-    ) -> OcrResult | Exception:
-        """The answer parsed as the `hunyuan` engine parses its own (boxes in the original
-        image's pixels); a reply cut by the token cap says `truncated="max_tokens"`."""
+    @staticmethod
+    def generated(text: str, token_ids: list[int], finish_reason: str | None) -> Generated:
+        """A served reply as the `hunyuan` engine's loops report a row: one cut by the token
+        cap (vLLM's finish reason "length") says `truncated="max_tokens"`."""
         truncated = "max_tokens" if finish_reason == "length" else None
-        gen = Generated(text=text, token_ids=token_ids, truncated=truncated, prompt_tokens=0)
+        return Generated(text=text, token_ids=token_ids, truncated=truncated, prompt_tokens=0)
+
+    def result(self, item: PreparedImage, gen: Generated) -> OcrResult | Exception:
+        """The answer parsed as the `hunyuan` engine parses its own (boxes in the original
+        image's pixels), or the exception parsing raised (that item fails alone)."""
         return result_of(item, gen, self.version.prompts)
 
     def describe(self) -> dict[str, Any]:

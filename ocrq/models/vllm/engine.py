@@ -39,6 +39,7 @@ from ocrq.core.settings import Settings
 from ocrq.models.base import Engine, OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.checkpoint import check_settings, resolve_model_dir, snapshot_commit
+from ocrq.models.hunyuan.generation import Generated
 from ocrq.models.hunyuan.geometry import geometry_of
 from ocrq.models.hunyuan.prompts import PromptTemplates
 from ocrq.models.hunyuan.served import ServedModel
@@ -178,40 +179,58 @@ class VllmEngine(Engine):
         item.encoded = self.request(item)
 
     def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        """OCR a batch: one OcrResult, or that image's own exception, per input, in order."""
+        rows = self.generate_rows(batch)
+        return [
+            row if isinstance(row, Exception) else self.served.result(item, row)
+            for item, row in zip(batch, rows, strict=True)
+        ]
+
+    def generate_rows(
+        self, batch: Sequence[PreparedImage], *, force_tokens: int | None = None
+    ) -> list[Generated | Exception]:
+        """Each row's generated tokens and text, or its own exception; the building block of
+        `run`, the tests and the bench. `force_tokens` makes every row generate exactly that
+        many tokens (the bench's fixed length; eos ignored)."""
         if self.llm is None or self.tokens is None:
-            raise RuntimeError("VllmEngine.load() must run before run()")
-        results: list[OcrResult | Exception | None] = [None] * len(batch)
-        rows: list[int] = []
+            raise RuntimeError("VllmEngine.load() must run before generate_rows()")
+        rows: list[Generated | Exception | None] = [None] * len(batch)
+        index: list[int] = []
         prompts: list[dict[str, Any]] = []
         for i, item in enumerate(batch):
             try:
                 req = item.encoded if isinstance(item.encoded, Request) else self.request(item)
             except Exception as exc:  # a task the version lacks, an image it refuses
-                results[i] = exc
+                rows[i] = exc
                 continue
-            rows.append(i)
+            index.append(i)
             prompts.append(req.prompt)
-        for i, out in zip(rows, self._generate(prompts), strict=True):
-            results[i] = out if isinstance(out, Exception) else self._result(batch[i], out)
-        return results  # type: ignore[return-value]
+        sampling = self._sampling
+        if force_tokens is not None:
+            sampling = self._sampling.clone()
+            sampling.max_tokens = sampling.min_tokens = force_tokens
+            sampling.ignore_eos = True
+        for i, out in zip(index, self._generate(prompts, sampling), strict=True):
+            rows[i] = out if isinstance(out, Exception) else self._row(out)
+        return rows  # type: ignore[return-value]
 
-    def _generate(self, prompts: list[dict[str, Any]]) -> list[Any]:
+    def _generate(self, prompts: list[dict[str, Any]], sampling: Any) -> list[Any]:
         """vLLM's outputs in order; a prompt vLLM refuses gets its own exception."""
         if not prompts:
             return []
         try:
-            return list(self.llm.generate(prompts, self._sampling, use_tqdm=False))
+            return list(self.llm.generate(prompts, sampling, use_tqdm=False))
         except ValueError as exc:  # vLLM's input validation: find the rows it refuses
             if len(prompts) == 1:
                 return [exc]
             log.warning("vLLM refused a batch of %d (%s); running it row by row", len(prompts), exc)
-            return [self._generate([p])[0] for p in prompts]
+            return [self._generate([p], sampling)[0] for p in prompts]
 
-    def _result(self, item: PreparedImage, out: Any) -> OcrResult | Exception:
+    def _row(self, out: Any) -> Generated:
         assert self.tokens is not None
         completion = out.outputs[0]
         (ids,), _ = self.tokens.cut([list(completion.token_ids)])
         text = self.tokenizer.decode(
             ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
-        return self.served.result(item, text, completion.finish_reason, ids)
+        return self.served.generated(text, ids, completion.finish_reason)
