@@ -60,27 +60,27 @@ def write_images(root: Path) -> dict[str, Path]:
 
 
 def reference_texts(ckpt: Path, paths: dict[str, Path]) -> dict[str, str]:
-    """transformers' generate() on each image, through the `hunyuan` engine (float32, CPU)."""
-    from ocrq.core.settings import Settings
-    from ocrq.models.base import PreparedImage
-    from ocrq.models.hunyuan import HunyuanEngine
+    """transformers' generate() on each image, through the `hunyuan` engine (float32, CPU),
+    under .venv-vllm's interpreter (tests/vllm_reference.py says why)."""
+    import json
+    import subprocess
 
-    settings = Settings(
-        model=str(ckpt), dtype="float32", device="cpu", max_new_tokens=MAX_NEW_TOKENS
+    spec = {name: [str(p), IMAGES[name][3]] for name, p in paths.items()}
+    proc = subprocess.run(
+        [
+            str(require_vllm_venv() / "python"),
+            str(REPO / "tests" / "vllm_reference.py"),
+            *(str(ckpt), str(MAX_NEW_TOKENS), json.dumps(spec)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=REPO,
     )
-    engine = HunyuanEngine(settings, decode="generate")
-    engine.load()
-    items = []
-    for name, path in paths.items():
-        image = Image.open(path).convert("RGB")
-        items.append(PreparedImage(name, image, image.size, task=IMAGES[name][3]))
-    results = engine.run(items)
-    engine.close()
-    out = {}
-    for item, res in zip(items, results, strict=True):
-        assert not isinstance(res, Exception), res
-        out[item.key] = res.text
-    return out
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {name: row["text"] for name, row in rows.items()}
 
 
 def vllm_env(base: dict[str, str], ckpt: Path, queue: str, **extra: str) -> dict[str, str]:
