@@ -41,7 +41,17 @@ from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.costs import GiB  # noqa: E402
 
 SIZES = {**PAGES, "tiny-120x150": (120, 150), "tiny-160x90": (160, 90)}
-CHECK_IMAGES = ((120, 150, "text"), (160, 90, "spotting"), (64, 64, "text"), (150, 100, "parse"))
+# Mixed sizes on purpose: vLLM 0.32 split several images' embeddings by patch counts instead of
+# token counts (ocrq/models/vllm/plugin.py), which showed only on some sizes in one batch.
+CHECK_IMAGES = (
+    (120, 150, "text"),
+    (160, 90, "spotting"),
+    (64, 64, "text"),
+    (150, 100, "parse"),
+    (64, 96, "text"),
+    (192, 192, "text"),
+    (160, 96, "text"),
+)
 
 
 class Report:
