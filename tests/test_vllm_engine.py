@@ -147,7 +147,7 @@ def test_image_vllm_refuses_fails_alone(
     rows = _rows(env, [*good.values(), too_long])
     bad = rows[too_long]
     assert bad["status"] == "failed"
-    assert "maximum model length" in bad["error"] or "longer than" in bad["error"], bad["error"]
+    assert "maximum context length is 400" in bad["error"], bad["error"]
     for name, job in good.items():
         assert rows[job]["status"] == "done", rows[job]
         assert rows[job]["text"] == references[name]

@@ -74,6 +74,9 @@ class VllmEngine(Engine):
         self.device: str | None = None
         self.repetition_penalty = LATEST.repetition_penalty
         self._sampling: Any = None
+        # What vLLM raises for a request it refuses (its own client errors, ValueError in
+        # older code paths); set at load, with vLLM imported.
+        self._refusals: tuple[type[BaseException], ...] = (ValueError,)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> VllmEngine:
@@ -88,7 +91,10 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from transformers import AutoProcessor, GenerationConfig
         from vllm import LLM, SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.platforms import current_platform
+
+        self._refusals = (ValueError, VLLMClientError)
 
         processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
         version = version_of_checkpoint(model_dir)
@@ -220,7 +226,7 @@ class VllmEngine(Engine):
             return []
         try:
             return list(self.llm.generate(prompts, sampling, use_tqdm=False))
-        except ValueError as exc:  # vLLM's input validation: find the rows it refuses
+        except self._refusals as exc:  # vLLM's input validation: find the rows it refuses
             if len(prompts) == 1:
                 return [exc]
             log.warning("vLLM refused a batch of %d (%s); running it row by row", len(prompts), exc)
