@@ -53,7 +53,12 @@ UNK = "<｜hy_unk｜>"
 # opens the model's turn.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
-    "{%- for m in messages if m['role'] == 'system' -%}{{- m['content'] -}}{%- endfor -%}"
+    # A system message's content as a string, or as text parts: vLLM's OpenAI server hands the
+    # template parts (Tencent's clients send an empty system message through it).
+    "{%- for m in messages if m['role'] == 'system' -%}"
+    "{%- if m['content'] is string -%}{{- m['content'] -}}"
+    "{%- else -%}{%- for c in m['content'] if c['type'] == 'text' -%}{{- c['text'] -}}"
+    "{%- endfor -%}{%- endif -%}{%- endfor -%}"
     "{{- '" + SYSTEM_END + "' -}}"
     "{%- for m in messages if m['role'] != 'system' -%}"
     "{%- if m['content'] is string -%}{{- m['content'] -}}"
