@@ -2,8 +2,9 @@
 texts of transformers' generate(), noise images, and the processes a worker leaves behind.
 
 vLLM runs only in .venv-vllm (scripts/vllm-venv.sh, called by scripts/test.sh): the `vllm`
-engine's workers and the OpenAI-compatible server run under its interpreter, while the tests
-and the reference (transformers' `generate()`) run in the test venv.
+engine's workers, the OpenAI-compatible server and the reference (transformers' `generate()`,
+tests/vllm_reference.py, on the same torch and transformers builds) run under its interpreter;
+the tests themselves and the `openai` engine's CPU-only workers run in the test venv.
 """
 
 from __future__ import annotations
