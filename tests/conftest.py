@@ -87,11 +87,12 @@ def service_env(broker_url: str, database_url: str, image_root: Path) -> dict[st
 class WorkerProcess:
     """A real `ocrq worker` in its own process, its log in a file the test can read."""
 
-    def __init__(self, env: dict[str, str], log: Path, *args: str) -> None:
+    def __init__(self, env: dict[str, str], log: Path, *args: str, bin_dir: Path = BIN) -> None:
+        """`bin_dir`: the venv whose `ocrq` runs (.venv-vllm's for the vLLM engine)."""
         self.log = log
         self._fh = log.open("w")
         self.proc = subprocess.Popen(
-            [str(BIN / "ocrq"), "worker", *args],
+            [str(bin_dir / "ocrq"), "worker", *args],
             env=env,
             stdout=self._fh,
             stderr=subprocess.STDOUT,

@@ -188,6 +188,22 @@ class Settings(BaseSettings):
     prefill_tokens: int = Field(default=16384, ge=256, le=1_048_576)
     prefill_chunk_tokens: int = Field(default=4096, ge=256, le=1_048_576)
 
+    # vLLM engines (ocrq/models/vllm, ocrq/models/openai; README "The vLLM engines").
+    # In-process vLLM: sequences in flight and tokens per scheduler step (vLLM's own knobs);
+    # the context a sequence may take (None: the version's largest image + prompt + new tokens).
+    vllm_max_num_seqs: int = Field(default=256, ge=1, le=65_536)
+    vllm_max_num_batched_tokens: int = Field(default=16_384, ge=256, le=1_048_576)
+    vllm_max_model_len: int | None = Field(default=None, ge=64, le=1_048_576)
+    # Remote: an OpenAI-compatible server (`vllm serve` of HunyuanOCR), e.g.
+    # http://gpu-1:8000/v1; the served model's name is OCRQ_MODEL, its version OPENAI_VERSION.
+    openai_url: str | None = None
+    openai_api_key: SecretStr | None = None
+    openai_version: Literal["1.0", "1.5"] = "1.5"
+    openai_concurrency: int = Field(default=16, ge=1, le=4096)  # requests in flight per worker
+    openai_timeout_s: float = Field(default=300.0, gt=0, le=86_400)  # one request
+    # How long connection errors and 5xx answers are retried (with backoff) before the job fails.
+    openai_retry_s: float = Field(default=600.0, ge=0, le=86_400)
+
     @model_validator(mode="after")
     def _liveness_margin(self) -> Settings:
         if self.stalled_after_s < 3 * self.heartbeat_s:

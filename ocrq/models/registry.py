@@ -24,7 +24,24 @@ def _hunyuan(settings: Settings) -> Engine:
     return HunyuanEngine.from_settings(settings)
 
 
-ENGINES: dict[str, Callable[[Settings], Engine]] = {"rapid": _rapid, "hunyuan": _hunyuan}
+def _vllm(settings: Settings) -> Engine:
+    from ocrq.models.vllm import VllmEngine
+
+    return VllmEngine.from_settings(settings)
+
+
+def _openai(settings: Settings) -> Engine:
+    from ocrq.models.openai import OpenAIEngine
+
+    return OpenAIEngine.from_settings(settings)
+
+
+ENGINES: dict[str, Callable[[Settings], Engine]] = {
+    "rapid": _rapid,
+    "hunyuan": _hunyuan,
+    "vllm": _vllm,
+    "openai": _openai,
+}
 
 
 def create_engine(name: str, settings: Settings) -> Engine:

@@ -8,6 +8,7 @@ So this module writes one: a HunYuanVLConfig, random weights, a word-level `toke
 that exposes the image start/image/image end/pad tokens the processor requires, the real
 HunYuanVL image processor and processor, a chat template of the real one's shape, and a
 generation config. `TINY` (1.0) and `TINY_1_5` are few-dimensional models for the unit tests;
+`TINY_VLLM_SHAPES` the same with head_dim 32 (vLLM's CPU attention needs it);
 `HUNYUAN_OCR_1_0` and `HUNYUAN_OCR_1_5` have the full shape (text 1024 x 24 layers, 16 heads /
 8 KV heads, head_dim 128, vocab 120818; vision 1152 x 27 layers, patch 16, merge 2) for the GPU
 benchmarks. A 1.0 checkpoint's config.json is written flat, with 1.0's legacy key names, as the
@@ -52,7 +53,12 @@ UNK = "<｜hy_unk｜>"
 # opens the model's turn.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
-    "{%- for m in messages if m['role'] == 'system' -%}{{- m['content'] -}}{%- endfor -%}"
+    # A system message's content as a string, or as text parts: vLLM's OpenAI server hands the
+    # template parts (Tencent's clients send an empty system message through it).
+    "{%- for m in messages if m['role'] == 'system' -%}"
+    "{%- if m['content'] is string -%}{{- m['content'] -}}"
+    "{%- else -%}{%- for c in m['content'] if c['type'] == 'text' -%}{{- c['text'] -}}"
+    "{%- endfor -%}{%- endif -%}{%- endfor -%}"
     "{{- '" + SYSTEM_END + "' -}}"
     "{%- for m in messages if m['role'] != 'system' -%}"
     "{%- if m['content'] is string -%}{{- m['content'] -}}"
@@ -160,6 +166,11 @@ TINY_1_5 = replace(TINY, version="1.5", max_pixels=192 * 192)
 HUNYUAN_OCR_1_5 = replace(HUNYUAN_OCR_1_0, version="1.5", max_pixels=4096 * 4096)
 SHAPES = {"1.0": HUNYUAN_OCR_1_0, "1.5": HUNYUAN_OCR_1_5}
 TINY_SHAPES = {"1.0": TINY, "1.5": TINY_1_5}
+# For vLLM (ocrq/models/vllm): its CPU attention needs head_dim >= 32, so these tiny models
+# take 32 (and mrope sections that add up to half of it); otherwise the same as TINY / TINY_1_5.
+TINY_VLLM_SHAPES = {
+    v: replace(shape, head_dim=32, mrope_section=(4, 4, 4, 4)) for v, shape in TINY_SHAPES.items()
+}
 
 # The limits each version's config states (text max_position_embeddings; vision token limits).
 LIMITS = {"1.0": V1_0_LIMITS, "1.5": V1_5_LIMITS}

@@ -1,0 +1,173 @@
+"""HunyuanOCR on a remote OpenAI-compatible server (`vllm serve`): CPU-only workers in front of
+a pool of GPU servers.
+
+Design notes (the why):
+
+* The worker runs no model: it fetches and decodes each image, shrinks it to its task's preset
+  and encodes it as PNG in the prefetch thread (`prepare`), then sends one chat completion per
+  image, base64 in a data URL, with the loaded version's prompt in Tencent's message shape (an
+  empty system message, the image before the instruction) and its decoding (greedy, the
+  version's repetition penalty). The server applies the checkpoint's chat template. Answers are
+  parsed by the `hunyuan` engine's code (ocrq/models/hunyuan/served.py), boxes mapped back to the
+  original image's pixels.
+* Which version the server runs cannot be read from here: OCRQ_OPENAI_VERSION says (1.5 by
+  default), and OCRQ_MODEL is the served model's name.
+* Rows of a batch are sent at once, at most OCRQ_OPENAI_CONCURRENCY in flight per worker; the
+  server batches them with other workers' requests. Retries and failures are the client's
+  (ocrq/models/openai/client.py): a server that is away keeps the jobs waiting, unacked; a
+  request it refuses fails that job alone.
+* The memory planned for is this process's (the images it holds); the model's is the server's.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from ocrq.core.settings import Settings
+from ocrq.models.base import Engine, OcrResult, PreparedImage
+from ocrq.models.costs import CostModel, ItemCost
+from ocrq.models.hunyuan.served import ServedModel
+from ocrq.models.hunyuan.versions import VERSIONS
+from ocrq.models.openai.client import ChatClient, Completion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EncodedRequest:
+    """An image ready to send: its PNG as a data URL (made in the prefetch thread)."""
+
+    data_url: str
+
+
+class OpenAIEngine(Engine):
+    name = "openai"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.served = ServedModel.of_version(settings, VERSIONS[settings.openai_version])
+        self.max_pixels = self.served.geometry.max_pixels
+        self.client: ChatClient | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> OpenAIEngine:
+        return cls(settings)
+
+    def load(self) -> None:
+        s = self.settings
+        if not s.openai_url:
+            raise ValueError("OCRQ_OPENAI_URL is not set: the openai engine needs a server URL")
+        key = s.openai_api_key.get_secret_value() if s.openai_api_key else None
+        self.client = ChatClient(
+            s.openai_url,
+            key,
+            timeout_s=s.openai_timeout_s,
+            retry_s=s.openai_retry_s,
+            max_connections=s.openai_concurrency,
+        )
+        self._pool = ThreadPoolExecutor(s.openai_concurrency, thread_name_prefix="ocrq-openai")
+        try:
+            served = self.client.models()
+        except Exception as exc:  # a server may come up after its workers: jobs will retry
+            log.warning("openai engine: %s does not answer yet (%s)", self._where(), exc)
+        else:
+            if s.model not in served:
+                raise ValueError(
+                    f"{self._where()} does not serve OCRQ_MODEL={s.model!r}; it serves: "
+                    f"{', '.join(served) or 'nothing'}"
+                )
+        log.info(
+            "openai engine: HunyuanOCR-%s as %r at %s, %d requests in flight at most",
+            self.served.version.name,
+            s.model,
+            self._where(),
+            s.openai_concurrency,
+        )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def _where(self) -> str:
+        """The server's URL without credentials, for logs."""
+        url = urlsplit(self.settings.openai_url or "")
+        return f"{url.scheme}://{url.hostname}{f':{url.port}' if url.port else ''}{url.path}"
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "engine": self.name,
+            "model": self.settings.model,
+            "server": self._where(),
+            "version": self.served.version.name,
+            "max_new_tokens": str(self.settings.max_new_tokens),
+        }
+
+    def estimate(self, item: PreparedImage) -> ItemCost:
+        return self.served.estimate(item)
+
+    def cost_model(self) -> CostModel:
+        return self.served.host_cost_model()
+
+    def encode(self, item: PreparedImage) -> EncodedRequest:
+        """The image at its preset size as a PNG data URL (lossless: the server sees the
+        pixels an in-process engine would)."""
+        self.served.fit(item)
+        buffer = io.BytesIO()
+        item.image.save(buffer, format="PNG")
+        return EncodedRequest(
+            "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        )
+
+    def prepare(self, item: PreparedImage) -> None:
+        item.encoded = self.encode(item)
+
+    def body(self, item: PreparedImage, encoded: EncodedRequest) -> dict[str, Any]:
+        """The chat completion request for one image."""
+        return {
+            "model": self.settings.model,
+            "messages": [
+                {"role": "system", "content": ""},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": encoded.data_url}},
+                        {"type": "text", "text": self.served.prompt_for(item)},
+                    ],
+                },
+            ],
+            "temperature": 0.0,
+            "max_tokens": self.settings.max_new_tokens,
+            "repetition_penalty": self.served.version.repetition_penalty,
+            "skip_special_tokens": True,
+        }
+
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        if self._pool is None or self.client is None:
+            raise RuntimeError("OpenAIEngine.load() must run before run()")
+        futures = [self._pool.submit(self._one, item) for item in batch]
+        results: list[OcrResult | Exception] = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except Exception as exc:  # refused, or the server stayed away: this image fails
+                results.append(exc)
+        return results
+
+    def _one(self, item: PreparedImage) -> OcrResult | Exception:
+        assert self.client is not None
+        encoded = item.encoded if isinstance(item.encoded, EncodedRequest) else self.encode(item)
+        reply: Completion = self.client.complete(self.body(item, encoded))
+        gen = self.served.generated(reply.text, [], reply.finish_reason)
+        return self.served.result(item, gen)
