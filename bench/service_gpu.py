@@ -511,8 +511,10 @@ def _exactly_once(rows: list[dict[str, Any]], jobs: list[Job], broker: str) -> d
         "distinct_rows": len(set(ids)),
         "done": sum(x["status"] == "done" for x in rows),
         "failed": sum(x["status"] == "failed" for x in rows),
-        "lost": len({j.job_id for j in jobs} - {i for i, x in zip(ids, rows, strict=True)
-                                                  if x["status"] == "done"}),
+        # Not done when the bench stopped waiting: still queued or running (see queue_left),
+        # or lost if neither the queue nor a row holds them.
+        "not_done": len({j.job_id for j in jobs} - {i for i, x in zip(ids, rows, strict=True)
+                                                      if x["status"] == "done"}),
         "attempts_over_1": sum((x["attempts"] or 0) > 1 for x in rows),
         "truncated": {
             why: sum(x["truncated"] == why for x in rows) for why in ("max_tokens", "repetition")
