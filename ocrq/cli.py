@@ -296,15 +296,19 @@ def _print_rows(rows: Iterable[dict[str, Any]], as_json: bool) -> None:
                 if value:
                     typer.echo(f"  {label}: {value}")
         return
+    rows = list(rows)
+    statuses = [status_of(row) for row in rows]
     table = Table("job_id", "status", "created", "path", "text / error")
     table.columns[0].no_wrap = True
     table.columns[0].min_width = JOB_ID_CHARS
     table.columns[1].no_wrap = True
+    # Whole, like the id (a document's "(3/3 pages)"); the path and text columns give way.
+    table.columns[1].min_width = min(max(map(len, statuses), default=6), 40)
     table.columns[2].no_wrap = True
-    for row in rows:
+    for row, shown in zip(rows, statuses, strict=True):
         table.add_row(
             row["job_id"],
-            status_of(row),
+            shown,
             (row.get("created_at") or "")[:19].replace("T", " "),
             str(row.get("path") or ""),
             excerpt(row, 60),

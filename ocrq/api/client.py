@@ -30,7 +30,7 @@ from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, NewJob, Page, full_view
 
-FINAL = ("done", "failed")
+FINAL = ("done", "failed", "partial")  # partial: a document some of whose pages failed
 log = logging.getLogger(__name__)
 
 

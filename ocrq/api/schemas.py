@@ -26,6 +26,8 @@ MAX_REF_CHARS = 8192  # a path or URL longer than this is not a real reference
 Task = Annotated[str, Field(min_length=1, max_length=MAX_TASK_CHARS)]
 MaxPixels = Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])]
 Status = Literal["queued", "running", "done", "failed"]
+# A document (PDF, multi-page TIFF) is shown by its own job id; `partial`: some pages failed.
+JobStatus = Status | Literal["partial"]
 
 
 class JobIn(BaseModel):
@@ -101,7 +103,7 @@ class JobOut(BaseModel):
     """A job's row. `status` "unknown" only in bulk lookups, for ids with no row."""
 
     job_id: str
-    status: Status | Literal["unknown"]
+    status: JobStatus | Literal["unknown"]
     path: str | None = None
     text: str | None = None
     # {text, box: [x1, y1, x2, y2] in the original image's pixels, score, and a label for
@@ -121,6 +123,13 @@ class JobOut(BaseModel):
     created_at: dt.datetime | None = None
     started_at: dt.datetime | None = None
     finished_at: dt.datetime | None = None
+    # A page job: its document and page number (1-based). A document's own job: its pages.
+    document_id: str | None = None
+    page: int | None = None
+    pages: int | None = None
+    pages_final: int | None = None
+    pages_failed: int | None = None
+    page_results: list[dict[str, Any]] | None = None
 
 
 class JobList(BaseModel):

@@ -331,4 +331,6 @@ def full_view(row: dict[str, Any]) -> dict[str, Any]:
         "created_at": _iso(row.get("created_at")),
         "started_at": _iso(row.get("started_at")),
         "finished_at": _iso(row.get("finished_at")),
+        "document_id": row.get("document_id"),
+        "page": row.get("page"),
     }
