@@ -360,8 +360,8 @@ def test_registry_is_a_mapping_and_each_engine_has_its_memory_side() -> None:
     from ocrq.models.memory import HostMemory, MemoryProbing, memory_of
     from ocrq.models.registry import ENGINES, create_engine
 
-    assert list(ENGINES) == ["rapid", "hunyuan"]
-    with pytest.raises(ValueError, match="choose one of: rapid, hunyuan"):
+    assert list(ENGINES) == ["rapid", "hunyuan", "vllm", "openai"]
+    with pytest.raises(ValueError, match="choose one of: rapid, hunyuan, vllm, openai"):
         create_engine("nope", Settings())
     hunyuan = create_engine("hunyuan", Settings())
     assert isinstance(hunyuan, MemoryProbing) and memory_of(hunyuan) is hunyuan
