@@ -33,7 +33,9 @@ def write_bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
         "empty": (b"", "empty image"),
         "corrupt": (bytes(range(256)) * 40, "not an image"),
         "truncated": (jpeg[: len(jpeg) // 2], "corrupt or truncated"),
-        "notimage": (b"%PDF-1.4 this is not a picture\n" * 20, "not an image"),
+        # Plain text: bytes that start like a PDF are a document now, and a corrupt one fails as
+        # "corrupt or unreadable PDF" (tests/test_documents.py).
+        "notimage": (b"this is plain text, not a picture\n" * 20, "not an image"),
         "bomb": (png_bomb(), "decompression bomb"),
     }
     suffix = {

@@ -90,6 +90,8 @@ def take(ref: ImageRef, settings: Settings) -> Document | bytes:
                 fh.seek(0)
                 data = images.read_capped(fh, ref.path, settings.max_image_bytes)
                 fh.close()
+                if not data:
+                    raise images.ImageError(f"empty image: {ref.describe()} has 0 bytes")
                 return data
             size = os.fstat(fh.fileno()).st_size
             if size > settings.max_document_bytes:
