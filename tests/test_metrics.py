@@ -281,6 +281,7 @@ def test_flower_sees_the_batch_of_each_task(
             return [e for e in list(events) if e["type"] == kind and e.get("uuid") == job]
 
         wait_for(lambda: bool(seen("task-succeeded", done_id)), 60, "task-succeeded")
+        wait_for(lambda: bool(seen("task-failed", failed_id)), 60, "task-failed")
         receiver.should_stop = True
         thread.join(10)
     rows = JobStore(get_engine(database_url)).get([done_id, failed_id])
