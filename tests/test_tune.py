@@ -331,6 +331,8 @@ def test_tune_tiny_hunyuan_writes_a_profile_the_worker_loads(
         **os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tiny_cache),
         "OCRQ_PROFILE_DIR": str(profiles), "OCRQ_DEVICE": "cpu", "OCRQ_DTYPE": "float32",
         "OCRQ_MAX_NEW_TOKENS": "4", "COLUMNS": "160",
+        # Workers that run the loop (on a CPU only when asked) get its sizing in the profile.
+        "OCRQ_SCHEDULER": "continuous",
     }
     proc = run_tune(env, "--engine", "hunyuan", "--budget-fraction", "0.5",
                     "--max-seconds", "20", "--max-batch", "8")
