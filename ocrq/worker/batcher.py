@@ -50,6 +50,15 @@ class BatchConfig:
     clean_batches_to_raise: int = 20
     budget_step: float = 0.05
 
+    def start_governor(self) -> BudgetGovernor:
+        """The budget governor this config describes (each batcher kind starts one)."""
+        return BudgetGovernor.start(
+            self.budget_bytes,
+            oom_backoff=self.oom_backoff,
+            clean_batches_to_raise=self.clean_batches_to_raise,
+            budget_step=self.budget_step,
+        )
+
 
 @dataclass(frozen=True)
 class ItemOutcome:
@@ -107,12 +116,7 @@ class Batcher:
         self.config = config
         # A tuned profile's model when the runtime found one, else the engine's default.
         self.cost_model = cost_model or engine.cost_model()
-        governor = BudgetGovernor.start(
-            config.budget_bytes,
-            oom_backoff=config.oom_backoff,
-            clean_batches_to_raise=config.clean_batches_to_raise,
-            budget_step=config.budget_step,
-        )
+        governor = config.start_governor()
         self.executor = BatchExecutor(engine, self.cost_model, governor, config.shrink)
         self._on_batch = on_batch
         self._state = _State()

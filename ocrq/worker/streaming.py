@@ -32,7 +32,6 @@ from ocrq.models.slots import RunningBudget, capacity_of
 from ocrq.worker import metrics
 from ocrq.worker.batcher import BatchConfig, BatchRecord, ItemOutcome, _Entry, _resolve
 from ocrq.worker.downscaling import Downscaler
-from ocrq.worker.governor import BudgetGovernor
 from ocrq.worker.planner import plan_running
 from ocrq.worker.recovery import Row, log_downscale
 
@@ -55,12 +54,7 @@ class StreamingBatcher:
         self.config = config
         self.cost_model = cost_model or engine.cost_model()
         self.memory = memory_of(engine)
-        self.governor = BudgetGovernor.start(
-            config.budget_bytes,
-            oom_backoff=config.oom_backoff,
-            clean_batches_to_raise=config.clean_batches_to_raise,
-            budget_step=config.budget_step,
-        )
+        self.governor = config.start_governor()
         self.loop: RunningBudget = engine.open(config.budget_bytes, self.cost_model)
         self._on_batch = on_batch
         self._cond = threading.Condition()

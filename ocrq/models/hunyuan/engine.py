@@ -433,19 +433,15 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             prefill_tokens=s.prefill_tokens,
             state_bytes_per_slot=self.state_bytes_per_slot(),
         )
-        if self._decoder.attention != "triton":
-            # The torch attention also keeps a key mask per slot: a byte per slot and pool token.
-            per_token = model.per_cache_token_bytes + slots
+        # The torch attention also keeps a key mask per slot: a byte per slot and pool token.
+        mask_bytes = 0 if self._decoder.attention == "triton" else slots
+        per_token = model.per_cache_token_bytes + mask_bytes
+        if mask_bytes:
             budget = replace(budget, pool_tokens=int(budget.pool_bytes // per_token) // 16 * 16)
         # No more than every slot could hold at once (a host's memory as budget is far more).
         most = budget.slots * capacity_of(s.prefill_tokens, s.max_new_tokens)
         if budget.pool_tokens > most:
-            budget = replace(
-                budget,
-                pool_tokens=most,
-                pool_bytes=int(most * (model.per_cache_token_bytes + (
-                    0 if self._decoder.attention == "triton" else slots))),
-            )
+            budget = replace(budget, pool_tokens=most, pool_bytes=int(most * per_token))
         self.loop = None
         self.release_memory()
         self.loop = RunningLoop(self._decoder, self.tokens, self.loop_config(budget))
