@@ -96,7 +96,7 @@ def test_running_loop_ends_rows_at_their_scripted_length(
     got: dict[str, Any] = {}
     while len(got) < 3:
         for f in scripted.poll(1.0):
-            got[f.key] = f.result
+            got[f.key] = f.resolve()
     scripted.reset()
     _check(scripted, got, unscripted)
 

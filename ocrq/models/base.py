@@ -18,7 +18,7 @@ an engine's memory than this: that is an optional protocol of its own (ocrq/mode
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from PIL import Image
@@ -154,10 +154,24 @@ class Engine(EngineCore):
 
 @dataclass(frozen=True)
 class Finished:
-    """A row a streaming engine has finished, named by its PreparedImage's key."""
+    """A row a streaming engine has finished, named by its PreparedImage's key.
+
+    `later`, when set, makes the result (detokenising and parsing the row's output): the
+    batcher calls it off the thread that drives the device, which meanwhile queues the next
+    steps."""
 
     key: str
-    result: OcrResult | Exception
+    result: OcrResult | Exception | None
+    later: Callable[[], OcrResult] | None = None
+
+    def resolve(self) -> OcrResult | Exception:
+        if self.later is None:
+            assert self.result is not None
+            return self.result
+        try:
+            return self.later()
+        except Exception as exc:  # its output fails to parse: this row alone
+            return exc
 
 
 class StreamingEngine(EngineCore):

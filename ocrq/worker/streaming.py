@@ -10,7 +10,11 @@ touches the planner and the engine, every future is resolved exactly once. What 
   while their KV fits the pool beside the rows in flight, and downscales or refuses a row too big
   for the loop alone;
 * `engine.poll` runs the loop until some row ends; its job is resolved at once, so its task
-  thread stores the row and acks while the other rows decode on;
+  thread stores the row and acks while the other rows decode on. Detokenising and parsing a
+  finished row (`Finished.resolve`) run on a finisher thread, not on the thread that keeps the
+  GPU's queue full;
+* the planner runs only when something changed (a row arrived, finished or was requeued): with
+  hundreds of rows waiting for room it is not free, and it shares the GIL with that thread;
 * an out-of-memory error from the loop lowers the budget (the governor), reopens the loop smaller
   and puts the rows in flight back at the front of the queue: no job fails for it.
 """
@@ -23,9 +27,9 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from ocrq.models.base import PreparedImage, StreamingEngine
+from ocrq.models.base import Finished, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.slots import RunningBudget, capacity_of
@@ -61,6 +65,8 @@ class StreamingBatcher:
         self._waiting: dict[str, _Entry] = {}
         self._flight: dict[str, tuple[_Entry, int]] = {}  # engine key -> (entry, KV tokens)
         self._seq = 0
+        self._changed = False  # something the planner would see differently since it last ran
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="ocrq-finish")
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ocrq-streaming", daemon=True)
         self.records: deque[BatchRecord] = deque(maxlen=10_000)
@@ -90,6 +96,7 @@ class StreamingBatcher:
             key = f"{item.key}#{self._seq}"
             self._waiting[key] = _Entry(Row(item, cost, self._seq), future)
             self._seq += 1
+            self._changed = True
             self._cond.notify_all()
         return future
 
@@ -100,6 +107,7 @@ class StreamingBatcher:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._finisher.shutdown(wait=True)
 
     def pending(self) -> int:
         with self._cond:
@@ -127,6 +135,9 @@ class StreamingBatcher:
     def _hand_over(self) -> None:
         """Plan against the pool beside the rows in flight, apply the plan, submit."""
         with self._cond:
+            if not self._changed:
+                return
+            self._changed = False
             snapshot = dict(self._waiting)
         if not snapshot:
             return
@@ -178,12 +189,10 @@ class StreamingBatcher:
             if held is None:
                 continue
             entry, _ = held
-            if isinstance(f.result, BaseException):
-                failed += 1
-                outcome = ItemOutcome(None, f.result, batch_id, self.engine.name)
-            else:
-                outcome = ItemOutcome(f.result, None, batch_id, self.engine.name)
-            _resolve(entry.future, outcome)
+            failed += isinstance(f.result, BaseException)
+            self._finisher.submit(self._finish, entry, f, batch_id)
+        with self._cond:
+            self._changed = True  # their KV ranges are free
         self.governor = self.governor.after_batch(0)
         record = BatchRecord(
             batch_id, len(finished), started, time.monotonic(), self.loop.bytes, failed, 0,
@@ -196,6 +205,14 @@ class StreamingBatcher:
             except Exception:
                 log.exception("on_batch hook failed")
 
+    def _finish(self, entry: _Entry, finished: Finished, batch_id: str) -> None:
+        result = finished.resolve()
+        if isinstance(result, BaseException):
+            outcome = ItemOutcome(None, result, batch_id, self.engine.name)
+        else:
+            outcome = ItemOutcome(result, None, batch_id, self.engine.name)
+        _resolve(entry.future, outcome)
+
     def _recover(self, message: str) -> None:
         """Out of memory inside the loop: rows in flight go back to the front of the queue, the
         budget drops below what the loop held, and the loop is opened again within it."""
@@ -206,6 +223,7 @@ class StreamingBatcher:
             for key, (entry, _) in list(self._flight.items()):
                 self._waiting[f"{key}#retry{entry.row.seq}"] = entry
             self._flight.clear()
+            self._changed = True
         self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)
         log.warning(
             "out of memory in the running loop (%s); budget now %.2f GiB, rows in flight queued "

@@ -117,12 +117,15 @@ def running_loop(report: TuneReport, engine: Engine) -> dict[str, Any] | None:
         return None
     settings = getattr(engine, "settings", None)
     model = report.fit.model
+    pass_tokens = getattr(engine, "pass_tokens", None)
     try:
         planned = RunningBudget.plan(
             model,
             report.budget_bytes - model.fixed_bytes,
             slots=getattr(settings, "max_batch", None) or engine.preferred_max_batch(),
-            prefill_tokens=getattr(settings, "prefill_tokens", 16384),
+            prefill_tokens=(
+                pass_tokens() if pass_tokens else getattr(settings, "prefill_tokens", 16384)
+            ),
         )
     except ValueError:
         return None

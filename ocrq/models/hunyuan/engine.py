@@ -430,7 +430,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             model,
             budget_bytes,
             slots=slots,
-            prefill_tokens=s.prefill_tokens,
+            prefill_tokens=self.pass_tokens(),
             state_bytes_per_slot=self.state_bytes_per_slot(),
         )
         # The torch attention also keeps a key mask per slot: a byte per slot and pool token.
@@ -439,7 +439,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         if mask_bytes:
             budget = replace(budget, pool_tokens=int(budget.pool_bytes // per_token) // 16 * 16)
         # No more than every slot could hold at once (a host's memory as budget is far more).
-        most = budget.slots * capacity_of(s.prefill_tokens, s.max_new_tokens)
+        most = budget.slots * capacity_of(budget.prefill_tokens, s.max_new_tokens)
         if budget.pool_tokens > most:
             budget = replace(budget, pool_tokens=most, pool_bytes=int(most * per_token))
         self.loop = None
@@ -455,6 +455,14 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             s.prefill_tokens if s.prefill_schedule == "alternate" else s.prefill_chunk_tokens,
         )
         return budget
+
+    def pass_tokens(self) -> int:
+        """The padded prompt tokens of the largest prefill pass the loop runs, which the budget
+        reserves: a chunk under the "chunked" schedule (a row over it is downscaled to fit by the
+        planner), OCRQ_PREFILL_TOKENS under "alternate". Reserving the larger pass in chunked
+        mode over-predicted the H200's peak by 12% (bench/results/service_gpu_reading.md)."""
+        s = self.settings
+        return s.prefill_chunk_tokens if s.prefill_schedule == "chunked" else s.prefill_tokens
 
     def loop_config(self, budget: RunningBudget, **overrides: Any) -> LoopConfig:
         s = self.settings
@@ -524,11 +532,10 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         )[0]
 
     def _finished(self, done: Done) -> Finished:
+        """Detokenising and parsing wait for `Finished.resolve`, called off the loop's thread."""
         item = self._items.pop(done.row.key)
-        try:
-            return Finished(item.key, result_of(item, self.finish(done), self.version.prompts))
-        except Exception as exc:  # its output fails to parse: this row alone
-            return Finished(item.key, exc)
+        prompts = self.version.prompts
+        return Finished(item.key, None, lambda: result_of(item, self.finish(done), prompts))
 
     def reset(self) -> list[str]:
         """Drop the loop and its rows (after an out-of-memory error); their keys."""

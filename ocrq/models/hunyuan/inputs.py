@@ -228,7 +228,12 @@ def collate(
     if device is None:
         inputs["pixel_values"] = torch.cat([r.pixel_values for r in rows], dim=0)
         return inputs
-    inputs = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+    # Through pinned memory: from pageable memory `non_blocking` still waits for the copy, and
+    # the running loop queues this behind decode steps it must not wait for.
+    pin = torch.device(device).type == "cuda"
+    inputs = {
+        k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in inputs.items()
+    }
     total = sum(r.pixel_values.shape[0] for r in rows)
     width = rows[0].pixel_values.shape[1]
     pixels = torch.empty((total, width), dtype=dtype, device=device)

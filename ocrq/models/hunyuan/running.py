@@ -36,6 +36,7 @@ loop's, per row; a row's tokens do not depend on the rows beside it (tests).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import deque
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.inputs import EncodedImage, collate
 from ocrq.models.hunyuan.prefill import prompt_pass
+from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
 from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import RepetitionGuard
@@ -77,7 +79,7 @@ class LoopRow:
     slot: int = -1
     start: int = -1
     capacity: int = 0
-    steps: int = 0  # decode steps run since its prefill (its tokens so far: steps + 1, live)
+    first_step: int = 0  # the loop's decode steps before its prefill: tokens = steps since + 1
     admitted_at: float = 0.0
     logits: list[Any] = field(default_factory=list)  # raw logits per token, when kept (tests)
 
@@ -105,7 +107,7 @@ class LoopConfig:
     schedule: str = "chunked"
     prefill_tokens: int = 16384  # padded prompt tokens of one prefill pass ("alternate")
     chunk_tokens: int = 4096  # ... of one chunk between decode steps ("chunked")
-    check_every: int = 16  # decode steps between host checks for finished rows
+    check_every: int = 8  # decode steps between copies of the slots' state to the host
     penalty: float = 1.0
     guard: RepetitionGuard | None = None
     keep_logits: bool = False  # tests: every token's raw logits per row (a host sync per step)
@@ -123,7 +125,8 @@ class LoopConfig:
 
 @dataclass
 class LoopStats:
-    """Where the loop's time went (seconds) and what it did; the bench reads it."""
+    """Where the loop's time went (seconds of GPU time on a GPU, from events read once done;
+    host seconds on a CPU) and what it did; the bench and the worker's metrics read it."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -134,6 +137,7 @@ class LoopStats:
     row_steps: int = 0  # live rows summed over steps: the useful share of slot-steps
     slot_steps: int = 0  # slots stepped (the bucket) summed over steps
     graphs: int = 0
+    readbacks: int = 0  # copies of the slots' state read by the host
 
 
 class RunningLoop:
@@ -193,6 +197,13 @@ class RunningLoop:
         )
         self.scratch_col = torch.tensor([self.scratch], dtype=long, device=dev)
         self._since_check = 0
+        self._step_no = 0  # decode steps run so far
+        self._caps: list[tuple[int, int, int]] = []  # heap: (step its cap is reached, slot, id)
+        # Rows due a repetition check, by phase: rows admitted at steps congruent mod `every`
+        # are due at the same steps, so a step looks at its own phase only.
+        self._phases: dict[int, set[int]] = {}
+        self.readback = Readback(s, n, dev)
+        self.clock = GpuClock(bool(decoder.is_cuda))
 
     # -- the host side -------------------------------------------------------------------------
 
@@ -236,6 +247,7 @@ class RunningLoop:
                     break
             if not done and self.rows:
                 done = self._harvest(force=True)
+        self._collect_times()
         return done
 
     def drain(self) -> list[Done]:
@@ -243,7 +255,13 @@ class RunningLoop:
         done: list[Done] = []
         while not self.idle():
             done += self.run()
+        self._collect_times(wait=True)
         return done
+
+    def _collect_times(self, wait: bool = False) -> None:
+        totals = self.clock.collect(wait)
+        self.stats.prefill_s = totals.get("prefill", 0.0)
+        self.stats.decode_s = totals.get("decode", 0.0)
 
     def clear(self) -> list[LoopRow]:
         """Forget every row (after an error); the rows that were in flight or waiting."""
@@ -252,6 +270,7 @@ class RunningLoop:
             self._release(slot)
         self.waiting.clear()
         self.graphs.clear()
+        self.readback.drop()
         return rows
 
     def _free_slots(self) -> list[int]:
@@ -282,14 +301,21 @@ class RunningLoop:
             self._prefill(plan)
 
     def _prefill(self, plan: Admission) -> None:
+        with self.clock.span("prefill"):
+            self._prefill_rows(plan)
+        self.stats.prefills += 1
+        self.stats.prefilled_rows += len(plan.placements)
+
+    def _prefill_rows(self, plan: Admission) -> None:
+        """Everything here is queued without a host sync (to_device, index lists built on the
+        host): a sync would empty the queue of decode steps behind which it runs."""
         import torch
 
-        t0 = time.perf_counter()
         rows: list[LoopRow] = []
         for placement in plan.placements:
             row = self.waiting.popleft()
             assert row.key == placement.key
-            row.slot, row.start, row.steps = placement.slot, placement.start, 0
+            row.slot, row.start, row.first_step = placement.slot, placement.start, self._step_no
             row.admitted_at = time.monotonic()
             rows.append(row)
         self.pool = plan.pool
@@ -308,25 +334,32 @@ class RunningLoop:
         prompt_kv, first_logits = prompt_pass(text, inputs, positions, self.decoder.fused)
         mask = inputs["attention_mask"].bool()
         lengths = [r.prompt_tokens for r in rows]
-        columns = torch.cat(
-            [torch.arange(r.start, r.start + n, device=self.device) for r, n in zip(
-                rows, lengths, strict=True)]
-        )
+        dev, long = self.device, torch.long
+        # Where each row's real tokens sit in the left-padded (B x P) prompt, flattened, and
+        # the pool columns they go to: host arithmetic, not a boolean index (a sync per layer).
+        width = int(inputs["input_ids"].shape[1])
+        real: list[int] = []
+        cols: list[int] = []
+        for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
+            real.extend(range(i * width + width - n, (i + 1) * width))
+            cols.extend(range(r.start, r.start + n))
+        real_at, columns = to_device(real, long, dev), to_device(cols, long, dev)
         for index in range(len(prompt_kv)):
             k, v = prompt_kv[index]
-            # (B, KVH, P, D) -> the real (unpadded) tokens of every row, in row order
-            k_real = k.permute(1, 0, 2, 3)[:, mask]
-            v_real = v.permute(1, 0, 2, 3)[:, mask]
+            # (B, KVH, P, D) -> (KVH, B * P, D) -> the real tokens of every row, in row order
+            heads, dim = k.shape[1], k.shape[3]
+            k_real = k.permute(1, 0, 2, 3).reshape(heads, -1, dim).index_select(1, real_at)
+            v_real = v.permute(1, 0, 2, 3).reshape(heads, -1, dim).index_select(1, real_at)
             self.keys[index][0].index_copy_(1, columns, k_real)
             self.values[index][0].index_copy_(1, columns, v_real)
             prompt_kv[index] = None  # type: ignore[call-overload]  # free the layer now
             del k, v, k_real, v_real
         del prompt_kv
 
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
+        slots = to_device([r.slot for r in rows], long, dev)
         n = len(rows)
-        starts = torch.tensor([r.start for r in rows], dtype=torch.int32, device=self.device)
-        plens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        starts = to_device([r.start for r in rows], torch.int32, dev)
+        plens = to_device(lengths, torch.int32, dev)
         for r, length in zip(rows, lengths, strict=True):
             self._forget_keys(r.slot)
             if self.valid is not None:
@@ -335,12 +368,12 @@ class RunningLoop:
         self.write.index_copy_(0, slots, (starts + plens).long())
         self.pos.index_copy_(1, slots, positions[:, :, -1] + 1)
         self.count.index_fill_(0, slots, 0)
-        caps = [r.max_new_tokens for r in rows]
-        self.cap.index_copy_(0, slots, torch.tensor(caps, device=self.device))
-        mins = [r.min_new_tokens for r in rows]
-        self.min_new.index_copy_(0, slots, torch.tensor(mins, device=self.device))
+        self.cap.index_copy_(0, slots, to_device([r.max_new_tokens for r in rows], long, dev))
+        self.min_new.index_copy_(
+            0, slots, to_device([r.min_new_tokens for r in rows], long, dev)
+        )
         eos_at = [self.out.shape[1] + 1 if r.eos_at is None else r.eos_at for r in rows]
-        self.eos_at.index_copy_(0, slots, torch.tensor(eos_at, device=self.device))
+        self.eos_at.index_copy_(0, slots, to_device(eos_at, long, dev))
         self.finished.index_fill_(0, slots, False)
         self.stopped.index_fill_(0, slots, 0)
         self.out.index_fill_(0, slots, self.tokens.pad)
@@ -352,13 +385,18 @@ class RunningLoop:
                            True)
             self.seen.index_copy_(0, slots, marks)
         for r in rows:
-            self.rows[r.slot] = r
+            self._enter(r)
         self._choose(first_logits, slots, rows)
-        if self.decoder.is_cuda:
-            torch.cuda.synchronize(self.device)
-        self.stats.prefill_s += time.perf_counter() - t0
-        self.stats.prefills += 1
-        self.stats.prefilled_rows += n
+
+    def _enter(self, row: LoopRow) -> None:
+        """The host's books for a row now in its slot: when its cap is reached, its guard phase."""
+        self.rows[row.slot] = row
+        heapq.heappush(
+            self._caps, (row.first_step + row.max_new_tokens - 1, row.slot, id(row))
+        )
+        guard = self._finder.guard if self._finder is not None else None
+        if guard is not None and row.eos_at is None:
+            self._phases.setdefault((row.first_step - 1) % guard.every, set()).add(row.slot)
 
     def _forget_keys(self, slot: int) -> None:
         """No key of the slot's previous row stays visible to the next one (the torch mask;
@@ -443,20 +481,19 @@ class RunningLoop:
     def _decode_step(self) -> None:
         self._guard()
         k = self._bucket()
-        t0 = time.perf_counter()
         graphed = self.decoder.use_graph and self.decoder.is_cuda and not self.config.keep_logits
         if graphed and k in self.graphs:
-            self.graphs[k].replay()
+            with self.clock.span("decode"):
+                self.graphs[k].replay()
         else:
-            self._step(k)
+            with self.clock.span("decode"):
+                self._step(k)
             if graphed:
                 self._capture(k)
-        self.stats.decode_s += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.slot_steps += k
         self.stats.row_steps += len(self.rows)
-        for row in self.rows.values():
-            row.steps += 1
+        self._step_no += 1
         self._since_check += 1
 
     def _capture(self, k: int) -> None:
@@ -521,47 +558,76 @@ class RunningLoop:
             return
         guard = self._finder.guard
         due: dict[int, list[int]] = {}
-        for slot, row in self.rows.items():
-            n = row.steps + 1
-            if row.eos_at is not None:  # bench only: a scripted row's length is the bench's call
-                continue
+        # Scripted rows (bench only) never enter a phase: their length is the bench's call.
+        for slot in self._phases.get(self._step_no % guard.every, ()):
+            row = self.rows[slot]
+            n = self._step_no - row.first_step + 1
             if guard_due(guard, n, row.min_new_tokens, row.max_new_tokens):
                 due.setdefault(n, []).append(slot)
         for n, slots in due.items():
-            index = torch.tensor(slots, dtype=torch.long, device=self.device)
+            index = to_device(slots, torch.long, self.device)
             hits = self._finder(self.out[index, :n]) & ~self.finished[index]
             self.stopped.index_copy_(0, index, torch.where(hits, n, self.stopped[index]))
             self.finished.index_copy_(0, index, self.finished[index] | hits)
 
     # -- finished rows ---------------------------------------------------------------------------
 
+    def _capped(self) -> bool:
+        """Whether a live row reached its own cap since the last look (the host knows without a
+        sync; each row counted once)."""
+        hit = False
+        while self._caps and self._caps[0][0] <= self._step_no:
+            hit |= self._holder(heapq.heappop(self._caps)) is not None
+        return hit
+
+    def _holder(self, entry: tuple[int, int, int]) -> LoopRow | None:
+        row = self.rows.get(entry[1])
+        return row if row is not None and id(row) == entry[2] else None
+
     def _harvest(self, force: bool) -> list[Done]:
-        """Hand back the rows that ended: every `check_every` steps (one host sync), at once
-        when a row reached its own cap (the host knows), or when asked."""
+        """Hand back the rows that ended, from a copy of the slots' state (`Readback`).
+
+        A copy is queued every `check_every` steps, when a row reached its own cap, or when
+        asked (`force`); on a GPU it is read once it has landed, and waited for only at the
+        next due check, by when `check_every` more steps are queued behind it: the host stays
+        at most two checks ahead of the GPU and the GPU's queue never runs dry. On a CPU (and
+        in the tests that keep logits) the copy is read at once: a synchronous loop."""
         if self.config.keep_logits:
             self._keep_logits()
             force = True
-        capped = any(r.steps + 1 >= r.max_new_tokens for r in self.rows.values())
-        if not (force or capped or self._since_check >= self.config.check_every):
-            return []
-        self._since_check = 0
-        slots = sorted(self.rows)
-        finished = self.finished[slots].tolist()
-        ended = [s for s, f in zip(slots, finished, strict=True) if f]
-        if not ended:
-            return []
-        counts = self.count[ended].tolist()
-        stopped = self.stopped[ended].tolist()
-        outs = self.out[ended].tolist()
+        sync = self.config.keep_logits or not self.readback.asynchronous
+        periodic = self._since_check >= self.config.check_every
+        due = self._capped() or force or periodic
+        done: list[Done] = []
+        if self.readback.pending:
+            snap = self.readback.take(wait=sync or periodic)
+            if snap is not None:
+                done = self._ended(snap)
+        if due and not self.readback.pending and self.rows:
+            self._since_check = 0
+            self.readback.queue(
+                self.rows, self._bucket(), self.finished, self.count, self.stopped, self.out
+            )
+            if sync:
+                snap = self.readback.take(wait=True)
+                assert snap is not None
+                done += self._ended(snap)
+        return done
+
+    def _ended(self, snap: Snapshot) -> list[Done]:
+        """The rows finished in `snap` that still hold their slots; released."""
+        self.stats.readbacks += 1
         done = []
-        for slot, n, kept, ids in zip(ended, counts, stopped, outs, strict=True):
-            row = self.rows[slot]
+        for slot, row in snap.rows.items():
+            if not snap.finished[slot] or self.rows.get(slot) is not row:
+                continue
+            n = snap.counts[slot]
             logits = None
             if self.config.keep_logits:
                 import torch
 
                 logits = torch.stack(row.logits)
-            done.append(Done(row, ids[:n], int(kept), logits))
+            done.append(Done(row, snap.out[slot, :n].tolist(), int(snap.stopped[slot]), logits))
             self._release(slot)
         return done
 
@@ -578,6 +644,8 @@ class RunningLoop:
 
     def _release(self, slot: int) -> None:
         row = self.rows.pop(slot)
+        if self._finder is not None:
+            self._phases.get((row.first_step - 1) % self._finder.guard.every, set()).discard(slot)
         self.pool = self.pool.give(row.start, row.capacity)
         self.finished[slot] = True
         self.write[slot] = self.scratch
