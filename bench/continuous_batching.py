@@ -163,8 +163,10 @@ def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule
     engine.loop = None
     engine.release_memory()
     budget_bytes = int(args.budget_gib * GiB) - model.fixed_bytes
+    # The pass the schedule runs is the one reserved (HunyuanEngine.pass_tokens).
+    pass_tokens = args.chunk_tokens if schedule == "chunked" else args.prefill_tokens
     running = RunningBudget.plan(model, budget_bytes, slots=args.slots,
-                                 prefill_tokens=args.prefill_tokens,
+                                 prefill_tokens=pass_tokens,
                                  state_bytes_per_slot=engine.state_bytes_per_slot())
     config = engine.loop_config(running, schedule=schedule, chunk_tokens=args.chunk_tokens,
                                 max_new_tokens=args.max_new_tokens)
@@ -182,7 +184,7 @@ def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule
                 assert len(d.tokens) == jobs[int(d.row.key)][2], "forced length not reached"
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    s = loop.stats
+    s = loop.collect_stats(wait=True)
     out = summary(f"running {schedule}", jobs, finished, seconds, busy.share, peak,
                   model.fixed_bytes + running.bytes if cuda else None, {
                       "slots": running.slots, "pool_tokens": running.pool_tokens,

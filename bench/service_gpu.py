@@ -233,6 +233,38 @@ def rates(jobs: list[Job], finish: dict[str, float], started: float, gpus: GpuSa
         "a4_pages_per_s_steady": round(sum(j.kind == "a4" for j in in_window) / span, 3),
         "gpu_busy_steady_pct": gpus.busy(t0, t1),
         "gpu_busy_all_pct": gpus.busy(started, last),
+        "latency_by_kind": latency_by_kind(done, finish, started),
+    }
+
+
+def latency_by_kind(done: list[Job], finish: dict[str, float], started: float) -> dict:
+    """p50 / p95 seconds from the start of submission to each job's result, per kind: every
+    job is queued at once, so short jobs' figures say how long they wait behind pages."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in sorted({j.kind for j in done}):
+        ts = sorted(finish[j.job_id] - started for j in done if j.kind == kind)
+        out[kind] = {"p50_s": round(ts[len(ts) // 2], 2),
+                     "p95_s": round(ts[min(len(ts) - 1, int(0.95 * len(ts)))], 2)}
+    return out
+
+
+def loop_summary(counts: dict[str, float], wall_s: float) -> dict[str, float]:
+    """The running loop's own account (ocrq_loop_* counters): GPU seconds by CUDA events and
+    their share of the wall time, how full the decode steps ran, rows per prefill pass."""
+    if not counts or not counts.get("steps"):
+        return {}
+    gpu = counts.get("prefill_seconds", 0.0) + counts.get("decode_seconds", 0.0)
+    return {
+        "prefill_gpu_s": round(counts.get("prefill_seconds", 0.0), 1),
+        "decode_gpu_s": round(counts.get("decode_seconds", 0.0), 1),
+        "gpu_busy_pct_of_wall": round(100 * gpu / max(wall_s, 1e-9), 1),
+        "steps": int(counts["steps"]),
+        "live_rows_per_step": round(counts.get("row_steps", 0) / counts["steps"], 1),
+        "slots_per_step": round(counts.get("slot_steps", 0) / counts["steps"], 1),
+        "prefills": int(counts.get("prefills", 0)),
+        "rows_per_prefill": round(
+            counts.get("prefilled_rows", 0) / max(counts.get("prefills", 0), 1), 1
+        ),
     }
 
 
@@ -328,6 +360,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str])
     batcher.stop()
     sizes = [r.size for r in batcher.records]
     out = rates(jobs, finish, started, gpus)
+    out["loop"] = loop_summary(engine.loop_counts(), out["wall_s"])
     out.update(
         scheduler="continuous" if engine.streams() else "static",
         task_threads=threads,
@@ -357,16 +390,28 @@ def submit_all(broker: str, database: str, jobs: list[Job], threads: int = 16) -
     return time.time()
 
 
-def scrape_stages(port: int | None) -> dict[str, dict[str, float]]:
-    """Mean seconds per stage from the worker's Prometheus histograms, where it serves them."""
+def scrape(port: int | None) -> str:
+    """The worker's Prometheus text, where it serves it."""
     if not port:
-        return {}
+        return ""
     import httpx
 
     try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     except Exception:
-        return {}
+        return ""
+
+
+def scrape_loop(text: str) -> dict[str, float]:
+    """The running loop's counters (ocrq_loop_*_total), summed over workers."""
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^ocrq_loop_([a-z_]+)_total(?:\{[^}]*\})? (\S+)$", text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def scrape_stages(text: str) -> dict[str, dict[str, float]]:
+    """Mean seconds per stage from the worker's Prometheus histograms."""
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     for line in text.splitlines():
@@ -381,7 +426,8 @@ def scrape_stages(port: int | None) -> dict[str, dict[str, float]]:
 
 
 def service(
-    args: argparse.Namespace, jobs: list[Job], env: dict[str, str], work: Path, gpus_arg: str
+    args: argparse.Namespace, jobs: list[Job], env: dict[str, str], work: Path, gpus_arg: str,
+    label: str = "",
 ) -> dict:
     from sqlalchemy import create_engine, text
 
@@ -394,7 +440,7 @@ def service(
     db = create_engine(sqlalchemy_url(database))
     with db.begin() as conn:
         conn.execute(text("DELETE FROM ocr_jobs"))
-    log = work / f"worker-{gpus_arg or 'default'}.log"
+    log = work / f"worker-{gpus_arg or 'default'}{label}.log"
     cmd = [str(Path(sys.executable).parent / "ocrq"), "worker"]
     if not (Path(sys.executable).parent / "ocrq").exists():
         cmd = [sys.executable, "-m", "ocrq.cli", "worker"]
@@ -419,7 +465,7 @@ def service(
             submitted = submit_all(broker, database, jobs)
             finish = _wait_rows(db, len(jobs), deadline=time.monotonic() + args.service_timeout_s)
         cpu1 = _tree_cpu(proc.pid)
-        stages = scrape_stages(args.metrics_port)
+        scraped = scrape(args.metrics_port)
     finally:
         proc.send_signal(signal.SIGTERM)  # a supervisor forwards it to each of its workers
         try:
@@ -435,7 +481,8 @@ def service(
         worker_cpu_cores=round((cpu1 - cpu0) / max(wall, 1e-9), 2),
         exactly_once=_exactly_once(rows, jobs, broker),
         latency=_latency(rows),
-        stages=stages,
+        stages=scrape_stages(scraped),
+        loop=loop_summary(scrape_loop(scraped), wall),
         batches=_batches(log),
         workers=sorted({r["worker"] for r in rows if r["worker"]}),
     )
@@ -611,12 +658,25 @@ def render(d: dict[str, Any]) -> str:
         lines.append(f"- batches: `{json.dumps(r.get('batches'))}`")
         lines.append(f"- latency from rows: `{json.dumps(r.get('latency'))}`")
         lines.append(f"- workers: {', '.join(r.get('workers', []))}")
+        lines.append(f"- running loop: `{json.dumps(r.get('loop'))}`")
         stages = r.get("stages") or {}
         if stages:
             lines += ["", "| stage | mean s | count |", "|---|---:|---:|"]
             for s in STAGES:
                 if s in stages:
                     lines.append(f"| {s} | {stages[s]['mean_s']} | {stages[s]['count']} |")
+    if runs:
+        lines += ["", "## Latency from submission, per kind (p50 / p95 s)", "",
+                  "| run | " + " | ".join(sorted(d["workload"])) + " |",
+                  "|---|" + "---:|" * len(d["workload"])]
+        for name, r in runs:
+            by = r.get("latency_by_kind") or {}
+            cells = [f"{by[k]['p50_s']} / {by[k]['p95_s']}" if k in by else "-"
+                     for k in sorted(d["workload"])]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        alone = d.get("engine_alone") or {}
+        if alone.get("loop"):
+            lines += ["", f"engine alone, running loop: `{json.dumps(alone['loop'])}`"]
     if "ratio" in d:
         lines += ["", f"Service / engine alone (images/s, steady): {d['ratio']}"]
     if d.get("errors"):
@@ -642,6 +702,11 @@ def main() -> None:
     ap.add_argument(
         "--service-gpus", nargs="*", default=[""],
         help='service runs: "" = one worker (no --gpus); "0,1" = `ocrq worker --gpus 0,1`',
+    )
+    ap.add_argument(
+        "--service-env", nargs="*", default=[""],
+        help='service variants, each run per --service-gpus entry: "" = defaults; '
+        '"OCRQ_SWITCH_INTERVAL_MS=0.5" (comma-separated NAME=VALUE) = with those set',
     )
     ap.add_argument("--skip-engine-alone", action="store_true")
     ap.add_argument("--service-timeout-s", type=float, default=400)
@@ -694,11 +759,17 @@ def main() -> None:
         # The service first, in its own process, then the engine alone in this one: each finds
         # the GPU as empty as a worker would.
         for gpus_arg in args.service_gpus:
-            name = f"service_gpus_{gpus_arg}" if gpus_arg else "service"
-            report.data[name] = run_part(
-                report, t_start, name, lambda g=gpus_arg: service(args, jobs, env, work, g)
-            )
-            report.write()
+            for variant in args.service_env:
+                extra = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
+                label = "".join(f"_{k.removeprefix('OCRQ_').lower()}_{v}"
+                                for k, v in extra.items())
+                name = (f"service_gpus_{gpus_arg}" if gpus_arg else "service") + label
+                report.data[name] = run_part(
+                    report, t_start, name,
+                    lambda g=gpus_arg, e={**env, **extra}, lb=label: service(
+                        args, jobs, e, work, g, lb),
+                )
+                report.write()
         if not args.skip_engine_alone:
             report.data["engine_alone"] = run_part(
                 report, t_start, "engine_alone", lambda: engine_alone(args, jobs, env)

@@ -90,6 +90,7 @@ class WorkerProcess:
     def __init__(self, env: dict[str, str], log: Path, *args: str, bin_dir: Path = BIN) -> None:
         """`bin_dir`: the venv whose `ocrq` runs (.venv-vllm's for the vLLM engine)."""
         self.log = log
+        self.env = env
         self._fh = log.open("w")
         self.proc = subprocess.Popen(
             [str(bin_dir / "ocrq"), "worker", *args],

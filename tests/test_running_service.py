@@ -17,6 +17,7 @@ import pytest
 from celery import Celery
 
 from tests.conftest import WorkerProcess
+from tests.servers import free_port
 from tests.test_service import _wait_rows
 
 pytestmark = pytest.mark.hunyuan
@@ -55,6 +56,7 @@ def running_worker(
         "OCRQ_PREFILL_TOKENS": "1024",
         "OCRQ_PREFILL_CHUNK_TOKENS": "1024",
         "OCRQ_PROFILE_DIR": str(tmp_path_factory.mktemp("profiles")),
+        "OCRQ_METRICS_PORT": str(free_port()),
     }
     log = tmp_path_factory.mktemp("worker") / "ocrq.worker.log"
     proc = WorkerProcess(env, log, "--concurrency", "8").wait_ready(timeout=240)
@@ -95,3 +97,20 @@ def test_short_rows_are_stored_while_long_rows_decode(
     assert last_short < first_long, (last_short, first_long)
     # Each short row was resolved on its own, not with the batch of the long rows.
     assert not {r["batch_id"] for r in short} & {r["batch_id"] for r in ran_long}
+
+    # The loop's own account reaches the worker's metrics: steps, rows and (here, host) seconds;
+    # a row's time splits into waiting for the loop and decoding in it.
+    import httpx
+
+    port = int(proc.env["OCRQ_METRICS_PORT"])
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[-1])
+        for line in text.splitlines()
+        if line.startswith(("ocrq_loop_", "ocrq_stage_seconds_sum")) and " " in line
+    }
+    assert values["ocrq_loop_steps_total"] >= LONG
+    assert values["ocrq_loop_prefilled_rows_total"] >= len(jobs)
+    assert values["ocrq_loop_decode_seconds_total"] > 0
+    assert 0 < values["ocrq_loop_row_steps_total"] <= values["ocrq_loop_slot_steps_total"]
+    assert values['ocrq_stage_seconds_sum{stage="gpu"}'] > 0

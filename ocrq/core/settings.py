@@ -187,6 +187,10 @@ class Settings(BaseSettings):
     prefill_schedule: PrefillSchedule = "chunked"
     prefill_tokens: int = Field(default=16384, ge=256, le=1_048_576)
     prefill_chunk_tokens: int = Field(default=4096, ge=256, le=1_048_576)
+    # The worker's GIL switch interval (sys.setswitchinterval), ms; None keeps Python's 5 ms.
+    # A shorter one lets the thread that feeds the GPU take the GIL back sooner from the task
+    # and preprocessing threads (bench/service_gpu.py compares).
+    switch_interval_ms: float | None = Field(default=None, gt=0, le=100)
 
     # vLLM engines (ocrq/models/vllm, ocrq/models/openai; README "The vLLM engines").
     # In-process vLLM: sequences in flight and tokens per scheduler step (vLLM's own knobs);

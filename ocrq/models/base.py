@@ -163,6 +163,7 @@ class Finished:
     key: str
     result: OcrResult | Exception | None
     later: Callable[[], OcrResult] | None = None
+    started_at: float | None = None  # time.monotonic() when its row entered the loop, if known
 
     def resolve(self) -> OcrResult | Exception:
         if self.later is None:
@@ -216,3 +217,8 @@ class StreamingEngine(EngineCore):
     def streams(self) -> bool:
         """Whether this engine, as configured, runs its rows in the running loop."""
         return True
+
+    def loop_counts(self) -> dict[str, float]:
+        """Running totals of the loop's work for the worker's metrics (names in
+        ocrq/worker/metrics.py `LOOP_COUNTS`); empty when the engine keeps none."""
+        return {}

@@ -51,6 +51,8 @@ def run(argv: Sequence[str], settings: Settings) -> int:
     # error at a planned 105.9 GiB (bench/results/service_gpu_h200_run1.md). Expandable
     # segments let freed blocks grow into one another. A value the user set is kept.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if settings.switch_interval_ms is not None:
+        sys.setswitchinterval(settings.switch_interval_ms / 1000)
     refused = lifecycle.preflight(settings)
     if refused is not None:
         return refused

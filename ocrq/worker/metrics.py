@@ -42,6 +42,29 @@ BATCH_SECONDS = Histogram("ocrq_batch_seconds", "Engine time per batch", buckets
 RECYCLES = Counter("ocrq_recycles_total", "Worker recycles requested", ["reason"])
 OOM_EVENTS = Counter("ocrq_oom_events_total", "Device out-of-memory events recovered from")
 
+# The running loop's own work (engines with one; `StreamingEngine.loop_counts`): GPU seconds in
+# prefill passes and decode steps (CUDA events, so the GPU's busy share is their rate), and
+# steps, live rows x steps and slots x steps (their ratio: how full the graphed steps ran).
+LOOP_COUNTS = {
+    "prefill_seconds": Counter("ocrq_loop_prefill_seconds", "GPU seconds in prefill passes"),
+    "decode_seconds": Counter("ocrq_loop_decode_seconds", "GPU seconds in decode steps"),
+    "prefills": Counter("ocrq_loop_prefills", "Prefill passes run by the running loop"),
+    "prefilled_rows": Counter("ocrq_loop_prefilled_rows", "Rows prefilled into the running loop"),
+    "steps": Counter("ocrq_loop_steps", "Decode steps run by the running loop"),
+    "row_steps": Counter("ocrq_loop_row_steps", "Live rows summed over decode steps"),
+    "slot_steps": Counter("ocrq_loop_slot_steps", "Slots stepped summed over decode steps"),
+}
+
+
+def count_loop(now: dict[str, float], last: dict[str, float]) -> dict[str, float]:
+    """Add what the loop did since `last` to the counters; returns `now` (the next `last`)."""
+    for name, value in now.items():
+        counter = LOOP_COUNTS.get(name)
+        if counter is not None and value > last.get(name, 0.0):
+            counter.inc(value - last.get(name, 0.0))
+    return now
+
+
 # Gauges: the value of the live worker process (livemax / livesum over its one process).
 # The planner's `deferred`: images that waited on when the last batch was planned. Above zero
 # with batches below OCRQ_MAX_BATCH, the memory budget (not the count) is what closes batches.

@@ -66,6 +66,7 @@ class StreamingBatcher:
         self._flight: dict[str, tuple[_Entry, int]] = {}  # engine key -> (entry, KV tokens)
         self._seq = 0
         self._changed = False  # something the planner would see differently since it last ran
+        self._loop_counts: dict[str, float] = {}  # the engine's totals at the last count
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="ocrq-finish")
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ocrq-streaming", daemon=True)
@@ -190,9 +191,10 @@ class StreamingBatcher:
                 continue
             entry, _ = held
             failed += isinstance(f.result, BaseException)
-            self._finisher.submit(self._finish, entry, f, batch_id)
+            self._finisher.submit(self._finish, entry, f, batch_id, time.monotonic())
         with self._cond:
             self._changed = True  # their KV ranges are free
+        self._loop_counts = metrics.count_loop(self.engine.loop_counts(), self._loop_counts)
         self.governor = self.governor.after_batch(0)
         record = BatchRecord(
             batch_id, len(finished), started, time.monotonic(), self.loop.bytes, failed, 0,
@@ -205,12 +207,16 @@ class StreamingBatcher:
             except Exception:
                 log.exception("on_batch hook failed")
 
-    def _finish(self, entry: _Entry, finished: Finished, batch_id: str) -> None:
+    def _finish(self, entry: _Entry, finished: Finished, batch_id: str, ended: float) -> None:
+        """Its result, and its stages: waiting for the loop (submit to prefill) and in it."""
         result = finished.resolve()
+        started = finished.started_at or entry.submitted
+        waited, ran = max(0.0, started - entry.submitted), max(0.0, ended - started)
+        name = self.engine.name
         if isinstance(result, BaseException):
-            outcome = ItemOutcome(None, result, batch_id, self.engine.name)
+            outcome = ItemOutcome(None, result, batch_id, name, waited, ran)
         else:
-            outcome = ItemOutcome(result, None, batch_id, self.engine.name)
+            outcome = ItemOutcome(result, None, batch_id, name, waited, ran)
         _resolve(entry.future, outcome)
 
     def _recover(self, message: str) -> None:

@@ -115,6 +115,9 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self.repetition_penalty: float = LATEST.repetition_penalty
         # The running loop (continuous batching), once `open` has sized it.
         self.loop: RunningLoop | None = None
+        self._counted_loop: RunningLoop | None = None  # `loop_counts`' bookkeeping
+        self._counts_base: dict[str, float] = {}
+        self._counts_last: dict[str, float] = {}
         self.running: RunningBudget | None = None
         self._items: dict[str, PreparedImage] = {}  # rows in the loop, by key
         self._failed: list[Finished] = []  # rows that failed before reaching the loop
@@ -535,7 +538,34 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         """Detokenising and parsing wait for `Finished.resolve`, called off the loop's thread."""
         item = self._items.pop(done.row.key)
         prompts = self.version.prompts
-        return Finished(item.key, None, lambda: result_of(item, self.finish(done), prompts))
+        return Finished(
+            item.key,
+            None,
+            lambda: result_of(item, self.finish(done), prompts),
+            started_at=done.row.admitted_at,
+        )
+
+    def loop_counts(self) -> dict[str, float]:
+        """The running loop's `LoopStats` as totals over every loop this engine opened."""
+        if self.loop is not None:
+            s = self.loop.stats
+            now = {
+                "prefill_seconds": s.prefill_s,
+                "decode_seconds": s.decode_s,
+                "prefills": s.prefills,
+                "prefilled_rows": s.prefilled_rows,
+                "steps": s.steps,
+                "row_steps": s.row_steps,
+                "slot_steps": s.slot_steps,
+            }
+            if self.loop is not self._counted_loop:  # a new loop (reopened): bank the old one
+                self._counts_base = {
+                    k: self._counts_base.get(k, 0.0) + self._counts_last.get(k, 0.0) for k in now
+                }
+                self._counted_loop = self.loop
+            self._counts_last = now
+        last, base = self._counts_last, self._counts_base
+        return {k: base.get(k, 0.0) + last.get(k, 0.0) for k in last}
 
     def reset(self) -> list[str]:
         """Drop the loop and its rows (after an out-of-memory error); their keys."""

@@ -247,7 +247,7 @@ class RunningLoop:
                     break
             if not done and self.rows:
                 done = self._harvest(force=True)
-        self._collect_times()
+        self.collect_stats()
         return done
 
     def drain(self) -> list[Done]:
@@ -255,13 +255,15 @@ class RunningLoop:
         done: list[Done] = []
         while not self.idle():
             done += self.run()
-        self._collect_times(wait=True)
+        self.collect_stats(wait=True)
         return done
 
-    def _collect_times(self, wait: bool = False) -> None:
+    def collect_stats(self, wait: bool = False) -> LoopStats:
+        """`stats` with the GPU times of every span done so far (all of them with `wait`)."""
         totals = self.clock.collect(wait)
         self.stats.prefill_s = totals.get("prefill", 0.0)
         self.stats.decode_s = totals.get("decode", 0.0)
+        return self.stats
 
     def clear(self) -> list[LoopRow]:
         """Forget every row (after an error); the rows that were in flight or waiting."""
