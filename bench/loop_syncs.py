@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--arrive", type=int, default=3, help="rows added every 2 steps")
     ap.add_argument("--warmup-steps", type=int, default=600)
     ap.add_argument("--probe-steps", type=int, default=400)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/loop_syncs_work"))
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -73,8 +74,7 @@ def main() -> None:
     import torch
 
     cuda = args.device.startswith("cuda")
-    work = args.out / "work"
-    ckpt = random_checkpoint(work, args, args.version)
+    ckpt = random_checkpoint(args.work, args, args.version)
     new_tokens = max(n for _, n in SIZES.values()) + 24
     settings = Settings(model=str(ckpt), device=args.device, dtype=args.dtype,
                         max_new_tokens=new_tokens)
