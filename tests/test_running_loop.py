@@ -215,3 +215,52 @@ def test_rows_read_from_late_copies_are_the_rows_that_finished(
     assert lagged_run(engine, lag) == lagged_run(engine, 0)
     with pytest.raises(AssertionError):
         lagged_run(engine, lag, ForgetfulLoop)
+
+
+def test_host_layout_puts_image_features_where_the_mask_would(engine: HunyuanEngine) -> None:
+    """The running loop's prefill places image features by indices the host computed (no
+    device mask, no sync): for rows of different lengths, left-padded, exactly the places
+    transformers' masked_scatter fills; right padding's places differ (the check can fail)."""
+    import torch
+
+    from ocrq.models.hunyuan.inputs import collate, host_layout
+
+    encoded = [engine.preprocess(it) for it in (item(160, 150, 1), item(64, 64, 3),
+                                                 item(300, 40, 4))]
+    image_id = int(engine.model.model.config.image_token_id)
+    host = host_layout(encoded, image_id, "cpu")
+    assert host.padded and host.grid.device.type == "cpu" and host.grid.shape == (3, 3)
+
+    def placed(side: str) -> torch.Tensor:
+        ids = collate(encoded, engine.tokens.pad, padding_side=side)["input_ids"]
+        h = torch.zeros(*ids.shape, 4)
+        return h.masked_scatter((ids == image_id)[..., None].expand_as(h), feats)
+
+    count = int(sum(int((e.input_ids == image_id).sum()) for e in encoded))
+    feats = torch.randn(count, 4)
+    want = placed("left")
+    got = torch.zeros(want.shape[0] * want.shape[1], 4).index_copy_(0, host.image_at, feats)
+    assert torch.equal(got.reshape(want.shape), want)
+    assert not torch.equal(got.reshape(want.shape), placed("right"))
+
+
+def test_a_prefill_gap_makes_fewer_passes_and_the_same_tokens(engine: HunyuanEngine) -> None:
+    """OCRQ_PREFILL_GAP_STEPS: freed slots are refilled every few steps, in fewer, fuller
+    passes; each row still makes exactly its tokens."""
+
+    def run(gap: int) -> tuple[dict[str, list[int]], int]:
+        caps = [2, 9, 3, 14, 2, 5, 3, 7, 2, 4, 6, 3]
+        items = [item(64 + 8 * i, 64 + 16 * (i % 3), 80 + i) for i in range(len(caps))]
+        loop = make_loop(engine, 4, 4096, schedule="chunked", chunk_tokens=4096,
+                         prefill_gap=gap, check_every=1)
+        loop.add(rows(engine, items, caps, forced=True))
+        got = {d.row.key: d.tokens for d in loop.drain()}
+        assert {k: len(v) for k, v in got.items()} == {
+            it.key: cap for it, cap in zip(items, caps, strict=True)
+        }
+        return got, loop.stats.prefills
+
+    every, passes = run(1)
+    gapped, fewer = run(6)
+    assert gapped == every
+    assert fewer < passes, (fewer, passes)

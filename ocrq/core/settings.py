@@ -187,6 +187,8 @@ class Settings(BaseSettings):
     prefill_schedule: PrefillSchedule = "chunked"
     prefill_tokens: int = Field(default=16384, ge=256, le=1_048_576)
     prefill_chunk_tokens: int = Field(default=4096, ge=256, le=1_048_576)
+    # "chunked": decode steps between prefill passes unless a pass is full or nothing decodes.
+    prefill_gap_steps: int = Field(default=1, ge=1, le=1024)
     # The worker's GIL switch interval (sys.setswitchinterval), ms; None keeps Python's 5 ms.
     # A shorter one lets the thread that feeds the GPU take the GIL back sooner from the task
     # and preprocessing threads (bench/service_gpu.py compares).

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ocrq.models.costs import CostModel, ItemCost
 
 GRANULE = 16  # ranges are multiples of this many tokens, so freed ones merge into usable holes
+FULL_PASS = "prefill pass full"  # `Admission.blocked` when the pass, not the pool, stopped it
 
 
 def round_up(tokens: int) -> int:
@@ -131,7 +132,7 @@ def admit(
             return Admission(tuple(placed), pool, "no free slot")
         longest_then = max(longest, row.prompt_tokens)
         if placed and (len(placed) + 1) * longest_then > prefill_tokens:
-            return Admission(tuple(placed), pool, "prefill pass full")
+            return Admission(tuple(placed), pool, FULL_PASS)
         taken = pool.take(row.capacity)
         if taken is None:
             return Admission(tuple(placed), pool, "no pool range")

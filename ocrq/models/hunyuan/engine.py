@@ -476,6 +476,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             "schedule": s.prefill_schedule,
             "prefill_tokens": s.prefill_tokens,
             "chunk_tokens": s.prefill_chunk_tokens,
+            "prefill_gap": s.prefill_gap_steps,
             "penalty": self.repetition_penalty,
             "guard": self.version.guard,
         }

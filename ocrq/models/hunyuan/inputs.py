@@ -65,6 +65,41 @@ class EncodedImage:
     stop_after: int | None = None
 
 
+@dataclass(frozen=True)
+class HostLayout:
+    """What the host knows of a collated, left-padded batch, so that its prefill asks the device
+    nothing: each question (`.tolist()` of a device tensor, a boolean index, a `bool()`) would be
+    a sync, emptying the queue of decode steps the running loop keeps ahead of the GPU.
+
+    `grid` on the CPU keeps the vision tower's per-image splits and sequence lengths host
+    arithmetic (with it on the device, transformers' HunYuanVL syncs in every vision layer)."""
+
+    grid: torch.Tensor  # (images, 3), CPU
+    padded: bool  # rows of different lengths: the causal mask must hide the padding
+    image_at: torch.Tensor  # flat (row * width + column) index of each image token, on the device
+
+
+def host_layout(
+    rows: Sequence[EncodedImage], image_token_id: int, device: Any
+) -> HostLayout:
+    import torch
+
+    lengths = [int(r.input_ids.shape[0]) for r in rows]
+    width = max(lengths)
+    at = [
+        (r.input_ids == image_token_id).nonzero()[:, 0] + (i * width + width - n)
+        for i, (r, n) in enumerate(zip(rows, lengths, strict=True))
+    ]
+    flat = torch.cat(at)
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory()
+    return HostLayout(
+        grid=torch.cat([r.image_grid_thw for r in rows], dim=0),
+        padded=len(set(lengths)) > 1,
+        image_at=flat.to(device, non_blocking=True),
+    )
+
+
 class Preprocessor:
     """The processor run on one image at a time, safe to call from many threads."""
 

@@ -19,6 +19,8 @@ from ocrq.models.hunyuan.tokens import SpecialTokens
 if TYPE_CHECKING:
     import torch
 
+    from ocrq.models.hunyuan.inputs import HostLayout
+
 PADDED_ROWS = 8  # rows per attention call of a padded prefill (see `_padded_attention`)
 
 
@@ -135,12 +137,16 @@ def prefill(
 
 
 def prompt_pass(
-    text: TextModel, inputs: dict[str, torch.Tensor], positions: torch.Tensor, fused: bool
+    text: TextModel,
+    inputs: dict[str, torch.Tensor],
+    positions: torch.Tensor,
+    fused: bool,
+    host: HostLayout | None = None,
 ) -> tuple[list[Any], torch.Tensor]:
     """Per-layer (keys, values) of the prompt as (B, kv_heads, L, D), and the logits (B, V) of
-    each row's last position."""
+    each row's last position. With `host` (the fused path), without a host sync."""
     if fused:
-        return prefill_fused(text, inputs, positions)
+        return prefill_fused(text, inputs, positions, host)
     return prefill_model(text, inputs, positions)
 
 
@@ -164,7 +170,10 @@ def prefill_model(
 
 
 def prefill_fused(
-    text: TextModel, inputs: dict[str, torch.Tensor], positions: torch.Tensor
+    text: TextModel,
+    inputs: dict[str, torch.Tensor],
+    positions: torch.Tensor,
+    host: HostLayout | None = None,
 ) -> tuple[list[Any], torch.Tensor]:
     """The text prefill with the decode step's fused kernels; same outputs as
     `prefill_model`.
@@ -187,20 +196,25 @@ def prefill_fused(
     h = text.embed(ids)
     pixels = inputs.get("pixel_values")
     if pixels is not None:
-        feats = inner.get_image_features(
-            pixels, inputs["image_grid_thw"], return_dict=True
-        ).pooler_output
+        grid = host.grid if host is not None else inputs["image_grid_thw"]
+        feats = inner.get_image_features(pixels, grid, return_dict=True).pooler_output
         if isinstance(feats, (list, tuple)):
             feats = torch.cat(list(feats), dim=0)
-        image = (ids == inner.config.image_token_id)[..., None].expand_as(h)
-        h = h.masked_scatter(image, feats.to(h.device, h.dtype))
-        del feats, image
+        if host is not None:  # the image tokens' places are known: no mask, no sync
+            h = h.reshape(n, -1)
+            h.index_copy_(0, host.image_at, feats.reshape(-1, h.shape[-1]).to(h.dtype))
+        else:
+            image = (ids == inner.config.image_token_id)[..., None].expand_as(h)
+            h = h.masked_scatter(image, feats.to(h.device, h.dtype))
+            del image
+        del feats
     h = h.reshape(n, -1)
     cos, sin = text.rope(positions.reshape(positions.shape[0], n))
     cos = cos[:, 0].float().contiguous()
     sin = sin[:, 0].float().contiguous()
     # Left padding: the causal mask per row, built once for every layer.
-    allowed = None if bool(mask.bool().all()) else _padded_causal_mask(mask.bool())
+    padded = host.padded if host is not None else not bool(mask.bool().all())
+    allowed = _padded_causal_mask(mask.bool()) if padded else None
     groups = text.heads // text.kv_heads
     prompt_kv: list[Any] = []
     pending: torch.Tensor | None = None

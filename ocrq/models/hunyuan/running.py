@@ -44,13 +44,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ocrq.models.hunyuan.inputs import EncodedImage, collate
+from ocrq.models.hunyuan.inputs import EncodedImage, collate, host_layout
 from ocrq.models.hunyuan.prefill import prompt_pass
 from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
 from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import RepetitionGuard
-from ocrq.models.slots import Admission, Candidate, KvPool, admit, capacity_of
+from ocrq.models.slots import FULL_PASS, Admission, Candidate, KvPool, admit, capacity_of
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +107,10 @@ class LoopConfig:
     schedule: str = "chunked"
     prefill_tokens: int = 16384  # padded prompt tokens of one prefill pass ("alternate")
     chunk_tokens: int = 4096  # ... of one chunk between decode steps ("chunked")
+    # "chunked": decode steps between prefill passes, unless a pass is full or nothing runs.
+    # A pass costs its host time (the vision tower and every layer launched from Python)
+    # whatever it holds, so waiting a few steps for more rows makes fewer, fuller passes.
+    prefill_gap: int = 1
     check_every: int = 8  # decode steps between copies of the slots' state to the host
     penalty: float = 1.0
     guard: RepetitionGuard | None = None
@@ -115,7 +119,8 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
-        if self.slots < 1 or self.pool_tokens < 1 or self.max_new_tokens < 1:
+        if (self.slots < 1 or self.pool_tokens < 1 or self.max_new_tokens < 1
+                or self.prefill_gap < 1):
             raise ValueError(f"invalid loop config {self}")
 
     @property
@@ -198,6 +203,7 @@ class RunningLoop:
         self.scratch_col = torch.tensor([self.scratch], dtype=long, device=dev)
         self._since_check = 0
         self._step_no = 0  # decode steps run so far
+        self._last_prefill = -(10**9)  # the step of the last prefill pass
         self._caps: list[tuple[int, int, int]] = []  # heap: (step its cap is reached, slot, id)
         # Rows due a repetition check, by phase: rows admitted at steps congruent mod `every`
         # are due at the same steps, so a step looks at its own phase only.
@@ -299,8 +305,13 @@ class RunningLoop:
             return  # let more slots free up first: one larger prefill pass
         candidates = [Candidate(r.key, r.prompt_tokens, r.capacity) for r in self.waiting]
         plan = admit(candidates, self.pool, free, cfg.pass_tokens)
-        if plan.placements:
-            self._prefill(plan)
+        if not plan.placements:
+            return
+        soon = self._step_no - self._last_prefill < cfg.prefill_gap
+        if cfg.schedule == "chunked" and self.rows and soon and plan.blocked != FULL_PASS:
+            return  # not full yet, and the GPU has rows to decode meanwhile
+        self._prefill(plan)
+        self._last_prefill = self._step_no
 
     def _prefill(self, plan: Admission) -> None:
         with self.clock.span("prefill"):
@@ -333,7 +344,10 @@ class RunningLoop:
                 image_grid_thw=inputs.get("image_grid_thw"),
                 attention_mask=inputs["attention_mask"],
             )
-        prompt_kv, first_logits = prompt_pass(text, inputs, positions, self.decoder.fused)
+        host = host_layout(
+            [r.encoded for r in rows], text.model.model.config.image_token_id, self.device
+        )
+        prompt_kv, first_logits = prompt_pass(text, inputs, positions, self.decoder.fused, host)
         mask = inputs["attention_mask"].bool()
         lengths = [r.prompt_tokens for r in rows]
         dev, long = self.device, torch.long
@@ -649,6 +663,7 @@ class RunningLoop:
         if self._finder is not None:
             self._phases.get((row.first_step - 1) % self._finder.guard.every, set()).discard(slot)
         self.pool = self.pool.give(row.start, row.capacity)
-        self.finished[slot] = True
-        self.write[slot] = self.scratch
-        self.base[slot] = self.scratch
+        # fill_ on a slice: `tensor[slot] = value` copies a host scalar, a sync per row.
+        self.finished[slot : slot + 1].fill_(True)
+        self.write[slot : slot + 1].fill_(self.scratch)
+        self.base[slot : slot + 1].fill_(self.scratch)
