@@ -201,6 +201,7 @@ class RunningLoop:
             torch.zeros(s, vocab, dtype=torch.bool, device=dev) if config.penalty != 1.0 else None
         )
         self.scratch_col = torch.tensor([self.scratch], dtype=long, device=dev)
+        self._true = torch.ones((), dtype=torch.bool, device=dev)
         self._since_check = 0
         self._step_no = 0  # decode steps run so far
         self._last_prefill = -(10**9)  # the step of the last prefill pass
@@ -459,8 +460,8 @@ class RunningLoop:
         self.count.index_fill_(0, slots, 1)
         ended |= self.cap[slots] <= 1
         self.finished.index_copy_(0, slots, ended)
-        if self.seen is not None:
-            self.seen[slots, nxt] = True
+        if self.seen is not None:  # a device True: `= True` would copy a host scalar (a sync)
+            self.seen.index_put_((slots, nxt), self._true)
 
     # -- decoding -----------------------------------------------------------------------------
 
