@@ -36,7 +36,7 @@ def to_device(values: Sequence[int], dtype: Any, device: Any) -> torch.Tensor:
     import torch
 
     host = torch.tensor(values, dtype=dtype)
-    if getattr(device, "type", str(device)) != "cuda":
+    if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
@@ -58,7 +58,7 @@ class Readback:
     def __init__(self, slots: int, max_new_tokens: int, device: Any, lag: int = 0) -> None:
         import torch
 
-        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self.cuda = torch.device(device).type == "cuda"
         self.lag = lag  # CPU only: looks before a copy counts as landed (tests)
         self._looks = 0
         pin = self.cuda

@@ -345,9 +345,10 @@ class RunningLoop:
                 image_grid_thw=inputs.get("image_grid_thw"),
                 attention_mask=inputs["attention_mask"],
             )
-        host = host_layout(
-            [r.encoded for r in rows], text.model.model.config.image_token_id, self.device
-        )
+        host = None  # only the fused prefill takes it
+        if self.decoder.fused:
+            image_id = text.model.model.config.image_token_id
+            host = host_layout([r.encoded for r in rows], image_id, self.device)
         prompt_kv, first_logits = prompt_pass(text, inputs, positions, self.decoder.fused, host)
         mask = inputs["attention_mask"].bool()
         lengths = [r.prompt_tokens for r in rows]
