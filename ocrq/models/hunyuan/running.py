@@ -3,8 +3,10 @@
 Why: the static loop (ocrq/models/hunyuan/decode.py) runs a batch until its longest row ends, so a
 word crop waits for an A4 page of its batch, freed rows leave their slots idle, and the next
 batch's prefill waits for the whole decode. Here a row that ends (an eos, its own
-`max_new_tokens`, the repetition guard) is handed back at the next host check and its slot and
-KV range are given to the oldest waiting row, prefilled between decode steps.
+`max_new_tokens`, the repetition guard) is handed back from the next copy of the slots' state
+that reaches the host (ocrq/models/hunyuan/readback.py: the host never waits for the GPU in
+steady state) and its slot and KV range are given to the oldest waiting row, prefilled between
+decode steps.
 
 Layout (ocrq/models/slots.py says why a pool of ranges):
 
