@@ -173,6 +173,16 @@ def test_engine_streams_rows_through_submit_and_poll(engine: HunyuanEngine) -> N
     assert all(isinstance(r, OcrResult) for r in got.values())
     static = engine.run([items[1]])[0]
     assert got["img51"] == static
+    # The loop's totals for the worker's metrics survive a reopened loop (an OOM recovery).
+    before = engine.loop_counts()
+    assert before["steps"] > 0 and before["prefilled_rows"] == 3
+    engine.reset()
+    engine.open(2**24, model)
+    engine.submit([item(64, 64, 53)])
+    while not engine.poll(1.0):
+        pass
+    after = engine.loop_counts()
+    assert after["prefilled_rows"] == 4 and after["steps"] > before["steps"]
     engine.reset()
 
 
