@@ -274,3 +274,58 @@ def test_a_prefill_gap_makes_fewer_passes_and_the_same_tokens(engine: HunyuanEng
     gapped, fewer = run(6)
     assert gapped == every
     assert fewer < passes, (fewer, passes)
+
+
+class OomWhenFull(HunyuanEngine):
+    """The loop raises torch's OutOfMemoryError once, the first time it holds more than two rows:
+    a CUDA out-of-memory error cannot happen on a CPU, so this stands in for one."""
+
+    raised = 0
+
+    def poll(self, timeout_s: float) -> list[Any]:
+        import torch
+
+        if not self.raised and self.loop is not None and self.loop.live > 2:
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return super().poll(timeout_s)
+
+
+def test_an_oom_in_the_loop_requeues_its_rows_and_lowers_the_budget(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """StreamingBatcher's recovery: the rows in flight go back to the queue, the loop reopens
+    within a lower budget, and every job still gets the result it gets without the error."""
+    from ocrq.models.costs import CostModel
+    from ocrq.worker.batcher import BatchConfig
+    from ocrq.worker.streaming import StreamingBatcher
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("oom"), "1.5")
+    engine = OomWhenFull(cpu_settings(str(path), MAX_NEW), decode="fast")
+    engine.load()
+    per_token = engine.cost_model().per_cache_token_bytes
+    model = CostModel(0, per_token_bytes=100.0, per_cache_token_bytes=per_token)
+    items = [item(64 + 8 * i, 64, 90 + i) for i in range(5)]
+    for it, cap in zip(items, (2, MAX_NEW, 20, 16, 12), strict=True):
+        it.max_new_tokens = cap  # the first ends early: the loop still holds the others
+    engine.raised = 1  # the reference: the same rows through the loop without the error
+    engine.open(2**24, model)
+    engine.submit(items)
+    want: dict[str, Any] = {}
+    while len(want) < len(items):
+        want.update((f.key, f.resolve()) for f in engine.poll(1.0))
+    engine.reset()
+    engine.raised = 0
+    batcher = StreamingBatcher(engine, BatchConfig(max_items=4, budget_bytes=2**24), None, model)
+    configured = batcher.budget_bytes
+    batcher.start()
+    try:
+        futures = {it.key: batcher.submit(it) for it in items}
+        got = {key: f.result(timeout=120) for key, f in futures.items()}
+    finally:
+        batcher.stop(30)
+    assert engine.raised == 1 and batcher.oom_events == 1
+    assert batcher.budget_bytes < configured
+    assert all(o.error is None for o in got.values()), got
+    assert {key: o.result for key, o in got.items()} == want
+    engine.reset()

@@ -108,7 +108,8 @@ class StreamingBatcher:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._finisher.shutdown(wait=True)
+        if not self._thread.is_alive():  # else it may still hand rows to the finisher
+            self._finisher.shutdown(wait=True)
 
     def pending(self) -> int:
         with self._cond:
