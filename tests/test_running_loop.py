@@ -329,3 +329,29 @@ def test_an_oom_in_the_loop_requeues_its_rows_and_lowers_the_budget(
     assert all(o.error is None for o in got.values()), got
     assert {key: o.result for key, o in got.items()} == want
     engine.reset()
+
+
+def test_static_batches_honour_each_jobs_cap(engine: HunyuanEngine) -> None:
+    """A job's own max_new_tokens holds in a static batch too (the planner budgets its KV for
+    it): the batch runs to its largest cap and cuts each row at its own, as a run to that cap
+    would end it; the same results as the running loop's, which stops each row there."""
+    from ocrq.models.costs import CostModel
+
+    items = [item(64 + 8 * i, 64, 120 + i) for i in range(3)]
+    for it, cap in zip(items, (3, 9, 5), strict=True):
+        it.max_new_tokens = cap
+    static = dict(zip((it.key for it in items), engine.run(items), strict=True))
+    assert [static[it.key].truncated for it in items] == ["max_tokens"] * 3
+    per_token = engine.cost_model().per_cache_token_bytes
+    engine.open(2**24, CostModel(0, per_token_bytes=100.0, per_cache_token_bytes=per_token))
+    engine.submit(items)
+    looped: dict[str, Any] = {}
+    while len(looped) < len(items):
+        looped.update((f.key, f.resolve()) for f in engine.poll(1.0))
+    engine.reset()
+    assert looped == static
+    # Each row is cut exactly at its own cap (not at the engine's MAX_NEW), as if run alone.
+    rows = engine.generate(items).items
+    assert [len(r.token_ids) for r in rows] == [3, 9, 5]
+    alone = engine.generate([items[2]], max_new_tokens=5).items[0]
+    assert rows[2].token_ids == alone.token_ids and rows[2].text == alone.text

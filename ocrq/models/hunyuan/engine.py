@@ -352,7 +352,10 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         padded = int(inputs["input_ids"].shape[1])
         t1 = time.perf_counter()
 
-        n_new = max_new_tokens or self.settings.max_new_tokens
+        # Each job's own cap (`row_cap`): the batch runs to the largest, and each row is cut at
+        # its own below (the planner budgets each row's KV for its own cap, too).
+        caps = None if max_new_tokens else [self.row_cap(batch[i]) for i in good]
+        n_new = max_new_tokens or max(caps or [self.settings.max_new_tokens])
         loop_guard = self.version.guard if guard is True else (guard or None)
         if (decode or self.decode) == "fast" and self._decoder is not None:
             # The fast loop takes the rows' own positions (collate); generate() computes them.
@@ -383,7 +386,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
 
         lengths = [len(r.input_ids) for r in rows]
         done = generated_rows(
-            new, logits, tokens, self.processor, lengths, scores=scores, stopped=stopped
+            new, logits, tokens, self.processor, lengths, scores=scores, stopped=stopped, caps=caps
         )
         for i, row in zip(good, done, strict=True):
             items[i] = row

@@ -158,17 +158,26 @@ def generated_rows(
     *,
     scores: torch.Tensor | None = None,
     stopped: torch.Tensor | None = None,
+    caps: list[int] | None = None,
 ) -> list[Generated]:
     """Each row of a generation (new tokens (B, steps), either loop's) cut at its eos, or where
     the repetition guard stopped it (`stopped`), decoded to text, with its logits and scores up
-    to and including the eos step."""
+    to and including the eos step.
+
+    `caps`: each row's own max_new_tokens, when a batch ran to the largest of them. A row is
+    cut as a run to its own cap would have ended it: greedy tokens do not depend on how long the
+    others run, and the guard never stops a row at its cap (it is `max_tokens` there)."""
     token_rows, no_eos = tokens.cut(new.tolist())
     kept = stopped.tolist() if stopped is not None else [0] * len(token_rows)
     truncated: list[str | None] = []
     for j, ids in enumerate(token_rows):
-        if kept[j] and len(ids) >= kept[j]:  # the guard stopped it (an eos would come first)
+        cap = caps[j] if caps is not None else len(ids) + 1
+        if kept[j] and len(ids) >= kept[j] and kept[j] < cap:  # the guard stopped it first
             token_rows[j] = ids[: kept[j]]
             truncated.append("repetition")
+        elif len(ids) >= cap:  # its cap came before its eos (if any)
+            token_rows[j] = ids[:cap]
+            truncated.append("max_tokens")
         else:
             truncated.append("max_tokens" if no_eos[j] else None)
     texts = processor.batch_decode(
