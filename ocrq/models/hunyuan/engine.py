@@ -115,9 +115,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self.repetition_penalty: float = LATEST.repetition_penalty
         # The running loop (continuous batching), once `open` has sized it.
         self.loop: RunningLoop | None = None
-        self._counted_loop: RunningLoop | None = None  # `loop_counts`' bookkeeping
-        self._counts_base: dict[str, float] = {}
-        self._counts_last: dict[str, float] = {}
+        self._banked: dict[str, float] = {}  # `loop_counts` of the loops already dropped
         self.running: RunningBudget | None = None
         self._items: dict[str, PreparedImage] = {}  # rows in the loop, by key
         self._failed: list[Finished] = []  # rows that failed before reaching the loop
@@ -182,7 +180,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         )
 
     def close(self) -> None:
-        self.loop = None
+        self._drop_loop()
         self.model = self.processor = self.preprocess_row = self._decoder = None
         gc.collect()
         try:
@@ -448,7 +446,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         most = budget.slots * capacity_of(budget.prefill_tokens, s.max_new_tokens)
         if budget.pool_tokens > most:
             budget = replace(budget, pool_tokens=most, pool_bytes=int(most * per_token))
-        self.loop = None
+        self._drop_loop()
         self.release_memory()
         self.loop = RunningLoop(self._decoder, self.tokens, self.loop_config(budget))
         self.running = budget
@@ -551,25 +549,27 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
 
     def loop_counts(self) -> dict[str, float]:
         """The running loop's `LoopStats` as totals over every loop this engine opened."""
-        if self.loop is not None:
-            s = self.loop.stats
-            now = {
-                "prefill_seconds": s.prefill_s,
-                "decode_seconds": s.decode_s,
-                "prefills": s.prefills,
-                "prefilled_rows": s.prefilled_rows,
-                "steps": s.steps,
-                "row_steps": s.row_steps,
-                "slot_steps": s.slot_steps,
-            }
-            if self.loop is not self._counted_loop:  # a new loop (reopened): bank the old one
-                self._counts_base = {
-                    k: self._counts_base.get(k, 0.0) + self._counts_last.get(k, 0.0) for k in now
-                }
-                self._counted_loop = self.loop
-            self._counts_last = now
-        last, base = self._counts_last, self._counts_base
-        return {k: base.get(k, 0.0) + last.get(k, 0.0) for k in last}
+        now = self._loop_stats()
+        return {k: self._banked.get(k, 0.0) + now.get(k, 0.0) for k in {*self._banked, *now}}
+
+    def _loop_stats(self) -> dict[str, float]:
+        if self.loop is None:
+            return {}
+        s = self.loop.stats
+        return {
+            "prefill_seconds": s.prefill_s,
+            "decode_seconds": s.decode_s,
+            "prefills": s.prefills,
+            "prefilled_rows": s.prefilled_rows,
+            "steps": s.steps,
+            "row_steps": s.row_steps,
+            "slot_steps": s.slot_steps,
+        }
+
+    def _drop_loop(self) -> None:
+        """Forget the loop, its totals kept for `loop_counts` (a reopened loop counts on)."""
+        self._banked = self.loop_counts()
+        self.loop = None
 
     def reset(self) -> list[str]:
         """Drop the loop and its rows (after an out-of-memory error); their keys."""
@@ -577,7 +577,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self._items.clear()
         if self.loop is not None:
             self.loop.clear()
-        self.loop = None
+        self._drop_loop()
         self.release_memory()
         return keys
 

@@ -20,6 +20,7 @@ from ocrq.models.base import PreparedImage
 from ocrq.models.hunyuan.geometry import ImageGeometry
 from ocrq.models.hunyuan.pixels import PixelEncoder, PixelSpec
 from ocrq.models.hunyuan.prompts import PromptTemplates
+from ocrq.models.hunyuan.readback import to_device
 from ocrq.models.hunyuan.spans import RowSpans
 
 if TYPE_CHECKING:
@@ -90,13 +91,10 @@ def host_layout(
         (r.input_ids == image_token_id).nonzero()[:, 0] + (i * width + width - n)
         for i, (r, n) in enumerate(zip(rows, lengths, strict=True))
     ]
-    flat = torch.cat(at)
-    if torch.device(device).type == "cuda":
-        flat = flat.pin_memory()
     return HostLayout(
         grid=torch.cat([r.image_grid_thw for r in rows], dim=0),
         padded=len(set(lengths)) > 1,
-        image_at=flat.to(device, non_blocking=True),
+        image_at=to_device(torch.cat(at), torch.long, device),
     )
 
 
@@ -263,12 +261,8 @@ def collate(
     if device is None:
         inputs["pixel_values"] = torch.cat([r.pixel_values for r in rows], dim=0)
         return inputs
-    # Through pinned memory: from pageable memory `non_blocking` still waits for the copy, and
-    # the running loop queues this behind decode steps it must not wait for.
-    pin = torch.device(device).type == "cuda"
-    inputs = {
-        k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in inputs.items()
-    }
+    # Without a sync: the running loop queues this behind decode steps it must not wait for.
+    inputs = {k: to_device(v, v.dtype, device) for k, v in inputs.items()}
     total = sum(r.pixel_values.shape[0] for r in rows)
     width = rows[0].pixel_values.shape[1]
     pixels = torch.empty((total, width), dtype=dtype, device=device)

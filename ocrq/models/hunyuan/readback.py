@@ -31,11 +31,12 @@ if TYPE_CHECKING:
     import torch
 
 
-def to_device(values: Sequence[int], dtype: Any, device: Any) -> torch.Tensor:
-    """A small host list as a device tensor, without a sync on a GPU."""
+def to_device(values: Sequence[int] | torch.Tensor, dtype: Any, device: Any) -> torch.Tensor:
+    """A small host list or CPU tensor on the device, without a sync on a GPU (through pinned
+    memory: from pageable memory even a `non_blocking` copy waits)."""
     import torch
 
-    host = torch.tensor(values, dtype=dtype)
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
