@@ -34,10 +34,15 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fake_hf_cache(root, lambda p, version: build_checkpoint(p, TINY_SHAPES[version]))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["off", "on"], ids=["in-worker", "engine-process"])
 def running_worker(
-    service_env: dict[str, str], tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    service_env: dict[str, str],
+    tiny_cache: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[WorkerProcess, str]]:
+    """The loop in the worker process, and in an engine process of its own (ocrq/worker/
+    engine_link.py): the same rows, results and metrics either way."""
     queue = f"ocr-running-{uuid.uuid4().hex[:6]}"
     env = {
         **service_env,
@@ -57,6 +62,7 @@ def running_worker(
         "OCRQ_PREFILL_CHUNK_TOKENS": "1024",
         "OCRQ_PROFILE_DIR": str(tmp_path_factory.mktemp("profiles")),
         "OCRQ_METRICS_PORT": str(free_port()),
+        "OCRQ_ENGINE_PROCESS": request.param,
     }
     log = tmp_path_factory.mktemp("worker") / "ocrq.worker.log"
     proc = WorkerProcess(env, log, "--concurrency", "8").wait_ready(timeout=240)

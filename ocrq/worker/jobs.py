@@ -26,9 +26,10 @@ from ocrq.core.contract import TASKS, JobRequest, canonical_job_id
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
-from ocrq.models.base import Engine, PreparedImage
+from ocrq.models.base import EngineCore, PreparedImage
 from ocrq.worker import documents, images, metrics, splitting
 from ocrq.worker.batcher import Batcher
+from ocrq.worker.engine_link import RemoteBatcher, RemoteEngine
 from ocrq.worker.envelope import safe_text
 from ocrq.worker.streaming import StreamingBatcher
 
@@ -105,8 +106,8 @@ class JobRunner:
     def __init__(
         self,
         settings: Settings,
-        engine: Engine,
-        batcher: Batcher | StreamingBatcher,
+        engine: EngineCore,
+        batcher: Batcher | StreamingBatcher | RemoteBatcher,
         store: JobStore,
         worker_name: str,
         prefetch_images: int = 64,
@@ -226,8 +227,9 @@ class JobRunner:
                     max_pixels=request.max_pixels,
                     max_new_tokens=request.max_new_tokens,
                 )
-                with metrics.stage_timer("preprocess"):
-                    self.engine.prepare(item)  # CPU preprocessing, here in the prefetch thread
+                if not isinstance(self.engine, RemoteEngine):  # else timed where it runs
+                    with metrics.stage_timer("preprocess"):
+                        self.engine.prepare(item)  # CPU preprocessing, in the prefetch thread
             except _IsDocument:
                 assert document is not None
                 return self._split(request, source, document)

@@ -14,15 +14,17 @@ from dataclasses import dataclass
 from ocrq.core.db import get_engine
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
-from ocrq.models.base import Engine, StreamingEngine
+from ocrq.models.base import Engine, EngineCore, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.registry import create_engine
 from ocrq.worker import metrics
 from ocrq.worker.batcher import BatchConfig, Batcher, BatchRecord
+from ocrq.worker.engine_link import EngineLink, RemoteBatcher
+from ocrq.worker.gpus import has_nvidia_gpu
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
-from ocrq.worker.profiles import choose_cost_model
+from ocrq.worker.profiles import ProfileChoice, choose_cost_model
 from ocrq.worker.recycle import RecyclePolicy, Recycler
 from ocrq.worker.splitting import SendPage
 from ocrq.worker.streaming import StreamingBatcher
@@ -33,8 +35,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Runtime:
     settings: Settings
-    engine: Engine
-    batcher: Batcher | StreamingBatcher
+    engine: EngineCore
+    batcher: Batcher | StreamingBatcher | RemoteBatcher
     runner: JobRunner
     recycler: Recycler | None = None
     heartbeat: Heartbeat | None = None
@@ -104,30 +106,42 @@ def recycle_policy(settings: Settings) -> RecyclePolicy:
     )
 
 
-def build_runtime(
-    settings: Settings,
-    store: JobStore | None = None,
-    worker_name: str | None = None,
-    on_recycle: Callable[[str], None] | None = None,
-    send_page: SendPage | None = None,
-) -> Runtime:
-    """Load the engine and start its batcher; with `on_recycle`, watch for recycling too;
-    `send_page`: where documents' page jobs go (default: the broker)."""
+@dataclass
+class EngineSide:
+    """The loaded engine and its batcher: what runs in the worker process, or in its engine
+    process (ocrq/worker/engine_host.py)."""
+
+    engine: Engine
+    batcher: Batcher | StreamingBatcher
+    config: BatchConfig
+    choice: ProfileChoice
+
+
+def start_engine(
+    settings: Settings, on_batch: Callable[[BatchRecord], None] | None = None
+) -> EngineSide:
+    """Load the engine, pick its cost model and start the batcher its scheduler calls for."""
     engine = create_engine(settings.engine, settings)
     engine.load()
     choice = choose_cost_model(engine, settings.profile_dir)
     log.info(choice.describe())
     config = batch_config(settings, engine, choice.model)
-    recycler = None
-    if on_recycle is not None:
-        fragmentation = memory_of(engine).fragmentation_bytes
-        recycler = Recycler(recycle_policy(settings), on_recycle, fragmentation=fragmentation)
-    fixed = choice.model.fixed_bytes
-    metrics.CONFIGURED_BUDGET_BYTES.set(config.budget_bytes)
-    metrics.BUDGET_BYTES.set(config.budget_bytes)
+    batcher: Batcher | StreamingBatcher
+    if isinstance(engine, StreamingEngine) and engine.streams():
+        # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
+        batcher = StreamingBatcher(engine, config, on_batch, choice.model).start()
+    else:
+        batcher = Batcher(engine, config, on_batch=on_batch, cost_model=choice.model).start()
+    return EngineSide(engine, batcher, config, choice)
+
+
+def batch_hooks(
+    recycler: Recycler | None, fixed_bytes: int
+) -> Callable[[BatchRecord], None]:
+    """What the worker does after each batch: log it, count it, let the recycler look."""
     hooks: list[Callable[[BatchRecord], None]] = [
         _log_batch,
-        lambda record: _count_batch(record, fixed),
+        lambda record: _count_batch(record, fixed_bytes),
     ]
     if recycler is not None:
         hooks.append(recycler.after_batch)
@@ -136,12 +150,43 @@ def build_runtime(
         for hook in hooks:
             hook(record)
 
-    batcher: Batcher | StreamingBatcher
-    if isinstance(engine, StreamingEngine) and engine.streams():
-        # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
-        batcher = StreamingBatcher(engine, config, on_batch, choice.model).start()
+    return on_batch
+
+
+def build_runtime(
+    settings: Settings,
+    store: JobStore | None = None,
+    worker_name: str | None = None,
+    on_recycle: Callable[[str], None] | None = None,
+    send_page: SendPage | None = None,
+) -> Runtime:
+    """Load the engine (here, or in an engine process: `engine_in_process`) and start its
+    batcher; with `on_recycle`, watch for recycling too; `send_page`: where documents' page
+    jobs go (default: the broker)."""
+    engine: EngineCore
+    batcher: Batcher | StreamingBatcher | RemoteBatcher
+    recycler = None
+    if engine_in_process(settings):
+        link = EngineLink.start(settings)
+        engine, batcher, config, model = link.engine, link.batcher, link.config, link.cost_model
+        if on_recycle is not None:
+            recycler = Recycler(
+                recycle_policy(settings), on_recycle, rss=link.rss_bytes,
+                fragmentation=link.fragmentation_bytes,
+            )
+        link.on_batch = batch_hooks(recycler, model.fixed_bytes)
     else:
-        batcher = Batcher(engine, config, on_batch=on_batch, cost_model=choice.model).start()
+        # The hooks are built before the engine (the recycler watches its memory): the batcher
+        # reaches them through this list once it runs.
+        hook: list[Callable[[BatchRecord], None]] = []
+        side = start_engine(settings, lambda record: hook[0](record) if hook else None)
+        engine, batcher, config, model = side.engine, side.batcher, side.config, side.choice.model
+        if on_recycle is not None:
+            fragmentation = memory_of(side.engine).fragmentation_bytes
+            recycler = Recycler(recycle_policy(settings), on_recycle, fragmentation=fragmentation)
+        hook.append(batch_hooks(recycler, model.fixed_bytes))
+    metrics.CONFIGURED_BUDGET_BYTES.set(config.budget_bytes)
+    metrics.BUDGET_BYTES.set(config.budget_bytes)
     store = store or JobStore(get_engine(settings.database_url))
     name = worker_name or unique_worker_name(settings.engine)
     prefetch = settings.prefetch_images or 2 * config.max_items
@@ -149,14 +194,23 @@ def build_runtime(
         settings, engine, batcher, store, name, prefetch_images=prefetch, send_page=send_page
     )
     log.info(
-        "engine %s loaded; batches up to %d images within %.2f GiB above %.2f GiB fixed (%s)",
+        "engine %s loaded%s; batches up to %d images within %.2f GiB above %.2f GiB fixed (%s)",
         engine.name,
+        " in its own process" if isinstance(batcher, RemoteBatcher) else "",
         config.max_items,
         config.budget_bytes / GiB,
-        choice.model.fixed_bytes / GiB,
-        choice.model.source,
+        model.fixed_bytes / GiB,
+        model.source,
     )
     return Runtime(settings, engine, batcher, runner, recycler)
+
+
+def engine_in_process(settings: Settings) -> bool:
+    """Whether the engine runs in a process of its own (OCRQ_ENGINE_PROCESS; "auto": for
+    HunyuanOCR where an NVIDIA GPU is present and the device is not forced to the CPU)."""
+    if settings.engine_process != "auto":
+        return settings.engine_process == "on"
+    return settings.engine == "hunyuan" and settings.device != "cpu" and has_nvidia_gpu()
 
 
 def start_heartbeat(settings: Settings, name: str) -> Heartbeat:

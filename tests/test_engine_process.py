@@ -1,0 +1,170 @@
+"""A worker whose engine runs in a process of its own (OCRQ_ENGINE_PROCESS=on): real `ocrq
+worker` supervisors, Redis, PostgreSQL and the CPU engine in its engine process.
+
+What must hold: the jobs run there and their results are stored by the worker; the engine's
+libraries are loaded there and not in the worker; what the batcher counts reaches the worker's
+metrics once (not twice, not never); an error raised there fails its job alone with its own
+type; a group SIGTERM stops both warmly; and the engine process dying takes its worker with it,
+so the supervisor starts a fresh pair and every job is still done exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+from celery import Celery
+
+from ocrq.api.client import Client
+from ocrq.core.db import get_engine
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore
+from tests.conftest import WorkerProcess
+from tests.servers import free_port
+from tests.test_faults import child_pids, make_images, report, wait_all, worker_env
+from tests.test_service import _wait_rows
+
+ENGINE_HOST = "ocrq.worker.engine_host"
+
+
+def engine_pids(worker_pid: int) -> list[int]:
+    """Processes running the engine host whose parent is `worker_pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ENGINE_HOST in cmdline and ppid == worker_pid:
+            found.append(int(entry.name))
+    return found
+
+
+def maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def metric_values(port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ocrq_") and " " in line
+    }
+
+
+def test_jobs_run_in_the_engine_process(
+    service_env: dict[str, str],
+    broker_url: str,
+    database_url: str,
+    text_images: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    queue = f"ocr-engproc-{uuid.uuid4().hex[:6]}"
+    port = free_port()
+    env = worker_env(service_env, engine_process="on", queue=queue, metrics_port=str(port))
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8").wait_ready(180)
+    try:
+        assert "in its own process" in worker.text()
+        worker_pid = child_pids(worker)[-1]
+        hosts = engine_pids(worker_pid)
+        assert len(hosts) == 1, worker.text()[-2000:]
+        # The CPU engine's runtime is mapped where the engine runs, and only there.
+        assert "onnxruntime" in maps(hosts[0])
+        assert "onnxruntime" not in maps(worker_pid)
+
+        app = Celery(broker=broker_url)
+        paths = list(text_images.values())
+        images = []
+        for i in range(9):
+            job_id = str(uuid.uuid4())
+            image = {"path": str(paths[i % len(paths)])}
+            app.send_task("ocrq.recognize", kwargs={"image": image, "job_id": job_id},
+                          queue=queue, task_id=job_id)
+            images.append(job_id)
+        # A free prompt, which the CPU engine refuses: the error is raised in the engine
+        # process and must fail this job alone, its type intact.
+        custom = str(uuid.uuid4())
+        app.send_task(
+            "ocrq.recognize",
+            kwargs={"image": {"path": str(paths[0])}, "job_id": custom, "task": "custom",
+                    "prompt": "read it"},
+            queue=queue, task_id=custom,
+        )
+        rows = _wait_rows(database_url, [*images, custom], timeout=180)
+        assert all(rows[j]["status"] == "done" and rows[j]["text"] for j in images), rows
+        assert rows[custom]["status"] == "failed"
+        assert rows[custom]["error"].startswith("UnsupportedTask:"), rows[custom]["error"]
+        hello = [rows[j] for i, j in enumerate(images) if paths[i % len(paths)].stem == "hello"]
+        assert any("HELLO" in r["text"].upper() for r in hello), hello
+
+        # What the batcher counted there reaches this worker's metrics exactly once per image
+        # (the supervisor serves its children's registries: a second copy would double them).
+        values = metric_values(port)
+        assert values['ocrq_stage_seconds_count{stage="preprocess"}'] == len(images) + 1
+        assert values['ocrq_stage_seconds_count{stage="gpu"}'] == len(images) + 1
+        # Every image the batcher ran (the refused one too) is in a batch record sent from there.
+        assert values["ocrq_batch_images_sum"] == len(images) + 1
+        assert values["ocrq_batches_total"] == values["ocrq_batch_images_count"] >= 1
+    finally:
+        worker.stop()  # SIGTERM to the whole group, the engine process included
+    assert worker.proc.returncode == 0, worker.text()[-3000:]
+    assert "engine process" in worker.text() and "died" not in worker.text()
+    assert engine_pids(worker_pid) == []
+
+
+def test_engine_process_death_loses_nothing(
+    service_env: dict[str, str],
+    database_url: str,
+    broker_url: str,
+    image_root: Path,
+    tmp_path: Path,
+) -> None:
+    paths = make_images(image_root / "engine-kill", 60, lines=6)
+    store = JobStore(get_engine(database_url))
+    queue = f"ocr-engkill-{uuid.uuid4().hex[:6]}"
+    env = worker_env(
+        service_env, engine_process="on", visibility_timeout_s="20", max_batch="8", queue=queue
+    )
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16").wait_ready(180)
+    t0 = time.monotonic()
+    try:
+        settings = Settings(broker_url=broker_url, database_url=database_url, queue=queue)
+        client = Client(settings)
+        ids = [client.submit({"path": str(p)}) for p in paths]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            rows = store.get(ids)
+            done = [r for r in rows.values() if r["status"] == "done"]
+            if len(done) >= 8 and any(r["status"] == "running" for r in rows.values()):
+                break
+            time.sleep(0.05)
+        before = {r["id"]: (r["text"], r["finished_at"]) for r in done}
+        first = child_pids(worker)[-1]
+        (victim,) = engine_pids(first)
+        os.kill(victim, signal.SIGKILL)
+        try:
+            rows = wait_all(store, ids, timeout=120)
+        except TimeoutError:
+            client.requeue(30)
+            rows = wait_all(store, ids, timeout=240)
+        seconds = time.monotonic() - t0
+    finally:
+        worker.stop()
+    text = worker.text()
+    figures = report("engine-kill-9", ids, rows, store, seconds)
+    # The worker left with the engine process, and the supervisor started another pair.
+    assert re.search(r"engine process \(pid \d+\) died", text), text[-3000:]
+    assert "worker exited with 70" in text, text[-3000:]
+    assert len(set(child_pids(worker))) >= 2
+    assert figures["done"] == len(ids) and figures["lost"] == 0 and figures["duplicated"] == 0
+    for job_id, (done_text, finished) in before.items():  # no done result regressed
+        assert (rows[job_id]["text"], rows[job_id]["finished_at"]) == (done_text, finished)
