@@ -26,8 +26,6 @@ PreprocessMode = Literal["tensor", "processor"]
 Scheduler = Literal["auto", "static", "continuous"]
 # When the running loop prefills waiting rows (ocrq/models/hunyuan/running.py says how each goes).
 PrefillSchedule = Literal["alternate", "chunked"]
-# Whether a worker runs its engine in a child process (ocrq/worker/engine_link.py).
-EngineProcess = Literal["auto", "on", "off"]
 
 
 class Settings(BaseSettings):
@@ -195,11 +193,12 @@ class Settings(BaseSettings):
     # A shorter one lets the thread that feeds the GPU take the GIL back sooner from the task
     # and preprocessing threads (bench/service_gpu.py compares).
     switch_interval_ms: float | None = Field(default=None, gt=0, le=100)
-    # Where a worker's engine runs: in a process of its own, fed images through a pipe, so the
-    # thread that drives the GPU shares its GIL with no task thread, Celery consumer or database
-    # driver (ocrq/worker/engine_link.py); or in the worker process itself. "auto": its own
-    # process for HunyuanOCR on an NVIDIA GPU, in the worker elsewhere.
-    engine_process: EngineProcess = "auto"
+    # Run the worker's engine in a process of its own, fed decoded images through a pipe
+    # (ocrq/worker/engine_link.py): the thread that drives the GPU then shares its GIL with no
+    # task thread, Celery consumer or database driver, and the worker never imports torch. Off
+    # by default: on the H200 it made no measurable difference to images/s (bench/results/
+    # service_gpu_reading.md, runs 8-9), and it costs a second process and a copy per image.
+    engine_process: bool = False
 
     # vLLM engines (ocrq/models/vllm, ocrq/models/openai; README "The vLLM engines").
     # In-process vLLM: sequences in flight and tokens per scheduler step (vLLM's own knobs);

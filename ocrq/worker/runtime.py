@@ -21,7 +21,6 @@ from ocrq.models.registry import create_engine
 from ocrq.worker import metrics
 from ocrq.worker.batcher import BatchConfig, Batcher, BatchRecord
 from ocrq.worker.engine_link import EngineLink, RemoteBatcher
-from ocrq.worker.gpus import has_nvidia_gpu
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
 from ocrq.worker.profiles import ProfileChoice, choose_cost_model
@@ -160,13 +159,13 @@ def build_runtime(
     on_recycle: Callable[[str], None] | None = None,
     send_page: SendPage | None = None,
 ) -> Runtime:
-    """Load the engine (here, or in an engine process: `engine_in_process`) and start its
+    """Load the engine (here, or in an engine process: OCRQ_ENGINE_PROCESS) and start its
     batcher; with `on_recycle`, watch for recycling too; `send_page`: where documents' page
     jobs go (default: the broker)."""
     engine: EngineCore
     batcher: Batcher | StreamingBatcher | RemoteBatcher
     recycler = None
-    if engine_in_process(settings):
+    if settings.engine_process:
         link = EngineLink.start(settings)
         engine, batcher, config, model = link.engine, link.batcher, link.config, link.cost_model
         if on_recycle is not None:
@@ -203,14 +202,6 @@ def build_runtime(
         model.source,
     )
     return Runtime(settings, engine, batcher, runner, recycler)
-
-
-def engine_in_process(settings: Settings) -> bool:
-    """Whether the engine runs in a process of its own (OCRQ_ENGINE_PROCESS; "auto": for
-    HunyuanOCR where an NVIDIA GPU is present and the device is not forced to the CPU)."""
-    if settings.engine_process != "auto":
-        return settings.engine_process == "on"
-    return settings.engine == "hunyuan" and settings.device != "cpu" and has_nvidia_gpu()
 
 
 def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
