@@ -122,6 +122,10 @@ class WorkerProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                # Stuck in a warm shutdown: Celery's SIGUSR1 handler writes every thread's
+                # stack to the log first, so a failing test shows where it hung.
+                os.killpg(self.proc.pid, signal.SIGUSR1)
+                time.sleep(3)
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._fh.close()

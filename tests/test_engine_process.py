@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 from celery import Celery
 
 from ocrq.api.client import Client
@@ -168,3 +169,56 @@ def test_engine_process_death_loses_nothing(
     assert figures["done"] == len(ids) and figures["lost"] == 0 and figures["duplicated"] == 0
     for job_id, (done_text, finished) in before.items():  # no done result regressed
         assert (rows[job_id]["text"], rows[job_id]["finished_at"]) == (done_text, finished)
+
+
+def test_engine_process_is_the_default_for_hunyuan_on_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset, OCRQ_ENGINE_PROCESS follows the engine and the host's GPUs (found as `--gpus all`
+    finds them: nvidia-smi is the one fake, this machine has no driver); set, it is obeyed."""
+    from ocrq.worker import gpus
+    from ocrq.worker.runtime import engine_in_process
+    from tests.test_gpus import fake_smi
+
+    monkeypatch.setattr(gpus, "PROC_GPUS", tmp_path / "no-proc")
+    smi = fake_smi(tmp_path / "bin", "GPU 0: NVIDIA H200 (UUID: GPU-0a1b2c3d)")
+    monkeypatch.setenv("PATH", smi["PATH"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert engine_in_process(Settings(engine="hunyuan"))
+    assert not engine_in_process(Settings(engine="hunyuan", device="cpu"))
+    assert not engine_in_process(Settings(engine="rapid"))
+    assert not engine_in_process(Settings(engine="hunyuan", engine_process="off"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # every GPU hidden
+    assert not engine_in_process(Settings(engine="hunyuan"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no driver at all
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert not engine_in_process(Settings(engine="hunyuan"))
+    assert engine_in_process(Settings(engine="rapid", engine_process="on"))
+
+
+def test_readings_leave_the_device_alone_unless_a_recycler_watches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine process reads its figures after every round of the running loop. HunyuanOCR's
+    fragmentation reading empties the CUDA cache, a device sync: taken every round, it made the
+    engine process no faster than the worker on the H200 (runs 8-9). It is read only when
+    OCRQ_MAX_FRAGMENTATION_GIB asks for it."""
+    from multiprocessing import Pipe
+
+    from ocrq.worker.engine_host import EngineHost
+
+    for limit, reads in ((None, 0), (4.0, 1)):
+        ours, theirs = Pipe()
+        host = EngineHost(Settings(engine="rapid", max_fragmentation_gib=limit), theirs)
+        calls: list[int] = []
+        monkeypatch.setattr(host.memory, "fragmentation_bytes", lambda c=calls: c.append(1) or 7)
+        try:
+            readings = host.readings()
+        finally:
+            host.side.batcher.stop()
+            host.engine.close()
+            ours.close()
+            theirs.close()
+        assert len(calls) == reads
+        assert readings.fragmentation == (7 if reads else None)
+        assert readings.rss > 0

@@ -195,10 +195,11 @@ class Settings(BaseSettings):
     switch_interval_ms: float | None = Field(default=None, gt=0, le=100)
     # Run the worker's engine in a process of its own, fed decoded images through a pipe
     # (ocrq/worker/engine_link.py): the thread that drives the GPU then shares its GIL with no
-    # task thread, Celery consumer or database driver, and the worker never imports torch. Off
-    # by default: on the H200 it made no measurable difference to images/s (bench/results/
-    # service_gpu_reading.md, runs 8-9), and it costs a second process and a copy per image.
-    engine_process: bool = False
+    # task thread, Celery consumer or database driver, and the worker never imports torch.
+    # None (auto): on for HunyuanOCR where an NVIDIA GPU is present and the device is not the
+    # CPU (on the H200 the service went from 0.92x the engine alone's images/s to 1.03-1.05x,
+    # bench/results/service_gpu_reading.md, runs 10-11); off elsewhere.
+    engine_process: bool | None = None
 
     # vLLM engines (ocrq/models/vllm, ocrq/models/openai; README "The vLLM engines").
     # In-process vLLM: sequences in flight and tokens per scheduler step (vLLM's own knobs);

@@ -52,6 +52,9 @@ class EngineHost:
         self.side: EngineSide = start_engine(settings, self._on_batch)
         self.engine = self.side.engine
         self.memory = memory_of(self.engine)
+        # Read only for a recycler that watches it: HunyuanOCR's reading empties the CUDA cache,
+        # a device sync, and the running loop ends a round every few decode steps.
+        self.watch_fragmentation = settings.max_fragmentation_gib is not None
         self._pool = ThreadPoolExecutor(prepare_threads(), thread_name_prefix="ocrq-prepare")
 
     def ready(self) -> wire.Ready:
@@ -140,7 +143,7 @@ class EngineHost:
             loop=dict(loop()) if loop is not None else {},
             gpu_allocated=allocated,
             gpu_reserved=reserved,
-            fragmentation=self.memory.fragmentation_bytes(),
+            fragmentation=self.memory.fragmentation_bytes() if self.watch_fragmentation else None,
             rss=rss_bytes(),
         )
 

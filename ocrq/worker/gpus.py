@@ -78,6 +78,19 @@ def discover(env: Mapping[str, str] | None = None) -> list[str]:
     )
 
 
+def has_nvidia_gpu(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process would see an NVIDIA GPU, asked without CUDA (as `discover`);
+    CUDA_VISIBLE_DEVICES set empty (or -1) hides them all."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    try:
+        return bool(discover(env))
+    except GpuSelectionError:
+        return False
+
+
 def select(spec: str, env: Mapping[str, str] | None = None) -> list[Gpu]:
     """The GPUs of `spec` ("all" or "0,1", as Settings.gpus holds it), one worker each.
 

@@ -21,6 +21,7 @@ from ocrq.models.registry import create_engine
 from ocrq.worker import metrics
 from ocrq.worker.batcher import BatchConfig, Batcher, BatchRecord
 from ocrq.worker.engine_link import EngineLink, RemoteBatcher
+from ocrq.worker.gpus import has_nvidia_gpu
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
 from ocrq.worker.profiles import ProfileChoice, choose_cost_model
@@ -165,7 +166,7 @@ def build_runtime(
     engine: EngineCore
     batcher: Batcher | StreamingBatcher | RemoteBatcher
     recycler = None
-    if settings.engine_process:
+    if engine_in_process(settings):
         link = EngineLink.start(settings)
         engine, batcher, config, model = link.engine, link.batcher, link.config, link.cost_model
         if on_recycle is not None:
@@ -202,6 +203,13 @@ def build_runtime(
         model.source,
     )
     return Runtime(settings, engine, batcher, runner, recycler)
+
+
+def engine_in_process(settings: Settings) -> bool:
+    """OCRQ_ENGINE_PROCESS, or where unset: HunyuanOCR on an NVIDIA GPU (found without CUDA)."""
+    if settings.engine_process is not None:
+        return settings.engine_process
+    return settings.engine == "hunyuan" and settings.device != "cpu" and has_nvidia_gpu()
 
 
 def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
