@@ -222,3 +222,35 @@ def test_readings_leave_the_device_alone_unless_a_recycler_watches(
         assert len(calls) == reads
         assert readings.fragmentation == (7 if reads else None)
         assert readings.rss > 0
+
+
+def test_a_dead_engine_process_fails_no_row_before_the_worker_exits(
+    text_images: dict[str, Path],
+) -> None:
+    """The link's own reader sees the engine process die. It must call `on_lost` (the worker
+    exits there) before it fails a single waiting row: a task thread woken by that failure would
+    store it and ack the message, losing a job that Redis should deliver again."""
+    from PIL import Image
+
+    from ocrq.models.base import PreparedImage
+    from ocrq.worker.engine_link import EngineLink
+
+    at_loss: list[list[bool]] = []
+    futures: list = []
+    link = EngineLink.start(
+        Settings(engine="rapid"), on_lost=lambda: at_loss.append([f.done() for f in futures])
+    )
+    image = Image.open(text_images["invoice"]).convert("RGB").resize((2400, 1600))
+    for i in range(16):
+        item = PreparedImage(key=f"row-{i}", image=image, original_size=image.size)
+        futures.append(link.submit(item))
+    os.kill(link.proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not all(f.done() for f in futures) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(at_loss) == 1
+    assert not all(at_loss[0]), "every row had finished before the kill: nothing tested"
+    failed = [f for f in futures if f.exception() is not None]
+    assert failed and all(not at_loss[0][futures.index(f)] for f in failed)
+    link.stop()
+    assert link.proc.poll() is not None

@@ -187,7 +187,8 @@ class EngineLink:
                 "the engine process (pid %d) died with %d rows in it; the worker exits so that "
                 "their messages are delivered again", self.proc.pid, self.pending(),
             )
-            self._fail_pending("the engine process died")
+            # Before any future fails: a task thread woken by a failure would store it and
+            # ack its message, and the job would be lost instead of delivered again.
             self.on_lost()
         self._fail_pending("the engine process stopped")
         self._stopped.set()
