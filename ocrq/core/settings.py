@@ -109,7 +109,7 @@ class Settings(BaseSettings):
     max_rss_gib: float | None = Field(default=None, gt=0, le=65_536)
     # ... or when device memory reserved but not allocated stays above this ...
     max_fragmentation_gib: float | None = Field(default=None, gt=0, le=65_536)
-    # ... for this many consecutive batches.
+    # ... for this many readings in a row (taken after a batch, at most every 5 s).
     recycle_patience: int = Field(default=3, ge=1, le=10_000)
     # The worker's /metrics, /healthz and /readyz on this port when set (ocrq/worker/monitor.py),
     # served by the supervisor (across recycles) or, with --no-supervise, the worker itself.

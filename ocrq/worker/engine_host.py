@@ -32,6 +32,7 @@ from ocrq.core.settings import Settings
 from ocrq.models.memory import memory_of
 from ocrq.worker import engine_wire as wire
 from ocrq.worker.batcher import BatchRecord, ItemOutcome
+from ocrq.worker.recycle import MEMORY_CHECK_S
 from ocrq.worker.runtime import EngineSide, start_engine
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class EngineHost:
         # Read only for a recycler that watches it: HunyuanOCR's reading empties the CUDA cache,
         # a device sync, and the running loop ends a round every few decode steps.
         self.watch_fragmentation = settings.max_fragmentation_gib is not None
+        self._fragmentation: tuple[float, int | None] = (-MEMORY_CHECK_S, None)  # (when, bytes)
         self._pool = ThreadPoolExecutor(prepare_threads(), thread_name_prefix="ocrq-prepare")
 
     def ready(self) -> wire.Ready:
@@ -143,9 +145,19 @@ class EngineHost:
             loop=dict(loop()) if loop is not None else {},
             gpu_allocated=allocated,
             gpu_reserved=reserved,
-            fragmentation=self.memory.fragmentation_bytes() if self.watch_fragmentation else None,
+            fragmentation=self._fragmentation_bytes(),
             rss=rss_bytes(),
         )
+
+    def _fragmentation_bytes(self) -> int | None:
+        """Read at most every MEMORY_CHECK_S, as the worker's recycler reads it."""
+        if not self.watch_fragmentation:
+            return None
+        when, value = self._fragmentation
+        if time.monotonic() - when >= MEMORY_CHECK_S:
+            value = self.memory.fragmentation_bytes()
+            self._fragmentation = (time.monotonic(), value)
+        return value
 
     def _stop(self) -> None:
         self._pool.shutdown(wait=True)  # every image received reaches the batcher

@@ -8,6 +8,7 @@ made after each batch, from numbers; acting on it (a warm shutdown) is the calle
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,10 @@ from ocrq.worker.batcher import BatchRecord
 log = logging.getLogger(__name__)
 
 RECYCLE_EXIT_CODE = 75  # EX_TEMPFAIL: "done for now, start me again"
+# Memory is read after a batch at most this often. Why: the running loop ends a round every few
+# decode steps, and reading HunyuanOCR's fragmentation empties the CUDA cache, a device sync
+# (bench/results/service_gpu_reading.md, runs 8-9); patience then counts readings, not rounds.
+MEMORY_CHECK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,13 @@ class Recycler:
         trigger: Callable[[str], None],
         rss: Callable[[], int] = rss_bytes,
         fragmentation: Callable[[], int | None] = lambda: None,
+        check_every_s: float = MEMORY_CHECK_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy
+        self.check_every_s = check_every_s
+        self._clock = clock
+        self._next_check = 0.0
         self._trigger = trigger
         self._rss = rss
         self._fragmentation = fragmentation
@@ -60,6 +70,10 @@ class Recycler:
         p = self.policy
         if p.max_images is not None and self.images >= p.max_images:
             return f"processed {self.images} images (max_images={p.max_images})"
+        now = self._clock()
+        if now < self._next_check:
+            return None
+        self._next_check = now + self.check_every_s
         for name, value, limit in (
             ("rss", self._rss() if p.max_rss_bytes else None, p.max_rss_bytes),
             (
@@ -74,6 +88,6 @@ class Recycler:
             if self._over[name] >= p.patience:
                 return (
                     f"{name} {value / GiB:.2f} GiB above {limit / GiB:.2f} GiB for "
-                    f"{self._over[name]} batches"
+                    f"{self._over[name]} readings"
                 )
         return None

@@ -1,0 +1,57 @@
+"""The recycler's decision (ocrq/worker/recycle.py): pure, fed numbers and a clock."""
+
+from __future__ import annotations
+
+from ocrq.models.costs import GiB
+from ocrq.worker.batcher import BatchRecord
+from ocrq.worker.recycle import RecyclePolicy, Recycler
+
+
+def record(size: int = 1) -> BatchRecord:
+    return BatchRecord("b", size, 0.0, 0.0, 0, 0)
+
+
+def test_memory_is_read_at_most_every_interval_and_patience_counts_readings() -> None:
+    """Rounds of the running loop come every few decode steps. Reading the fragmentation there
+    each time would sync the device each time, and a patience of 3 would be 3 rounds, a
+    fraction of a second. Readings are spaced instead, and patience counts them."""
+    now = [0.0]
+    reads: list[float] = []
+    fired: list[str] = []
+
+    def fragmentation() -> int:
+        reads.append(now[0])
+        return 3 * GiB
+
+    recycler = Recycler(
+        RecyclePolicy(max_images=None, max_fragmentation_bytes=2 * GiB, patience=3),
+        fired.append,
+        fragmentation=fragmentation,
+        check_every_s=5.0,
+        clock=lambda: now[0],
+    )
+    for _ in range(100):  # 100 rounds in 1 s: one reading
+        recycler.after_batch(record())
+        now[0] += 0.01
+    assert reads == [0.0] and not fired
+    for t in (5.0, 10.0):
+        now[0] = t
+        recycler.after_batch(record())
+    assert reads == [0.0, 5.0, 10.0]
+    assert fired == ["fragmentation 3.00 GiB above 2.00 GiB for 3 readings"]
+
+
+def test_a_reading_under_the_limit_resets_patience() -> None:
+    now = [0.0]
+    values = iter([3 * GiB, 3 * GiB, 1 * GiB, 3 * GiB, 3 * GiB, 3 * GiB])
+    fired: list[str] = []
+    recycler = Recycler(
+        RecyclePolicy(max_images=None, max_rss_bytes=2 * GiB, patience=3),
+        fired.append,
+        rss=lambda: next(values),
+        clock=lambda: now[0],
+    )
+    for i in range(6):
+        now[0] = 5.0 * i
+        recycler.after_batch(record())
+        assert bool(fired) == (i == 5), (i, fired)
