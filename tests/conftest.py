@@ -116,9 +116,11 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> None:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60, send: bool = True) -> None:
+        """`sig` to the whole group, then wait; `send=False`: it was sent already."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
+            if send:
+                os.killpg(self.proc.pid, sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -7,6 +7,7 @@ only the heartbeat sweep can.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
@@ -210,8 +211,13 @@ def test_live_workers_jobs_are_never_resent(
         rows = wait_all(store, ids, timeout=400)
         names = {row["worker"] for row in rows.values()}
     finally:
+        # Both warm shutdowns at once, each given time on a loaded 2-core CI machine; one that
+        # still hangs has its threads' stacks written to its log before the kill.
         for w in workers:
-            w.stop()
+            if w.alive():
+                os.killpg(w.proc.pid, signal.SIGTERM)
+        for w in workers:
+            w.stop(timeout=150, send=False)
     assert cli.returncode == 0, cli.stderr
     assert "re-sent 0 stalled job(s)" in cli.stderr and cli.stdout.strip() == ""
     assert busy > 0

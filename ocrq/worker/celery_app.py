@@ -87,6 +87,9 @@ def _not_ready(**_: object) -> None:
 
 @signals.worker_shutdown.connect
 def _close_engine(**_: object) -> None:
+    import logging
+
     from ocrq.worker.runtime import shutdown_runtime
 
+    logging.getLogger(__name__).info("shutdown: Celery has stopped; closing the runtime")
     shutdown_runtime()

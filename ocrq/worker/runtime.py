@@ -47,10 +47,14 @@ class Runtime:
         return task_threads(self.settings, self.runner.prefetch_images)
 
     def close(self) -> None:
+        # Each step logged: a warm shutdown that hangs says where.
+        log.info("shutdown: stopping the batcher (%d rows waiting)", self.batcher.pending())
         self.batcher.stop()
+        log.info("shutdown: closing the engine")
         self.engine.close()
         if self.heartbeat is not None:  # after the batcher: no job of ours is running now
             self.heartbeat.stop()
+            log.info("shutdown: heartbeat row of %s retired", self.heartbeat.name)
 
 
 def batch_config(settings: Settings, engine: Engine, model: CostModel | None = None) -> BatchConfig:
