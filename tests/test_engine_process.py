@@ -255,3 +255,15 @@ def test_a_dead_engine_process_fails_no_row_before_the_worker_exits(
     assert failed and all(not at_loss[0][futures.index(f)] for f in failed)
     link.stop()
     assert link.proc.poll() is not None
+
+
+def test_an_engine_that_cannot_load_fails_the_start_with_its_reason(tmp_path: Path) -> None:
+    """A missing model is a start-up failure (the worker exits 78, not restarted): the engine
+    process's error reaches the worker whole, and the process is gone."""
+    from ocrq.worker.engine_link import EngineLink, EngineStartError
+
+    missing = tmp_path / "no-such-model"
+    settings = Settings(engine="hunyuan", model=str(missing), device="cpu")
+    with pytest.raises(EngineStartError, match="no-such-model"):
+        EngineLink.start(settings)
+    assert engine_pids(os.getpid()) == []
