@@ -177,23 +177,23 @@ def test_engine_process_is_the_default_for_hunyuan_on_a_gpu(
     """Unset, OCRQ_ENGINE_PROCESS follows the engine and the host's GPUs (found as `--gpus all`
     finds them: nvidia-smi is the one fake, this machine has no driver); set, it is obeyed."""
     from ocrq.worker import gpus
-    from ocrq.worker.runtime import engine_in_process
+    from ocrq.worker.runtime import engine_in_own_process
     from tests.test_gpus import fake_smi
 
     monkeypatch.setattr(gpus, "PROC_GPUS", tmp_path / "no-proc")
     smi = fake_smi(tmp_path / "bin", "GPU 0: NVIDIA H200 (UUID: GPU-0a1b2c3d)")
     monkeypatch.setenv("PATH", smi["PATH"])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert engine_in_process(Settings(engine="hunyuan"))
-    assert not engine_in_process(Settings(engine="hunyuan", device="cpu"))
-    assert not engine_in_process(Settings(engine="rapid"))
-    assert not engine_in_process(Settings(engine="hunyuan", engine_process="off"))
+    assert engine_in_own_process(Settings(engine="hunyuan"))
+    assert not engine_in_own_process(Settings(engine="hunyuan", device="cpu"))
+    assert not engine_in_own_process(Settings(engine="rapid"))
+    assert not engine_in_own_process(Settings(engine="hunyuan", engine_process="off"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # every GPU hidden
-    assert not engine_in_process(Settings(engine="hunyuan"))
+    assert not engine_in_own_process(Settings(engine="hunyuan"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no driver at all
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert not engine_in_process(Settings(engine="hunyuan"))
-    assert engine_in_process(Settings(engine="rapid", engine_process="on"))
+    assert not engine_in_own_process(Settings(engine="hunyuan"))
+    assert engine_in_own_process(Settings(engine="rapid", engine_process="on"))
 
 
 def test_readings_leave_the_device_alone_unless_a_recycler_watches(

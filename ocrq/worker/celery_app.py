@@ -12,10 +12,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from celery import Celery, signals
 
 from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME
 from ocrq.core.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def make_app(settings: Settings) -> Celery:
@@ -87,9 +91,7 @@ def _not_ready(**_: object) -> None:
 
 @signals.worker_shutdown.connect
 def _close_engine(**_: object) -> None:
-    import logging
-
     from ocrq.worker.runtime import shutdown_runtime
 
-    logging.getLogger(__name__).info("shutdown: Celery has stopped; closing the runtime")
+    log.info("shutdown: Celery has stopped; closing the runtime")
     shutdown_runtime()

@@ -170,7 +170,7 @@ def build_runtime(
     engine: EngineCore
     batcher: Batcher | StreamingBatcher | RemoteBatcher
     recycler = None
-    if engine_in_process(settings):
+    if engine_in_own_process(settings):
         link = EngineLink.start(settings)
         engine, batcher, config, model = link.engine, link.batcher, link.config, link.cost_model
         if on_recycle is not None:
@@ -180,8 +180,8 @@ def build_runtime(
             )
         link.on_batch = batch_hooks(recycler, model.fixed_bytes)
     else:
-        # The hooks are built before the engine (the recycler watches its memory): the batcher
-        # reaches them through this list once it runs.
+        # The recycler watches the loaded engine's memory, and the batcher starts with the
+        # engine: it reaches the hooks through this list, filled right after.
         hook: list[Callable[[BatchRecord], None]] = []
         side = start_engine(settings, lambda record: hook[0](record) if hook else None)
         engine, batcher, config, model = side.engine, side.batcher, side.config, side.choice.model
@@ -209,7 +209,7 @@ def build_runtime(
     return Runtime(settings, engine, batcher, runner, recycler)
 
 
-def engine_in_process(settings: Settings) -> bool:
+def engine_in_own_process(settings: Settings) -> bool:
     """OCRQ_ENGINE_PROCESS, or where unset: HunyuanOCR on an NVIDIA GPU (found without CUDA)."""
     if settings.engine_process is not None:
         return settings.engine_process
