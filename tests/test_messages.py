@@ -421,7 +421,9 @@ def test_job_timeout_fails_the_job_not_the_batch(
 ) -> None:
     env = {**own_queue_env, "OCRQ_JOB_TIMEOUT_S": "1"}
     queue = env["OCRQ_QUEUE"]
-    path = slow_image(image_root / "slow", 8)
+    # 40 lines: seconds through the CPU engine even on an idle machine (8 lines once took
+    # 0.89 s, inside the 1 s timeout, and the job was done instead of timed out).
+    path = slow_image(image_root / "slow", 40)
     worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "2").wait_ready()
     app = Celery(broker=broker_url)
     slow, good = str(uuid.uuid4()), str(uuid.uuid4())
