@@ -265,6 +265,11 @@ def loop_summary(counts: dict[str, float], wall_s: float) -> dict[str, float]:
         "rows_per_prefill": round(
             counts.get("prefilled_rows", 0) / max(counts.get("prefills", 0), 1), 1
         ),
+        # The loop thread's own seconds: near the wall with little waiting = host-bound.
+        "host_prefill_s": round(counts.get("prefill_host_seconds", 0.0), 1),
+        "host_decode_s": round(counts.get("decode_host_seconds", 0.0), 1),
+        "host_harvest_s": round(counts.get("harvest_host_seconds", 0.0), 1),
+        "host_wait_s": round(counts.get("wait_seconds", 0.0), 1),
     }
 
 

@@ -120,3 +120,9 @@ def test_short_rows_are_stored_while_long_rows_decode(
     assert values["ocrq_loop_decode_seconds_total"] > 0
     assert 0 < values["ocrq_loop_row_steps_total"] <= values["ocrq_loop_slot_steps_total"]
     assert values['ocrq_stage_seconds_sum{stage="gpu"}'] > 0
+    # The loop thread's own account: it launched prefills and steps and read rows. On the CPU
+    # the copies are read at once, so it never waits for them.
+    assert values["ocrq_loop_prefill_host_seconds_total"] > 0
+    assert values["ocrq_loop_decode_host_seconds_total"] > 0
+    assert values["ocrq_loop_harvest_host_seconds_total"] > 0
+    assert values["ocrq_loop_wait_seconds_total"] == 0

@@ -53,6 +53,20 @@ LOOP_COUNTS = {
     "steps": Counter("ocrq_loop_steps", "Decode steps run by the running loop"),
     "row_steps": Counter("ocrq_loop_row_steps", "Live rows summed over decode steps"),
     "slot_steps": Counter("ocrq_loop_slot_steps", "Slots stepped summed over decode steps"),
+    # The loop thread's host seconds: little waiting and the rest near the wall time means the
+    # host, not the GPU, sets the pace.
+    "prefill_host_seconds": Counter(
+        "ocrq_loop_prefill_host_seconds", "Loop thread seconds admitting and launching prefills"
+    ),
+    "decode_host_seconds": Counter(
+        "ocrq_loop_decode_host_seconds", "Loop thread seconds launching decode steps"
+    ),
+    "harvest_host_seconds": Counter(
+        "ocrq_loop_harvest_host_seconds", "Loop thread seconds reading finished rows"
+    ),
+    "wait_seconds": Counter(
+        "ocrq_loop_wait_seconds", "Loop thread seconds waiting for the GPU to catch up"
+    ),
 }
 
 

@@ -564,6 +564,10 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             "steps": s.steps,
             "row_steps": s.row_steps,
             "slot_steps": s.slot_steps,
+            "prefill_host_seconds": s.prefill_host_s,
+            "decode_host_seconds": s.decode_host_s,
+            "harvest_host_seconds": s.harvest_host_s,
+            "wait_seconds": s.wait_s,
         }
 
     def _drop_loop(self) -> None:

@@ -22,6 +22,7 @@ meanwhile).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ class Readback:
         self.cuda = torch.device(device).type == "cuda"
         self.lag = lag  # CPU only: looks before a copy counts as landed (tests)
         self._looks = 0
+        # Host seconds spent waiting for a copy to land: the host was ahead of the GPU.
+        self.waited_s = 0.0
         pin = self.cuda
         long = torch.long
         self._finished = torch.zeros(slots, dtype=torch.bool, pin_memory=pin)
@@ -113,7 +116,9 @@ class Readback:
         rows, k, event = self._pending
         if event is not None:
             if wait:
+                t = time.perf_counter()
                 event.synchronize()
+                self.waited_s += time.perf_counter() - t
             elif not event.query():
                 return None
         elif not wait and self._looks < self.lag:

@@ -145,6 +145,14 @@ class LoopStats:
     slot_steps: int = 0  # slots stepped (the bucket) summed over steps
     graphs: int = 0
     readbacks: int = 0  # copies of the slots' state read by the host
+    # The loop thread's own seconds (perf_counter): admitting and launching prefill passes,
+    # launching decode steps, reading finished rows, and of that last, waiting for a copy to
+    # land. With little waiting and the rest near the wall time, the host is what limits the
+    # GPU (bench/service_gpu.py reads them side by side with the GPU seconds above).
+    prefill_host_s: float = 0.0
+    decode_host_s: float = 0.0
+    harvest_host_s: float = 0.0
+    wait_s: float = 0.0
 
 
 class RunningLoop:
@@ -247,15 +255,24 @@ class RunningLoop:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         done: list[Done] = []
         with torch.inference_mode():
+            stats, clock = self.stats, time.perf_counter
             while not done and not self.idle():
+                t0 = clock()
                 self._refill()
+                t1 = clock()
+                stats.prefill_host_s += t1 - t0
                 if self.rows:
                     self._decode_step()
+                    t2 = clock()
                     done = self._harvest(force=False)
+                    stats.decode_host_s += t2 - t1
+                    stats.harvest_host_s += clock() - t2
                 if deadline is not None and time.monotonic() >= deadline:
                     break
             if not done and self.rows:
+                t = clock()
                 done = self._harvest(force=True)
+                stats.harvest_host_s += clock() - t
         self.collect_stats()
         return done
 
@@ -272,6 +289,7 @@ class RunningLoop:
         totals = self.clock.collect(wait)
         self.stats.prefill_s = totals.get("prefill", 0.0)
         self.stats.decode_s = totals.get("decode", 0.0)
+        self.stats.wait_s = self.readback.waited_s
         return self.stats
 
     def clear(self) -> list[LoopRow]:
