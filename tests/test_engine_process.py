@@ -267,3 +267,49 @@ def test_an_engine_that_cannot_load_fails_the_start_with_its_reason(tmp_path: Pa
     with pytest.raises(EngineStartError, match="no-such-model"):
         EngineLink.start(settings)
     assert engine_pids(os.getpid()) == []
+
+
+def test_a_frozen_engine_process_shows_in_the_liveness_gauge(
+    service_env: dict[str, str], image_root: Path, database_url: str, tmp_path: Path
+) -> None:
+    """`/healthz` fails when the engine's progress gauge grows older than a job may take. With
+    the engine in its own process, the worker keeps that gauge from what comes back: frozen
+    (SIGSTOP) with rows in it, the gauge stops moving; thawed, the rows finish and it clears."""
+    paths = make_images(image_root / "engine-freeze", 24, lines=6)
+    store = JobStore(get_engine(database_url))
+    queue = f"ocr-engfreeze-{uuid.uuid4().hex[:6]}"
+    port = free_port()
+    env = worker_env(
+        service_env, engine_process="on", max_batch="4", queue=queue, metrics_port=str(port)
+    )
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8").wait_ready(180)
+    since = "ocrq_batch_running_since_timestamp_seconds"
+    try:
+        settings = Settings(broker_url=service_env["OCRQ_BROKER_URL"], database_url=database_url,
+                            queue=queue)
+        ids = [Client(settings).submit({"path": str(p)}) for p in paths]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if any(r["status"] == "done" for r in store.get(ids).values()):
+                break
+            time.sleep(0.05)
+        (host,) = engine_pids(child_pids(worker)[-1])
+        os.kill(host, signal.SIGSTOP)
+        frozen_at = time.time()
+        try:
+            time.sleep(2)
+            first = metric_values(port)[since]
+            time.sleep(3)
+            second = metric_values(port)[since]
+        finally:
+            os.kill(host, signal.SIGCONT)
+        rows = wait_all(store, ids, timeout=180)
+        deadline = time.monotonic() + 30
+        while metric_values(port)[since] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        after = metric_values(port)[since]
+    finally:
+        worker.stop()
+    assert 0 < first == second <= frozen_at + 1, (first, second, frozen_at)
+    assert all(r["status"] == "done" for r in rows.values())
+    assert after == 0

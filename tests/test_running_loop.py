@@ -12,9 +12,11 @@ for all of them at once.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from ocrq.models.base import PreparedImage
 from ocrq.models.hunyuan import HunyuanEngine
@@ -319,11 +321,21 @@ def test_an_oom_in_the_loop_requeues_its_rows_and_lowers_the_budget(
     batcher = StreamingBatcher(engine, BatchConfig(max_items=4, budget_bytes=2**24), None, model)
     configured = batcher.budget_bytes
     batcher.start()
+    since = "ocrq_batch_running_since_timestamp_seconds"
     try:
         futures = {it.key: batcher.submit(it) for it in items}
+        # Liveness reads this gauge: set while rows are in the loop, cleared once none are.
+        seen = []
+        while not all(f.done() for f in futures.values()):
+            seen.append(REGISTRY.get_sample_value(since) or 0.0)
+            time.sleep(0.005)
         got = {key: f.result(timeout=120) for key, f in futures.items()}
+        deadline = time.monotonic() + 10
+        while REGISTRY.get_sample_value(since) and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         batcher.stop(30)
+    assert max(seen) > 0 and REGISTRY.get_sample_value(since) == 0
     assert engine.raised == 1 and batcher.oom_events == 1
     assert batcher.budget_bytes < configured
     assert all(o.error is None for o in got.values()), got

@@ -152,6 +152,8 @@ class EngineLink:
         future: Future[Any] = Future()
         seq = next(self._seq)
         with self._pending_lock:
+            if not self._pending:
+                metrics.engine_progress(busy=True)
             self._pending[seq] = future
         try:
             with self._send_lock:
@@ -196,6 +198,7 @@ class EngineLink:
     def _resolve(self, seq: int, value: Any) -> None:
         with self._pending_lock:
             future = self._pending.pop(seq, None)
+            metrics.engine_progress(busy=bool(self._pending))
         if future is not None and not future.done():
             future.set_result(value)
 

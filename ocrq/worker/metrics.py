@@ -134,9 +134,17 @@ HEARTBEAT_AT = Gauge(
 )
 BATCH_SINCE = Gauge(
     "ocrq_batch_running_since_timestamp_seconds",
-    "When the batch running now started; 0 while the engine is idle",
+    "When the batch running now started (the running loop, an engine process: the last time a "
+    "row finished while others were in it); 0 while the engine is idle",
     multiprocess_mode="livemax",
 )
+
+
+def engine_progress(busy: bool) -> None:
+    """For engines without whole batches: rows reached an idle engine, or some row finished;
+    `busy`: rows are still in it. Liveness fails when this stays older than a job may take
+    (ocrq/worker/health.py), as for a batch that hangs."""
+    BATCH_SINCE.set(time.time() if busy else 0)
 
 
 def observe_stage(stage: str, seconds: float) -> None:

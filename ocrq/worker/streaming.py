@@ -152,6 +152,7 @@ class StreamingBatcher:
             self.config.shrink,
         )
         rows = []
+        idle = not self._flight
         with self._cond:
             for shrink in decided.downscale:
                 old = self._waiting[shrink.key]
@@ -170,6 +171,8 @@ class StreamingBatcher:
                 rows.append(item)
         if rows:
             self.engine.submit(rows)
+            if idle:
+                metrics.engine_progress(busy=True)
 
     def _collect(self) -> None:
         """Run the loop a little; resolve every row that finished."""
@@ -195,6 +198,7 @@ class StreamingBatcher:
             self._finisher.submit(self._finish, entry, f, batch_id, time.monotonic())
         with self._cond:
             self._changed = True  # their KV ranges are free
+        metrics.engine_progress(busy=bool(self._flight))
         self._loop_counts = metrics.count_loop(self.engine.loop_counts(), self._loop_counts)
         self.governor = self.governor.after_batch(0)
         record = BatchRecord(
@@ -231,6 +235,7 @@ class StreamingBatcher:
                 self._waiting[f"{key}#retry{entry.row.seq}"] = entry
             self._flight.clear()
             self._changed = True
+        metrics.engine_progress(busy=False)  # its rows are handed over again from scratch
         self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)
         log.warning(
             "out of memory in the running loop (%s); budget now %.2f GiB, rows in flight queued "
@@ -242,6 +247,7 @@ class StreamingBatcher:
         for entry, _ in self._flight.values():
             _resolve(entry.future, ItemOutcome(None, exc, "", self.engine.name))
         self._flight.clear()
+        metrics.engine_progress(busy=False)
         try:
             self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)
         except Exception:
