@@ -313,3 +313,36 @@ def test_a_frozen_engine_process_shows_in_the_liveness_gauge(
     assert 0 < first == second <= frozen_at + 1, (first, second, frozen_at)
     assert all(r["status"] == "done" for r in rows.values())
     assert after == 0
+
+
+class _NeedsArgs(Exception):
+    """Pickles, but does not unpickle: its __init__ wants two arguments."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+
+
+def test_an_error_that_would_not_unpickle_arrives_by_name() -> None:
+    """An engine's own exception class may not survive the pipe (required arguments): it would
+    break the worker's reader thread. It arrives as its type's name and message instead."""
+    from multiprocessing import Pipe
+
+    from ocrq.worker import engine_wire as wire
+    from ocrq.worker.batcher import ItemOutcome
+    from ocrq.worker.engine_host import EngineHost
+
+    ours, theirs = Pipe()
+    host = EngineHost(Settings(engine="rapid"), theirs)
+    try:
+        host._done(7, ItemOutcome(None, _NeedsArgs("page 3", "unreadable"), "", "rapid"), 0.1)
+        host._done(8, ItemOutcome(None, ValueError("plain"), "", "rapid"), 0.1)
+        first, second = ours.recv(), ours.recv()
+    finally:
+        host.side.batcher.stop()
+        host.engine.close()
+        ours.close()
+        theirs.close()
+    assert isinstance(first, wire.Done) and first.seq == 7
+    assert type(first.outcome.error) is RuntimeError
+    assert str(first.outcome.error) == "_NeedsArgs: page 3: unreadable"
+    assert type(second.outcome.error) is ValueError  # one that travels keeps its type

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -109,14 +110,13 @@ class EngineHost:
         future.add_done_callback(lambda f: self._done(message.seq, _outcome_of(f), prepared))
 
     def _done(self, seq: int, outcome: ItemOutcome, prepare_s: float) -> None:
+        if outcome.error is not None and not _round_trips(outcome.error):
+            # An exception that will not pickle, or not unpickle in the worker (a class with
+            # required arguments): its type's name and message travel instead.
+            plain = RuntimeError(f"{type(outcome.error).__name__}: {outcome.error}")
+            outcome = _with_error(outcome, plain)
         try:
             self.send(wire.Done(seq, outcome, prepare_s))
-        except (TypeError, AttributeError, ValueError) as exc:  # an error that will not pickle
-            if outcome.error is None:
-                raise
-            plain = RuntimeError(f"{type(outcome.error).__name__}: {outcome.error}")
-            log.debug("outcome of %d sent without its exception type: %s", seq, exc)
-            self.send(wire.Done(seq, _with_error(outcome, plain), prepare_s))
         except (BrokenPipeError, EOFError, OSError):
             os._exit(1)  # the worker is gone
 
@@ -171,6 +171,14 @@ def _outcome_of(future: Future[ItemOutcome]) -> ItemOutcome:
     if exc is not None:
         return ItemOutcome(None, exc, "", "")
     return future.result()
+
+
+def _round_trips(error: BaseException) -> bool:
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return False
+    return True
 
 
 def _with_error(outcome: ItemOutcome, error: BaseException) -> ItemOutcome:

@@ -174,6 +174,9 @@ class EngineLink:
                 message = self.conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # a message that will not unpickle: this thread must go on
+                log.exception("unreadable message from the engine process")
+                continue
             if isinstance(message, wire.Done):
                 metrics.observe_stage("preprocess", message.prepare_s)
                 self._resolve(message.seq, message.outcome)
