@@ -5,7 +5,8 @@ Why a process: the thread that keeps the GPU's queue full is Python; in the work
 GIL with hundreds of task threads, Celery's consumer, kombu's acks and the database driver. On
 an H200 the running loop's prefill took 56-61 s of a run in the worker against 42-46 s with the
 engine alone (bench/results/service_gpu_reading.md, runs 5-7). Here it shares the GIL only with
-the threads that preprocess the images it is about to run, as the engine alone does.
+the threads that preprocess the images it is about to run: the service then made 1.03-1.05x the
+engine alone's images/s, against 0.92x with the engine in the worker (runs 10-11).
 
 What runs here: the engine, its batcher (the planner, the OOM governor, the running loop) and a
 few preprocessing threads. The worker keeps claiming, fetching, decoding, storing and acking.
