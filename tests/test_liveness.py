@@ -286,3 +286,57 @@ def test_concurrent_sweeps_resend_each_job_once(database_url: str) -> None:
     assert {j.id for j in workers_table.flip_stalled(engine, 60)} >= set(ids)
     assert workers_table.forget_dead(engine, 60) >= 1
     assert dead not in workers_table.heartbeats(engine)
+
+
+def test_a_stop_signal_delivered_twice_is_one_warm_stop() -> None:
+    """A stop reaches a worker from its process group and again from its supervisor. Celery's
+    handler, entered a second time from inside the first, waited forever on its own lock (a
+    worker's stacks showed it). Guarded, the repeat is dropped: here a real SIGTERM sent from
+    inside the handler, and another just after it."""
+    from ocrq.worker.lifecycle import guard_stop_signals
+
+    calls: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        calls.append(signum)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered while this handler runs
+            time.sleep(0.05)
+
+    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        guard_stop_signals([signal.SIGTERM])
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's copy, a moment later
+        time.sleep(0.1)
+        assert calls == [signal.SIGTERM]
+        time.sleep(1.0)  # past REPEAT_SIGNAL_S: a new stop is handled again
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert calls == [signal.SIGTERM, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_group_stop_stops_a_worker_once_and_retires_its_row(
+    service_env: dict[str, str], database_url: str, tmp_path: Path
+) -> None:
+    """`kill -- -PGID` (what systemd's control-group kill and a terminal's Ctrl-C do) reaches the
+    worker process and its supervisor, which forwards it: one warm shutdown, run to its end."""
+    queue = f"ocr-stop-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue}
+    store = JobStore(get_engine(database_url))
+    others = set(workers_table.heartbeats(store.engine))
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "4").wait_ready()
+    try:
+        names = set(workers_table.heartbeats(store.engine)) - others
+        assert len(names) == 1
+    finally:
+        worker.stop(timeout=120)
+    text = worker.text()
+    assert worker.proc.returncode == 0, text[-3000:]
+    assert text.count("Warm shutdown") == 1, text[-3000:]
+    assert "shutdown: heartbeat row of" in text
+    assert not names & set(workers_table.heartbeats(store.engine))

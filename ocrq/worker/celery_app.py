@@ -70,9 +70,10 @@ def make_app(settings: Settings) -> Celery:
 def _load_engine_at_start(**_: object) -> None:
     """Load the model before the first message, so a missing model fails at start-up."""
     from ocrq.worker import metrics
-    from ocrq.worker.lifecycle import request_recycle, startup_failed
+    from ocrq.worker.lifecycle import guard_stop_signals, request_recycle, startup_failed
     from ocrq.worker.runtime import get_runtime
 
+    guard_stop_signals()  # Celery's handlers are installed by now
     try:
         get_runtime(on_recycle=request_recycle)
     except Exception as exc:  # a missing model or bad settings: stop now, loudly

@@ -127,6 +127,48 @@ def run_celery(app: Celery, argv: Sequence[str]) -> int:
     return _exit_code if _exit_code is not None else code
 
 
+REPEAT_SIGNAL_S = 1.0  # a stop signal again within this long is the same stop, delivered twice
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def guard_stop_signals(signums: Sequence[int] = STOP_SIGNALS) -> None:
+    """Let Celery's handlers for SIGTERM/SIGINT run one at a time, and ignore a repeat within
+    REPEAT_SIGNAL_S. Called once Celery has installed them (at worker_ready).
+
+    Why: a stop reaches a worker twice, from its process group (systemd's control-group kill,
+    a terminal's Ctrl-C, `kill -- -PGID`) and from its supervisor, which forwards it. Celery's
+    handler sends `worker_shutting_down` under a lock that is not re-entrant; the second signal,
+    handled inside the first, waited for that lock forever. A worker hung in its warm shutdown
+    until it was killed, its heartbeat row left behind (seen in tests/test_liveness.py, with
+    the stacks of its threads). A repeated SIGINT would also turn one Ctrl-C into a cold stop.
+    """
+    state = {"busy": False}
+    last: dict[int, float] = {}
+
+    def guard(handler: Callable[[int, object], object]) -> Callable[[int, object], None]:
+        def guarded(signum: int, frame: object) -> None:
+            now = time.monotonic()
+            if state["busy"] or now - last.get(signum, -REPEAT_SIGNAL_S) < REPEAT_SIGNAL_S:
+                return
+            last[signum] = now
+            state["busy"] = True
+            try:
+                handler(signum, frame)
+            finally:
+                state["busy"] = False
+                again = signal.getsignal(signum)  # Celery installs a new one for SIGINT
+                if callable(again) and not getattr(again, "ocrq_guarded", False):
+                    signal.signal(signum, guard(again))
+
+        guarded.ocrq_guarded = True  # type: ignore[attr-defined]
+        return guarded
+
+    for signum in signums:
+        handler = signal.getsignal(signum)
+        if callable(handler) and not getattr(handler, "ocrq_guarded", False):
+            signal.signal(signum, guard(handler))
+
+
 @dataclass(frozen=True)
 class Child:
     """One worker process the supervisor keeps running: `python -m ocrq.worker.main ARGV`."""
