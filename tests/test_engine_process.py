@@ -27,7 +27,14 @@ from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from tests.conftest import WorkerProcess
 from tests.servers import free_port
-from tests.test_faults import child_pids, make_images, report, wait_all, worker_env
+from tests.test_faults import (
+    child_pids,
+    done_mid_run,
+    make_images,
+    report,
+    wait_all,
+    worker_env,
+)
 from tests.test_service import _wait_rows
 
 ENGINE_HOST = "ocrq.worker.engine_host"
@@ -141,14 +148,7 @@ def test_engine_process_death_loses_nothing(
         settings = Settings(broker_url=broker_url, database_url=database_url, queue=queue)
         client = Client(settings)
         ids = [client.submit({"path": str(p)}) for p in paths]
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            rows = store.get(ids)
-            done = [r for r in rows.values() if r["status"] == "done"]
-            if len(done) >= 8 and any(r["status"] == "running" for r in rows.values()):
-                break
-            time.sleep(0.05)
-        before = {r["id"]: (r["text"], r["finished_at"]) for r in done}
+        before = done_mid_run(store, ids)
         first = child_pids(worker)[-1]
         (victim,) = engine_pids(first)
         os.kill(victim, signal.SIGKILL)
@@ -216,7 +216,7 @@ def test_readings_leave_the_device_alone_unless_a_recycler_watches(
             readings = host.readings()
             host.readings()  # the next round, at once: no second reading within 5 s
         finally:
-            host.side.batcher.stop()
+            host.batcher.stop()
             host.engine.close()
             ours.close()
             theirs.close()
@@ -338,7 +338,7 @@ def test_an_error_that_would_not_unpickle_arrives_by_name() -> None:
         host._done(8, ItemOutcome(None, ValueError("plain"), "", "rapid"), 0.1)
         first, second = ours.recv(), ours.recv()
     finally:
-        host.side.batcher.stop()
+        host.batcher.stop()
         host.engine.close()
         ours.close()
         theirs.close()

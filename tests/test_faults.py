@@ -91,6 +91,21 @@ def wait_all(store: JobStore, ids: list[str], timeout: float) -> dict[str, dict[
     raise TimeoutError(f"{len(missing)} of {len(ids)} jobs not final after {timeout} s")
 
 
+def done_mid_run(
+    store: JobStore, ids: list[str], done_at_least: int = 8, timeout: float = 120
+) -> dict[str, tuple[Any, Any]]:
+    """Wait until some jobs are done and others running; the done ones' (text, finished_at),
+    which a kill from here on must leave as they are."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = store.get(ids)
+        done = [r for r in rows.values() if r["status"] == "done"]
+        if len(done) >= done_at_least and any(r["status"] == "running" for r in rows.values()):
+            break
+        time.sleep(0.05)
+    return {r["id"]: (r["text"], r["finished_at"]) for r in done}
+
+
 def row_count(store: JobStore, ids: list[str]) -> int:
     with store.engine.connect() as conn:
         return conn.execute(select(func.count()).where(ocr_jobs.c.id.in_(ids))).scalar_one()
@@ -175,15 +190,7 @@ def test_kill_9_mid_batch(
         client = Client(Settings(broker_url=broker_url, database_url=database_url))
         ids = [client.submit({"path": str(p)}) for p in paths]
         # Wait until some jobs are done and a batch is in flight, then kill -9 the worker.
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            rows = store.get(ids)
-            done = [r for r in rows.values() if r["status"] == "done"]
-            running = [r for r in rows.values() if r["status"] == "running"]
-            if len(done) >= 8 and running:
-                break
-            time.sleep(0.05)
-        before = {r["id"]: (r["text"], r["finished_at"]) for r in done}
+        before = done_mid_run(store, ids)
         victim = child_pids(worker)[-1]
         os.kill(victim, signal.SIGKILL)
         try:

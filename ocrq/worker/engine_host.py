@@ -27,15 +27,15 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Any
 
 from ocrq.core.procfs import rss_bytes
 from ocrq.core.settings import Settings
 from ocrq.models.memory import memory_of
 from ocrq.worker import engine_wire as wire
+from ocrq.worker import metrics
 from ocrq.worker.batcher import BatchRecord, ItemOutcome
 from ocrq.worker.recycle import MEMORY_CHECK_S
-from ocrq.worker.runtime import EngineSide, start_engine
+from ocrq.worker.runtime import EngineSide, load_engine
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,14 @@ class EngineHost:
     def __init__(self, settings: Settings, conn: Connection) -> None:
         self.conn = conn
         self._send_lock = threading.Lock()
-        self.side: EngineSide = start_engine(settings, self._on_batch)
+        self.side: EngineSide = load_engine(settings)
         self.engine = self.side.engine
         self.memory = memory_of(self.engine)
         # Read only for a recycler that watches it: HunyuanOCR's reading empties the CUDA cache,
         # a device sync, and the running loop ends a round every few decode steps.
         self.watch_fragmentation = settings.max_fragmentation_gib is not None
         self._fragmentation: tuple[float, int | None] = (-MEMORY_CHECK_S, None)  # (when, bytes)
+        self.batcher = self.side.start(self._on_batch)  # last: its hook reads the above
         self._pool = ThreadPoolExecutor(prepare_threads(), thread_name_prefix="ocrq-prepare")
 
     def ready(self) -> wire.Ready:
@@ -104,7 +105,7 @@ class EngineHost:
             return
         prepared = time.perf_counter() - started
         try:
-            future = self.side.batcher.submit(item)
+            future = self.batcher.submit(item)
         except Exception as exc:  # stopping
             self._done(message.seq, ItemOutcome(None, exc, "", self.engine.name), prepared)
             return
@@ -137,15 +138,10 @@ class EngineHost:
 
     def readings(self) -> wire.Readings:
         loop = getattr(self.engine, "loop_counts", None)
-        allocated = reserved = None
-        torch: Any = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         return wire.Readings(
-            oom_events=self.side.batcher.oom_events,
+            oom_events=self.batcher.oom_events,
             loop=dict(loop()) if loop is not None else {},
-            gpu_allocated=allocated,
-            gpu_reserved=reserved,
+            gpu=metrics.gpu_memory(),
             fragmentation=self._fragmentation_bytes(),
             rss=rss_bytes(),
         )
@@ -162,7 +158,7 @@ class EngineHost:
 
     def _stop(self) -> None:
         self._pool.shutdown(wait=True)  # every image received reaches the batcher
-        self.side.batcher.stop()
+        self.batcher.stop()
         self.engine.close()
         self.send(wire.Stopped())
 

@@ -220,9 +220,7 @@ class EngineLink:
         if now.oom_events > before.oom_events:
             metrics.OOM_EVENTS.inc(now.oom_events - before.oom_events)
         self._loop_last = metrics.count_loop(now.loop, self._loop_last)
-        if now.gpu_allocated is not None and now.gpu_reserved is not None:
-            metrics.GPU_BYTES.labels("allocated").set(now.gpu_allocated)
-            metrics.GPU_BYTES.labels("reserved").set(now.gpu_reserved)
+        metrics.set_gpu_memory(now.gpu)
         if self.on_batch is not None:
             try:
                 self.on_batch(message.record)

@@ -90,8 +90,7 @@ class Readings:
 
     oom_events: int = 0
     loop: dict[str, float] = field(default_factory=dict)  # StreamingEngine.loop_counts()
-    gpu_allocated: int | None = None
-    gpu_reserved: int | None = None
+    gpu: tuple[int, int] | None = None  # metrics.gpu_memory(): allocated, reserved bytes
     fragmentation: int | None = None  # MemoryProbing.fragmentation_bytes()
     rss: int = 0  # the engine process's resident bytes
 

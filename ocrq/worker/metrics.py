@@ -161,11 +161,21 @@ def stage_timer(stage: str) -> Iterator[None]:
         observe_stage(stage, time.perf_counter() - t)
 
 
-def sample_gpu_memory() -> None:
-    """torch.cuda's allocated/reserved bytes, when this process has initialised CUDA (never
+def gpu_memory() -> tuple[int, int] | None:
+    """torch.cuda's allocated and reserved bytes, when this process has initialised CUDA (never
     imports torch or initialises CUDA itself: a CPU worker stays without them)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return
-    GPU_BYTES.labels("allocated").set(torch.cuda.memory_allocated())
-    GPU_BYTES.labels("reserved").set(torch.cuda.memory_reserved())
+        return None
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def set_gpu_memory(reading: tuple[int, int] | None) -> None:
+    """`GPU_BYTES` from a `gpu_memory()` reading, this process's or its engine process's."""
+    if reading is not None:
+        GPU_BYTES.labels("allocated").set(reading[0])
+        GPU_BYTES.labels("reserved").set(reading[1])
+
+
+def sample_gpu_memory() -> None:
+    set_gpu_memory(gpu_memory())

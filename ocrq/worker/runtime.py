@@ -112,31 +112,31 @@ def recycle_policy(settings: Settings) -> RecyclePolicy:
 
 @dataclass
 class EngineSide:
-    """The loaded engine and its batcher: what runs in the worker process, or in its engine
-    process (ocrq/worker/engine_host.py)."""
+    """The loaded engine, its cost model and its budget: what runs in the worker process, or in
+    its engine process (ocrq/worker/engine_host.py), with the batcher `start` gives it."""
 
     engine: Engine
-    batcher: Batcher | StreamingBatcher
     config: BatchConfig
     choice: ProfileChoice
 
+    def start(
+        self, on_batch: Callable[[BatchRecord], None] | None = None
+    ) -> Batcher | StreamingBatcher:
+        """The batcher the engine's scheduler calls for, started."""
+        engine, config, model = self.engine, self.config, self.choice.model
+        if isinstance(engine, StreamingEngine) and engine.streams():
+            # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
+            return StreamingBatcher(engine, config, on_batch, model).start()
+        return Batcher(engine, config, on_batch=on_batch, cost_model=model).start()
 
-def start_engine(
-    settings: Settings, on_batch: Callable[[BatchRecord], None] | None = None
-) -> EngineSide:
-    """Load the engine, pick its cost model and start the batcher its scheduler calls for."""
+
+def load_engine(settings: Settings) -> EngineSide:
+    """Load the engine and pick its cost model and batch budget."""
     engine = create_engine(settings.engine, settings)
     engine.load()
     choice = choose_cost_model(engine, settings.profile_dir)
     log.info(choice.describe())
-    config = batch_config(settings, engine, choice.model)
-    batcher: Batcher | StreamingBatcher
-    if isinstance(engine, StreamingEngine) and engine.streams():
-        # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
-        batcher = StreamingBatcher(engine, config, on_batch, choice.model).start()
-    else:
-        batcher = Batcher(engine, config, on_batch=on_batch, cost_model=choice.model).start()
-    return EngineSide(engine, batcher, config, choice)
+    return EngineSide(engine, batch_config(settings, engine, choice.model), choice)
 
 
 def batch_hooks(
@@ -180,15 +180,12 @@ def build_runtime(
             )
         link.on_batch = batch_hooks(recycler, model.fixed_bytes)
     else:
-        # The recycler watches the loaded engine's memory, and the batcher starts with the
-        # engine: it reaches the hooks through this list, filled right after.
-        hook: list[Callable[[BatchRecord], None]] = []
-        side = start_engine(settings, lambda record: hook[0](record) if hook else None)
-        engine, batcher, config, model = side.engine, side.batcher, side.config, side.choice.model
-        if on_recycle is not None:
-            fragmentation = memory_of(side.engine).fragmentation_bytes
+        side = load_engine(settings)
+        engine, config, model = side.engine, side.config, side.choice.model
+        if on_recycle is not None:  # it watches the loaded engine's memory
+            fragmentation = memory_of(engine).fragmentation_bytes
             recycler = Recycler(recycle_policy(settings), on_recycle, fragmentation=fragmentation)
-        hook.append(batch_hooks(recycler, model.fixed_bytes))
+        batcher = side.start(batch_hooks(recycler, model.fixed_bytes))
     metrics.CONFIGURED_BUDGET_BYTES.set(config.budget_bytes)
     metrics.BUDGET_BYTES.set(config.budget_bytes)
     store = store or JobStore(get_engine(settings.database_url))
