@@ -19,7 +19,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 DecodeMode = Literal["fast", "generate"]
 # The fast loop's decode attention: Triton on CUDA when installed ("auto"), or forced.
 DecodeAttention = Literal["auto", "triton", "torch"]
-VisionAttention = Literal["auto", "per_size"]
 PreprocessMode = Literal["tensor", "processor"]
 # How rows share the device: whole batches run to their longest row ("static"), or the running
 # loop, where finished rows leave at once and waiting ones take their slots ("continuous",
@@ -175,10 +174,6 @@ class Settings(BaseSettings):
     decode: DecodeMode = "fast"
     # The fast loop's decode attention; "torch" also turns the fused norm/RoPE kernels off.
     decode_attention: DecodeAttention = "auto"
-    # HunyuanOCR's vision attention: "auto" gives the short images of a prefill pass one
-    # variable-length flash-attention call per layer where the GPU has the kernel;
-    # "per_size" one call per run of equal-sized images (ocrq/models/hunyuan/vision.py).
-    vision_attention: VisionAttention = "auto"
     # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
     # output, GIL released) or "processor" (transformers' processor, for comparison).
     preprocess: PreprocessMode = "tensor"

@@ -131,9 +131,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         ckpt = load_checkpoint(self.settings)
         model, processor = ckpt.model, ckpt.processor
         isolate_rows(model)
-        batch_vision_attention(
-            model, varlen=False if self.settings.vision_attention == "per_size" else None
-        )
+        batch_vision_attention(model)
         self.version = version_of_checkpoint(ckpt.path)
         gen = greedy_config(model.generation_config)
         # The checkpoint's own penalty where its generation config names one, else Tencent's

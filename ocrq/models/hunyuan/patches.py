@@ -9,7 +9,7 @@ only a batch has, that the library's code leaves; both keep the library's own ar
   does not get the output it gets alone.
 * `batch_vision_attention`: the vision tower's sdpa path makes one attention call per image and
   layer (27 x batch calls, ~1 ms of host time each), so a large batch's prefill is host-bound;
-  short images share calls instead (ocrq/models/hunyuan/vision.py plans them).
+  equal-sized images go through one call instead.
 
 Only this instance's methods change (bound methods set on the instance, the class untouched), so
 another model in the process, or the library's own tests, see the library as it is.
@@ -76,16 +76,16 @@ def isolate_rows(model: Any) -> None:
     inner.get_rope_index = get_rope_index
 
 
-def batch_vision_attention(model: Any, enabled: bool = True, varlen: bool | None = None) -> None:
-    """Run the vision tower's attention as few calls a pass as ocrq/models/hunyuan/vision.py plans.
+def batch_vision_attention(model: Any, enabled: bool = True) -> None:
+    """Run the vision tower's attention as one sdpa call per run of equal-sized images.
 
     transformers' sdpa path loops over the images of a batch, one sdpa call per image and layer
     (27 x batch calls, ~1 ms of host time each), which makes the prefill of a large batch
-    host-bound. `varlen` None: images of different sizes share the flash varlen kernel where the
-    device has it; False: only runs of equal-sized images share a call
-    (`OCRQ_VISION_ATTENTION=per_size`). Installed on this model's instances only; `enabled=False`
-    restores the library's method (the bench measures both). Other attention implementations
-    are left as they are.
+    host-bound. Consecutive images with the same patch count are strided views of one tensor, so
+    they go through one call with a batch dimension: the same per-image arithmetic, no copies,
+    no cross-image attention. Installed on this model's instances only; `enabled=False` restores
+    the library's method (the bench measures both). Other attention implementations are left as
+    they are.
     """
     import types
 
@@ -98,7 +98,6 @@ def batch_vision_attention(model: Any, enabled: bool = True, varlen: bool | None
             attn.__dict__.pop("forward", None)
             continue
         attn.forward = types.MethodType(_grouped_vision_attention, attn)
-        attn.ocrq_varlen = varlen
 
 
 def _grouped_vision_attention(
@@ -108,10 +107,9 @@ def _grouped_vision_attention(
     max_seqlen: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HunYuanVLVisionAttention.forward for sdpa, over the groups of `plan_groups`.
-
-    `cu_seqlens` on the CPU (the fast path keeps the image grid there) plans without a sync."""
-    from ocrq.models.hunyuan.vision import grouped_attention, plan_groups, varlen_available
+    """HunYuanVLVisionAttention.forward for sdpa, batched over runs of equal-length images."""
+    import torch
+    import torch.nn.functional as F
 
     batch, seq, _ = hidden_states.shape
     heads, dim = self.num_heads, self.head_dim
@@ -121,8 +119,26 @@ def _grouped_vision_attention(
     k = self.k_proj(hidden_states).view(seq, heads, dim)
     v = self.v_proj(hidden_states).view(seq, heads, dim)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    varlen = self.ocrq_varlen
-    if varlen is None:
-        varlen = varlen_available(q.device, q.dtype, dim)
-    out = grouped_attention(q, k, v, plan_groups(lengths, varlen=varlen), self.scaling)
-    return self.o_proj(out.view(1, seq, heads * dim)), None
+    outputs = []
+    offset = 0
+    i = 0
+    while i < len(lengths):
+        n = lengths[i]
+        count = 1
+        while i + count < len(lengths) and lengths[i + count] == n:
+            count += 1
+        span = slice(offset, offset + n * count)
+
+        def images(
+            x: torch.Tensor, span: slice = span, count: int = count, n: int = n
+        ) -> torch.Tensor:
+            return x[span].view(count, n, heads, dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            images(q), images(k), images(v), dropout_p=0.0, scale=self.scaling, is_causal=False
+        )
+        outputs.append(out.transpose(1, 2).reshape(count * n, heads * dim))
+        offset += n * count
+        i += count
+    merged = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return self.o_proj(merged.view(1, seq, heads * dim)), None
