@@ -156,16 +156,60 @@ def run_static(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, batch:
                        for lo in range(0, len(jobs), batch)) / seconds})
 
 
+def use_kv_dtype(engine: HunyuanEngine, name: str) -> None:
+    """The engine's running loop with this KV pool dtype from now on (`OCRQ_KV_CACHE_DTYPE`)."""
+    engine.settings = engine.settings.model_copy(update={"kv_cache_dtype": name})
+
+
+def kv_error(torch: Any, engine: HunyuanEngine, rows: list, steps: int, cuda: bool
+             ) -> dict[str, Any]:
+    """What an fp8 KV pool costs in accuracy: the same rows, forced to `steps` tokens, through
+    the running loop with the model's dtype and with fp8, every step's logits kept. Compared up
+    to each row's first differing token (after it the two rows are fed different tokens)."""
+    from ocrq.models.slots import RunningBudget
+
+    kept: dict[str, dict[str, Any]] = {}
+    for name in ("auto", "fp8"):
+        use_kv_dtype(engine, name)
+        budget = RunningBudget(len(rows), len(rows) * (max(int(r.input_ids.shape[0])
+                               for r in rows) + steps + 16), 65536, 0, 0, 0, 0)
+        loop = RunningLoop(engine._decoder, engine.tokens,
+                           engine.loop_config(budget, keep_logits=True, max_new_tokens=steps))
+        loop.add([LoopRow(str(i), r, steps, min_new_tokens=steps) for i, r in enumerate(rows)])
+        kept[name] = {d.row.key: d for d in loop.drain()}
+        loop.clear()
+        del loop
+        if cuda:
+            torch.cuda.empty_cache()
+    use_kv_dtype(engine, "auto")
+    diffs, scales, agree, compared = [], [], [], 0
+    for key, ref in kept["auto"].items():
+        got = kept["fp8"][key]
+        same = 0
+        while same < min(len(ref.tokens), len(got.tokens)) and ref.tokens[same] == got.tokens[same]:
+            same += 1
+        agree.append(same / len(ref.tokens))
+        upto = min(same + 1, ref.logits.shape[0])  # the first differing step compared too
+        a, b = ref.logits[:upto].float(), got.logits[:upto].float()
+        diffs.append(float((a - b).abs().max()))
+        scales.append(float(a.std()))
+        compared += upto
+    return {"rows": len(rows), "steps": steps, "steps_compared": compared,
+            "max_abs_logit_diff": max(diffs), "mean_of_row_max_diffs": statistics.mean(diffs),
+            "logit_std": statistics.mean(scales),
+            "tokens_equal_before_first_difference": statistics.mean(agree)}
+
+
 def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule: str,
-             args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
+             args: argparse.Namespace, cuda: bool, slots: int | None = None) -> dict[str, Any]:
     """Every job queued at once into the running loop, sized from --budget-gib."""
-    model = engine.cost_model()
+    model = engine.loop_cost_model(engine.cost_model())
     engine.loop = None
     engine.release_memory()
     budget_bytes = int(args.budget_gib * GiB) - model.fixed_bytes
     # The pass the schedule runs is the one reserved (HunyuanEngine.pass_tokens).
     pass_tokens = args.chunk_tokens if schedule == "chunked" else args.prefill_tokens
-    running = RunningBudget.plan(model, budget_bytes, slots=args.slots,
+    running = RunningBudget.plan(model, budget_bytes, slots=slots or args.slots,
                                  prefill_tokens=pass_tokens,
                                  state_bytes_per_slot=engine.state_bytes_per_slot())
     config = engine.loop_config(running, schedule=schedule, chunk_tokens=args.chunk_tokens,
@@ -185,7 +229,9 @@ def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if cuda else None
     s = loop.collect_stats(wait=True)
-    out = summary(f"running {schedule}", jobs, finished, seconds, busy.share, peak,
+    kv = engine.settings.kv_cache_dtype
+    mode = f"running {schedule}" + (f" {kv} KV" if kv != "auto" else "")
+    out = summary(mode, jobs, finished, seconds, busy.share, peak,
                   model.fixed_bytes + running.bytes if cuda else None, {
                       "slots": running.slots, "pool_tokens": running.pool_tokens,
                       "prefill_s": s.prefill_s, "decode_s": s.decode_s, "capture_s": s.capture_s,
@@ -232,6 +278,15 @@ def markdown(d: dict[str, Any]) -> str:
                           f"live; {r['prefills']} prefill passes ({r['prefill_s']:.1f} s), "
                           f"{r['steps']} decode steps ({r['decode_s']:.1f} s), "
                           f"{r['graphs']} graphs."]
+    err = d.get("kv_error")
+    if err:
+        lines += ["", f"fp8 KV pool against the model's dtype ({err['rows']} rows of A4 pages "
+                  f"and receipts, {err['steps']} forced tokens, {err['steps_compared']} steps "
+                  f"compared up to each row's first differing token): max abs logit difference "
+                  f"{err['max_abs_logit_diff']:.4g} (mean of rows' maxima "
+                  f"{err['mean_of_row_max_diffs']:.4g}) on logits of std {err['logit_std']:.4g}; "
+                  f"{err['tokens_equal_before_first_difference']:.0%} of each row's tokens equal "
+                  f"before its first difference, on average."]
     for e in d["errors"]:
         lines += ["", f"ERROR in {e['part']}: {e['error']}"]
     return "\n".join(lines) + "\n"
@@ -257,11 +312,17 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=8192)
     ap.add_argument("--schedules", default="alternate,chunked")
     ap.add_argument("--seed", type=int, default=14)
+    ap.add_argument("--kv-dtypes", default="auto",
+                    help='running-loop KV pools to run, e.g. "auto,fp8" (OCRQ_KV_CACHE_DTYPE)')
+    ap.add_argument("--fp8-slots", type=int, default=512, help="slots with an fp8 pool")
+    ap.add_argument("--kv-error-rows", type=int, default=0,
+                    help="rows (A4 pages and receipts) for the fp8 logit error; 0: skip")
+    ap.add_argument("--kv-error-steps", type=int, default=64)
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.device, args.dtype = "tiny", "cpu", "float32"
         args.jobs, args.crop_tokens, args.receipt_tokens, args.a4_tokens = 12, 2, 8, 20
-        args.max_new_tokens, args.batches, args.slots = 32, "4", 4
+        args.max_new_tokens, args.batches, args.slots, args.fp8_slots = 32, "4", 4, 8
         args.budget_gib, args.prefill_tokens, args.chunk_tokens = 2.9, 2048, 512
         args.stem = "continuous_batching_smoke"
         CLASSES.update({"receipt": ((120, 200), 8), "a4": ((160, 220), 20)})
@@ -304,12 +365,23 @@ def main() -> None:
             max_new_tokens=4, min_new_tokens=4))
         # The running loop first: with the lease short, what is new is measured before what
         # earlier runs already showed (static batches).
-        for schedule in (x for x in args.schedules.split(",") if x):
-            run = part(f"running_{schedule}", lambda s=schedule: run_loop(
-                torch, engine, jobs, rows, s, args, cuda))
-            if run:
-                report.data["runs"].append(run)
+        if args.kv_error_rows:
+            sample = [encoded["a4"], encoded["receipt"]] * (args.kv_error_rows // 2)
+            found = part("kv_error", lambda: kv_error(
+                torch, engine, sample, args.kv_error_steps, cuda))
+            if found:
+                report.data["kv_error"] = found
                 report.write()
+        for kv in (x for x in args.kv_dtypes.split(",") if x):
+            use_kv_dtype(engine, kv)
+            for schedule in (x for x in args.schedules.split(",") if x):
+                run = part(f"running_{schedule}_{kv}", lambda s=schedule, kv=kv: run_loop(
+                    torch, engine, jobs, rows, s, args, cuda,
+                    slots=args.fp8_slots if kv == "fp8" else args.slots))
+                if run:
+                    report.data["runs"].append(run)
+                    report.write()
+        use_kv_dtype(engine, "auto")
         for b in (int(x) for x in args.batches.split(",") if x):
             run = part(f"static_{b}", lambda b=b: run_static(torch, engine, jobs, rows, b, cuda))
             if run:

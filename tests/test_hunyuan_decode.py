@@ -224,6 +224,26 @@ KERNEL_CHECK = textwrap.dedent(
                       + vc[:, :, 7:].abs().sum())
     print("slot", float((kc[:, :, 6] - want).abs().max() + (vc[:, :, 6] - vrow).abs().max()
                         + untouched))
+
+    # An fp8 pool (OCRQ_KV_CACHE_DTYPE=fp8): the kernel widens keys and values as it loads
+    # them, as the reference does; the fused write saturates and rounds as `to_cache` does.
+    from ocrq.models.hunyuan.kv_cache import to_cache
+    fp8 = torch.float8_e4m3fn
+    k8, v8 = to_cache(k, fp8), to_cache(v, fp8)
+    ref8 = attend_torch(q, k8, v8, valid, 0.3)
+    out8 = attention(q, k8, v8, start, end, 0.3)
+    print("fp8 attention", float((out8 - ref8).abs().max()), float((ref8 - ref).abs().max()))
+    kc8, vc8 = torch.zeros(B, H, 10, D, dtype=fp8), torch.zeros(B, H, 10, D, dtype=fp8)
+    # Values fp8 holds exactly, and some beyond e4m3's 448 (saturated): the interpreter's own
+    # fp32 -> fp8 rounding loses a carry into the exponent (1.94 -> 1.0; the GPU gives 2.0), so
+    # only exact values can be compared bit for bit here; keys get a bound instead.
+    vexact = to_cache(vrow * 100, fp8).float()
+    vexact[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, 500.0])
+    rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon, cache=kc8,
+                  slot=torch.tensor([6]), v=vexact, v_cache=vc8)
+    print("fp8 slot", float((vc8[:, :, 6].float() - to_cache(vexact, fp8).float()).abs().max()),
+          float(vc8.float().abs().max()),
+          float(((kc8[:, :, 6].float() - want).abs() / want.abs().clamp(min=1e-2)).max()))
     """
 )
 
@@ -284,6 +304,14 @@ def test_triton_kernels_match_references_in_interpreter(interpreted: list[str]) 
     assert value["add_rms_norm"] < 1e-5 and value["rope_rms_norm"] < 1e-5
     slot = next(float(ln.split()[-1]) for ln in lines if ln.startswith("slot"))
     assert slot < 1e-5
+    kernel, fp8_vs_wide = (
+        float(x) for x in next(ln for ln in lines if ln.startswith("fp8 attention")).split()[2:]
+    )
+    assert kernel < 1e-5 and fp8_vs_wide > 1e-4  # the same widened values; fp8 is not free
+    written, largest, key_error = (
+        float(x) for x in next(ln for ln in lines if ln.startswith("fp8 slot")).split()[2:]
+    )
+    assert written == 0.0 and largest == 448.0 and key_error <= 0.5
 
 
 def test_triton_decode_path_equals_generate_in_interpreter(interpreted: list[str]) -> None:

@@ -146,6 +146,50 @@ def test_rows_of_very_different_lengths_all_complete(
     assert loop.pool.free_tokens == loop.config.pool_tokens
 
 
+def test_an_fp8_pool_stores_fp8_and_stays_close_to_the_models_dtype(
+    engine: HunyuanEngine, alone: dict[str, Any]
+) -> None:
+    """The mid-flight rows with `kv_dtype="fp8"`: the pool holds fp8, each row's logits stay
+    near the full-precision rows' (the tiny model's logits spread over ~2), and they are not
+    equal to them: the keys and values really went through fp8."""
+    import torch
+
+    loop = make_loop(engine, 2, 1024, keep_logits=True, kv_dtype="fp8")
+    assert all(k.dtype == torch.float8_e4m3fn for k in loop.keys + loop.values)
+    loop.add(rows(engine, ITEMS, CAPS))
+    done = {d.row.key: d for d in loop.drain()}
+    assert loop.pool.free_tokens == 1024
+    moved = 0.0
+    for key, want in alone.items():
+        got = done[key]
+        steps = 1  # compare up to the first token that differs (then the inputs differ)
+        while steps < len(got.tokens) and got.tokens[steps - 1] == want.token_ids[steps - 1]:
+            steps += 1
+        diff = float((got.logits[:steps] - want.logits[:steps]).abs().max())
+        assert diff < 0.5 * float(want.logits.std()), key
+        moved = max(moved, diff)
+    assert moved > 1e-4
+
+
+def test_an_fp8_pool_halves_the_loops_token_bytes(engine: HunyuanEngine) -> None:
+    """The budget charges a pool token in the pool's dtype (the CPU model is float32: a
+    quarter), so the same bytes hold more rows; the static path's model is untouched."""
+    from ocrq.models.costs import CostModel
+
+    model = CostModel(10 * 2**20, per_token_bytes=4096.0, per_cache_token_bytes=8192.0)
+    try:
+        engine.settings = engine.settings.model_copy(update={"kv_cache_dtype": "fp8"})
+        fp8 = engine.loop_cost_model(model)
+        assert engine.loop_config(budget(2, 64)).kv_dtype == "fp8"
+    finally:
+        engine.settings = engine.settings.model_copy(update={"kv_cache_dtype": "auto"})
+    assert fp8.per_cache_token_bytes == 8192.0 / 4 and fp8.per_token_bytes == 4096.0
+    assert engine.loop_cost_model(model) is model
+    wide = RunningBudget.plan(model, 2**30, slots=4, prefill_tokens=256)
+    narrow = RunningBudget.plan(fp8, 2**30, slots=4, prefill_tokens=256)
+    assert narrow.pool_tokens >= 3.9 * wide.pool_tokens
+
+
 def test_per_row_cap_comes_from_the_item(engine: HunyuanEngine) -> None:
     it = item(64, 64, 7)
     it.max_new_tokens = 5

@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 DecodeMode = Literal["fast", "generate"]
 # The fast loop's decode attention: Triton on CUDA when installed ("auto"), or forced.
 DecodeAttention = Literal["auto", "triton", "torch"]
+KvCacheDtype = Literal["auto", "fp8"]
 PreprocessMode = Literal["tensor", "processor"]
 # How rows share the device: whole batches run to their longest row ("static"), or the running
 # loop, where finished rows leave at once and waiting ones take their slots ("continuous",
@@ -174,6 +175,9 @@ class Settings(BaseSettings):
     decode: DecodeMode = "fast"
     # The fast loop's decode attention; "torch" also turns the fused norm/RoPE kernels off.
     decode_attention: DecodeAttention = "auto"
+    # The running loop's KV pool: "auto" (the model's dtype) or "fp8" (e4m3, no scale: half the
+    # bytes a decode step reads and twice the rows a pool holds; ocrq/models/hunyuan/kv_cache.py).
+    kv_cache_dtype: KvCacheDtype = "auto"
     # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
     # output, GIL released) or "processor" (transformers' processor, for comparison).
     preprocess: PreprocessMode = "tensor"

@@ -117,6 +117,9 @@ def running_loop(report: TuneReport, engine: Engine) -> dict[str, Any] | None:
         return None
     settings = getattr(engine, "settings", None)
     model = report.fit.model
+    in_loop = getattr(engine, "loop_cost_model", None)  # the pool's own KV dtype
+    if in_loop is not None:
+        model = in_loop(model)
     pass_tokens = getattr(engine, "pass_tokens", None)
     try:
         planned = RunningBudget.plan(

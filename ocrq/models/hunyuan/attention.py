@@ -36,10 +36,13 @@ def attend_torch(
 ) -> torch.Tensor:
     """Reference decode attention.
 
-    q (B, H, D); k, v (B, KVH, L, D); valid (B, L) bool, True on keys a row may see.
-    Returns (B, H, D) in q's dtype.
+    q (B, H, D); k, v (B, KVH, L, D), in q's dtype or fp8 (widened here, as the kernel
+    widens them); valid (B, L) bool, True on keys a row may see. Returns (B, H, D) in q's dtype.
     """
     import torch.nn.functional as F
+
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
 
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
@@ -81,7 +84,7 @@ def _kernels() -> tuple[Any, Any]:
         s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, s_eb,
         scale, split_len,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, SINGLE: tl.constexpr,
+        UPCAST: tl.constexpr, SINGLE: tl.constexpr, CAST_KV: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -108,6 +111,8 @@ def _kernels() -> tuple[Any, Any]:
             n_ok = offs_n < hi
             k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=n_ok[:, None],
                         other=0.0)
+            if CAST_KV:  # an fp8 pool: widened as loaded, the arithmetic stays q's
+                k = k.to(Q.dtype.element_ty)
             if UPCAST:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -119,6 +124,8 @@ def _kernels() -> tuple[Any, Any]:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + offs_n[:, None] * s_vl + offs_d[None, :], mask=n_ok[:, None],
                         other=0.0)
+            if CAST_KV:
+                v = v.to(Q.dtype.element_ty)
             if UPCAST:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -204,7 +211,8 @@ class TritonDecodeAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
                  end: torch.Tensor, scale: float) -> torch.Tensor:
-        """q (B, H, D) with unit last stride; k, v (B, KVH, L, D); returns (B, H, D)."""
+        """q (B, H, D) with unit last stride; k, v (B, KVH, L, D), in q's dtype or fp8 (the
+        running loop's `OCRQ_KV_CACHE_DTYPE=fp8` pool); returns (B, H, D) in q's dtype."""
         import torch
 
         split_kernel, merge_kernel = _kernels()
@@ -220,7 +228,7 @@ class TritonDecodeAttention:
             end.stride(0) if end.numel() > 1 else 0,
             scale, self.split_len,
             G=self.group, GP=self.group_pad, D=self.head_dim, BLOCK_N=c.block_n,
-            UPCAST=q.dtype == torch.float32, SINGLE=single,
+            UPCAST=q.dtype == torch.float32, SINGLE=single, CAST_KV=k.dtype != q.dtype,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
         if single:

@@ -55,6 +55,7 @@ from ocrq.models.hunyuan.generation import (
 )
 from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageGeometry, geometry_of, item_cost
 from ocrq.models.hunyuan.inputs import EncodedImage, Preprocessor, collate, fit_to_cap
+from ocrq.models.hunyuan.kv_cache import bytes_ratio
 from ocrq.models.hunyuan.memory import (
     DEFAULT_DECODE_FIXED_BYTES,
     HunyuanMemory,
@@ -194,8 +195,12 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
     def preferred_max_batch(self) -> int:
         """256 rows on a GPU: the fast loop's images/s still rose from 128 to 256 rows on an
         H200 (A4 7.7 -> 8.2 pages/s, receipts 10.2 -> 11.7); the budget trims each batch below
-        it. On a CPU a batch is as slow per row as one image: 8 keeps latency sane."""
-        return 256 if self._cuda() else 8
+        it. 512 with an fp8 KV pool. On a CPU a batch is as slow per row as one image: 8 keeps
+        latency sane."""
+        if not self._cuda():
+            return 8
+        # An fp8 pool holds twice the rows in the same bytes: slots for them.
+        return 512 if self.settings.kv_cache_dtype == "fp8" else 256
 
     def describe(self) -> dict[str, str]:
         s = self.settings
@@ -430,6 +435,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             raise RuntimeError("the running loop needs a loaded engine on the fast decode path")
         s = self.settings
         slots = s.max_batch or self.preferred_max_batch()
+        model = self.loop_cost_model(model)
         budget = RunningBudget.plan(
             model,
             budget_bytes,
@@ -460,6 +466,14 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         )
         return budget
 
+    def loop_cost_model(self, model: CostModel) -> CostModel:
+        """`model` with a pool token in the loop's KV dtype (`OCRQ_KV_CACHE_DTYPE`): the cost
+        model is measured with the model's dtype, and only the running loop's pool changes."""
+        ratio = bytes_ratio(self.settings.kv_cache_dtype, self.model.dtype)
+        if ratio == 1.0:
+            return model
+        return replace(model, per_cache_token_bytes=model.per_cache_token_bytes * ratio)
+
     def pass_tokens(self) -> int:
         """The padded prompt tokens of the largest prefill pass the loop runs, which the budget
         reserves: a chunk under the "chunked" schedule (a row over it is downscaled to fit by the
@@ -480,6 +494,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             "prefill_gap": s.prefill_gap_steps,
             "penalty": self.repetition_penalty,
             "guard": self.version.guard,
+            "kv_dtype": s.kv_cache_dtype,
         }
         values.update(overrides)
         return LoopConfig(**values)

@@ -52,7 +52,8 @@ def _kernels() -> tuple[Any, Any]:
     def rope_rms_norm_kernel(
         X, Cos, Sin, W, Out, Slot, V, VOut, heads, eps,
         s_xb, s_xh, s_cb, s_ob, s_oh, s_ol, s_vb, s_vh, s_vob, s_voh, s_vol, s_sb,
-        HALF: tl.constexpr, TO_SLOT: tl.constexpr, COPY_V: tl.constexpr,
+        HALF: tl.constexpr, TO_SLOT: tl.constexpr, COPY_V: tl.constexpr, SAT: tl.constexpr,
+        FP8_MAX: tl.constexpr,
     ):
         pid = tl.program_id(0)
         b = pid // heads
@@ -78,13 +79,23 @@ def _kernels() -> tuple[Any, Any]:
         if TO_SLOT:
             slot = tl.load(Slot + b * s_sb)
             out += slot * s_ol
-        tl.store(out + offs, (w1 * y1).to(Out.dtype.element_ty))
-        tl.store(out + HALF + offs, (w2 * y2).to(Out.dtype.element_ty))
+        k1 = (w1 * y1).to(dtype)  # the model's rounding first, as the prefill's keys have it
+        k2 = (w2 * y2).to(dtype)
+        if SAT:  # an fp8 cache: saturate as `to_cache` does (ocrq/models/hunyuan/kv_cache.py)
+            k1 = tl.minimum(tl.maximum(k1.to(tl.float32), -FP8_MAX), FP8_MAX)
+            k2 = tl.minimum(tl.maximum(k2.to(tl.float32), -FP8_MAX), FP8_MAX)
+        tl.store(out + offs, k1.to(Out.dtype.element_ty))
+        tl.store(out + HALF + offs, k2.to(Out.dtype.element_ty))
         if COPY_V:
             v_row = V + b * s_vb + h * s_vh
             v_out = VOut + b * s_vob + h * s_voh + tl.load(Slot + b * s_sb) * s_vol
-            tl.store(v_out + offs, tl.load(v_row + offs))
-            tl.store(v_out + HALF + offs, tl.load(v_row + HALF + offs))
+            v1 = tl.load(v_row + offs)
+            v2 = tl.load(v_row + HALF + offs)
+            if SAT:
+                v1 = tl.minimum(tl.maximum(v1.to(tl.float32), -FP8_MAX), FP8_MAX)
+                v2 = tl.minimum(tl.maximum(v2.to(tl.float32), -FP8_MAX), FP8_MAX)
+            tl.store(v_out + offs, v1.to(VOut.dtype.element_ty))
+            tl.store(v_out + HALF + offs, v2.to(VOut.dtype.element_ty))
 
     return add_rms_norm_kernel, rope_rms_norm_kernel
 
@@ -119,11 +130,14 @@ def rope_rms_norm(
     """RoPE then per-head RMSNorm of x (B, heads, D); cos, sin (B, D) float32.
 
     Returns the result, or with `cache` (B, heads, L, D) and `slot` (1,) writes it into the cache
-    at that column (and `v` into `v_cache` there) and returns None. A `slot` of shape (B,) gives
+    at that column (and `v` into `v_cache` there) and returns None. An fp8 cache gets both
+    saturated and rounded to it (ocrq/models/hunyuan/kv_cache.py). A `slot` of shape (B,) gives
     each row its own column (the running loop's pool, ocrq/models/hunyuan/running.py: there the
     cache is one pool expanded over the rows, batch stride 0).
     """
     import torch
+
+    from ocrq.models.hunyuan.kv_cache import FP8_MAX, is_fp8
 
     _, kernel = _kernels()
     batch, heads, dim = x.shape
@@ -138,6 +152,7 @@ def rope_rms_norm(
         x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1), s_ol,
         vv.stride(0), vv.stride(1), vo.stride(0), vo.stride(1), vo.stride(2) if copy_v else 0,
         slot.stride(0) if to_slot and slot is not None and slot.numel() > 1 else 0,
-        HALF=dim // 2, TO_SLOT=to_slot, COPY_V=copy_v, num_warps=1,
+        HALF=dim // 2, TO_SLOT=to_slot, COPY_V=copy_v, SAT=is_fp8(out.dtype),
+        FP8_MAX=FP8_MAX, num_warps=1,
     )
     return None if to_slot else out

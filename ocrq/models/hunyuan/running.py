@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.inputs import EncodedImage, collate, host_layout
+from ocrq.models.hunyuan.kv_cache import kv_dtype, store
 from ocrq.models.hunyuan.prefill import prompt_pass
 from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
 from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
@@ -117,6 +118,8 @@ class LoopConfig:
     penalty: float = 1.0
     guard: RepetitionGuard | None = None
     keep_logits: bool = False  # tests: every token's raw logits per row (a host sync per step)
+    # The pool's dtype: "auto" (the model's) or "fp8" (ocrq/models/hunyuan/kv_cache.py).
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -183,8 +186,9 @@ class RunningLoop:
         self.scratch = config.pool_tokens  # the column every slot without a live row uses
         width = config.pool_tokens + 1
         shape = (1, text.kv_heads, width, text.head_dim)
-        self.keys = [torch.zeros(shape, dtype=text.dtype, device=dev) for _ in text.layers]
-        self.values = [torch.zeros(shape, dtype=text.dtype, device=dev) for _ in text.layers]
+        self.kv_dtype = kv_dtype(config.kv_dtype, text.dtype)
+        self.keys = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
+        self.values = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
         self.use_triton = decoder.attention == "triton"
         self.track_valid = not self.use_triton
         # The torch attention's per-slot key mask; the Triton kernel reads [start, end) instead.
@@ -388,8 +392,8 @@ class RunningLoop:
             heads, dim = k.shape[1], k.shape[3]
             k_real = k.permute(1, 0, 2, 3).reshape(heads, -1, dim).index_select(1, real_at)
             v_real = v.permute(1, 0, 2, 3).reshape(heads, -1, dim).index_select(1, real_at)
-            self.keys[index][0].index_copy_(1, columns, k_real)
-            self.values[index][0].index_copy_(1, columns, v_real)
+            store(self.keys[index][0], 1, columns, k_real)
+            store(self.values[index][0], 1, columns, v_real)
             prompt_kv[index] = None  # type: ignore[call-overload]  # free the layer now
             del k, v, k_real, v_real
         del prompt_kv

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.kernels import add_rms_norm, rope_rms_norm
+from ocrq.models.hunyuan.kv_cache import store
 
 if TYPE_CHECKING:
     import torch
@@ -111,9 +112,9 @@ class TextModel:
             q = attn.query_layernorm(q)
             k = attn.key_layernorm(k)
             kc, vc = keys[li], values[li]
-            if pooled:  # row b's key at column slot[b] of the shared pool
-                kc[0].index_copy_(1, slot, k.transpose(0, 1))
-                vc[0].index_copy_(1, slot, v.transpose(0, 1))
+            if pooled:  # row b's key at column slot[b] of the shared pool (maybe fp8)
+                store(kc[0], 1, slot, k.transpose(0, 1))
+                store(vc[0], 1, slot, v.transpose(0, 1))
             else:
                 kc.index_copy_(2, slot, k[:, :, None, :])
                 vc.index_copy_(2, slot, v[:, :, None, :])
