@@ -104,8 +104,11 @@ def _kernels() -> tuple[Any, Any]:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        k_base = K + b * s_kb + kvh * s_kh
-        v_base = V + b * s_vb + kvh * s_vh
+        # 64-bit offsets: a pool's KV head spans width x D values, and 8 heads of a 2.4 M-token
+        # fp8 pool pass 2^31 (an illegal address on the H200 before this cast).
+        b64, kvh64 = b.to(tl.int64), kvh.to(tl.int64)
+        k_base = K + b64 * s_kb + kvh64 * s_kh
+        v_base = V + b64 * s_vb + kvh64 * s_vh
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < hi

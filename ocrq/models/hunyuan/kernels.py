@@ -75,7 +75,8 @@ def _kernels() -> tuple[Any, Any]:
         y2 = (r2 * rs).to(dtype).to(tl.float32)
         w1 = tl.load(W + offs).to(tl.float32)
         w2 = tl.load(W + HALF + offs).to(tl.float32)
-        out = Out + b * s_ob + h * s_oh
+        b64, h64 = b.to(tl.int64), h.to(tl.int64)  # a pool's head spans > 2^31 values at most
+        out = Out + b64 * s_ob + h64 * s_oh
         if TO_SLOT:
             slot = tl.load(Slot + b * s_sb)
             out += slot * s_ol
@@ -88,7 +89,7 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(out + HALF + offs, k2.to(Out.dtype.element_ty))
         if COPY_V:
             v_row = V + b * s_vb + h * s_vh
-            v_out = VOut + b * s_vob + h * s_voh + tl.load(Slot + b * s_sb) * s_vol
+            v_out = VOut + b64 * s_vob + h64 * s_voh + tl.load(Slot + b * s_sb) * s_vol
             v1 = tl.load(v_row + offs)
             v2 = tl.load(v_row + HALF + offs)
             if SAT:
