@@ -1,0 +1,108 @@
+"""The running loop's decode attention alone: bf16 against fp8 KV pools, per kernel config.
+
+Why: with an fp8 pool the A4 pages' decode step read half the bytes, yet a row-step cost 69 us
+against 76 us in bf16 (bench/results/continuous_batching_h200_a4_fp8.md), far from half. This
+runs only the split-K kernel (ocrq/models/hunyuan/attention.py) over a pool laid out as the loop
+lays it out (one (1, KV heads, tokens, D) pool per layer, rows at their own offsets, batch
+stride 0), with each row's keys as long as an A4 page's mid-decode context, and reports the time
+of one layer's call and the bandwidth it reaches, so the config each dtype needs can be chosen
+by measurement.
+
+    python bench/kv_attention.py --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ocrq.models.hunyuan.attention import KernelConfig, TritonDecodeAttention  # noqa: E402
+
+CONFIGS = (
+    KernelConfig(),
+    KernelConfig(block_n=128, num_warps=4),
+    KernelConfig(block_n=128, num_warps=8),
+    KernelConfig(block_n=256, num_warps=8, num_stages=2),
+    KernelConfig(block_n=64, num_warps=8, num_stages=4),
+    KernelConfig(block_n=128, num_warps=4, num_stages=4),
+)
+
+
+def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, reps: int
+         ) -> dict[str, Any]:
+    heads, kv_heads, dim = 16, 8, 128  # HunyuanOCR's text decoder
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    lengths = (context + (torch.rand(rows, generator=g, device="cuda") - 0.5) * context * 0.4)
+    lengths = lengths.int()
+    starts = torch.cat([torch.zeros(1, device="cuda", dtype=torch.int64),
+                        lengths.long().cumsum(0)[:-1]]).int()
+    width = int(lengths.sum()) + 1
+    pool_k = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
+    pool_v = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
+    q = torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16)
+    ends = (starts + lengths).int()
+    shape = (rows, kv_heads, width, dim)
+    attention = TritonDecodeAttention(rows, heads, kv_heads, dim, width, "cuda", config)
+    call = lambda: attention(q, pool_k.expand(shape), pool_v.expand(shape), starts, ends,  # noqa: E731
+                             dim**-0.5)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        call()
+    b.record()
+    b.synchronize()
+    us = a.elapsed_time(b) * 1000 / reps
+    read = int(lengths.sum()) * kv_heads * dim * 2 * pool_k.element_size()
+    return {"rows": rows, "context": context, "dtype": str(dtype).replace("torch.", ""),
+            "config": str(config).replace("KernelConfig", ""), "us": us,
+            "us_per_row": us / rows, "gb_per_s": read / us / 1e3, "splits": attention.splits}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--stem", default="kv_attention_h200")
+    ap.add_argument("--rows", default="176,256,512")
+    ap.add_argument("--context", type=int, default=2800)
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    t0 = time.perf_counter()
+    for rows in (int(x) for x in args.rows.split(",")):
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            for config in CONFIGS:
+                r = case(torch, rows, args.context, dtype, config, args.reps)
+                results.append(r)
+                print(r, flush=True)
+                torch.cuda.empty_cache()
+    lines = [f"# Decode attention alone over the running loop's pool ({torch.cuda.get_device_name()})",
+             "", f"torch {torch.__version__}; one layer's call; rows' contexts {args.context} "
+             "+-20%; HunyuanOCR's 16 query / 8 KV heads of 128. Command: `python "
+             f"bench/kv_attention.py {' '.join(sys.argv[1:])}`.", "",
+             "| rows | KV dtype | config | us | us per row | GB/s read | splits |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['rows']} | {r['dtype']} | {r['config']} | {r['us']:.0f} | "
+                     f"{r['us_per_row']:.2f} | {r['gb_per_s']:.0f} | {r['splits']} |")
+    (args.out / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.stem}.json").write_text(json.dumps(
+        {"results": results, "seconds": time.perf_counter() - t0}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
