@@ -89,7 +89,8 @@ def main() -> None:
                 results.append(r)
                 print(r, flush=True)
                 torch.cuda.empty_cache()
-    lines = [f"# Decode attention alone over the running loop's pool ({torch.cuda.get_device_name()})",
+    gpu = torch.cuda.get_device_name()
+    lines = [f"# Decode attention alone over the running loop's pool ({gpu})",
              "", f"torch {torch.__version__}; one layer's call; rows' contexts {args.context} "
              "+-20%; HunyuanOCR's 16 query / 8 KV heads of 128. Command: `python "
              f"bench/kv_attention.py {' '.join(sys.argv[1:])}`.", "",
