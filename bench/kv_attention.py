@@ -1,7 +1,7 @@
 """The running loop's decode attention alone: bf16 against fp8 KV pools, per kernel config.
 
 Why: with an fp8 pool the A4 pages' decode step read half the bytes, yet a row-step cost 69 us
-against 76 us in bf16 (bench/results/continuous_batching_h200_a4_fp8.md), far from half. This
+against 76 us in bf16 (bench/results/continuous_batching_h200_a4_fp8_before.md), far from half. This
 runs only the split-K kernel (ocrq/models/hunyuan/attention.py) over a pool laid out as the loop
 lays it out (one (1, KV heads, tokens, D) pool per layer, rows at their own offsets, batch
 stride 0), with each row's keys as long as an A4 page's mid-decode context, and reports the time

@@ -233,6 +233,9 @@ KERNEL_CHECK = textwrap.dedent(
     ref8 = attend_torch(q, k8, v8, valid, 0.3)
     out8 = attention(q, k8, v8, start, end, 0.3)
     print("fp8 attention", float((out8 - ref8).abs().max()), float((ref8 - ref).abs().max()))
+    qb = q.bfloat16()  # the GPU's case: bf16 queries, the fp8 pool multiplied in fp16
+    half = attention(qb, k8, v8, start, end, 0.3).float()
+    print("fp8 bf16", float((half - attend_torch(qb.float(), k8, v8, valid, 0.3)).abs().max()))
     kc8, vc8 = torch.zeros(B, H, 10, D, dtype=fp8), torch.zeros(B, H, 10, D, dtype=fp8)
     # Values fp8 holds exactly, and some beyond e4m3's 448 (saturated): the interpreter's own
     # fp32 -> fp8 rounding loses a carry into the exponent (1.94 -> 1.0; the GPU gives 2.0), so
@@ -308,6 +311,8 @@ def test_triton_kernels_match_references_in_interpreter(interpreted: list[str]) 
         float(x) for x in next(ln for ln in lines if ln.startswith("fp8 attention")).split()[2:]
     )
     assert kernel < 1e-5 and fp8_vs_wide > 1e-4  # the same widened values; fp8 is not free
+    bf16_queries = float(next(ln for ln in lines if ln.startswith("fp8 bf16")).split()[-1])
+    assert bf16_queries < 2e-2  # bf16 queries and an fp16 product: a few roundings apart
     written, largest, key_error = (
         float(x) for x in next(ln for ln in lines if ln.startswith("fp8 slot")).split()[2:]
     )

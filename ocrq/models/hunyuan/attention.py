@@ -101,6 +101,11 @@ def _kernels() -> tuple[Any, Any]:
                     other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+        # An fp8 pool is multiplied in fp16: converting each loaded byte to bf16 takes two
+        # conversions (through fp16), which capped the kernel at ~2.5 TB/s of fp8 on an H200
+        # (bench/results/kv_attention_h200_before.md); one to fp16 does not. q after its RMSNorm is
+        # far inside fp16's range, and fp16 keeps more of its bits than bf16.
+        q16 = q.to(tl.float16)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -114,10 +119,10 @@ def _kernels() -> tuple[Any, Any]:
             n_ok = offs_n < hi
             k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=n_ok[:, None],
                         other=0.0)
-            if CAST_KV:  # an fp8 pool: widened as loaded, the arithmetic stays q's
-                k = k.to(Q.dtype.element_ty)
             if UPCAST:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            elif CAST_KV:  # an fp8 pool: one conversion to fp16 (fp8 -> bf16 is two)
+                scores = tl.dot(q16, tl.trans(k.to(tl.float16)))
             else:
                 scores = tl.dot(q, tl.trans(k))
             scores = tl.where(n_ok[None, :], scores * scale, float("-inf"))
@@ -127,10 +132,10 @@ def _kernels() -> tuple[Any, Any]:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + offs_n[:, None] * s_vl + offs_d[None, :], mask=n_ok[:, None],
                         other=0.0)
-            if CAST_KV:
-                v = v.to(Q.dtype.element_ty)
             if UPCAST:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            elif CAST_KV:
+                pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
