@@ -358,7 +358,14 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str])
             finish[job.job_id] = time.time()
 
     gpus = GpuSampler([0]) if args.device.startswith("cuda") else GpuSampler([])
+    profiler = None
+    if args.profile_for and args.device.startswith("cuda"):
+        profiler = threading.Thread(target=gap_profile, args=(
+            args.profile_at, args.profile_for, args.out / f"{args.stem}_gpu_gaps.json"),
+            daemon=True)
     with gpus:
+        if profiler is not None:
+            profiler.start()
         started = time.time()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(one, jobs))
@@ -378,6 +385,64 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str])
     )
     engine.close()
     return out
+
+
+def gap_profile(at_s: float, for_s: float, path: Path) -> None:
+    """Where a steady GPU waits: `for_s` seconds of device activity (CUPTI, every stream, every
+    thread's launches; kernels inside CUDA graphs included) from `at_s` after the start, reduced
+    to the busy share of that window and its idle gaps, by length and by the kernel each gap
+    preceded. NVML's "busy" is a kernel running at all; this says what the GPU was waiting
+    to start when it was not."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    time.sleep(at_s)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time.sleep(for_s)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    out = gap_summary(spans) if spans else {"error": "no device events"}
+    out["torch"] = torch.__version__
+    path.write_text(json.dumps(out, indent=1))
+    print("gpu gaps:", json.dumps(out), flush=True)
+
+
+def gap_summary(spans: list[tuple[float, float, str]]) -> dict[str, Any]:
+    """(start us, end us, kernel) sorted by start -> busy share and idle gaps (`gap_profile`)."""
+    busy = 0.0
+    gaps: list[tuple[float, str, str]] = []
+    end, before = spans[0][0], ""
+    for start, stop, name in spans:  # overlapping streams count once
+        if start > end:
+            gaps.append((start - end, before, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, before = stop, name
+    window = end - spans[0][0]
+    buckets = {"<5us": 0.0, "5-20us": 0.0, "20-100us": 0.0, "0.1-1ms": 0.0, ">1ms": 0.0}
+    for length, _, _ in gaps:
+        key = ("<5us" if length < 5 else "5-20us" if length < 20 else "20-100us"
+               if length < 100 else "0.1-1ms" if length < 1000 else ">1ms")
+        buckets[key] += length
+    after: dict[str, float] = {}
+    prior: dict[str, float] = {}
+    for length, prev, nxt in gaps:
+        if length >= 20:
+            after[nxt[:80]] = after.get(nxt[:80], 0.0) + length
+            prior[prev[:80]] = prior.get(prev[:80], 0.0) + length
+    return {
+        "window_ms": round(window / 1000, 1), "busy_share": round(busy / window, 4),
+        "kernels": len(spans), "gaps": len(gaps),
+        "idle_ms_by_gap_length": {k: round(v / 1000, 1) for k, v in buckets.items()},
+        "idle_ms_before_kernel": dict(sorted(((k, round(v / 1000, 1)) for k, v in after.items()),
+                                             key=lambda kv: -kv[1])[:15]),
+        "idle_ms_after_kernel": dict(sorted(((k, round(v / 1000, 1)) for k, v in prior.items()),
+                                            key=lambda kv: -kv[1])[:15]),
+    }
 
 
 # -- the service --------------------------------------------------------------------------------
@@ -715,6 +780,10 @@ def main() -> None:
     )
     ap.add_argument("--skip-engine-alone", action="store_true")
     ap.add_argument("--service-timeout-s", type=float, default=400)
+    ap.add_argument("--profile-at", type=float, default=20.0,
+                    help="engine alone: seconds after the start to profile the GPU's gaps")
+    ap.add_argument("--profile-for", type=float, default=0.0,
+                    help="engine alone: seconds of device activity to profile (0: none)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out / "work"
@@ -747,7 +816,9 @@ def main() -> None:
 
     write_table(ckpt, {j.job_id: j.new_tokens for j in jobs})
     services = None
-    if args.broker_url and args.database_url:
+    if not args.service_gpus:  # the engine alone only: no Redis, no PostgreSQL
+        broker = database = ""
+    elif args.broker_url and args.database_url:
         broker, database = args.broker_url, args.database_url
     else:
         from bench.local_services import start_services
@@ -757,8 +828,9 @@ def main() -> None:
     try:
         env = worker_env(args, ckpt, work, args.data)
         env.update(OCRQ_BROKER_URL=broker, OCRQ_DATABASE_URL=database)
-        subprocess.run([sys.executable, "-m", "ocrq.cli", "migrate"], env=env, check=True,
-                       timeout=120)
+        if args.service_gpus:
+            subprocess.run([sys.executable, "-m", "ocrq.cli", "migrate"], env=env, check=True,
+                           timeout=120)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()  # the checkpoint was built here: give the worker the GPU
         # The service first, in its own process, then the engine alone in this one: each finds
