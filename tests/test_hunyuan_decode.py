@@ -273,6 +273,21 @@ ENGINE_CHECK = textwrap.dedent(
     fast = engine.generate(even, output_logits=True, decode="fast")
     for a, b in zip(plain.items, fast.items, strict=True):
         print("even", int(a.token_ids == b.token_ids), float((a.logits - b.logits).abs().max()))
+
+    # The running loop's packed prefill with the fused kernels (the GPU's configuration)
+    # against its padded one.
+    from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+    from ocrq.models.slots import RunningBudget
+    done = {}
+    for packed in (False, True):
+        config = engine.loop_config(RunningBudget(3, 1024, 4096, 0, 0, 0, 0),
+                                    keep_logits=True, packed=packed)
+        loop = RunningLoop(engine._decoder, engine.tokens, config)
+        loop.add([LoopRow(it.key, engine.preprocess(it), 3, min_new_tokens=3) for it in batch])
+        done[packed] = {d.row.key: d for d in loop.drain()}
+    for key, a in done[False].items():
+        b = done[True][key]
+        print("packed", int(a.tokens == b.tokens), float((a.logits - b.logits).abs().max()))
     """
 )
 
@@ -329,6 +344,10 @@ def test_triton_decode_path_equals_generate_in_interpreter(interpreted: list[str
     even = [(int(ln.split()[1]), float(ln.split()[2])) for ln in lines if ln.startswith("even")]
     assert len(even) == 2
     assert all(same == 1 and diff < TOLERANCE for same, diff in even), even
+    packed = [(int(ln.split()[1]), float(ln.split()[2])) for ln in lines
+              if ln.startswith("packed")]
+    assert len(packed) == 3
+    assert all(same == 1 and diff < TOLERANCE for same, diff in packed), packed
 
 
 def test_grouped_vision_attention_equals_the_per_image_loop(engine: HunyuanEngine) -> None:

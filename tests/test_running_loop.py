@@ -190,6 +190,70 @@ def test_an_fp8_pool_halves_the_loops_token_bytes(engine: HunyuanEngine) -> None
     assert narrow.pool_tokens >= 3.9 * wide.pool_tokens
 
 
+def run_packed(engine: HunyuanEngine, packed: bool) -> dict[str, Any]:
+    """Rows of different prompt lengths, several a pass (a 4,096-token chunk), tokens forced."""
+    caps = [6, 9, 4, 7, 5]
+    items = [item(64 + 24 * i, 64 + 16 * (i % 2), 60 + i, task="spotting" if i == 2 else "text")
+             for i in range(len(caps))]
+    loop = make_loop(engine, 4, 2048, keep_logits=True, packed=packed, chunk_tokens=4096)
+    loop.add(rows(engine, items, caps, forced=True))
+    done = {d.row.key: d for d in loop.drain()}
+    assert loop.pool.free_tokens == 2048
+    return {"done": done, "prefills": loop.stats.prefills}
+
+
+def test_packed_prefill_equals_the_padded_one(engine: HunyuanEngine) -> None:
+    """The same rows through packed passes (no padding, causal varlen attention) and padded
+    ones: the same tokens, logits within the loops' tolerance. Prompts differ in length, so a
+    padded pass pads; a packed one does not."""
+    padded, packed = run_packed(engine, False), run_packed(engine, True)
+    assert packed["prefills"] <= padded["prefills"]
+    assert set(packed["done"]) == set(padded["done"])
+    lengths = {d.row.prompt_tokens for d in packed["done"].values()}
+    assert len(lengths) > 1
+    for key, want in padded["done"].items():
+        got = packed["done"][key]
+        assert got.tokens == want.tokens, key
+        assert float((got.logits - want.logits).abs().max()) < TOLERANCE, key
+
+
+def test_packed_rows_attending_across_their_bounds_is_caught(
+    engine: HunyuanEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bounds that join the first two rows (row 2 then sees row 1's tokens) move row 2's
+    logits: the equality above can fail."""
+    import torch
+
+    from ocrq.models.hunyuan import packed as packed_module
+
+    real_pack = packed_module.pack
+
+    def joined(*args: Any, **kwargs: Any) -> Any:
+        batch = real_pack(*args, **kwargs)
+        if len(batch.lengths) > 1:
+            bounds = batch.bounds.tolist()
+            batch.bounds = torch.tensor(bounds[:1] + bounds[2:], dtype=torch.int32)
+        return batch
+
+    want = run_packed(engine, True)["done"]
+    monkeypatch.setattr("ocrq.models.hunyuan.running.pack", joined)
+    got = run_packed(engine, True)["done"]
+    moved = max(float((got[k].logits - want[k].logits).abs().max()) for k in want)
+    assert moved > 100 * TOLERANCE
+
+
+def test_packed_admission_counts_tokens_not_rows_times_the_longest() -> None:
+    from ocrq.models.slots import Candidate, KvPool, admit
+
+    waiting = [Candidate("a", 1000, 1100), Candidate("b", 100, 200), Candidate("c", 100, 200)]
+    pool = KvPool.empty(10_000)
+    padded = admit(waiting, pool, [0, 1, 2], 1500)
+    packed = admit(waiting, pool, [0, 1, 2], 1500, packed=True)
+    assert [p.key for p in padded.placements] == ["a"]  # 2 x 1000 > 1500
+    assert [p.key for p in packed.placements] == ["a", "b", "c"]  # 1200 <= 1500
+    assert len(admit(waiting, pool, [0, 1, 2], 1150, packed=True).placements) == 2
+
+
 def test_per_row_cap_comes_from_the_item(engine: HunyuanEngine) -> None:
     it = item(64, 64, 7)
     it.max_new_tokens = 5

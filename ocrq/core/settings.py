@@ -193,6 +193,9 @@ class Settings(BaseSettings):
     prefill_chunk_tokens: int = Field(default=4096, ge=256, le=1_048_576)
     # "chunked": decode steps between prefill passes unless a pass is full or nothing decodes.
     prefill_gap_steps: int = Field(default=1, ge=1, le=1024)
+    # Prefill passes with their rows packed end to end, no padding: a pass then costs the tokens
+    # it holds, so larger chunks carry more images a pass (ocrq/models/hunyuan/packed.py).
+    prefill_packed: bool = False
     # The worker's GIL switch interval (sys.setswitchinterval), ms; None keeps Python's 5 ms.
     # A shorter one lets the thread that feeds the GPU take the GIL back sooner from the task
     # and preprocessing threads (bench/service_gpu.py compares).

@@ -115,23 +115,27 @@ def admit(
     pool: KvPool,
     free_slots: Sequence[int],
     prefill_tokens: int,
+    *,
+    packed: bool = False,
 ) -> Admission:
     """The oldest waiting rows that fit, in order, stopping at the first that does not.
 
-    A row fits when a slot is free, its range finds a hole in the pool, and the pass's padded
-    prompt tokens (rows x longest prompt) stay within `prefill_tokens`, except that one row
-    alone always passes that last test (the planner never hands over a row whose prompt alone
-    is over it). Stopping at the first misfit, instead of letting younger rows pass it, is what
-    keeps a long row from waiting for ever behind a stream of short ones.
+    A row fits when a slot is free, its range finds a hole in the pool, and the pass's prompt
+    tokens stay within `prefill_tokens`: padded, rows x the longest prompt; `packed` (rows end
+    to end, ocrq/models/hunyuan/packed.py), the sum of the prompts. One row alone always passes
+    that last test (the planner never hands over a row whose prompt alone is over it). Stopping
+    at the first misfit, instead of letting younger rows pass it, is what keeps a long row from
+    waiting for ever behind a stream of short ones.
     """
     slots = sorted(free_slots)
     placed: list[Placement] = []
-    longest = 0
+    longest = total = 0
     for row in waiting:
         if len(placed) >= len(slots):
             return Admission(tuple(placed), pool, "no free slot")
         longest_then = max(longest, row.prompt_tokens)
-        if placed and (len(placed) + 1) * longest_then > prefill_tokens:
+        cost = total + row.prompt_tokens if packed else (len(placed) + 1) * longest_then
+        if placed and cost > prefill_tokens:
             return Admission(tuple(placed), pool, FULL_PASS)
         taken = pool.take(row.capacity)
         if taken is None:
@@ -139,6 +143,7 @@ def admit(
         start, pool = taken
         placed.append(Placement(row.key, slots[len(placed)], start, row.capacity))
         longest = longest_then
+        total += row.prompt_tokens
     return Admission(tuple(placed), pool)
 
 

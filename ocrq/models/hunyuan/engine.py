@@ -495,6 +495,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             "penalty": self.repetition_penalty,
             "guard": self.version.guard,
             "kv_dtype": s.kv_cache_dtype,
+            "packed": s.prefill_packed,
         }
         values.update(overrides)
         return LoopConfig(**values)

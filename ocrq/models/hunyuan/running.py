@@ -39,6 +39,7 @@ loop's, per row; a row's tokens do not depend on the rows beside it (tests).
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import time
 from collections import deque
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.inputs import EncodedImage, collate, host_layout
 from ocrq.models.hunyuan.kv_cache import kv_dtype, store
+from ocrq.models.hunyuan.packed import pack, prefill_packed
 from ocrq.models.hunyuan.prefill import prompt_pass
 from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
 from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
@@ -120,6 +122,9 @@ class LoopConfig:
     keep_logits: bool = False  # tests: every token's raw logits per row (a host sync per step)
     # The pool's dtype: "auto" (the model's) or "fp8" (ocrq/models/hunyuan/kv_cache.py).
     kv_dtype: str = "auto"
+    # Prefill passes with the rows packed end to end, no padding (ocrq/models/hunyuan/packed.py):
+    # a pass then costs the tokens it holds, not rows x the longest prompt.
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -328,8 +333,11 @@ class RunningLoop:
         cfg = self.config
         if cfg.schedule == "alternate" and self.rows and len(free) * 4 < cfg.slots:
             return  # let more slots free up first: one larger prefill pass
-        candidates = [Candidate(r.key, r.prompt_tokens, r.capacity) for r in self.waiting]
-        plan = admit(candidates, self.pool, free, cfg.pass_tokens)
+        # No more than the free slots (and one to learn why it stopped): admission never looks
+        # further, and a long queue would make this a loop over every waiting row each step.
+        candidates = [Candidate(r.key, r.prompt_tokens, r.capacity)
+                      for r in itertools.islice(self.waiting, len(free) + 1)]
+        plan = admit(candidates, self.pool, free, cfg.pass_tokens, packed=cfg.packed)
         if not plan.placements:
             return
         soon = self._step_no - self._last_prefill < cfg.prefill_gap
@@ -357,6 +365,61 @@ class RunningLoop:
             row.admitted_at = time.monotonic()
             rows.append(row)
         self.pool = plan.pool
+        lengths = [r.prompt_tokens for r in rows]
+        if self.config.packed:
+            first_logits, next_pos, marks = self._prompt_packed(rows)
+        else:
+            first_logits, next_pos, marks = self._prompt_padded(rows)
+        dev, long = self.device, torch.long
+        slots = to_device([r.slot for r in rows], long, dev)
+        starts = to_device([r.start for r in rows], torch.int32, dev)
+        plens = to_device(lengths, torch.int32, dev)
+        for r, length in zip(rows, lengths, strict=True):
+            self._forget_keys(r.slot)
+            if self.valid is not None:
+                self.valid[r.slot, r.start : r.start + length] = True
+        self.base.index_copy_(0, slots, starts)
+        self.write.index_copy_(0, slots, (starts + plens).long())
+        self.pos.index_copy_(1, slots, next_pos)
+        self.count.index_fill_(0, slots, 0)
+        self.cap.index_copy_(0, slots, to_device([r.max_new_tokens for r in rows], long, dev))
+        self.min_new.index_copy_(
+            0, slots, to_device([r.min_new_tokens for r in rows], long, dev)
+        )
+        eos_at = [self.out.shape[1] + 1 if r.eos_at is None else r.eos_at for r in rows]
+        self.eos_at.index_copy_(0, slots, to_device(eos_at, long, dev))
+        self.finished.index_fill_(0, slots, False)
+        self.stopped.index_fill_(0, slots, 0)
+        self.out.index_fill_(0, slots, self.tokens.pad)
+        if self.seen is not None and marks is not None:
+            self.seen.index_copy_(0, slots, marks)
+        for r in rows:
+            self._enter(r)
+        self._choose(first_logits, slots, rows)
+
+    def _columns(self, rows: list[LoopRow]) -> torch.Tensor:
+        """The pool columns of the rows' prompt tokens, row after row (host arithmetic)."""
+        import torch
+
+        cols: list[int] = []
+        for r in rows:
+            cols.extend(range(r.start, r.start + r.prompt_tokens))
+        return to_device(cols, torch.long, self.device)
+
+    def _marks(self, n: int) -> torch.Tensor | None:
+        """An empty (rows, vocab) repetition-penalty mask, when the loop keeps one."""
+        import torch
+
+        if self.seen is None:
+            return None
+        return torch.zeros(n, self.seen.shape[1], dtype=torch.bool, device=self.device)
+
+    def _prompt_padded(self, rows: list[LoopRow]) -> tuple[Any, Any, Any]:
+        """The rows' prompts through one left-padded pass; their keys and values into their
+        ranges. Returns the first tokens' logits, each row's next RoPE position (axes, rows)
+        and its repetition-penalty marks (rows, vocab) or None."""
+        import torch
+
         text = self.text
         inputs = collate(
             [r.encoded for r in rows], self.tokens.pad, device=self.device, dtype=text.dtype
@@ -375,17 +438,13 @@ class RunningLoop:
             host = host_layout([r.encoded for r in rows], image_id, self.device)
         prompt_kv, first_logits = prompt_pass(text, inputs, positions, self.decoder.fused, host)
         mask = inputs["attention_mask"].bool()
-        lengths = [r.prompt_tokens for r in rows]
-        dev, long = self.device, torch.long
-        # Where each row's real tokens sit in the left-padded (B x P) prompt, flattened, and
-        # the pool columns they go to: host arithmetic, not a boolean index (a sync per layer).
+        # Where each row's real tokens sit in the left-padded (B x P) prompt, flattened:
+        # host arithmetic, not a boolean index (a sync per layer).
         width = int(inputs["input_ids"].shape[1])
         real: list[int] = []
-        cols: list[int] = []
-        for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
-            real.extend(range(i * width + width - n, (i + 1) * width))
-            cols.extend(range(r.start, r.start + n))
-        real_at, columns = to_device(real, long, dev), to_device(cols, long, dev)
+        for i, r in enumerate(rows):
+            real.extend(range(i * width + width - r.prompt_tokens, (i + 1) * width))
+        real_at, columns = to_device(real, torch.long, self.device), self._columns(rows)
         for index in range(len(prompt_kv)):
             k, v = prompt_kv[index]
             # (B, KVH, P, D) -> (KVH, B * P, D) -> the real tokens of every row, in row order
@@ -397,38 +456,31 @@ class RunningLoop:
             prompt_kv[index] = None  # type: ignore[call-overload]  # free the layer now
             del k, v, k_real, v_real
         del prompt_kv
-
-        slots = to_device([r.slot for r in rows], long, dev)
-        n = len(rows)
-        starts = to_device([r.start for r in rows], torch.int32, dev)
-        plens = to_device(lengths, torch.int32, dev)
-        for r, length in zip(rows, lengths, strict=True):
-            self._forget_keys(r.slot)
-            if self.valid is not None:
-                self.valid[r.slot, r.start : r.start + length] = True
-        self.base.index_copy_(0, slots, starts)
-        self.write.index_copy_(0, slots, (starts + plens).long())
-        self.pos.index_copy_(1, slots, positions[:, :, -1] + 1)
-        self.count.index_fill_(0, slots, 0)
-        self.cap.index_copy_(0, slots, to_device([r.max_new_tokens for r in rows], long, dev))
-        self.min_new.index_copy_(
-            0, slots, to_device([r.min_new_tokens for r in rows], long, dev)
-        )
-        eos_at = [self.out.shape[1] + 1 if r.eos_at is None else r.eos_at for r in rows]
-        self.eos_at.index_copy_(0, slots, to_device(eos_at, long, dev))
-        self.finished.index_fill_(0, slots, False)
-        self.stopped.index_fill_(0, slots, 0)
-        self.out.index_fill_(0, slots, self.tokens.pad)
-        if self.seen is not None:
-            self.seen.index_fill_(0, slots, False)
+        marks = self._marks(len(rows))
+        if marks is not None:
             ids = inputs["input_ids"]
-            marks = torch.zeros(n, self.seen.shape[1], dtype=torch.bool, device=self.device)
             marks.scatter_(1, torch.where(mask, ids, ids.gather(1, mask.int().argmax(-1)[:, None])),
                            True)
-            self.seen.index_copy_(0, slots, marks)
-        for r in rows:
-            self._enter(r)
-        self._choose(first_logits, slots, rows)
+        return first_logits, positions[:, :, -1] + 1, marks
+
+    def _prompt_packed(self, rows: list[LoopRow]) -> tuple[Any, Any, Any]:
+        """`_prompt_padded` with the rows packed end to end (ocrq/models/hunyuan/packed.py)."""
+        text = self.text
+        batch = pack([r.encoded for r in rows], text.model.model.config.image_token_id,
+                     self.device, text.dtype)
+        prompt_kv, first_logits = prefill_packed(text, batch, self.decoder.fused)
+        columns = self._columns(rows)  # the packed order is the rows' order
+        for index in range(len(prompt_kv)):
+            k, v = prompt_kv[index]
+            store(self.keys[index][0], 1, columns, k)
+            store(self.values[index][0], 1, columns, v)
+            prompt_kv[index] = None  # type: ignore[call-overload]  # free the layer now
+            del k, v
+        del prompt_kv
+        marks = self._marks(len(rows))
+        if marks is not None:
+            marks.index_put_((batch.row_of, batch.ids), self._true)
+        return first_logits, batch.positions[:, batch.last] + 1, marks
 
     def _enter(self, row: LoopRow) -> None:
         """The host's books for a row now in its slot: when its cap is reached, its guard phase."""
