@@ -201,18 +201,22 @@ def kv_error(torch: Any, engine: HunyuanEngine, rows: list, steps: int, cuda: bo
 
 
 def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule: str,
-             args: argparse.Namespace, cuda: bool, slots: int | None = None) -> dict[str, Any]:
-    """Every job queued at once into the running loop, sized from --budget-gib."""
+             args: argparse.Namespace, cuda: bool, slots: int | None = None,
+             packed_chunk: int = 0) -> dict[str, Any]:
+    """Every job queued at once into the running loop, sized from --budget-gib; with
+    `packed_chunk`, packed prefill passes of that many tokens (`OCRQ_PREFILL_PACKED`)."""
     model = engine.loop_cost_model(engine.cost_model())
     engine.loop = None
     engine.release_memory()
     budget_bytes = int(args.budget_gib * GiB) - model.fixed_bytes
     # The pass the schedule runs is the one reserved (HunyuanEngine.pass_tokens).
-    pass_tokens = args.chunk_tokens if schedule == "chunked" else args.prefill_tokens
+    chunk = packed_chunk or args.chunk_tokens
+    pass_tokens = chunk if schedule == "chunked" else args.prefill_tokens
     running = RunningBudget.plan(model, budget_bytes, slots=slots or args.slots,
                                  prefill_tokens=pass_tokens,
                                  state_bytes_per_slot=engine.state_bytes_per_slot())
-    config = engine.loop_config(running, schedule=schedule, chunk_tokens=args.chunk_tokens,
+    config = engine.loop_config(running, schedule=schedule, chunk_tokens=chunk,
+                                packed=bool(packed_chunk),
                                 max_new_tokens=args.max_new_tokens)
     if cuda:
         torch.cuda.empty_cache()
@@ -231,6 +235,7 @@ def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule
     s = loop.collect_stats(wait=True)
     kv = engine.settings.kv_cache_dtype
     mode = f"running {schedule}" + (f" {kv} KV" if kv != "auto" else "")
+    mode += f" packed {packed_chunk}" if packed_chunk else ""
     out = summary(mode, jobs, finished, seconds, busy.share, peak,
                   model.fixed_bytes + running.bytes if cuda else None, {
                       "slots": running.slots, "pool_tokens": running.pool_tokens,
@@ -318,6 +323,8 @@ def main() -> None:
     ap.add_argument("--kv-error-rows", type=int, default=0,
                     help="rows (A4 pages and receipts) for the fp8 logit error; 0: skip")
     ap.add_argument("--kv-error-steps", type=int, default=64)
+    ap.add_argument("--packed-chunks", default="",
+                    help='packed prefill passes of these tokens, "chunked", e.g. "4096,16384"')
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.device, args.dtype = "tiny", "cpu", "float32"
@@ -371,6 +378,12 @@ def main() -> None:
                 torch, engine, sample, args.kv_error_steps, cuda))
             if found:
                 report.data["kv_error"] = found
+                report.write()
+        for chunk in (int(x) for x in args.packed_chunks.split(",") if x):
+            run = part(f"running_chunked_packed_{chunk}", lambda c=chunk: run_loop(
+                torch, engine, jobs, rows, "chunked", args, cuda, packed_chunk=c))
+            if run:
+                report.data["runs"].append(run)
                 report.write()
         for kv in (x for x in args.kv_dtypes.split(",") if x):
             use_kv_dtype(engine, kv)
