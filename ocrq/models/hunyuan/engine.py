@@ -469,7 +469,11 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
     def loop_cost_model(self, model: CostModel) -> CostModel:
         """`model` with a pool token in the loop's KV dtype (`OCRQ_KV_CACHE_DTYPE`): the cost
         model is measured with the model's dtype, and only the running loop's pool changes."""
-        ratio = bytes_ratio(self.settings.kv_cache_dtype, self.model.dtype)
+        import torch
+
+        dtype = (self.model.dtype if self.model is not None
+                 else getattr(torch, self.settings.dtype, torch.bfloat16))
+        ratio = bytes_ratio(self.settings.kv_cache_dtype, dtype)
         if ratio == 1.0:
             return model
         return replace(model, per_cache_token_bytes=model.per_cache_token_bytes * ratio)
