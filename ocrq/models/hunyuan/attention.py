@@ -61,6 +61,9 @@ class KernelConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
+# An fp8 pool: 128 keys a loop iteration were 5-6% faster than 64 for 176-512 rows on an H200
+# (bench/results/kv_attention_h200.md); bf16 is at the bandwidth with either.
+FP8_CONFIG = KernelConfig(block_n=128)
 
 
 def triton_available() -> bool:

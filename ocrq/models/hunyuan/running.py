@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.inputs import EncodedImage, collate, host_layout
-from ocrq.models.hunyuan.kv_cache import kv_dtype, store
+from ocrq.models.hunyuan.kv_cache import is_fp8, kv_dtype, store
 from ocrq.models.hunyuan.packed import pack, prefill_packed
 from ocrq.models.hunyuan.prefill import prompt_pass
 from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
@@ -545,12 +545,19 @@ class RunningLoop:
     def _attention(self, k: int) -> Any:
         """The attention function of a step over the first `k` slots."""
         if self.use_triton:
-            from ocrq.models.hunyuan.attention import TritonDecodeAttention
+            from ocrq.models.hunyuan.attention import (
+                DEFAULT_CONFIG,
+                FP8_CONFIG,
+                TritonDecodeAttention,
+            )
 
             if k not in self._kernels:
+                config = self.decoder.kernel
+                if is_fp8(self.kv_dtype) and config == DEFAULT_CONFIG:
+                    config = FP8_CONFIG
                 self._kernels[k] = TritonDecodeAttention(
                     k, self.text.heads, self.text.kv_heads, self.text.head_dim,
-                    self.config.pool_tokens + 1, self.device, self.decoder.kernel,
+                    self.config.pool_tokens + 1, self.device, config,
                 )
             kernel = self._kernels[k]
             start, end, scale = self.start[:k], self.end[:k], self.text.scale
