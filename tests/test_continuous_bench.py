@@ -20,15 +20,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_continuous_bench_smoke_run(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "bench/continuous_batching.py", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "bench/continuous_batching.py", "--smoke", "--out", str(tmp_path),
+         "--packed-chunks", "1024"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads((tmp_path / "continuous_batching_smoke.json").read_text())
     assert not data["errors"], data["errors"]
     modes = [r["mode"] for r in data["runs"]]
-    assert modes == ["running alternate", "running chunked", "static b=4"]
+    assert modes == ["running chunked packed 1024", "running alternate", "running chunked",
+                     "static b=4"]
     assert all(r["images_per_s"] > 0 and r["jobs"] == 12 for r in data["runs"])
     running = [r for r in data["runs"] if r["mode"].startswith("running")]
     assert all(r["prefills"] >= 2 and 0 < r["live_share_of_slot_steps"] <= 1 for r in running)
     assert "| running chunked |" in (tmp_path / "continuous_batching_smoke.md").read_text()
+
+
+def test_gap_summary_counts_idle_once_across_overlapping_streams() -> None:
+    """bench/service_gpu.py's reading of a CUPTI window: overlapping kernels are busy once,
+    gaps are binned by length and charged to the kernel that ended them."""
+    from bench.service_gpu import gap_summary
+
+    spans = [(0, 10, "a"), (5, 20, "b"), (50, 60, "c"), (60.5, 70, "d"), (2070, 2080, "memset")]
+    out = gap_summary(spans)
+    assert out["busy_share"] == round(49.5 / 2080, 4)
+    assert out["gaps"] == 3
+    assert out["idle_ms_by_gap_length"][">1ms"] == 2.0
+    assert out["idle_ms_before_kernel"] == {"memset": 2.0, "c": 0.0}
+    assert out["idle_ms_after_kernel"]["d"] == 2.0
