@@ -87,15 +87,40 @@ def host_layout(
 
     lengths = [int(r.input_ids.shape[0]) for r in rows]
     width = max(lengths)
-    at = [
-        (r.input_ids == image_token_id).nonzero()[:, 0] + (i * width + width - n)
-        for i, (r, n) in enumerate(zip(rows, lengths, strict=True))
-    ]
+    starts = [i * width + width - n for i, n in enumerate(lengths)]  # left padding
     return HostLayout(
         grid=torch.cat([r.image_grid_thw for r in rows], dim=0),
         padded=len(set(lengths)) > 1,
-        image_at=to_device(torch.cat(at), torch.long, device),
+        image_at=to_device(image_token_at(rows, image_token_id, starts), torch.long, device),
     )
+
+
+def image_token_at(
+    rows: Sequence[EncodedImage], image_token_id: int, starts: Sequence[int]
+) -> torch.Tensor:
+    """Flat indices of every image token when row i's tokens begin at `starts[i]` of one
+    stream (padded or packed): where the vision tower's features go."""
+    import torch
+
+    return torch.cat([
+        (r.input_ids == image_token_id).nonzero()[:, 0] + start
+        for r, start in zip(rows, starts, strict=False)
+    ])
+
+
+def device_pixels(rows: Sequence[EncodedImage], device: Any, dtype: Any) -> torch.Tensor:
+    """Every row's pixels in one device tensor of `dtype`, copied row by row (asynchronously
+    from pinned rows) instead of concatenated on the CPU first."""
+    import torch
+
+    total = sum(int(r.pixel_values.shape[0]) for r in rows)
+    pixels = torch.empty((total, rows[0].pixel_values.shape[1]), dtype=dtype, device=device)
+    offset = 0
+    for r in rows:
+        n = int(r.pixel_values.shape[0])
+        pixels[offset : offset + n].copy_(r.pixel_values, non_blocking=True)
+        offset += n
+    return pixels
 
 
 class Preprocessor:
@@ -263,13 +288,5 @@ def collate(
         return inputs
     # Without a sync: the running loop queues this behind decode steps it must not wait for.
     inputs = {k: to_device(v, v.dtype, device) for k, v in inputs.items()}
-    total = sum(r.pixel_values.shape[0] for r in rows)
-    width = rows[0].pixel_values.shape[1]
-    pixels = torch.empty((total, width), dtype=dtype, device=device)
-    offset = 0
-    for r in rows:
-        n = r.pixel_values.shape[0]
-        pixels[offset : offset + n].copy_(r.pixel_values, non_blocking=True)
-        offset += n
-    inputs["pixel_values"] = pixels
+    inputs["pixel_values"] = device_pixels(rows, device, dtype)
     return inputs

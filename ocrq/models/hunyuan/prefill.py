@@ -185,7 +185,6 @@ def prefill_fused(
     The vision tower, the image scatter and the attention kernel are the library's; so is
     the attention mask (causal, left padding; see `_padded_attention`).
     """
-    import torch
     import torch.nn.functional as F
 
     ids = inputs["input_ids"]
@@ -196,53 +195,111 @@ def prefill_fused(
     h = text.embed(ids)
     pixels = inputs.get("pixel_values")
     if pixels is not None:
-        grid = host.grid if host is not None else inputs["image_grid_thw"]
-        feats = inner.get_image_features(pixels, grid, return_dict=True).pooler_output
-        if isinstance(feats, (list, tuple)):
-            feats = torch.cat(list(feats), dim=0)
         if host is not None:  # the image tokens' places are known: no mask, no sync
             h = h.reshape(n, -1)
-            h.index_copy_(0, host.image_at, feats.reshape(-1, h.shape[-1]).to(h.dtype))
+            place_images(text, h, pixels, host.grid, host.image_at)
         else:
+            feats = image_features(text, pixels, inputs["image_grid_thw"])
             image = (ids == inner.config.image_token_id)[..., None].expand_as(h)
             h = h.masked_scatter(image, feats.to(h.device, h.dtype))
-            del image
-        del feats
+            del image, feats
     h = h.reshape(n, -1)
-    cos, sin = text.rope(positions.reshape(positions.shape[0], n))
-    cos = cos[:, 0].float().contiguous()
-    sin = sin[:, 0].float().contiguous()
     # Left padding: the causal mask per row, built once for every layer.
     padded = host.padded if host is not None else not bool(mask.bool().all())
     allowed = _padded_causal_mask(mask.bool()) if padded else None
     groups = text.heads // text.kv_heads
-    prompt_kv: list[Any] = []
-    pending: torch.Tensor | None = None
-    for layer in text.layers:
-        attn = layer.self_attn
-        norm = layer.input_layernorm
-        h, x = add_rms_norm(h, pending, norm.weight, norm.variance_epsilon)
-        q = attn.q_proj(x).view(n, text.heads, text.head_dim)
-        k = attn.k_proj(x).view(n, text.kv_heads, text.head_dim)
-        v = attn.v_proj(x).view(batch, prompt, text.kv_heads, text.head_dim).transpose(1, 2)
-        qn, kn = attn.query_layernorm, attn.key_layernorm
-        q = rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon)
-        k = rope_rms_norm(k, cos, sin, kn.weight, kn.variance_epsilon)
-        k = k.view(batch, prompt, text.kv_heads, text.head_dim).transpose(1, 2)
-        q = q.view(batch, prompt, text.heads, text.head_dim).transpose(1, 2)
+    heads, kv_heads, dim = text.heads, text.kv_heads, text.head_dim
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any]:
+        k = k.view(batch, prompt, kv_heads, dim).transpose(1, 2)
+        v = v.view(batch, prompt, kv_heads, dim).transpose(1, 2)
+        q = q.view(batch, prompt, heads, dim).transpose(1, 2)
         if allowed is not None:
             o = _padded_attention(text, q, k, v, allowed, groups)
         else:  # what transformers' sdpa integration does without padding
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=text.scale, enable_gqa=groups > 1
             )
-        prompt_kv.append((k, v))
-        o = o.transpose(1, 2).reshape(n, text.heads * text.head_dim)
-        post = layer.post_attention_layernorm
-        h, x = add_rms_norm(h, attn.o_proj(o), post.weight, post.variance_epsilon)
-        pending = layer.mlp(x)
-    assert pending is not None
+        return o.transpose(1, 2).reshape(n, heads * dim), (k, v)
+
+    positions = positions.reshape(positions.shape[0], n)
     last = slice(prompt - 1, n, prompt)  # each row's last position
+    return text_layers(text, h, positions, attend, last, fused=True)
+
+
+def image_features(text: TextModel, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Every image's merged features through the library's vision tower, as one tensor."""
+    import torch
+
+    feats = text.model.model.get_image_features(pixels, grid, return_dict=True).pooler_output
+    return torch.cat(list(feats), dim=0) if isinstance(feats, (list, tuple)) else feats
+
+
+def place_images(text: TextModel, h: torch.Tensor, pixels: torch.Tensor, grid: torch.Tensor,
+                 image_at: torch.Tensor) -> None:
+    """Write the images' features into the flat (tokens, hidden) stream `h` at the image
+    tokens' places, which the host computed: no mask, no sync."""
+    feats = image_features(text, pixels, grid)
+    h.index_copy_(0, image_at, feats.reshape(-1, h.shape[-1]).to(h.dtype))
+
+
+def text_layers(
+    text: TextModel,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    attend: Any,
+    last: Any,
+    *,
+    fused: bool,
+) -> tuple[list[Any], torch.Tensor]:
+    """The text decoder over a flat (tokens, hidden) prompt stream at RoPE `positions` (axes,
+    tokens): per layer what `attend` keeps of the keys and values, and the logits of the
+    tokens at `last`.
+
+    `attend(q, k, v)` takes (tokens, heads, D) queries and (tokens, kv_heads, D) keys and
+    values and returns the attention output (tokens, heads * D) and what the caller keeps of
+    the layer's keys and values: the padded prefill and the packed one differ only there.
+    `fused`: norms and RoPE as the Triton kernels of ocrq/models/hunyuan/kernels.py, else the
+    model's modules with transformers' arithmetic (as `TextModel._layers`; the CPU)."""
+    from ocrq.models.hunyuan.text import rotate
+
+    n = h.shape[0]
+    cos, sin = text.rope(positions)  # (n, 1, D)
+    if fused:
+        cos, sin = cos[:, 0].float().contiguous(), sin[:, 0].float().contiguous()
+    else:
+        cos, sin = cos.float(), sin.float()
+    prompt_kv: list[Any] = []
+    pending: torch.Tensor | None = None
+    for layer in text.layers:
+        attn = layer.self_attn
+        qn, kn = attn.query_layernorm, attn.key_layernorm
+        if fused:
+            norm = layer.input_layernorm
+            h, x = add_rms_norm(h, pending, norm.weight, norm.variance_epsilon)
+        else:
+            x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(n, text.heads, text.head_dim)
+        k = attn.k_proj(x).view(n, text.kv_heads, text.head_dim)
+        v = attn.v_proj(x).view(n, text.kv_heads, text.head_dim)
+        if fused:
+            q = rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon)
+            k = rope_rms_norm(k, cos, sin, kn.weight, kn.variance_epsilon)
+        else:
+            q, k = qn(rotate(q, cos, sin)), kn(rotate(k, cos, sin))
+        o, kept = attend(q, k, v)
+        prompt_kv.append(kept)
+        o = attn.o_proj(o)
+        post = layer.post_attention_layernorm
+        if fused:
+            h, x = add_rms_norm(h, o, post.weight, post.variance_epsilon)
+            pending = layer.mlp(x)
+        else:
+            h = h + o
+            h = h + layer.mlp(post(h))
+    if not fused:
+        return prompt_kv, text.lm_head(text.norm(h[last]))
+    assert pending is not None
     _, x = add_rms_norm(h[last], pending[last], text.norm.weight, text.norm.variance_epsilon)
     return prompt_kv, text.lm_head(x)
 

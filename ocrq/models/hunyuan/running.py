@@ -391,20 +391,28 @@ class RunningLoop:
         self.finished.index_fill_(0, slots, False)
         self.stopped.index_fill_(0, slots, 0)
         self.out.index_fill_(0, slots, self.tokens.pad)
-        if self.seen is not None and marks is not None:
+        if marks is not None:  # the loop keeps a repetition-penalty mask
             self.seen.index_copy_(0, slots, marks)
         for r in rows:
             self._enter(r)
         self._choose(first_logits, slots, rows)
 
-    def _columns(self, rows: list[LoopRow]) -> torch.Tensor:
-        """The pool columns of the rows' prompt tokens, row after row (host arithmetic)."""
+    def _store_prompt(self, prompt_kv: list[Any], rows: list[LoopRow], tokens: Any) -> None:
+        """Each layer's prompt keys and values into the rows' ranges of the pool, freeing the
+        layer as soon as it is copied; `tokens` turns a layer's keys or values into (KV heads,
+        the rows' prompt tokens in row order, D)."""
         import torch
 
-        cols: list[int] = []
+        cols: list[int] = []  # the pool columns, row after row (host arithmetic)
         for r in rows:
             cols.extend(range(r.start, r.start + r.prompt_tokens))
-        return to_device(cols, torch.long, self.device)
+        columns = to_device(cols, torch.long, self.device)
+        for index in range(len(prompt_kv)):
+            k, v = prompt_kv[index]
+            store(self.keys[index][0], 1, columns, tokens(k))
+            store(self.values[index][0], 1, columns, tokens(v))
+            prompt_kv[index] = None  # free the layer now
+            del k, v
 
     def _marks(self, n: int) -> torch.Tensor | None:
         """An empty (rows, vocab) repetition-penalty mask, when the loop keeps one."""
@@ -444,18 +452,14 @@ class RunningLoop:
         real: list[int] = []
         for i, r in enumerate(rows):
             real.extend(range(i * width + width - r.prompt_tokens, (i + 1) * width))
-        real_at, columns = to_device(real, torch.long, self.device), self._columns(rows)
-        for index in range(len(prompt_kv)):
-            k, v = prompt_kv[index]
+        real_at = to_device(real, torch.long, self.device)
+
+        def real_tokens(x: torch.Tensor) -> torch.Tensor:
             # (B, KVH, P, D) -> (KVH, B * P, D) -> the real tokens of every row, in row order
-            heads, dim = k.shape[1], k.shape[3]
-            k_real = k.permute(1, 0, 2, 3).reshape(heads, -1, dim).index_select(1, real_at)
-            v_real = v.permute(1, 0, 2, 3).reshape(heads, -1, dim).index_select(1, real_at)
-            store(self.keys[index][0], 1, columns, k_real)
-            store(self.values[index][0], 1, columns, v_real)
-            prompt_kv[index] = None  # type: ignore[call-overload]  # free the layer now
-            del k, v, k_real, v_real
-        del prompt_kv
+            heads, dim = x.shape[1], x.shape[3]
+            return x.permute(1, 0, 2, 3).reshape(heads, -1, dim).index_select(1, real_at)
+
+        self._store_prompt(prompt_kv, rows, real_tokens)
         marks = self._marks(len(rows))
         if marks is not None:
             ids = inputs["input_ids"]
@@ -469,14 +473,7 @@ class RunningLoop:
         batch = pack([r.encoded for r in rows], text.model.model.config.image_token_id,
                      self.device, text.dtype)
         prompt_kv, first_logits = prefill_packed(text, batch, self.decoder.fused)
-        columns = self._columns(rows)  # the packed order is the rows' order
-        for index in range(len(prompt_kv)):
-            k, v = prompt_kv[index]
-            store(self.keys[index][0], 1, columns, k)
-            store(self.values[index][0], 1, columns, v)
-            prompt_kv[index] = None  # type: ignore[call-overload]  # free the layer now
-            del k, v
-        del prompt_kv
+        self._store_prompt(prompt_kv, rows, lambda x: x)  # packed: already the rows' order
         marks = self._marks(len(rows))
         if marks is not None:
             marks.index_put_((batch.row_of, batch.ids), self._true)
