@@ -270,6 +270,8 @@ def loop_summary(counts: dict[str, float], wall_s: float) -> dict[str, float]:
         "host_decode_s": round(counts.get("decode_host_seconds", 0.0), 1),
         "host_harvest_s": round(counts.get("harvest_host_seconds", 0.0), 1),
         "host_wait_s": round(counts.get("wait_seconds", 0.0), 1),
+        "cpu_prefill_s": round(counts.get("prefill_cpu_seconds", 0.0), 1),
+        "cpu_s": round(counts.get("cpu_seconds", 0.0), 1),
     }
 
 
@@ -302,7 +304,8 @@ def worker_env(args: argparse.Namespace, ckpt: Path, work: Path, data: Path) -> 
     return env
 
 
-def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str]) -> dict:
+def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
+                 label: str = "") -> dict:
     """The same engine, batcher and prefetch threads as a worker, fed in-process."""
     from PIL import Image  # noqa: F401  (loaded before the threads start)
 
@@ -366,6 +369,11 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str])
     with gpus:
         if profiler is not None:
             profiler.start()
+        if args.stacks_for:
+            from bench.stack_sample import start as sample_stacks
+
+            sample_stacks("ocrq-streaming", args.stacks_at, args.stacks_for,
+                          args.out / f"{args.stem}{label}_stacks.json")
         started = time.time()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(one, jobs))
@@ -744,14 +752,20 @@ def render(d: dict[str, Any]) -> str:
             cells = [f"{by[k]['p50_s']} / {by[k]['p95_s']}" if k in by else "-"
                      for k in sorted(d["workload"])]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        alone = d.get("engine_alone") or {}
-        if alone.get("loop"):
-            lines += ["", f"engine alone, running loop: `{json.dumps(alone['loop'])}`"]
+        for name, r in runs:
+            if name.startswith("engine_alone") and r.get("loop"):
+                lines += ["", f"{name}, running loop: `{json.dumps(r['loop'])}`"]
     if "ratio" in d:
         lines += ["", f"Service / engine alone (images/s, steady): {d['ratio']}"]
     if d.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e['part']}: {e['error']}" for e in d["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def _variant(spec: str) -> tuple[dict[str, str], str]:
+    """"NAME=VALUE,..." -> the settings it sets and the label a part's name takes from them."""
+    extra = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+    return extra, "".join(f"_{k.removeprefix('OCRQ_').lower()}_{v}" for k, v in extra.items())
 
 
 def main() -> None:
@@ -778,12 +792,20 @@ def main() -> None:
         help='service variants, each run per --service-gpus entry: "" = defaults; '
         '"OCRQ_SWITCH_INTERVAL_MS=0.5" (comma-separated NAME=VALUE) = with those set',
     )
+    ap.add_argument(
+        "--alone-env", nargs="*", default=[""],
+        help='engine-alone variants, as --service-env: "" = the settings of the environment',
+    )
     ap.add_argument("--skip-engine-alone", action="store_true")
     ap.add_argument("--service-timeout-s", type=float, default=400)
     ap.add_argument("--profile-at", type=float, default=20.0,
                     help="engine alone: seconds after the start to profile the GPU's gaps")
     ap.add_argument("--profile-for", type=float, default=0.0,
                     help="engine alone: seconds of device activity to profile (0: none)")
+    ap.add_argument("--stacks-at", type=float, default=25.0,
+                    help="engine alone: seconds after the start to sample the loop thread")
+    ap.add_argument("--stacks-for", type=float, default=0.0,
+                    help="engine alone: seconds of the loop thread's stacks (0: none)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out / "work"
@@ -837,9 +859,7 @@ def main() -> None:
         # the GPU as empty as a worker would.
         for gpus_arg in args.service_gpus:
             for variant in args.service_env:
-                extra = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
-                label = "".join(f"_{k.removeprefix('OCRQ_').lower()}_{v}"
-                                for k, v in extra.items())
+                extra, label = _variant(variant)
                 name = (f"service_gpus_{gpus_arg}" if gpus_arg else "service") + label
                 report.data[name] = run_part(
                     report, t_start, name,
@@ -847,9 +867,12 @@ def main() -> None:
                         args, jobs, e, work, g, lb),
                 )
                 report.write()
-        if not args.skip_engine_alone:
-            report.data["engine_alone"] = run_part(
-                report, t_start, "engine_alone", lambda: engine_alone(args, jobs, env)
+        for variant in [] if args.skip_engine_alone else args.alone_env:
+            extra, label = _variant(variant)
+            name = "engine_alone" + label
+            report.data[name] = run_part(
+                report, t_start, name,
+                lambda e={**env, **extra}, lb=label: engine_alone(args, jobs, e, lb),
             )
             report.write()
         alone, svc = report.data.get("engine_alone"), report.data.get("service")

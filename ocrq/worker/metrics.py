@@ -67,6 +67,11 @@ LOOP_COUNTS = {
     "wait_seconds": Counter(
         "ocrq_loop_wait_seconds", "Loop thread seconds waiting for the GPU to catch up"
     ),
+    # Its CPU seconds: far below its host seconds, the thread waited for the GIL.
+    "prefill_cpu_seconds": Counter(
+        "ocrq_loop_prefill_cpu_seconds", "Loop thread CPU seconds in prefill passes"
+    ),
+    "cpu_seconds": Counter("ocrq_loop_cpu_seconds", "Loop thread CPU seconds in all"),
 }
 
 

@@ -588,6 +588,8 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             "decode_host_seconds": s.decode_host_s,
             "harvest_host_seconds": s.harvest_host_s,
             "wait_seconds": s.wait_s,
+            "prefill_cpu_seconds": s.prefill_cpu_s,
+            "cpu_seconds": s.cpu_s,
         }
 
     def _drop_loop(self) -> None:

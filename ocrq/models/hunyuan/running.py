@@ -161,6 +161,11 @@ class LoopStats:
     decode_host_s: float = 0.0
     harvest_host_s: float = 0.0
     wait_s: float = 0.0
+    # The loop thread's CPU seconds (thread_time) in prefill passes and in all of `run`: well
+    # under the host seconds above, the thread waited (for the GIL, or a full launch queue)
+    # rather than worked.
+    prefill_cpu_s: float = 0.0
+    cpu_s: float = 0.0
 
 
 class RunningLoop:
@@ -263,13 +268,16 @@ class RunningLoop:
 
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         done: list[Done] = []
+        cpu = time.thread_time
         with torch.inference_mode():
             stats, clock = self.stats, time.perf_counter
+            c_start = cpu()
             while not done and not self.idle():
-                t0 = clock()
+                t0, c0 = clock(), cpu()
                 self._refill()
                 t1 = clock()
                 stats.prefill_host_s += t1 - t0
+                stats.prefill_cpu_s += cpu() - c0
                 if self.rows:
                     self._decode_step()
                     t2 = clock()
@@ -282,6 +290,7 @@ class RunningLoop:
                 t = clock()
                 done = self._harvest(force=True)
                 stats.harvest_host_s += clock() - t
+            stats.cpu_s += cpu() - c_start
         self.collect_stats()
         return done
 
