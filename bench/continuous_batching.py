@@ -161,30 +161,30 @@ def use_kv_dtype(engine: HunyuanEngine, name: str) -> None:
     engine.settings = engine.settings.model_copy(update={"kv_cache_dtype": name})
 
 
-def kv_error(torch: Any, engine: HunyuanEngine, rows: list, steps: int, cuda: bool
-             ) -> dict[str, Any]:
-    """What an fp8 KV pool costs in accuracy: the same rows, forced to `steps` tokens, through
-    the running loop with the model's dtype and with fp8, every step's logits kept. Compared up
-    to each row's first differing token (after it the two rows are fed different tokens)."""
+def loop_error(torch: Any, engine: HunyuanEngine, rows: list, steps: int, cuda: bool,
+               variant: dict[str, Any]) -> dict[str, Any]:
+    """What a loop setting (`variant`: LoopConfig fields, e.g. an fp8 pool or packed prefills)
+    changes in the output: the same rows, forced to `steps` tokens, through the running loop
+    with the defaults and with the variant, every step's logits kept. Compared up to each
+    row's first differing token (after it the two rows are fed different tokens)."""
     from ocrq.models.slots import RunningBudget
 
     kept: dict[str, dict[str, Any]] = {}
-    for name in ("auto", "fp8"):
-        use_kv_dtype(engine, name)
-        budget = RunningBudget(len(rows), len(rows) * (max(int(r.input_ids.shape[0])
-                               for r in rows) + steps + 16), 65536, 0, 0, 0, 0)
-        loop = RunningLoop(engine._decoder, engine.tokens,
-                           engine.loop_config(budget, keep_logits=True, max_new_tokens=steps))
+    longest = max(int(r.input_ids.shape[0]) for r in rows)
+    for name, overrides in (("reference", {}), ("variant", variant)):
+        budget = RunningBudget(len(rows), len(rows) * (longest + steps + 16), 65536, 0, 0, 0, 0)
+        config = {"keep_logits": True, "max_new_tokens": steps, "kv_dtype": "auto",
+                  "packed": False, "chunk_tokens": 65536, **overrides}
+        loop = RunningLoop(engine._decoder, engine.tokens, engine.loop_config(budget, **config))
         loop.add([LoopRow(str(i), r, steps, min_new_tokens=steps) for i, r in enumerate(rows)])
         kept[name] = {d.row.key: d for d in loop.drain()}
         loop.clear()
         del loop
         if cuda:
             torch.cuda.empty_cache()
-    use_kv_dtype(engine, "auto")
     diffs, scales, agree, compared = [], [], [], 0
-    for key, ref in kept["auto"].items():
-        got = kept["fp8"][key]
+    for key, ref in kept["reference"].items():
+        got = kept["variant"][key]
         same = 0
         while same < min(len(ref.tokens), len(got.tokens)) and ref.tokens[same] == got.tokens[same]:
             same += 1
@@ -194,7 +194,7 @@ def kv_error(torch: Any, engine: HunyuanEngine, rows: list, steps: int, cuda: bo
         diffs.append(float((a - b).abs().max()))
         scales.append(float(a.std()))
         compared += upto
-    return {"rows": len(rows), "steps": steps, "steps_compared": compared,
+    return {"variant": variant, "rows": len(rows), "steps": steps, "steps_compared": compared,
             "max_abs_logit_diff": max(diffs), "mean_of_row_max_diffs": statistics.mean(diffs),
             "logit_std": statistics.mean(scales),
             "tokens_equal_before_first_difference": statistics.mean(agree)}
@@ -283,15 +283,17 @@ def markdown(d: dict[str, Any]) -> str:
                           f"live; {r['prefills']} prefill passes ({r['prefill_s']:.1f} s), "
                           f"{r['steps']} decode steps ({r['decode_s']:.1f} s), "
                           f"{r['graphs']} graphs."]
-    err = d.get("kv_error")
-    if err:
-        lines += ["", f"fp8 KV pool against the model's dtype ({err['rows']} rows of A4 pages "
-                  f"and receipts, {err['steps']} forced tokens, {err['steps_compared']} steps "
-                  f"compared up to each row's first differing token): max abs logit difference "
-                  f"{err['max_abs_logit_diff']:.4g} (mean of rows' maxima "
-                  f"{err['mean_of_row_max_diffs']:.4g}) on logits of std {err['logit_std']:.4g}; "
-                  f"{err['tokens_equal_before_first_difference']:.0%} of each row's tokens equal "
-                  f"before its first difference, on average."]
+    for key, what in (("kv_error", "fp8 KV pool against the model's dtype"),
+                      ("packed_error", "packed prefill passes against padded ones")):
+        err = d.get(key)
+        if err:
+            lines += ["", f"{what} ({err['rows']} rows of A4 pages, receipts and word crops, "
+                      f"{err['steps']} forced tokens, {err['steps_compared']} steps compared up "
+                      f"to each row's first differing token): max abs logit difference "
+                      f"{err['max_abs_logit_diff']:.4g} (mean of rows' maxima "
+                      f"{err['mean_of_row_max_diffs']:.4g}) on logits of std "
+                      f"{err['logit_std']:.4g}; {err['tokens_equal_before_first_difference']:.0%}"
+                      " of each row's tokens equal before its first difference, on average."]
     for e in d["errors"]:
         lines += ["", f"ERROR in {e['part']}: {e['error']}"]
     return "\n".join(lines) + "\n"
@@ -322,6 +324,8 @@ def main() -> None:
     ap.add_argument("--fp8-slots", type=int, default=512, help="slots with an fp8 pool")
     ap.add_argument("--kv-error-rows", type=int, default=0,
                     help="rows (A4 pages and receipts) for the fp8 logit error; 0: skip")
+    ap.add_argument("--packed-error-rows", type=int, default=0,
+                    help="rows for the packed prefill's logit error against padded; 0: skip")
     ap.add_argument("--kv-error-steps", type=int, default=64)
     ap.add_argument("--packed-chunks", default="",
                     help='packed prefill passes of these tokens, "chunked", e.g. "4096,16384"')
@@ -372,12 +376,16 @@ def main() -> None:
             max_new_tokens=4, min_new_tokens=4))
         # The running loop first: with the lease short, what is new is measured before what
         # earlier runs already showed (static batches).
-        if args.kv_error_rows:
-            sample = [encoded["a4"], encoded["receipt"]] * (args.kv_error_rows // 2)
-            found = part("kv_error", lambda: kv_error(
-                torch, engine, sample, args.kv_error_steps, cuda))
+        # A pass of rows of different lengths: the padded prefill pads them, the packed not.
+        sample = [encoded["a4"], encoded["receipt"], encoded["crop"]]
+        for name, variant, wanted in (("kv_error", {"kv_dtype": "fp8"}, args.kv_error_rows),
+                                      ("packed_error", {"packed": True}, args.packed_error_rows)):
+            if not wanted:
+                continue
+            found = part(name, lambda v=variant, n=wanted: loop_error(
+                torch, engine, (sample * n)[:n], args.kv_error_steps, cuda, v))
             if found:
-                report.data["kv_error"] = found
+                report.data[name] = found
                 report.write()
         for chunk in (int(x) for x in args.packed_chunks.split(",") if x):
             run = part(f"running_chunked_packed_{chunk}", lambda c=chunk: run_loop(

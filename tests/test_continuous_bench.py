@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_continuous_bench_smoke_run(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "bench/continuous_batching.py", "--smoke", "--out", str(tmp_path),
-         "--packed-chunks", "1024"],
+         "--packed-chunks", "1024", "--packed-error-rows", "3", "--kv-error-steps", "6"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -34,6 +34,12 @@ def test_continuous_bench_smoke_run(tmp_path: Path) -> None:
     running = [r for r in data["runs"] if r["mode"].startswith("running")]
     assert all(r["prefills"] >= 2 and 0 < r["live_share_of_slot_steps"] <= 1 for r in running)
     assert "| running chunked |" in (tmp_path / "continuous_batching_smoke.md").read_text()
+    # Packed and padded prefills of rows of three lengths: the same tokens, logits within
+    # float32 rounding (a wrong row bound moves them by far more: tests/test_running_loop.py).
+    err = data["packed_error"]
+    assert err["variant"] == {"packed": True} and err["rows"] == 3
+    assert err["tokens_equal_before_first_difference"] == 1.0
+    assert err["max_abs_logit_diff"] < 1e-4 * err["logit_std"]
 
 
 def test_gap_summary_counts_idle_once_across_overlapping_streams() -> None:
@@ -48,3 +54,38 @@ def test_gap_summary_counts_idle_once_across_overlapping_streams() -> None:
     assert out["idle_ms_by_gap_length"][">1ms"] == 2.0
     assert out["idle_ms_before_kernel"] == {"memset": 2.0, "c": 0.0}
     assert out["idle_ms_after_kernel"]["d"] == 2.0
+
+
+def test_stack_sampler_names_the_line_a_thread_sits_on(tmp_path: Path) -> None:
+    """bench/stack_sample.py: a thread that spends its time in one function is found there."""
+    import threading
+
+    from bench.stack_sample import sample
+
+    stop = threading.Event()
+
+    def spin_here() -> None:
+        while not stop.is_set():
+            sum(range(2000))
+
+    def idle_elsewhere() -> None:
+        stop.wait()
+
+    workers = [threading.Thread(target=spin_here, name="busy-one"),
+               threading.Thread(target=idle_elsewhere, name="idle-one")]
+    for w in workers:
+        w.start()
+    try:
+        sample("busy-one", 0.0, 0.3, tmp_path / "stacks.json", every_s=0.002)
+        sample("no-such-thread", 0.0, 0.1, tmp_path / "none.json")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    out = json.loads((tmp_path / "stacks.json").read_text())
+    assert out["samples"] > 10
+    functions = dict(out["functions_pct"])
+    spin = [pct for name, pct in functions.items() if name.endswith(":spin_here")]
+    assert spin and spin[0] > 90
+    assert not any(name.endswith(":idle_elsewhere") for name in functions)
+    assert "error" in json.loads((tmp_path / "none.json").read_text())

@@ -194,8 +194,10 @@ class Settings(BaseSettings):
     # "chunked": decode steps between prefill passes unless a pass is full or nothing decodes.
     prefill_gap_steps: int = Field(default=1, ge=1, le=1024)
     # Prefill passes with their rows packed end to end, no padding: a pass then costs the tokens
-    # it holds, so larger chunks carry more images a pass (ocrq/models/hunyuan/packed.py).
-    prefill_packed: bool = False
+    # it holds (ocrq/models/hunyuan/packed.py). On by default: on an H200 the service's mix made
+    # 1.23x the images/s of padded passes, the GPU busy 99% instead of 82%
+    # (bench/results/service_gpu_reading.md, run 14); false is the padded prefill.
+    prefill_packed: bool = True
     # The worker's GIL switch interval (sys.setswitchinterval), ms; None keeps Python's 5 ms.
     # A shorter one lets the thread that feeds the GPU take the GIL back sooner from the task
     # and preprocessing threads (bench/service_gpu.py compares).
