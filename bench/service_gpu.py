@@ -202,6 +202,16 @@ class GpuSampler:
             util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
             self.samples.append((time.time(), util))
 
+    def series(self, t0: float, t1: float, every_s: float = 5.0) -> list[float]:
+        """Mean utilisation of the first GPU per `every_s` seconds from `t0` to `t1`: where a
+        part's idle time sits (warm-up, steady state, drain)."""
+        bins: dict[int, list[int]] = {}
+        for t, u in self.samples:
+            if t0 <= t <= t1:
+                bins.setdefault(int((t - t0) // every_s), []).append(u[0])
+        return [round(mean(bins[b]), 1) if b in bins else float("nan")
+                for b in range(max(bins, default=-1) + 1)]
+
     def busy(self, t0: float, t1: float) -> list[float] | None:
         """Mean utilisation per GPU between two wall-clock times (None without NVML)."""
         inside = [u for t, u in self.samples if t0 <= t <= t1]
@@ -233,6 +243,8 @@ def rates(jobs: list[Job], finish: dict[str, float], started: float, gpus: GpuSa
         "a4_pages_per_s_steady": round(sum(j.kind == "a4" for j in in_window) / span, 3),
         "gpu_busy_steady_pct": gpus.busy(t0, t1),
         "gpu_busy_all_pct": gpus.busy(started, last),
+        "gpu_busy_by_5s": gpus.series(started, last),
+        "steady_window_s": [round(t0 - started, 1), round(t1 - started, 1)],
         "latency_by_kind": latency_by_kind(done, finish, started),
     }
 
@@ -737,6 +749,8 @@ def render(d: dict[str, Any]) -> str:
         lines.append(f"- latency from rows: `{json.dumps(r.get('latency'))}`")
         lines.append(f"- workers: {', '.join(r.get('workers', []))}")
         lines.append(f"- running loop: `{json.dumps(r.get('loop'))}`")
+        lines.append(f"- GPU busy % per 5 s (steady window {r.get('steady_window_s')} s): "
+                     f"{r.get('gpu_busy_by_5s')}")
         stages = r.get("stages") or {}
         if stages:
             lines += ["", "| stage | mean s | count |", "|---|---:|---:|"]
@@ -754,7 +768,9 @@ def render(d: dict[str, Any]) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         for name, r in runs:
             if name.startswith("engine_alone") and r.get("loop"):
-                lines += ["", f"{name}, running loop: `{json.dumps(r['loop'])}`"]
+                lines += ["", f"{name}, running loop: `{json.dumps(r['loop'])}`",
+                          "", f"{name}, GPU busy % per 5 s (steady window "
+                          f"{r.get('steady_window_s')} s): {r.get('gpu_busy_by_5s')}"]
     if "ratio" in d:
         lines += ["", f"Service / engine alone (images/s, steady): {d['ratio']}"]
     if d.get("errors"):
