@@ -190,9 +190,13 @@ class Settings(BaseSettings):
     # a pass / a chunk holds (their activations are reserved in the memory budget).
     prefill_schedule: PrefillSchedule = "chunked"
     prefill_tokens: int = Field(default=16384, ge=256, le=1_048_576)
-    prefill_chunk_tokens: int = Field(default=4096, ge=256, le=1_048_576)
+    # 16,384 packed tokens a chunk, a pass at most every 4 decode steps: fewer, fuller passes,
+    # whose host cost is paid per pass (on an H200 1.06x the images/s of 4,096 and every step,
+    # GPU busy 97% instead of 95%: bench/results/service_gpu_reading.md, run 16). Its reserve
+    # is 2.5 GiB of activations instead of 0.6: lower it on a small GPU to keep the KV pool.
+    prefill_chunk_tokens: int = Field(default=16384, ge=256, le=1_048_576)
     # "chunked": decode steps between prefill passes unless a pass is full or nothing decodes.
-    prefill_gap_steps: int = Field(default=1, ge=1, le=1024)
+    prefill_gap_steps: int = Field(default=4, ge=1, le=1024)
     # Prefill passes with their rows packed end to end, no padding: a pass then costs the tokens
     # it holds (ocrq/models/hunyuan/packed.py). On by default: on an H200 the service's mix made
     # 1.23x the images/s of padded passes, the GPU busy 99% instead of 82%
