@@ -26,11 +26,15 @@ Layout (ocrq/models/slots.py says why a pool of ranges):
 Prefill schedules (`LoopConfig.schedule`), the knob the GPU bench compares:
 
 * "alternate": decode until a quarter of the slots are free (or nothing runs), then prefill every
-  waiting row that fits in one pass of at most `prefill_tokens` padded prompt tokens; fewer,
+  waiting row that fits in one pass of at most `prefill_tokens` prompt tokens; fewer,
   larger prefill passes, slots idle a little longer;
 * "chunked": before every decode step, prefill the waiting rows that fit in a chunk of at most
-  `chunk_tokens` padded prompt tokens (whole rows: the vision tower needs a whole image), so
-  prefill work is spread between the steps and freed slots refill at once.
+  `chunk_tokens` prompt tokens (whole rows: the vision tower needs a whole image), so
+  prefill work is spread between the steps and freed slots refill soon; with `prefill_gap`
+  steps between passes unless a pass is full, so that passes are fewer and fuller.
+
+A pass's tokens count padding (rows x the longest prompt) unless `packed`
+(ocrq/models/hunyuan/packed.py, the worker's default): its rows end to end.
 
 The greedy arithmetic (scores, repetition penalty, eos ban, the guard's rule) is the static
 loop's, per row; a row's tokens do not depend on the rows beside it (tests).
@@ -110,7 +114,7 @@ class LoopConfig:
     pool_tokens: int
     max_new_tokens: int
     schedule: str = "chunked"
-    prefill_tokens: int = 16384  # padded prompt tokens of one prefill pass ("alternate")
+    prefill_tokens: int = 16384  # prompt tokens of one prefill pass ("alternate")
     chunk_tokens: int = 4096  # ... of one chunk between decode steps ("chunked")
     # "chunked": decode steps between prefill passes, unless a pass is full or nothing runs.
     # A pass costs its host time (the vision tower and every layer launched from Python)
