@@ -231,8 +231,8 @@ def test_packed_rows_attending_across_their_bounds_is_caught(
     def joined(*args: Any, **kwargs: Any) -> Any:
         batch = real_pack(*args, **kwargs)
         if batch.last.numel() > 1:
-            bounds = batch.bounds.tolist()
-            batch.bounds = torch.tensor(bounds[:1] + bounds[2:], dtype=torch.int32)
+            batch.edges = batch.edges[:1] + batch.edges[2:]
+            batch.bounds = torch.tensor(batch.edges, dtype=torch.int32)
         return batch
 
     want = run_packed(engine, True)["done"]
@@ -475,3 +475,27 @@ def test_static_batches_honour_each_jobs_cap(engine: HunyuanEngine) -> None:
     assert [len(r.token_ids) for r in rows] == [3, 9, 5]
     alone = engine.generate([items[2]], max_new_tokens=5).items[0]
     assert rows[2].token_ids == alone.token_ids and rows[2].text == alone.text
+
+
+def test_flash_varlen_only_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed attention takes torch's flash kernel on Ampere and newer only; a T4 or a V100
+    (capability 7.x) and a head size it cannot take fall back to SDPA per row. There is no GPU
+    here, so the queries are a stand-in with a tensor's attributes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ocrq.models.hunyuan import packed
+
+    def queries(dtype: Any = torch.bfloat16, dim: int = 128) -> Any:
+        return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(10, 16, dim),
+                               device=SimpleNamespace(index=0))
+
+    assert not packed.flash_varlen_ok(torch.zeros(4, 2, 8, dtype=torch.bfloat16))  # the CPU
+    monkeypatch.setattr(packed, "_capability", lambda index: (9, 0))
+    assert packed.flash_varlen_ok(queries())
+    assert not packed.flash_varlen_ok(queries(torch.float32))
+    assert not packed.flash_varlen_ok(queries(dim=72 + 4))
+    assert not packed.flash_varlen_ok(queries(dim=512))
+    monkeypatch.setattr(packed, "_capability", lambda index: (7, 5))
+    assert not packed.flash_varlen_ok(queries())

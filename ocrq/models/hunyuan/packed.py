@@ -22,6 +22,7 @@ each row through SDPA (tests). The tests hold it to the padded prefill's tokens 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,7 @@ class PackedBatch:
     grid: torch.Tensor  # (images, 3) on the CPU
     image_at: torch.Tensor  # (image tokens,) long: where image features go
     bounds: torch.Tensor  # (rows + 1,) int32: cumulative row lengths, on the device
+    edges: list[int]  # the same on the host (the attention without the flash kernel)
     last: torch.Tensor  # (rows,) long: each row's last token
     row_of: torch.Tensor  # (tokens,) long: the row each token belongs to
     longest: int  # tokens of the longest row
@@ -75,6 +77,7 @@ def pack(rows: Sequence[EncodedImage], image_token_id: int, device: Any, dtype: 
         grid=torch.cat([r.image_grid_thw for r in rows], dim=0),
         image_at=to_device(image_token_at(rows, image_token_id, offsets), long, device),
         bounds=to_device(offsets, torch.int32, device),
+        edges=offsets,
         last=to_device([o - 1 for o in offsets[1:]], long, device),
         row_of=to_device(row_of, long, device),
         longest=max(lengths),
@@ -108,15 +111,33 @@ def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pack
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if flash_varlen_ok(q):
         return torch.ops.aten._flash_attention_forward(
             q, k, v, batch.bounds, batch.bounds, batch.longest, batch.longest, 0.0, True, False,
             scale=scale,
         )[0]
     out = torch.empty_like(q)
-    edges = batch.bounds.tolist()  # the device's bounds, as the kernel reads them (no GPU here)
-    for lo, hi in itertools.pairwise(edges):
+    for lo, hi in itertools.pairwise(batch.edges):  # host bounds: no sync on a GPU either
         out[lo:hi] = F.scaled_dot_product_attention(
             *(t[lo:hi].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=scale
         )[0].transpose(0, 1)
     return out
+
+
+def flash_varlen_ok(q: torch.Tensor) -> bool:
+    """Whether torch's flash kernel takes these queries: CUDA (not ROCm), fp16/bf16, an Ampere
+    or newer GPU, a head size of at most 256 in multiples of 8. Elsewhere (a T4, a V100, the
+    CPU) each row goes through SDPA: slower, the same result."""
+    import torch
+
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or torch.version.hip:
+        return False
+    dim = q.shape[-1]
+    return _capability(q.device.index or 0)[0] >= 8 and dim % 8 == 0 and dim <= 256
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
