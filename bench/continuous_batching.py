@@ -323,7 +323,7 @@ def main() -> None:
                     help='running-loop KV pools to run, e.g. "auto,fp8" (OCRQ_KV_CACHE_DTYPE)')
     ap.add_argument("--fp8-slots", type=int, default=512, help="slots with an fp8 pool")
     ap.add_argument("--kv-error-rows", type=int, default=0,
-                    help="rows (A4 pages and receipts) for the fp8 logit error; 0: skip")
+                    help="rows (A4 pages, receipts, word crops) for the fp8 logit error; 0: skip")
     ap.add_argument("--packed-error-rows", type=int, default=0,
                     help="rows for the packed prefill's logit error against padded; 0: skip")
     ap.add_argument("--kv-error-steps", type=int, default=64)

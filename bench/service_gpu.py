@@ -202,14 +202,14 @@ class GpuSampler:
             util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
             self.samples.append((time.time(), util))
 
-    def series(self, t0: float, t1: float, every_s: float = 5.0) -> list[float]:
+    def series(self, t0: float, t1: float, every_s: float = 5.0) -> list[float | None]:
         """Mean utilisation of the first GPU per `every_s` seconds from `t0` to `t1`: where a
         part's idle time sits (warm-up, steady state, drain)."""
         bins: dict[int, list[int]] = {}
         for t, u in self.samples:
             if t0 <= t <= t1:
                 bins.setdefault(int((t - t0) // every_s), []).append(u[0])
-        return [round(mean(bins[b]), 1) if b in bins else float("nan")
+        return [round(mean(bins[b]), 1) if b in bins else None
                 for b in range(max(bins, default=-1) + 1)]
 
     def busy(self, t0: float, t1: float) -> list[float] | None:
