@@ -89,3 +89,14 @@ def test_stack_sampler_names_the_line_a_thread_sits_on(tmp_path: Path) -> None:
     assert spin and spin[0] > 90
     assert not any(name.endswith(":idle_elsewhere") for name in functions)
     assert "error" in json.loads((tmp_path / "none.json").read_text())
+
+
+def test_busy_series_bins_by_five_seconds_and_marks_empty_bins() -> None:
+    """bench/service_gpu.py's NVML series: samples averaged per 5 s from the part's start, a
+    bin without samples is null (the report must stay JSON), samples outside are left out."""
+    from bench.service_gpu import GpuSampler
+
+    sampler = GpuSampler([])
+    sampler.samples = [(99.0, [7]), (100.0, [10]), (102.0, [30]), (111.0, [90]), (130.0, [5])]
+    assert sampler.series(100.0, 112.0) == [20.0, None, 90.0]
+    assert sampler.busy(100.0, 112.0) == [round((10 + 30 + 90) / 3, 1)]
