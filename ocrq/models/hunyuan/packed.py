@@ -14,10 +14,10 @@ pads instead.
 
 Every layer is the padded prefill's (`text_layers` in ocrq/models/hunyuan/prefill.py: the same
 modules and Triton norm/RoPE kernels) over the flat (tokens, hidden) stream; only the attention
-differs: each row
-attends causally over its own tokens, by cumulative lengths. On CUDA that is the flash kernel
-SDPA itself uses for variable lengths (`torch.ops.aten._flash_attention_forward`); elsewhere
-each row through SDPA (tests). The tests hold it to the padded prefill's tokens and logits.
+differs: each row attends causally over its own tokens, by cumulative lengths. On CUDA that
+is the flash kernel SDPA itself uses for variable lengths
+(`torch.ops.aten._flash_attention_forward`); elsewhere each row through SDPA (tests). The tests
+hold it to the padded prefill's tokens and logits.
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ class PackedBatch:
     edges: list[int]  # the same on the host (the attention without the flash kernel)
     last: torch.Tensor  # (rows,) long: each row's last token
     row_of: torch.Tensor  # (tokens,) long: the row each token belongs to
-    longest: int  # tokens of the longest row
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest row."""
+        return max(hi - lo for lo, hi in itertools.pairwise(self.edges))
 
 
 def pack(rows: Sequence[EncodedImage], image_token_id: int, device: Any, dtype: Any
@@ -80,7 +84,6 @@ def pack(rows: Sequence[EncodedImage], image_token_id: int, device: Any, dtype: 
         edges=offsets,
         last=to_device([o - 1 for o in offsets[1:]], long, device),
         row_of=to_device(row_of, long, device),
-        longest=max(lengths),
     )
 
 
