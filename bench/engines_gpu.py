@@ -114,6 +114,10 @@ def settings(args: argparse.Namespace, ckpt: Path) -> Settings:
         max_new_tokens=args.new_tokens,
         memory_budget_gib=args.budget_gib,
         vllm_max_num_seqs=max(args.batches),
+        # vLLM 0.32 runs HunYuanVL through its transformers backend, so it has transformers'
+        # image-token numerics (ocrq/models/hunyuan/fidelity.py): the reference must too.
+        hunyuan_rope="transformers",
+        hunyuan_vit_positions="transformers",
     )
 
 

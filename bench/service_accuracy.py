@@ -5,6 +5,12 @@ it; the texts scored are the ones read back from PostgreSQL by `ocrq submit --wa
 
     bash scripts/services.sh   # Redis + PostgreSQL on localhost
     .venv/bin/python bench/service_accuracy.py --data ../shared/data/ocr-eval --out bench/results
+
+With real HunyuanOCR weights, one command measures what following the training code's
+image-token numerics is worth on your own checkpoint and images (two passes, side by side):
+
+    OCRQ_MODEL=/path/to/HunyuanOCR .venv/bin/python bench/service_accuracy.py \
+        --engine hunyuan --ab-numerics --data YOUR_EVAL_DIR --out /tmp/ab
 """
 
 from __future__ import annotations
@@ -83,15 +89,9 @@ def worst_task_seconds(worker_log: Path) -> float:
     return round(max((float(x) for x in found), default=0.0), 1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path("../shared/data/ocr-eval"))
-    ap.add_argument("--engine", default="rapid")
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
-    args = ap.parse_args()
-    data = args.data.resolve()
-    entries = load_manifest(data)
+def run_service(args: argparse.Namespace, entries: list, data: Path, stem: str,
+                extra_env: dict[str, str]) -> dict:
+    """One pass of every entry through a fresh worker, database and queue; the report."""
     db = f"postgresql+psycopg://postgres@127.0.0.1:5432/ocrq_bench_{uuid.uuid4().hex[:6]}"
     env = {
         **os.environ,
@@ -100,9 +100,11 @@ def main() -> None:
         "OCRQ_QUEUE": f"ocr-bench-{uuid.uuid4().hex[:6]}",
         "OCRQ_ALLOWED_ROOTS": str(data),
         "OCRQ_ENGINE": args.engine,
+        **extra_env,
     }
     subprocess.run([str(BIN / "ocrq"), "migrate"], env=env, check=True)
-    log = open(args.out / f"service_accuracy_{args.engine}.worker.log", "w")  # noqa: SIM115
+    log_path = args.out / f"{stem}.worker.log"
+    log = open(log_path, "w")  # noqa: SIM115
     worker = subprocess.Popen(
         [str(BIN / "ocrq"), "worker", "--concurrency", str(args.concurrency)],
         env=env,
@@ -132,36 +134,84 @@ def main() -> None:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(120)
         log.close()
-    worst = worst_task_seconds(args.out / f"service_accuracy_{args.engine}.worker.log")
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     texts = {r["path"]: r["text"] or "" for r in rows}
     statuses = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed")}
-    report = {
+    return {
         "engine": args.engine,
+        **extra_env,
         "path": "ocrq submit --wait -> Redis -> ocrq worker -> PostgreSQL",
-        "hardware": f"{platform.machine()}, {os.cpu_count()} CPUs (no GPU)",
+        "hardware": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "images": len(rows),
         **statuses,
         "wall_s": round(wall, 1),
         "images_per_s": round(len(rows) / wall, 3),
-        "worst_delivery_to_ack_s": worst,
+        "worst_delivery_to_ack_s": worst_task_seconds(log_path),
         **score(entries, texts),
+        "texts": texts,
     }
+
+
+def write_report(out: Path, stem: str, title: str, command: str, reports: list[dict]) -> None:
+    """JSON of every pass and a table with one column per pass (texts only in the JSON)."""
+    (out / f"{stem}.json").write_text(json.dumps(reports if len(reports) > 1 else reports[0],
+                                                 indent=2, ensure_ascii=False))
+    keys = [k for k in reports[0] if k not in ("engine", "hardware", "texts", "path")]
+    lines = [f"# {title}", "", f"Command: `{command}` ({reports[0]['hardware']}).", ""]
+    if len(reports) == 1:
+        lines += ["| measure | value |", "|---|---|"]
+        lines += [f"| {k} | {reports[0][k]} |" for k in keys]
+    else:
+        lines += ["| measure | " + " | ".join(r["label"] for r in reports) + " |",
+                  "|---|" + "---|" * len(reports)]
+        lines += [f"| {k} | " + " | ".join(str(r.get(k)) for r in reports) + " |"
+                  for k in keys if k != "label"]
+        a, b = reports[0]["texts"], reports[1]["texts"]
+        same = sum(a[p] == b.get(p) for p in a)
+        lines += ["", f"Texts identical in both passes: {same} of {len(a)} images."]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=Path("../shared/data/ocr-eval"))
+    ap.add_argument("--engine", default="rapid")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--limit", type=int, default=None, help="the first N images of the manifest")
+    ap.add_argument(
+        "--ab-numerics",
+        action="store_true",
+        help="hunyuan: two passes, HunyuanOCR's image-token numerics as trained and as "
+        "transformers has them (OCRQ_HUNYUAN_ROPE / OCRQ_HUNYUAN_VIT_POSITIONS), side by side",
+    )
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    data = args.data.resolve()
+    entries = load_manifest(data)[: args.limit]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"service_accuracy_{args.engine}"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    lines = [
-        f"# Accuracy through the service: engine {args.engine}",
-        "",
-        f"Command: `python bench/service_accuracy.py --engine {args.engine}` "
-        f"({report['hardware']}).",
-        "",
-        "| measure | value |",
-        "|---|---|",
-    ]
-    lines += [f"| {k} | {v} |" for k, v in report.items() if k not in ("engine", "hardware")]
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(json.dumps(report, indent=2))
+    if not args.ab_numerics:
+        report = run_service(args, entries, data, stem, {})
+        write_report(args.out, stem, f"Accuracy through the service: engine {args.engine}",
+                     f"python bench/service_accuracy.py --engine {args.engine}", [report])
+        print(json.dumps({k: v for k, v in report.items() if k != "texts"}, indent=2))
+        return
+    if args.engine != "hunyuan":
+        raise SystemExit("--ab-numerics compares HunyuanOCR's numerics: use --engine hunyuan")
+    reports = []
+    for mode in ("trained", "transformers"):
+        env = {"OCRQ_HUNYUAN_ROPE": mode, "OCRQ_HUNYUAN_VIT_POSITIONS": mode}
+        report = run_service(args, entries, data, f"{stem}_numerics_{mode}", env)
+        reports.append({"label": mode, **report})
+    write_report(
+        args.out,
+        f"{stem}_numerics",
+        "HunyuanOCR's numerics as trained vs as transformers has them, through the service",
+        f"python bench/service_accuracy.py --engine hunyuan --ab-numerics (OCRQ_MODEL="
+        f"{os.environ.get('OCRQ_MODEL', 'tencent/HunyuanOCR')})",
+        reports,
+    )
+    print(json.dumps([{k: v for k, v in r.items() if k != "texts"} for r in reports], indent=2))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,16 @@ def main(argv: list[str]) -> None:
     from ocrq.models.hunyuan import HunyuanEngine
 
     ckpt, max_new_tokens, spec = argv[0], int(argv[1]), json.loads(argv[2])
-    settings = Settings(model=ckpt, dtype="float32", device="cpu", max_new_tokens=max_new_tokens)
+    # vLLM 0.32 runs HunYuanVL through its transformers backend, with transformers' image-token
+    # numerics (ocrq/models/hunyuan/fidelity.py), so the reference takes them too.
+    settings = Settings(
+        model=ckpt,
+        dtype="float32",
+        device="cpu",
+        max_new_tokens=max_new_tokens,
+        hunyuan_rope="transformers",
+        hunyuan_vit_positions="transformers",
+    )
     engine = HunyuanEngine(settings, decode="generate")
     engine.load()
     items = []

@@ -27,6 +27,9 @@ PreprocessMode = Literal["tensor", "processor"]
 Scheduler = Literal["auto", "static", "continuous"]
 # When the running loop prefills waiting rows (ocrq/models/hunyuan/running.py says how each goes).
 PrefillSchedule = Literal["alternate", "chunked"]
+# Where HunyuanOCR's image-token numerics follow the code the model was trained with ("trained")
+# or transformers' HunYuanVL ("transformers"); ocrq/models/hunyuan/fidelity.py says how they differ.
+HunyuanNumerics = Literal["trained", "transformers"]
 
 
 class Settings(BaseSettings):
@@ -168,6 +171,11 @@ class Settings(BaseSettings):
     # ocrq.core.contract.TASKS, or "custom" for free prompts. The model's own limit always applies.
     task_max_pixels: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
     attention: str = "sdpa"
+    # HunyuanOCR's XD-RoPE layout for image tokens and its ViT position-table interpolation:
+    # Tencent's training code by default; "transformers" reproduces transformers' (and vLLM's)
+    # outputs. Text tokens and decode steps are the same either way.
+    hunyuan_rope: HunyuanNumerics = "trained"
+    hunyuan_vit_positions: HunyuanNumerics = "trained"
     dtype: str = "bfloat16"
     device: str = "auto"
     # Which loop generates: "fast" (ocrq's, CUDA graphs and Triton kernels; same greedy tokens)

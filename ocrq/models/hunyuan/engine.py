@@ -46,6 +46,7 @@ from ocrq.models.hunyuan.checkpoint import (
     snapshot_commit,
 )
 from ocrq.models.hunyuan.decode import DecodeStats, HunyuanDecoder, fast_decoder
+from ocrq.models.hunyuan.fidelity import follow_training
 from ocrq.models.hunyuan.generation import (
     DECODE_MODES,
     BatchOutput,
@@ -133,6 +134,8 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         model, processor = ckpt.model, ckpt.processor
         isolate_rows(model)
         batch_vision_attention(model)
+        s = self.settings
+        follow_training(model, rope=s.hunyuan_rope, vit_positions=s.hunyuan_vit_positions)
         self.version = version_of_checkpoint(ckpt.path)
         gen = greedy_config(model.generation_config)
         # The checkpoint's own penalty where its generation config names one, else Tencent's
@@ -168,7 +171,8 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self.scripted = scripted_lengths(ckpt.path)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, "
-            "repetition penalty %s, max %d pixels, %s preprocessing) in %.1f s",
+            "repetition penalty %s, max %d pixels, %s preprocessing, RoPE layout %s, ViT "
+            "positions %s) in %.1f s",
             self.version.name,
             ckpt.path,
             ckpt.device,
@@ -177,6 +181,8 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             self.repetition_penalty,
             self.geometry.max_pixels,
             self.settings.preprocess,
+            self.settings.hunyuan_rope,
+            self.settings.hunyuan_vit_positions,
             time.perf_counter() - started,
         )
 

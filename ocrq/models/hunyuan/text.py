@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ocrq.models.hunyuan.fidelity import axis_of_dim, rope_layout_of
 from ocrq.models.hunyuan.kernels import add_rms_norm, rope_rms_norm
 from ocrq.models.hunyuan.kv_cache import store
 
@@ -40,20 +41,18 @@ class TextModel:
         self.device = model.device
         self.dtype = model.dtype
 
-        # RoPE: which position axis drives each rotary dimension. transformers builds cos/sin
-        # per axis, concatenates (freq, freq) and takes chunk i (2 * section[i] wide) from axis i;
-        # gathering the axis per dimension gives the same numbers without the per-axis tensors.
+        # RoPE: which position axis drives each rotary dimension, in the layout installed on
+        # this model instance (ocrq/models/hunyuan/fidelity.py: the training code's by default,
+        # transformers' on request), so these paths and the model's own forward agree.
         rotary = lm.rotary_emb
         sections = list(rotary.mrope_section or [])
         self.axes = max(1, len(sections))
-        axis_of_dim: list[int] = []
-        for i, width in enumerate(sections):
-            axis_of_dim += [i % self.axes] * (2 * int(width))
-        if not sections:
-            axis_of_dim = [0] * self.head_dim
-        if len(axis_of_dim) != self.head_dim:
-            raise ValueError(f"mrope sections {sections} do not cover head_dim {self.head_dim}")
-        self.axis_of_dim = torch.tensor(axis_of_dim, dtype=torch.long, device=self.device)
+        self.rope_layout = rope_layout_of(model)
+        self.axis_of_dim = torch.tensor(
+            axis_of_dim(sections, self.head_dim, self.rope_layout),
+            dtype=torch.long,
+            device=self.device,
+        )
         inv = rotary.inv_freq.to(device=self.device, dtype=torch.float32)
         self.inv_full = torch.cat((inv, inv))
         self.rope_scaling = float(rotary.attention_scaling)
