@@ -98,12 +98,12 @@ def interpolate_positions(
 ) -> torch.Tensor:
     """The (1, C, E, E) position table resampled to (1, C, height, width), float32.
 
-    "trained" samples output cell i at source coordinate (i + 0.5) / scale - 0.5 with
-    scale = (n + 0.1) / E on each axis, which is what the training code's
-    `interpolate(scale_factor=...)` computes on CUDA, where it ran. It is written out here
-    because torch's CPU kernel differs: it leaves an axis whose size does not change untouched
-    (CUDA does that only when both do), so a 128-row grid would be resampled one way on a GPU
-    and another on a CPU."""
+    "trained" is the training code's call, `interpolate(scale_factor=(n + 0.1) / E)`, as it
+    computes on CUDA, where the model was trained: output cell i samples source coordinate
+    (i + 0.5) / scale - 0.5 on each axis. torch's CPU kernel departs from that in one case:
+    it leaves an axis whose size does not change untouched (CUDA does so only when both keep
+    their size), so a grid with exactly one side equal to E is resampled here with the formula
+    written out, the same numbers on every device."""
     import torch.nn.functional as F
 
     if mode not in NUMERICS:
@@ -113,15 +113,19 @@ def interpolate_positions(
         return F.interpolate(table, size=(height, width), mode=interpolate_mode,
                              align_corners=False)
     edge_h, edge_w = table.shape[-2:]
-    if interpolate_mode != "bilinear":
-        return F.interpolate(table, scale_factor=((height + 0.1) / edge_h, (width + 0.1) / edge_w),
-                             mode=interpolate_mode, align_corners=False)
-    if (height, width) == (edge_h, edge_w):  # both kernels copy a table of the grid's own size
-        return table.clone()
-    rows = _bilinear_taps(height, edge_h, table.device)
-    cols = _bilinear_taps(width, edge_w, table.device)
-    out = _lerp_axis(table, -1, *cols)
-    return _lerp_axis(out, -2, *rows)
+    if interpolate_mode == "bilinear" and (height == edge_h) != (width == edge_w):
+        out = _lerp_axis(table, -1, *_bilinear_taps(width, edge_w, table.device))
+        return _lerp_axis(out, -2, *_bilinear_taps(height, edge_h, table.device))
+    out = F.interpolate(
+        table,
+        scale_factor=((height + 0.1) / edge_h, (width + 0.1) / edge_w),
+        mode=interpolate_mode,
+        align_corners=False,
+    )
+    if tuple(out.shape[-2:]) != (height, width):  # cannot happen for grids up to 10^5 a side
+        raise ValueError(f"position table resampled to {tuple(out.shape[-2:])}, "
+                         f"not {(height, width)}")
+    return out
 
 
 def _bilinear_taps(

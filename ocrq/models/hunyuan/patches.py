@@ -11,6 +11,10 @@ only a batch has, that the library's code leaves; both keep the library's own ar
   layer (27 x batch calls, ~1 ms of host time each), so a large batch's prefill is host-bound;
   equal-sized images go through one call instead.
 
+The two places where ocrq follows the training code over the library's numerics (the XD-RoPE
+layout, the ViT position interpolation) are installed the same way, by
+ocrq/models/hunyuan/fidelity.py.
+
 Only this instance's methods change (bound methods set on the instance, the class untouched), so
 another model in the process, or the library's own tests, see the library as it is.
 """
