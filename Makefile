@@ -9,6 +9,7 @@ test:
 
 lint:
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports
 
 services:
 	bash scripts/services.sh

@@ -1,6 +1,6 @@
 """What the HunyuanOCR benchmarks share: the model they run, how they say what ran, timers.
 
-Every benchmark runs a random-weight checkpoint (ocrq/models/hunyuan/tiny.py: the full 1.0 or 1.5
+Every benchmark runs a random-weight checkpoint (ocrq/testing/tiny_hunyuan.py: the full 1.0 or 1.5
 shape on a GPU, the tiny ones for smoke tests on a CPU) loaded through the engine's own path, and
 starts its report with `run_meta`, so a result file says how to reproduce it. Import this module
 after the script has put the repository on sys.path.
@@ -55,7 +55,7 @@ def random_checkpoint(directory: Path, args: argparse.Namespace, version: str = 
     """A checkpoint of --shape and `version` ("1.0": flat config, 2048² pixels; "1.5": nested,
     ~4096²) with random weights under `directory`, built on --device (much faster on a GPU), on
     the CPU if that fails."""
-    from ocrq.models.hunyuan.tiny import SHAPES, TINY_SHAPES, build_checkpoint
+    from ocrq.testing.tiny_hunyuan import SHAPES, TINY_SHAPES, build_checkpoint
 
     ckpt = directory / ("ckpt" if version == "1.0" else f"ckpt-{version}")
     shape = SHAPES[version] if args.shape == "full" else TINY_SHAPES[version]

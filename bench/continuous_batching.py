@@ -13,7 +13,7 @@ exactly to it (eos banned before it; the static loop forces its batch's longest)
 class from a log-normal around the class's median (--crop-tokens, --receipt-tokens,
 --a4-tokens), the mix set by --mix.
 
-    PYTHONUNBUFFERED=1 python bench/continuous_batching.py --out bench/results
+    PYTHONUNBUFFERED=1 python bench/continuous_batching.py --out bench/results/continuous_batching
     python bench/continuous_batching.py --smoke --out /tmp/cb   # tiny model on the CPU
 """
 

@@ -11,13 +11,13 @@ of that step, prefill seconds, end-to-end images/s and peak memory against the c
 "plain" is the engine as it was before the fast path: `generate()` with transformers' per-image
 vision attention loop. "fast" is the default engine now: grouped vision attention in the prefill
 (ocrq/models/hunyuan/patches.py) and the graphed decode loop. Random weights of the full
-HunyuanOCR-1.0 shape (ocrq/models/hunyuan/tiny.py), every run forces --new-tokens new tokens.
+HunyuanOCR-1.0 shape (ocrq/testing/tiny_hunyuan.py), every run forces --new-tokens new tokens.
 
 The floor of a decode step is the bytes it must read over the bandwidth: the text decoder's and
 lm_head's weights (the vision tower is not read while decoding) plus every row's KV cache up to
 the current position (96 KiB per token for this shape), averaged over the steps.
 
-    PYTHONUNBUFFERED=1 python bench/decode_speed.py --out bench/results
+    PYTHONUNBUFFERED=1 python bench/decode_speed.py --out bench/results/decode_speed
     python bench/decode_speed.py --shape tiny --device cpu --new-tokens 6 --batches 1,2 \\
         --out /tmp/ds   # smoke test without a GPU
 """

@@ -7,7 +7,7 @@ splitting job, 50 page jobs that render their own page). Also timed alone: rende
 in this process (PDFium, one lock), so it can be set against the OCR time per page.
 
     bash scripts/services.sh
-    .venv/bin/python bench/documents.py --data ../shared/data/ocr-eval --out bench/results
+    .venv/bin/python bench/documents.py --data ../shared/data/ocr-eval --out bench/results/documents
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def make_pdf(paths: list[Path], out: Path) -> Path:
 def render_only(pdf: Path, pages: int) -> float:
     """Seconds to render every page once, as page jobs do (lazily from the file, one lock)."""
     from ocrq.core.settings import Settings
-    from ocrq.worker.documents import Document, render_pdf_page
+    from ocrq.intake.documents import Document, render_pdf_page
 
     settings = Settings(pdf_dpi=DPI)
     t0 = time.perf_counter()
@@ -88,7 +88,7 @@ def timed_wait(env: dict[str, str], ids: list[str], label: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "ocr-eval")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "documents")
     ap.add_argument("--pages", type=int, default=50)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--broker", default="redis://127.0.0.1:6379/3")

@@ -2,7 +2,7 @@
 
 For a user with vLLM installed beside ocrq (scripts/vllm-venv.sh builds such a venv on a CPU;
 on a GPU, vLLM's own CUDA build): both engines load the same random-weight checkpoint
-(ocrq/models/hunyuan/tiny.py) through their production code, OCR the same pages, and the report
+(ocrq/testing/tiny_hunyuan.py) through their production code, OCR the same pages, and the report
 gives, per engine: load seconds, images/s and generated tokens/s at a forced length, and peak
 memory (on a GPU the device's used memory, which counts vLLM's preallocated KV cache; on a CPU
 the resident memory of this process and its children, vLLM's engine processes included).
@@ -16,7 +16,7 @@ images would show).
 vLLM could not run on the lent H200 (it is not in its image and pins another torch): no vLLM
 figures were measured for this repository; its results folder holds none.
 
-    python bench/engines_gpu.py --out bench/results                     # a GPU, full 1.5 shape
+    python bench/engines_gpu.py --out bench/results/engines_gpu   # a GPU, full 1.5 shape
     .venv-vllm/bin/python bench/engines_gpu.py --shape tiny --device cpu --dtype float32 \\
         --pages tiny-120x150 --batches 2 --new-tokens 8 --check --out /tmp/eg   # smoke test
 """
@@ -95,7 +95,7 @@ def markdown(data: dict[str, Any]) -> str:
 
 def build_checkpoint(directory: Path, args: argparse.Namespace) -> Path:
     """The version's full shape, or its tiny head_dim-32 one (vLLM's CPU attention needs 32)."""
-    from ocrq.models.hunyuan.tiny import SHAPES, TINY_VLLM_SHAPES, build_checkpoint
+    from ocrq.testing.tiny_hunyuan import SHAPES, TINY_VLLM_SHAPES, build_checkpoint
 
     shape = SHAPES[args.version] if args.shape == "full" else TINY_VLLM_SHAPES[args.version]
     path = directory / f"ckpt-{args.version}"
@@ -275,7 +275,7 @@ def main() -> None:
     ap.add_argument("--engines", type=lambda v: v.split(","), default=["hunyuan", "vllm"])
     ap.add_argument("--budget-gib", type=float, default=None, help="OCRQ_MEMORY_BUDGET_GIB")
     ap.add_argument("--check", action="store_true", help="token check against generate() first")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "engines_gpu")
     ap.add_argument("--stem", default="engines_gpu")
     args = ap.parse_args()
     started = time.perf_counter()

@@ -1,6 +1,7 @@
 """Accuracy and throughput of an OCR engine on the shared evaluation set (ocr-eval).
 
-    python bench/eval_accuracy.py --data ../shared/data/ocr-eval --engine rapid --out bench/results
+    python bench/eval_accuracy.py --data ../shared/data/ocr-eval --engine rapid \\
+        --out bench/results/eval_accuracy
 
 Runs the engine in batches exactly as a worker would (PIL decode, EXIF transpose, RGB, one
 PreparedImage per image, `engine.run(batch)`), then scores with bench/scoring.py: SVT word-crop
@@ -444,7 +445,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "ocr-eval")
     ap.add_argument("--engine", default="rapid")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "eval_accuracy")
     ap.add_argument("--batch-size", type=int, default=8, help="images per engine.run")
     ap.add_argument(
         "--only", nargs="*", choices=KIND_ORDER, help="score only these kinds (default: all)"

@@ -1,17 +1,17 @@
 """Who holds a worker's GIL while the service runs, by thread and by the code it runs.
 
 Why: on the H200 the service reached 0.85-0.89 of the engine alone's images/s with the same
-running loop (bench/results/service_gpu_reading.md, runs 5-7). The loop's thread launches the
-prefill from Python, and every other thread of the worker process shares one GIL with it. This
-names those threads and what they do per job: Celery's consumer, the task threads storing rows,
-decoding images and preprocessing, the finisher.
+running loop (bench/results/service_gpu/service_gpu_reading.md, runs 5-7). The loop's thread
+launches the prefill from Python, and every other thread of the worker process shares one GIL with
+it. This names those threads and what they do per job: Celery's consumer, the task threads storing
+rows, decoding images and preprocessing, the finisher.
 
 It runs `bench/service_gpu.py` (the service part only, Redis and PostgreSQL as given), finds
 the worker once it is ready, and samples it with py-spy's `--gil` mode, which records only the
 thread holding the GIL. Needs `pip install py-spy` and permission to attach (root, or ptrace
 allowed).
 
-    python bench/gil_profile.py --out bench/results \\
+    python bench/gil_profile.py --out bench/results/gil_profile \\
         --broker-url redis://127.0.0.1:6379/9 --database-url postgresql://postgres@127.0.0.1/ocrq_bench
     (defaults: the tiny model on this machine's CPU, OCRQ_SCHEDULER=continuous; on a GPU pass
     --device cuda --shape full and no OCRQ_SCHEDULER is needed)

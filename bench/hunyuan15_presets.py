@@ -1,6 +1,6 @@
 """HunyuanOCR 1.5 against 1.0 under the resolution presets, and what the repetition guard saves.
 
-One run, one GPU, random weights of the full 1.0 and 1.5 shapes (ocrq/models/hunyuan/tiny.py; the
+One run, one GPU, random weights of the full 1.0 and 1.5 shapes (ocrq/testing/tiny_hunyuan.py; the
 backbone is the same, 1.5 takes up to ~4096² pixels where 1.0 stops at 2048²). For an A4 page at
 150 dpi (1248x1760) and at 300 dpi (2480x3508), under each preset
 (ocrq/models/hunyuan/resolution.py):
@@ -24,8 +24,9 @@ the same prompt as one already measured reuses it ("same as"). A batch is as lar
 allows, fewer where a page brings more than --patch-budget vision patches in total. Results go to
 --out as JSON and a markdown table after every part, so a run cut short keeps what it measured.
 
-    PYTHONUNBUFFERED=1 python bench/hunyuan15_presets.py --out bench/results   # H200, ~4-5 min
-    python bench/hunyuan15_presets.py --smoke --out /tmp/h15                     # CPU, tiny
+    # H200, ~4-5 min:
+    PYTHONUNBUFFERED=1 python bench/hunyuan15_presets.py --out bench/results/hunyuan15_presets
+    python bench/hunyuan15_presets.py --smoke --out /tmp/h15  # CPU, tiny
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ from bench.common import (  # noqa: E402
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
-from ocrq.models.hunyuan.tiny import ForcedLoop  # noqa: E402
 from ocrq.models.hunyuan.versions import RepetitionGuard  # noqa: E402
+from ocrq.testing.tiny_hunyuan import ForcedLoop  # noqa: E402
 
 GiB = 1024**3
 PAGES = {"a4-150dpi": (1248, 1760), "a4-300dpi": (2480, 3508)}

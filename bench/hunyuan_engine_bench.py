@@ -2,8 +2,8 @@
 
 Why random weights: speed and memory depend on shapes, not on weight values, and the benchmark
 must run where no checkpoint can be downloaded. The script writes a random-weight checkpoint of
-the full HunyuanOCR-1.0 shape (ocrq/models/hunyuan/tiny.py, HUNYUAN_OCR_1_0) to a temp dir and loads
-it through `HunyuanEngine.load`, so every number comes from the engine's own code path
+the full HunyuanOCR-1.0 shape (ocrq/testing/tiny_hunyuan.py, HUNYUAN_OCR_1_0) to a temp dir and
+loads it through `HunyuanEngine.load`, so every number comes from the engine's own code path
 (processor, left-padded collation, generate). Every run forces 256 new tokens
 (min_new_tokens = max_new_tokens) so runs compare with each other and with the baseline.
 
@@ -14,7 +14,7 @@ the loaded model and its share per image (input for the cost-model fit), images/
 generated tokens/s. A series for one page size stops when the next batch would exceed the time
 budget or the device memory, or once a batch takes longer than --max-batch-s.
 
-    PYTHONUNBUFFERED=1 python bench/hunyuan_engine_bench.py --out bench/results
+    PYTHONUNBUFFERED=1 python bench/hunyuan_engine_bench.py --out bench/results/hunyuan_engine_bench
     python bench/hunyuan_engine_bench.py --shape tiny --device cpu --new-tokens 4 \\
         --batches 1,2,4 --out /tmp/bench   # smoke test without a GPU
 """

@@ -1,11 +1,11 @@
 """The running loop's decode attention alone: bf16 against fp8 KV pools, per kernel config.
 
 Why: with an fp8 pool the A4 pages' decode step read half the bytes, yet a row-step cost 69 us
-against 76 us in bf16 (bench/results/continuous_batching_h200_a4_fp8_before.md), far from half. This
-runs only the split-K kernel (ocrq/models/hunyuan/attention.py) over a pool laid out as the loop
-lays it out (one (1, KV heads, tokens, D) pool per layer, rows at their own offsets, batch
-stride 0), with each row's keys as long as an A4 page's mid-decode context, and reports the time
-of one layer's call and the bandwidth it reaches, so the config each dtype needs can be chosen
+against 76 us in bf16 (bench/results/continuous_batching/continuous_batching_h200_a4_fp8_before.md),
+far from half. This runs only the split-K kernel (ocrq/models/hunyuan/attention.py) over a pool laid
+out as the loop lays it out (one (1, KV heads, tokens, D) pool per layer, rows at their own offsets,
+batch stride 0), with each row's keys as long as an A4 page's mid-decode context, and reports the
+time of one layer's call and the bandwidth it reaches, so the config each dtype needs can be chosen
 by measurement.
 
     python bench/kv_attention.py --out OUT

@@ -4,12 +4,13 @@ service hands them over (a few at a time, between steps).
 Why: every host sync empties the queue of decode steps the loop thread has launched ahead, and
 in a worker that thread then competes for the GIL before it can launch the next one; the
 service kept an H200 57% busy where the loop fed all at once kept it 92%
-(bench/results/service_gpu_reading.md). torch's sync debug mode warns at each synchronising
-call; this script counts them by the innermost ocrq/transformers frame, after a warm-up that
-captures the CUDA graphs, and reports the loop's GPU time (CUDA events) against the wall time.
+(bench/results/service_gpu/service_gpu_reading.md). torch's sync debug mode warns at each
+synchronising call; this script counts them by the innermost ocrq/transformers frame, after a
+warm-up that captures the CUDA graphs, and reports the loop's GPU time (CUDA events) against the
+wall time.
 
-    python bench/loop_syncs.py --out bench/results            # on a GPU
-    python bench/loop_syncs.py --smoke --out /tmp/ls          # tiny model on the CPU: no syncs
+    python bench/loop_syncs.py --out bench/results/loop_syncs  # on a GPU
+    python bench/loop_syncs.py --smoke --out /tmp/ls  # tiny model on the CPU: no syncs
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ the shared evaluation set (bench/data/ocr_eval_sizes.tsv, from its manifest), dr
 white, capped to the engine's max_pixels as the worker's prefetch does, and preprocessed once
 (in the service the prefetch threads do this while the GPU works, so it is left out of every
 mode's time alike). The model is a random-weight checkpoint of the full HunyuanOCR-1.0 shape
-(ocrq/models/hunyuan/tiny.py) loaded through HunyuanEngine.load; every image generates exactly
+(ocrq/testing/tiny_hunyuan.py) loaded through HunyuanEngine.load; every image generates exactly
 --new-tokens tokens (the engine's max_new_tokens, forced with min_new_tokens).
 
 Results are written after every phase (JSON + markdown) so a run cut short still reports.
 
-    PYTHONUNBUFFERED=1 python bench/planner_vs_fixed.py --out bench/results
+    PYTHONUNBUFFERED=1 python bench/planner_vs_fixed.py --out bench/results/planner_vs_fixed
     python bench/planner_vs_fixed.py --tiny --out /tmp/pvf   # CPU smoke test, tiny model
 """
 
@@ -51,15 +51,15 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from ocrq.core.settings import Settings  # noqa: E402
+from ocrq.intake.images import downscale  # noqa: E402
 from ocrq.models.base import Engine, OcrResult, PreparedImage  # noqa: E402
 from ocrq.models.costs import CostModel, GiB, ItemCost  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
 from ocrq.models.memory import OutOfMemory, ProbePage, catch_oom  # noqa: E402
-from ocrq.worker.batcher import BatchConfig, Batcher  # noqa: E402
-from ocrq.worker.images import downscale  # noqa: E402
-from ocrq.worker.probing import draw_page, run_probes  # noqa: E402
-from ocrq.worker.profiles import choose_cost_model  # noqa: E402
-from ocrq.worker.tune import save  # noqa: E402
+from ocrq.scheduling.batcher import BatchConfig, Batcher  # noqa: E402
+from ocrq.tuning.probing import draw_page, run_probes  # noqa: E402
+from ocrq.tuning.profiles import choose_cost_model  # noqa: E402
+from ocrq.tuning.tune import save  # noqa: E402
 
 SIZES = REPO / "bench" / "data" / "ocr_eval_sizes.tsv"
 WORDS = ["STATION", "HOTEL", "PARKING", "EXIT", "MARKET", "BANK", "PIZZA", "TAXI", "OPEN"]
@@ -450,7 +450,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from ocrq.models.hunyuan.tiny import HUNYUAN_OCR_1_0, TINY, build_checkpoint
+    from ocrq.testing.tiny_hunyuan import HUNYUAN_OCR_1_0, TINY, build_checkpoint
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@ max_batch): every thread waits on the running batch, so the next batch's images 
 decoded and preprocessed only after it returns. Prefetch on = twice that (and the default cap
 of two batches' worth of decoded images): the next batch is made ready while this one runs.
 
-    python bench/prefetch_idle.py --engine rapid --data ../shared/data/ocr-eval --out bench/results
+    python bench/prefetch_idle.py --engine rapid --data ../shared/data/ocr-eval \\
+        --out bench/results/prefetch_idle
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=96)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--budget-gib", type=float, default=None)
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/prefetch_idle"))
     ap.add_argument("--tag", default="")
     ap.add_argument(
         "--sizes",

@@ -17,13 +17,14 @@ Paths:
   so its feeder column shows what the feeder loses to CPU contention alone (its pages/s mean
   nothing); a path's feeder rate below the control's is the GIL's share.
 
-The model is the tiny random checkpoint (ocrq/models/hunyuan/tiny.py) with the released image
+The model is the tiny random checkpoint (ocrq/testing/tiny_hunyuan.py) with the released image
 limits (1.0: 512²..2048²; the text side's cost does not depend on the weights), bf16 pixels, and
 torch at one intra-op thread as the engine sets it on a GPU host. With --device cuda the
 pixels are staged in pinned memory as the engine does there and the feeder's ops run on the GPU.
 
-    python bench/preprocess_speed.py --out bench/results                  # this CPU
-    python bench/preprocess_speed.py --device cuda --out bench/results    # a GPU host, < 60 s
+    python bench/preprocess_speed.py --out bench/results/preprocess_speed  # this CPU
+    # a GPU host, < 60 s:
+    python bench/preprocess_speed.py --device cuda --out bench/results/preprocess_speed
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def build(device: str) -> dict[str, Any]:
 
     from ocrq.models.hunyuan.pixels import PixelEncoder, PixelSpec
     from ocrq.models.hunyuan.prompts import PROMPTS_1_0, PromptTemplates
-    from ocrq.models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
+    from ocrq.testing.tiny_hunyuan import TINY_SHAPES, build_checkpoint
 
     folder = Path(tempfile.mkdtemp(prefix="ocrq-prep-"))
     path = build_checkpoint(folder / "tiny", TINY_SHAPES["1.0"])

@@ -1,6 +1,6 @@
 """Peak host memory of the CPU engine per image class, against what its cost model predicts.
 
-    python bench/rapid_memory.py --data ../shared/data/ocr-eval --out bench/results
+    python bench/rapid_memory.py --data ../shared/data/ocr-eval --out bench/results/rapid_memory
 
 Each case runs in a fresh process (address space capped by --as-gib, so a regression fails the
 case instead of eating the host): load the engine, decode the case's images, start a new peak
@@ -278,7 +278,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_data = REPO.parent / "shared" / "data" / "ocr-eval"
     parser.add_argument("--data", type=Path, default=default_data, help="ocr-eval folder")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rapid_memory")
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
     parser.add_argument("--as-gib", type=float, default=12.0, help="address-space cap per case")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")

@@ -3,7 +3,7 @@
 Pure functions with no engine imports, so benchmarks and tests score every engine the same way.
 Here in bench/ and not in the installed package: the service never scores anything, only the
 accuracy benchmarks and the CPU engine's accuracy test do (tests may import bench; nothing
-imports tests). Named for what it holds: ocrq/worker/metrics.py is the worker's Prometheus metrics.
+imports tests). Named for what it holds: ocrq/core/metrics.py is the worker's Prometheus metrics.
 The measures follow the eval set's README: normalised exact match for word crops, multiset token
 F1 for receipts (their line order is only roughly reading order, so an order-free measure is the
 fair one), character error rate for pages, and recall for the partially annotated scene photos.

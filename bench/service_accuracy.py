@@ -4,7 +4,8 @@ Every image of the shared evaluation set goes in as its own job, exactly as a us
 it; the texts scored are the ones read back from PostgreSQL by `ocrq submit --wait --json`.
 
     bash scripts/services.sh   # Redis + PostgreSQL on localhost
-    .venv/bin/python bench/service_accuracy.py --data ../shared/data/ocr-eval --out bench/results
+    .venv/bin/python bench/service_accuracy.py --data ../shared/data/ocr-eval \\
+        --out bench/results/service_accuracy
 
 With real HunyuanOCR weights, one command measures what following the training code's
 image-token numerics is worth on your own checkpoint and images (two passes, side by side):
@@ -184,7 +185,7 @@ def main() -> None:
         help="hunyuan: two passes, HunyuanOCR's image-token numerics as trained and as "
         "transformers has them (OCRQ_HUNYUAN_ROPE / OCRQ_HUNYUAN_VIT_POSITIONS), side by side",
     )
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/service_accuracy"))
     args = ap.parse_args()
     data = args.data.resolve()
     entries = load_manifest(data)[: args.limit]

@@ -323,13 +323,14 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
 
     from ocrq.core.contract import ImageRef
     from ocrq.core.settings import Settings
+    from ocrq.intake import images
     from ocrq.models.base import PreparedImage
     from ocrq.models.registry import create_engine
-    from ocrq.worker import images
-    from ocrq.worker.batcher import Batcher
-    from ocrq.worker.profiles import choose_cost_model
-    from ocrq.worker.runtime import batch_config, task_threads
-    from ocrq.worker.streaming import StreamingBatcher
+    from ocrq.scheduling.batcher import Batcher
+    from ocrq.scheduling.engine_side import batch_config
+    from ocrq.scheduling.streaming import StreamingBatcher
+    from ocrq.tuning.profiles import choose_cost_model
+    from ocrq.worker.runtime import task_threads
 
     old = dict(os.environ)
     os.environ.update({k: v for k, v in env.items() if k.startswith(("OCRQ_", "HF_"))})

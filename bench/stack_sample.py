@@ -1,9 +1,9 @@
 """Where one thread's wall time goes, by sampling its Python stack (benches only).
 
 Why: the running loop's host time per prefill pass is about the GPU's (bench/results/
-service_gpu_reading.md, "Where the steady GPU waits"), and CUPTI shows the GPU's side only. A
-sampler thread reading `sys._current_frames()` every millisecond needs no ptrace (py-spy may not
-be allowed on the device) and sees which lines the loop thread sits on: a torch call's line
+service_gpu/service_gpu_reading.md, "Where the steady GPU waits"), and CUPTI shows the GPU's side
+only. A sampler thread reading `sys._current_frames()` every millisecond needs no ptrace (py-spy may
+not be allowed on the device) and sees which lines the loop thread sits on: a torch call's line
 holds both the call's own host time and any wait to take the GIL back after it.
 """
 

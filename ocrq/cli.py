@@ -159,10 +159,11 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Consume OCR jobs from the broker, batch them through the engine, store rows."""
+    from ocrq.worker.exit_state import STARTUP_FAILED_EXIT_CODE
     from ocrq.worker.gpus import GpuSelectionError, select
-    from ocrq.worker.lifecycle import STARTUP_FAILED_EXIT_CODE, worker_children
-    from ocrq.worker.lifecycle import supervise as run_supervised
     from ocrq.worker.main import run as run_worker
+    from ocrq.worker.supervisor import supervise as run_supervised
+    from ocrq.worker.supervisor import worker_children
 
     given = {
         "engine": engine,
@@ -438,7 +439,7 @@ def tune(
 ) -> None:
     """Probe the device with real batches, fit the memory cost model, write the profile that
     workers load at start (plus a PNG of throughput and peak memory against batch size)."""
-    from ocrq.worker.tune import BudgetError, fit_summary, table, tune_engine
+    from ocrq.tuning.tune import BudgetError, fit_summary, table, tune_engine
 
     _logging(log_level)
     try:  # checked before minutes of probing, not after

@@ -10,4 +10,5 @@ bash scripts/venv.sh "cpu,hunyuan,api,monitor,tune,test" "torch==2.14.1" "torchv
 bash scripts/vllm-venv.sh
 bash scripts/services.sh
 .venv/bin/ruff check .
+.venv/bin/lint-imports
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -15,7 +15,7 @@ from PIL import Image
 
 from ocrq.models.base import Engine, OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, ItemCost
-from ocrq.worker.batcher import BatchConfig, Batcher
+from ocrq.scheduling.batcher import BatchConfig, Batcher
 
 MiB = 1024**2
 

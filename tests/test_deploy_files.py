@@ -397,11 +397,11 @@ def test_systemd_unit_serves_health_and_waits_for_warm_shutdown() -> None:
 
 
 def test_grafana_dashboard_queries_only_metrics_the_worker_exports() -> None:
-    """Every series a panel queries is one ocrq/worker/metrics.py defines (a renamed metric
+    """Every series a panel queries is one ocrq/core/metrics.py defines (a renamed metric
     would leave a panel silently empty)."""
     from prometheus_client import REGISTRY
 
-    import ocrq.worker.metrics  # noqa: F401 (registers the metrics)
+    import ocrq.core.metrics  # noqa: F401 (registers the metrics)
 
     dashboard = json.loads((REPO / "deploy" / "grafana" / "ocrq-dashboard.json").read_text())
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}

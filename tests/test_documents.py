@@ -341,7 +341,7 @@ def test_kill_9_mid_document_loses_and_duplicates_nothing(
 def test_inline_pages_are_single_page_documents(folder: Path, eval_pages: list[Path]) -> None:
     """What the splitting job sends for an inline or URL document: each page alone, so the
     messages together weigh about what the document does."""
-    from ocrq.worker.documents import Document, one_page
+    from ocrq.intake.documents import Document, one_page
 
     pdf = image_pdf([Image.open(p) for p in eval_pages], folder / "split.pdf").read_bytes()
     settings = Settings()

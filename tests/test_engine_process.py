@@ -37,7 +37,7 @@ from tests.test_faults import (
 )
 from tests.test_service import _wait_rows
 
-ENGINE_HOST = "ocrq.worker.engine_host"
+ENGINE_HOST = "ocrq.engine_process.host"
 
 
 def engine_pids(worker_pid: int) -> list[int]:
@@ -205,7 +205,7 @@ def test_readings_leave_the_device_alone_unless_a_recycler_watches(
     OCRQ_MAX_FRAGMENTATION_GIB asks for it."""
     from multiprocessing import Pipe
 
-    from ocrq.worker.engine_host import EngineHost
+    from ocrq.engine_process.host import EngineHost
 
     for limit, reads in ((None, 0), (4.0, 1)):
         ours, theirs = Pipe()
@@ -233,8 +233,8 @@ def test_a_dead_engine_process_fails_no_row_before_the_worker_exits(
     store it and ack the message, losing a job that Redis should deliver again."""
     from PIL import Image
 
+    from ocrq.engine_process.link import EngineLink
     from ocrq.models.base import PreparedImage
-    from ocrq.worker.engine_link import EngineLink
 
     at_loss: list[list[bool]] = []
     futures: list = []
@@ -260,7 +260,7 @@ def test_a_dead_engine_process_fails_no_row_before_the_worker_exits(
 def test_an_engine_that_cannot_load_fails_the_start_with_its_reason(tmp_path: Path) -> None:
     """A missing model is a start-up failure (the worker exits 78, not restarted): the engine
     process's error reaches the worker whole, and the process is gone."""
-    from ocrq.worker.engine_link import EngineLink, EngineStartError
+    from ocrq.engine_process.link import EngineLink, EngineStartError
 
     missing = tmp_path / "no-such-model"
     settings = Settings(engine="hunyuan", model=str(missing), device="cpu")
@@ -327,9 +327,9 @@ def test_an_error_that_would_not_unpickle_arrives_by_name() -> None:
     break the worker's reader thread. It arrives as its type's name and message instead."""
     from multiprocessing import Pipe
 
-    from ocrq.worker import engine_wire as wire
-    from ocrq.worker.batcher import ItemOutcome
-    from ocrq.worker.engine_host import EngineHost
+    from ocrq.engine_process import wire
+    from ocrq.engine_process.host import EngineHost
+    from ocrq.scheduling.batcher import ItemOutcome
 
     ours, theirs = Pipe()
     host = EngineHost(Settings(engine="rapid"), theirs)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ocrq.worker.governor import BudgetGovernor
+from ocrq.scheduling.governor import BudgetGovernor
 
 # An event is ("oom", predicted bytes) or ("batch", OOMs during it).
 events = st.lists(

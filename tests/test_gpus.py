@@ -32,8 +32,8 @@ from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from ocrq.worker import gpus
 from ocrq.worker.gpus import Gpu, GpuSelectionError, label_of, select
-from ocrq.worker.lifecycle import child_env, node_with_label, worker_children
 from ocrq.worker.main import node_name
+from ocrq.worker.supervisor import child_env, node_with_label, worker_children
 from tests.conftest import BIN, FIGURES, WorkerProcess
 from tests.servers import free_port
 from tests.test_faults import make_images, report, wait_all

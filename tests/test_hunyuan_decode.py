@@ -10,8 +10,8 @@ chosen when triton is first imported).
 
 On the tiny 1.5 both loops apply its repetition penalty (1.08): they must agree on the scores
 each token is chosen from too, and a loop that drops the penalty is caught by the same check.
-The repetition guard is run on rows forced to loop (ocrq/models/hunyuan/tiny.py, `ForcedLoop`): both
-loops stop the same rows at the same length.
+The repetition guard is run on rows forced to loop (ocrq/testing/tiny_hunyuan.py, `ForcedLoop`):
+both loops stop the same rows at the same length.
 """
 
 from __future__ import annotations
@@ -469,7 +469,7 @@ LOOP_START = 5
 def forced(
     engine: HunyuanEngine, batch: list[PreparedImage], cycles: list[list[int]], **kwargs: Any
 ) -> BatchOutput:
-    from ocrq.models.hunyuan.tiny import ForcedLoop
+    from ocrq.testing.tiny_hunyuan import ForcedLoop
 
     with ForcedLoop(engine.model, cycles, start=LOOP_START):
         return engine.generate(batch, **kwargs)
@@ -525,7 +525,7 @@ def test_a_stopped_row_is_done_with_one_copy_of_its_loop(
     one copy of the loop; the other row is untouched."""
     import dataclasses
 
-    from ocrq.models.hunyuan.tiny import ForcedLoop
+    from ocrq.testing.tiny_hunyuan import ForcedLoop
 
     monkeypatch.setattr(engine15, "version", dataclasses.replace(engine15.version, guard=SMALL))
     settings = engine15.settings.model_copy(update={"max_new_tokens": 64})

@@ -1,6 +1,6 @@
 """HunyuanEngine on tiny random HunYuanVLs, loaded through the same path as the real checkpoints.
 
-The checkpoints are written at test time (ocrq/models/hunyuan/tiny.py) into a fake Hugging Face
+The checkpoints are written at test time (ocrq/testing/tiny_hunyuan.py) into a fake Hugging Face
 cache
 as tencent/HunyuanOCR, revision main: a 1.5 (nested config, 1.5's limits) at the root, as the
 real repository has since July 2026, and a 1.0 (flat config) under v1.0/. The engine loads them
@@ -378,7 +378,10 @@ def test_default_cost_model_covers_the_h200_measurements() -> None:
     """The default model never predicts less than the benchmark measured, nor 5% more."""
     import json
 
-    results = Path(__file__).resolve().parents[1] / "bench/results/hunyuan_engine_h200.json"
+    results = (
+        Path(__file__).resolve().parents[1]
+        / "bench/results/hunyuan_engine_bench/hunyuan_engine_h200.json"
+    )
     report = json.loads(results.read_text())
     engine = HunyuanEngine(Settings(max_new_tokens=report["meta"]["new_tokens"]))
     model = engine.cost_model()
@@ -415,7 +418,9 @@ def test_default_cost_model_covers_the_fast_path_measurements() -> None:
     from ocrq.models.costs import ItemCost
     from ocrq.models.hunyuan.memory import default_cost_model
 
-    results = Path(__file__).resolve().parents[1] / "bench/results/decode_speed_h200.json"
+    results = (
+        Path(__file__).resolve().parents[1] / "bench/results/decode_speed/decode_speed_h200.json"
+    )
     report = json.loads(results.read_text())
     model = default_cost_model("fast-fused")
     checked = 0
@@ -571,7 +576,7 @@ def test_planner_downscales_the_biggest_15_pages_over_budget() -> None:
     and a budget that one such page exceeds makes the batcher shrink it until it fits, never
     sending it into an out-of-memory error."""
     from ocrq.models.costs import GiB
-    from ocrq.worker.batcher import BatchConfig, Batcher
+    from ocrq.scheduling.batcher import BatchConfig, Batcher
 
     eng = HunyuanEngine(Settings(max_new_tokens=16))
     huge = PreparedImage(

@@ -3,9 +3,9 @@ reaches the engine.
 
 The real job path on the real PostgreSQL (migrated by `ocrq migrate`, so through
 migrations/versions/0003): JobRunner -> Batcher -> the tiny HunyuanOCR 1.5 on the CPU, whose
-rows are forced to loop (ocrq/models/hunyuan/tiny.py, `ForcedLoop`) under a guard small enough for a
-CPU test. Only the forcing is test-only (a subclass); the guard, the trimming, the store and the
-views are production code.
+rows are forced to loop (ocrq/testing/tiny_hunyuan.py, `ForcedLoop`) under a guard small enough
+for a CPU test. Only the forcing is test-only (a subclass); the guard, the trimming, the store and
+the views are production code.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class LoopingEngine(HunyuanEngine):
     seen: list[tuple[int, int]]
 
     def run(self, batch: Any) -> list[OcrResult | Exception]:
-        from ocrq.models.hunyuan.tiny import ForcedLoop
+        from ocrq.testing.tiny_hunyuan import ForcedLoop
 
         self.seen.extend(it.image.size for it in batch)
         vocab = self.processor.tokenizer.get_vocab()
@@ -60,7 +60,7 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, database_url: str) -> Iterator[Setup]:
-    from ocrq.worker.batcher import BatchConfig, Batcher
+    from ocrq.scheduling.batcher import BatchConfig, Batcher
     from ocrq.worker.jobs import JobRunner
 
     root = tmp_path_factory.mktemp("images")

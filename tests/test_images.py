@@ -11,7 +11,7 @@ from PIL import Image
 
 from ocrq.core.contract import ImageRef
 from ocrq.core.settings import Settings
-from ocrq.worker import images
+from ocrq.intake import images
 from tests.badfiles import write_bad_files
 
 

@@ -33,9 +33,9 @@ from ocrq.core.db import get_engine
 from ocrq.core.samples import draw_text_image
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
+from ocrq.intake import fetch, images
 from ocrq.models.base import PreparedImage
 from ocrq.models.rapid import RapidEngine
-from ocrq.worker import fetch, images
 from tests.badfiles import png_bomb
 from tests.conftest import BIN, WorkerProcess
 from tests.servers import free_port

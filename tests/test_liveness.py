@@ -293,7 +293,7 @@ def test_a_stop_signal_delivered_twice_is_one_warm_stop() -> None:
     handler, entered a second time from inside the first, waited forever on its own lock (a
     worker's stacks showed it). Guarded, the repeat is dropped: here a real SIGTERM sent from
     inside the handler, and another just after it."""
-    from ocrq.worker.lifecycle import guard_stop_signals
+    from ocrq.worker.exit_state import guard_stop_signals
 
     calls: list[int] = []
 

@@ -17,10 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ocrq.api.client import Client
 from ocrq.core.db import get_engine
+from ocrq.core.metrics import STAGES
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from ocrq.worker import health
-from ocrq.worker.metrics import STAGES
 from tests.conftest import BIN, WorkerProcess
 from tests.servers import free_port
 from tests.test_faults import wait_all
@@ -299,8 +299,8 @@ def test_oom_lowered_budget_and_batch_timings_are_exported() -> None:
     the one fake the project allows (tests/test_batcher.py: a CUDA OOM cannot happen here)."""
     from prometheus_client import REGISTRY
 
+    from ocrq.scheduling.batcher import BatchConfig, Batcher
     from ocrq.worker import runtime
-    from ocrq.worker.batcher import BatchConfig, Batcher
     from tests.test_batcher import OomAbovePixels, item
 
     def value(name: str) -> float:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ocrq.models.costs import CostModel, ItemCost
-from ocrq.worker.planner import (
+from ocrq.scheduling.planner import (
     Downscale,
     Refusal,
     ShrinkRule,

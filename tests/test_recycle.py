@@ -1,10 +1,10 @@
-"""The recycler's decision (ocrq/worker/recycle.py): pure, fed numbers and a clock."""
+"""The recycler's decision (ocrq/scheduling/recycle.py): pure, fed numbers and a clock."""
 
 from __future__ import annotations
 
 from ocrq.models.costs import GiB
-from ocrq.worker.batcher import BatchRecord
-from ocrq.worker.recycle import RecyclePolicy, Recycler
+from ocrq.scheduling.batcher import BatchRecord
+from ocrq.scheduling.recycle import RecyclePolicy, Recycler
 
 
 def record(size: int = 1) -> BatchRecord:

@@ -27,7 +27,7 @@ LONG = 400  # long enough on an idle CPU to tell apart from 2 tokens (~6 ms a st
 
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ocrq.models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
+    from ocrq.testing.tiny_hunyuan import TINY_SHAPES, build_checkpoint
     from tests.tiny_hunyuan import fake_hf_cache
 
     root = tmp_path_factory.mktemp("hf")
@@ -41,8 +41,8 @@ def running_worker(
     tiny_cache: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[WorkerProcess, str]]:
-    """The loop in the worker process, and in an engine process of its own (ocrq/worker/
-    engine_link.py): the same rows, results and metrics either way."""
+    """The loop in the worker process, and in an engine process of its own (ocrq/
+    engine_process/link.py): the same rows, results and metrics either way."""
     queue = f"ocr-running-{uuid.uuid4().hex[:6]}"
     env = {
         **service_env,

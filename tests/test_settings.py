@@ -10,9 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from ocrq.cli import ENGINE_HELP
+from ocrq.core import metrics
 from ocrq.core.settings import Settings
-from ocrq.worker import metrics
-from ocrq.worker.lifecycle import child_env
+from ocrq.worker.supervisor import child_env
 from tests.servers import free_port
 
 

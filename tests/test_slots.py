@@ -22,7 +22,7 @@ from ocrq.models.slots import (
     admit,
     capacity_of,
 )
-from ocrq.worker.planner import Waiting, plan_running
+from ocrq.scheduling.planner import Waiting, plan_running
 
 KiB = 1024
 row = st.tuples(st.integers(1, 3000), st.integers(1, 1100))  # prompt tokens, max new tokens

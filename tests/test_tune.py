@@ -29,10 +29,10 @@ from ocrq.core.db import get_engine
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from ocrq.models.base import OcrResult, PreparedImage
-from ocrq.models.calibration import Sample, fit, relative_error
 from ocrq.models.costs import CostModel, GiB, ItemCost
-from ocrq.worker.batcher import BatchConfig, Batcher
-from ocrq.worker.profiles import KEY_FIELDS, engine_key, load_profile, profile_path
+from ocrq.scheduling.batcher import BatchConfig, Batcher
+from ocrq.tuning.calibration import Sample, fit, relative_error
+from ocrq.tuning.profiles import KEY_FIELDS, engine_key, load_profile, profile_path
 from ocrq.worker.runtime import build_runtime
 
 OCRQ = Path(sys.executable).parent / "ocrq"
@@ -119,7 +119,7 @@ def test_fit_uses_prompt_tokens_and_keeps_the_cache_rate() -> None:
 def test_without_the_padded_probe_tokens_and_patches_cannot_be_told_apart() -> None:
     """Why tune runs the mixed batch: series of one image each leave the split undetermined,
     and a wrong split under-predicts padded batches (what happened on the H200, see
-    bench/results/planner_vs_fixed_h200.md)."""
+    bench/results/planner_vs_fixed/planner_vs_fixed_h200.md)."""
     # Patches proportional to tokens in every series: any split fits them equally well.
     images = [ItemCost(t, 4 * t, 0) for t in (320, 1090, 2250)]
     series = [measured(TRUE, [c] * n) for c in images for n in (1, 4, 16)]
@@ -253,7 +253,7 @@ def test_worker_uses_the_tuned_profile(
 ) -> None:
     profiles, _ = rapid_tune
     path = only_profile(profiles)
-    caplog.set_level(logging.INFO, logger="ocrq.worker.runtime")
+    caplog.set_level(logging.INFO, logger="ocrq.scheduling.engine_side")
     runtime = build_runtime(
         Settings(engine="rapid", profile_dir=profiles, memory_budget_gib=2.0),
         store=sqlite_store(tmp_path),
@@ -276,7 +276,7 @@ def test_worker_uses_the_tuned_profile(
 def test_worker_without_profile_uses_the_default(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="ocrq.worker.runtime")
+    caplog.set_level(logging.INFO, logger="ocrq.scheduling.engine_side")
     runtime = build_runtime(
         Settings(engine="rapid", profile_dir=tmp_path / "empty"), store=sqlite_store(tmp_path)
     )

@@ -1,7 +1,7 @@
 """What the HunyuanOCR tests share: the tiny checkpoints in a fake Hugging Face cache, images,
 engines, and the test-only ways to break an engine on purpose.
 
-The checkpoints themselves are built by ocrq/models/hunyuan/tiny.py (benchmarks use it too): the
+The checkpoints themselves are built by ocrq/testing/tiny_hunyuan.py (benchmarks use it too): the
 fake
 cache holds tencent/HunyuanOCR as the real repository does since July 2026, a tiny 1.5 at its
 root and a tiny 1.0 under v1.0/. The knobs that exist only to show a check can fail (right
@@ -48,7 +48,7 @@ def fake_hf_cache(root: Path, build: Any) -> Path:
 def offline_tiny_cache(root: Path) -> Iterator[Path]:
     """The tiny checkpoints as MODEL_ID in a fake cache at `root`, with huggingface_hub pointed
     at it and offline for the duration."""
-    from ocrq.models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
+    from ocrq.testing.tiny_hunyuan import TINY_SHAPES, build_checkpoint
 
     fake_hf_cache(root, lambda p, version: build_checkpoint(p, TINY_SHAPES[version]))
     with pytest.MonkeyPatch.context() as mp:
@@ -62,7 +62,7 @@ def offline_tiny_cache(root: Path) -> Iterator[Path]:
 
 def tiny_checkpoint(folder: Path, version: str = "1.0") -> Path:
     """A tiny checkpoint of `version` as a plain local folder."""
-    from ocrq.models.hunyuan.tiny import TINY_SHAPES, build_checkpoint
+    from ocrq.testing.tiny_hunyuan import TINY_SHAPES, build_checkpoint
 
     return build_checkpoint(folder / f"tiny-{version}", TINY_SHAPES[version])
 

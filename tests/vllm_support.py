@@ -41,7 +41,7 @@ def require_vllm_venv() -> Path:
 
 
 def build_tiny(folder: Path, version: str = "1.5") -> Path:
-    from ocrq.models.hunyuan.tiny import TINY_VLLM_SHAPES, build_checkpoint
+    from ocrq.testing.tiny_hunyuan import TINY_VLLM_SHAPES, build_checkpoint
 
     return build_checkpoint(folder / f"tiny-vllm-{version}", TINY_VLLM_SHAPES[version])
 

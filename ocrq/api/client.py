@@ -14,19 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from celery import Celery
-
 from ocrq.api import document_status
+from ocrq.core import requeue
 from ocrq.core.contract import (
     DEFAULT_QUEUE,
     TASK_NAME,
     JobRequest,
     canonical_job_id,
     job_kwargs,
-    resend_image,
 )
 from ocrq.core.db import get_engine
 from ocrq.core.documents_store import DocumentStore
+from ocrq.core.requeue import producer_app
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, NewJob, Page, full_view
 
@@ -53,12 +52,6 @@ class NotSent(Exception):
         self.sent = list(sent)
         self.kept = list(kept)
         super().__init__(f"broker unavailable: {type(cause).__name__}: {cause}")
-
-
-def producer_app(broker_url: str) -> Celery:
-    app = Celery("ocrq-producer", broker=broker_url)
-    app.conf.update(task_send_sent_event=True, broker_connection_retry_on_startup=True)
-    return app
 
 
 def image_ref(target: str) -> dict[str, str]:
@@ -183,29 +176,10 @@ class Client:
         self, stalled_after_s: float | None = None, exclude_worker: str | None = None
     ) -> list[str]:
         """Send again the `running` jobs of workers whose heartbeat is older than
-        `stalled_after_s` (default OCRQ_STALLED_AFTER_S): a worker killed mid-job leaves
-        them running, and its unacked messages would only come back after the visibility
-        timeout. A live worker's jobs are never touched. Each job is flipped to `queued` by
-        one UPDATE, so of several concurrent sweeps exactly one re-sends it; the original
-        message, if it comes back later, finds the row done (or runs it again: one row).
-        """
-        from ocrq.core import workers_table
-
-        after = self.settings.stalled_after_s if stalled_after_s is None else stalled_after_s
-        stalled = workers_table.flip_stalled(self.store.engine, after, exclude=exclude_worker)
-        sent: list[str] = []
-        try:
-            # The sweep's row carries no max_pixels: read the jobs' own caps.
-            caps = {
-                i: r.get("max_pixels") for i, r in self.store.get([j.id for j in stalled]).items()
-            }
-            for job in stalled:
-                self._resend(job.id, job.task, job.source, caps.get(job.id), job.page)
-                sent.append(job.id)
-        finally:  # the broker failed mid-way: leave the rest for the next sweep
-            workers_table.unflip(self.store.engine, [j.id for j in stalled[len(sent) :]])
-        workers_table.forget_dead(self.store.engine, after)
-        return sent
+        `stalled_after_s` (default OCRQ_STALLED_AFTER_S): ocrq/core/requeue.py."""
+        return requeue.requeue_stalled(
+            self.store, self.app, self.settings, stalled_after_s, exclude_worker
+        )
 
     def _resend(
         self,
@@ -216,13 +190,7 @@ class Client:
         page: int | None = None,
     ) -> None:
         """A job's message rebuilt from its row (path or URL; the row holds no inline bytes)."""
-        image = resend_image(source, page)
-        self.app.send_task(
-            TASK_NAME,
-            kwargs=job_kwargs(image, task, job_id, max_pixels),
-            queue=self.settings.queue or DEFAULT_QUEUE,
-            task_id=job_id,
-        )
+        requeue.resend(self.app, self.settings, job_id, task, source, max_pixels, page)
 
     def status(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Rows by job id, in any UUID spelling (`{...}`, `urn:uuid:`, upper case, no dashes)."""

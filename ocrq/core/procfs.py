@@ -1,8 +1,8 @@
 """This process's and this host's memory and CPU, read from Linux's /proc.
 
 Why one module: the host-memory engine side (ocrq/models/memory.py), the recycler
-(ocrq/worker/recycle.py)
-and the profile key (ocrq/worker/profiles.py) all read /proc; here each file is parsed once, the
+(ocrq/scheduling/recycle.py)
+and the profile key (ocrq/tuning/profiles.py) all read /proc; here each file is parsed once, the
 same way, and every reader degrades to a stated fallback where /proc is missing (not Linux, a
 sandbox), so no caller needs psutil or a try of its own.
 """

@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     image_formats: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF", "PPM"]
     )
-    # Documents (PDF, multi-page TIFF; ocrq/worker/documents.py): one job per page.
+    # Documents (PDF, multi-page TIFF; ocrq/intake/documents.py): one job per page.
     # More pages than this fail the whole document before any page job is sent.
     max_pdf_pages: int = Field(default=1000, ge=1, le=1_000_000)
     # A path document is read lazily, page by page, so it may be larger than an image.
@@ -104,8 +104,9 @@ class Settings(BaseSettings):
     # Delivery and lifecycle.
     # Redis redelivers a message not acked within this many seconds: keep it above the worst
     # delivery-to-ack time (96 s for the eval set on the 2-core CPU machine,
-    # bench/results/service_accuracy_rapid.md; README "How it works" gives the GPU estimate).
-    # The fault tests run at 20 s to recover quickly; a week is far past any sane setting.
+    # bench/results/service_accuracy/service_accuracy_rapid.md; README "How it works" gives the GPU
+    # estimate). The fault tests run at 20 s to recover quickly; a week is far past any sane
+    # setting.
     visibility_timeout_s: int = Field(default=3600, ge=1, le=7 * 86_400)
     # Recycle the worker process after this many images ...
     max_images: int | None = Field(default=10_000, ge=1)
@@ -200,26 +201,26 @@ class Settings(BaseSettings):
     prefill_tokens: int = Field(default=16384, ge=256, le=1_048_576)
     # 16,384 packed tokens a chunk, a pass at most every 4 decode steps: fewer, fuller passes,
     # whose host cost is paid per pass (on an H200 1.06x the images/s of 4,096 and every step,
-    # GPU busy 97% instead of 95%: bench/results/service_gpu_reading.md, run 16). Its reserve
-    # is 2.5 GiB of activations instead of 0.6: lower it on a small GPU to keep the KV pool.
+    # GPU busy 97% instead of 95%: bench/results/service_gpu/service_gpu_reading.md, run 16). Its
+    # reserve is 2.5 GiB of activations instead of 0.6: lower it on a small GPU to keep the KV pool.
     prefill_chunk_tokens: int = Field(default=16384, ge=256, le=1_048_576)
     # "chunked": decode steps between prefill passes unless a pass is full or nothing decodes.
     prefill_gap_steps: int = Field(default=4, ge=1, le=1024)
     # Prefill passes with their rows packed end to end, no padding: a pass then costs the tokens
     # it holds (ocrq/models/hunyuan/packed.py). On by default: on an H200 the service's mix made
     # 1.23x the images/s of padded passes, the GPU busy 99% instead of 82%
-    # (bench/results/service_gpu_reading.md, run 14); false is the padded prefill.
+    # (bench/results/service_gpu/service_gpu_reading.md, run 14); false is the padded prefill.
     prefill_packed: bool = True
     # The worker's GIL switch interval (sys.setswitchinterval), ms; None keeps Python's 5 ms.
     # A shorter one lets the thread that feeds the GPU take the GIL back sooner from the task
     # and preprocessing threads (bench/service_gpu.py compares).
     switch_interval_ms: float | None = Field(default=None, gt=0, le=100)
     # Run the worker's engine in a process of its own, fed decoded images through a pipe
-    # (ocrq/worker/engine_link.py): the thread that drives the GPU then shares its GIL with no
+    # (ocrq/engine_process/link.py): the thread that drives the GPU then shares its GIL with no
     # task thread, Celery consumer or database driver, and the worker never imports torch.
     # None (auto): on for HunyuanOCR where an NVIDIA GPU is present and the device is not the
     # CPU (on the H200 the service went from 0.92x the engine alone's images/s to 1.03-1.05x,
-    # bench/results/service_gpu_reading.md, runs 10-11); off elsewhere.
+    # bench/results/service_gpu/service_gpu_reading.md, runs 10-11); off elsewhere.
     engine_process: bool | None = None
 
     # vLLM engines (ocrq/models/vllm, ocrq/models/openai; README "The vLLM engines").

@@ -118,8 +118,9 @@ class EngineCore(ABC):
         """Images per batch this engine wants at most when the user sets no cap (after `load`).
 
         Why the engine says it: a GPU engine needs batches of 64-256 rows to use the device
-        (bench/results/decode_speed_h200.md), a CPU engine gains nothing past a few dozen and
-        only holds more decoded images; the memory budget still decides each batch below it.
+        (bench/results/decode_speed/decode_speed_h200.md), a CPU engine gains nothing past a few
+        dozen and only holds more decoded images; the memory budget still decides each batch below
+        it.
         """
         return 32
 
@@ -181,7 +182,7 @@ class StreamingEngine(EngineCore):
     Why a second kind: with continuous batching (vLLM, or a loop that refills the slots of
     finished rows) the engine decides step by step which rows run, and a synchronous
     `run(batch)` would make every batch wait for its longest row. The batcher drives it with the
-    same planner and a different loop (ocrq/worker/streaming.py):
+    same planner and a different loop (ocrq/scheduling/streaming.py):
 
     * `open(budget_bytes, model)` sizes the loop once from the memory budget (above the cost
       model's fixed part) and says what it holds (`RunningBudget`: slots, KV pool tokens, the
@@ -220,5 +221,5 @@ class StreamingEngine(EngineCore):
 
     def loop_counts(self) -> dict[str, float]:
         """Running totals of the loop's work for the worker's metrics (names in
-        ocrq/worker/metrics.py `LOOP_COUNTS`); empty when the engine keeps none."""
+        ocrq/core/metrics.py `LOOP_COUNTS`); empty when the engine keeps none."""
         return {}

@@ -43,8 +43,8 @@ class CostModel:
     Why two phases: a generating engine's peak is its prefill's activations (vision tower, text
     prefill) until the KV cache of prompt + new tokens outgrows them. Charging the new tokens at
     the prefill's rate over-predicted by up to 15% at 256 new tokens on an H200
-    (bench/results/decode_speed_h200_step1.md), and more the longer the generation; charging
-    them nothing would under-predict a long one. `fixed_bytes` is weights + framework +
+    (bench/results/decode_speed/decode_speed_h200_step1.md), and more the longer the generation;
+    charging them nothing would under-predict a long one. `fixed_bytes` is weights + framework +
     workspace: what is resident before any image arrives. `decode_fixed_bytes` is what the
     decode phase holds whatever the batch (workspaces of the graphed step): it only shows when
     the cache term wins, at batch 1 say. Engines that generate nothing leave both decode

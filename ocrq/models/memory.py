@@ -46,7 +46,7 @@ class MemoryProbing(Protocol):
     """How the batcher, the recycler and `ocrq tune` see an engine's memory."""
 
     # Settings, among the keys of `describe()`, that change the bytes per image: with the device
-    # and the engine's name they key a tuned profile (ocrq/worker/profiles.py).
+    # and the engine's name they key a tuned profile (ocrq/tuning/profiles.py).
     profile_fields: tuple[str, ...]
 
     def is_oom(self, exc: BaseException) -> bool:

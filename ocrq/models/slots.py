@@ -2,7 +2,7 @@
 
 Pure (no torch, no device): the running decode loop (ocrq/models/hunyuan/running.py) asks it
 where a row's KV lives and which waiting rows to prefill, the batcher asks it how many rows the
-loop can hold (ocrq/worker/streaming.py), and the property tests drive it alone.
+loop can hold (ocrq/scheduling/streaming.py), and the property tests drive it alone.
 
 Why one pool of contiguous token ranges and not a static cache per slot or paged blocks:
 

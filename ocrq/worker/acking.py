@@ -12,7 +12,7 @@ import time
 
 from celery.worker.request import Request
 
-from ocrq.worker import metrics
+from ocrq.core import metrics
 
 _returned: dict[str, float] = {}
 _lock = threading.Lock()

@@ -69,8 +69,8 @@ def make_app(settings: Settings) -> Celery:
 @signals.worker_ready.connect
 def _load_engine_at_start(**_: object) -> None:
     """Load the model before the first message, so a missing model fails at start-up."""
-    from ocrq.worker import metrics
-    from ocrq.worker.lifecycle import guard_stop_signals, request_recycle, startup_failed
+    from ocrq.core import metrics
+    from ocrq.worker.exit_state import guard_stop_signals, request_recycle, startup_failed
     from ocrq.worker.runtime import get_runtime
 
     guard_stop_signals()  # Celery's handlers are installed by now
@@ -85,7 +85,7 @@ def _load_engine_at_start(**_: object) -> None:
 @signals.worker_shutting_down.connect
 def _not_ready(**_: object) -> None:
     """A warm shutdown (a recycle, SIGTERM) stops consuming: not ready from now on."""
-    from ocrq.worker import metrics
+    from ocrq.core import metrics
 
     metrics.READY.set(0)
 

@@ -1,7 +1,7 @@
 """Worker liveness and readiness, decided from the worker's own health gauges.
 
 Why from gauges: under the supervisor the process answering probes is not the one running the
-engine. The worker process publishes a few gauges (ocrq/worker/metrics.py: ready, started,
+engine. The worker process publishes a few gauges (ocrq/core/metrics.py: ready, started,
 heartbeat tick, batch running since) and whoever serves /healthz and /readyz reads them back
 from a registry: its own, or the supervisor's multiprocess one. The decision is a pure function
 of those values and the clock, so it is tested without threads or processes.

@@ -19,9 +19,8 @@ from collections.abc import Callable
 
 from sqlalchemy import Engine
 
-from ocrq.core import workers_table
+from ocrq.core import metrics, workers_table
 from ocrq.core.settings import Settings
-from ocrq.worker import metrics
 
 log = logging.getLogger(__name__)
 

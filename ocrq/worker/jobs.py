@@ -22,16 +22,17 @@ from tenacity import (
     wait_exponential,
 )
 
+from ocrq.core import metrics
 from ocrq.core.contract import TASKS, JobRequest, canonical_job_id
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
+from ocrq.engine_process.link import RemoteBatcher, RemoteEngine
+from ocrq.intake import documents, images, splitting
 from ocrq.models.base import EngineCore, PreparedImage
-from ocrq.worker import documents, images, metrics, splitting
-from ocrq.worker.batcher import Batcher
-from ocrq.worker.engine_link import RemoteBatcher, RemoteEngine
+from ocrq.scheduling.batcher import Batcher
+from ocrq.scheduling.streaming import StreamingBatcher
 from ocrq.worker.envelope import safe_text
-from ocrq.worker.streaming import StreamingBatcher
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class JobRunner:
         send_page: splitting.SendPage | None = None,
     ) -> None:
         self.settings = settings
-        # Where a document's page jobs go (ocrq/worker/splitting.py): the broker, or `ocrq run`'s
+        # Where a document's page jobs go (ocrq/intake/splitting.py): the broker, or `ocrq run`'s
         # own threads; built on first use, so image-only runs never connect for it.
         self._send_page = send_page
         self.documents = DocumentStore(store.engine)

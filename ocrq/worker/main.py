@@ -2,7 +2,7 @@
 
 Why an entry point of its own: run as `__main__`, a module's globals are not the ones other
 modules import, and the exit state that the Celery app's signal handlers set lives in
-ocrq/worker/lifecycle.py; here it is only imported, so both see one module. Its Settings are read
+ocrq/worker/exit_state.py; here it is only imported, so both see one module. Its Settings are read
 once, from the environment the supervisor built for it (or handed in by `ocrq worker
 --no-supervise`), and everything below is given them.
 """
@@ -15,8 +15,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ocrq.core import metrics
 from ocrq.core.settings import Settings
-from ocrq.worker import lifecycle, metrics, runtime
+from ocrq.worker import exit_state, runtime
 
 
 def node_name(argv: Sequence[str]) -> str | None:
@@ -45,15 +46,15 @@ def run(argv: Sequence[str], settings: Settings) -> int:
             logging.getLogger(__name__).critical(
                 "worker cannot start: OCRQ_METRICS_PORT=%s: %s", settings.metrics_port, exc
             )
-            return lifecycle.STARTUP_FAILED_EXIT_CODE
+            return exit_state.STARTUP_FAILED_EXIT_CODE
     # Batches of varying shapes fragment PyTorch's caching allocator: on an H200 a worker held
     # 32.8 GiB reserved but unallocated beside 104.7 GiB of tensors and hit an out-of-memory
-    # error at a planned 105.9 GiB (bench/results/service_gpu_h200_run1.md). Expandable
+    # error at a planned 105.9 GiB (bench/results/service_gpu/service_gpu_h200_run1.md). Expandable
     # segments let freed blocks grow into one another. A value the user set is kept.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if settings.switch_interval_ms is not None:
         sys.setswitchinterval(settings.switch_interval_ms / 1000)
-    refused = lifecycle.preflight(settings)
+    refused = exit_state.preflight(settings)
     if refused is not None:
         return refused
     # The engine, batcher and heartbeat are built from these.
@@ -63,15 +64,15 @@ def run(argv: Sequence[str], settings: Settings) -> int:
         # The thread count follows the batch cap, known once the engine has loaded; so load it
         # before Celery starts (a missing model fails here, as it did at worker_ready).
         try:
-            threads = runtime.get_runtime(on_recycle=lifecycle.request_recycle).task_threads
+            threads = runtime.get_runtime(on_recycle=exit_state.request_recycle).task_threads
         except Exception as exc:
-            lifecycle.startup_failed(exc, signal_self=False)
-            return lifecycle.STARTUP_FAILED_EXIT_CODE
+            exit_state.startup_failed(exc, signal_self=False)
+            return exit_state.STARTUP_FAILED_EXIT_CODE
         logging.getLogger(__name__).info("task threads: %d (from the batch cap)", threads)
         argv += ["--concurrency", str(threads)]
     from ocrq.worker.celery_app import make_app  # after the checks: nothing is consumed before them
 
-    return lifecycle.run_celery(make_app(settings), argv)
+    return exit_state.run_celery(make_app(settings), argv)
 
 
 def serve_own_metrics(settings: Settings) -> None:
@@ -94,7 +95,7 @@ def main(argv: Sequence[str]) -> int:
         settings = Settings()
     except Exception as exc:
         logging.getLogger(__name__).critical("worker cannot start: invalid settings: %s", exc)
-        return lifecycle.STARTUP_FAILED_EXIT_CODE
+        return exit_state.STARTUP_FAILED_EXIT_CODE
     return run(argv, settings)
 
 

@@ -11,23 +11,22 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ocrq.core import metrics
 from ocrq.core.db import get_engine
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
-from ocrq.models.base import Engine, EngineCore, StreamingEngine
-from ocrq.models.costs import CostModel, GiB
+from ocrq.engine_process.link import EngineLink, RemoteBatcher
+from ocrq.intake.splitting import SendPage
+from ocrq.models.base import EngineCore
+from ocrq.models.costs import GiB
 from ocrq.models.memory import memory_of
-from ocrq.models.registry import create_engine
-from ocrq.worker import metrics
-from ocrq.worker.batcher import BatchConfig, Batcher, BatchRecord
-from ocrq.worker.engine_link import EngineLink, RemoteBatcher
+from ocrq.scheduling.batcher import Batcher, BatchRecord
+from ocrq.scheduling.engine_side import load_engine
+from ocrq.scheduling.recycle import RecyclePolicy, Recycler
+from ocrq.scheduling.streaming import StreamingBatcher
 from ocrq.worker.gpus import has_nvidia_gpu
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
-from ocrq.worker.profiles import ProfileChoice, choose_cost_model
-from ocrq.worker.recycle import RecyclePolicy, Recycler
-from ocrq.worker.splitting import SendPage
-from ocrq.worker.streaming import StreamingBatcher
 
 log = logging.getLogger(__name__)
 
@@ -57,30 +56,6 @@ class Runtime:
             log.info("shutdown: heartbeat row of %s retired", self.heartbeat.name)
 
 
-def batch_config(settings: Settings, engine: Engine, model: CostModel | None = None) -> BatchConfig:
-    """The budget a batch may use above the fixed part of `model` (a tuned profile's, when the
-    worker found one; else the engine's default)."""
-    fixed = (model or engine.cost_model()).fixed_bytes
-    if settings.memory_budget_gib is not None:
-        # Plan to a share of the budget: the allocator's cache and workspaces live in the rest
-        # (on the H200 a batch using 17.3 GiB of tensors had 19.4 GiB reserved).
-        usable = settings.memory_budget_gib * settings.memory_utilization
-        budget = int(usable * GiB) - fixed
-        if budget <= 0:
-            raise ValueError(
-                f"OCRQ_MEMORY_BUDGET_GIB={settings.memory_budget_gib} x OCRQ_MEMORY_UTILIZATION="
-                f"{settings.memory_utilization} does not cover the engine's fixed part "
-                f"({fixed / GiB:.2f} GiB)"
-            )
-    else:
-        budget = memory_of(engine).default_budget_bytes()
-    return BatchConfig(
-        max_items=settings.max_batch or engine.preferred_max_batch(),
-        wait_s=settings.batch_wait_ms / 1000,
-        budget_bytes=budget,
-    )
-
-
 FETCH_HEADROOM = 8  # task threads beyond the decoded-image cap: claiming and fetching the next
 
 
@@ -108,35 +83,6 @@ def recycle_policy(settings: Settings) -> RecyclePolicy:
         max_fragmentation_bytes=gib(settings.max_fragmentation_gib),
         patience=settings.recycle_patience,
     )
-
-
-@dataclass
-class EngineSide:
-    """The loaded engine, its cost model and its budget: what runs in the worker process, or in
-    its engine process (ocrq/worker/engine_host.py), with the batcher `start` gives it."""
-
-    engine: Engine
-    config: BatchConfig
-    choice: ProfileChoice
-
-    def start(
-        self, on_batch: Callable[[BatchRecord], None] | None = None
-    ) -> Batcher | StreamingBatcher:
-        """The batcher the engine's scheduler calls for, started."""
-        engine, config, model = self.engine, self.config, self.choice.model
-        if isinstance(engine, StreamingEngine) and engine.streams():
-            # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
-            return StreamingBatcher(engine, config, on_batch, model).start()
-        return Batcher(engine, config, on_batch=on_batch, cost_model=model).start()
-
-
-def load_engine(settings: Settings) -> EngineSide:
-    """Load the engine and pick its cost model and batch budget."""
-    engine = create_engine(settings.engine, settings)
-    engine.load()
-    choice = choose_cost_model(engine, settings.profile_dir)
-    log.info(choice.describe())
-    return EngineSide(engine, batch_config(settings, engine, choice.model), choice)
 
 
 def batch_hooks(
@@ -215,14 +161,15 @@ def engine_in_own_process(settings: Settings) -> bool:
 
 def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
     """Beat for worker `name`, and sweep other workers' stalled jobs back to the queue."""
-    from ocrq.api.client import Client  # the same re-send path as `ocrq requeue --stalled`
+    from ocrq.core.requeue import producer_app, requeue_stalled  # as `ocrq requeue --stalled`
 
-    client = Client(settings)
+    app = producer_app(settings.broker_url)
+    store = JobStore(get_engine(settings.database_url))
     return Heartbeat(
-        client.store.engine,
+        store.engine,
         name,
         settings,
-        sweep=lambda: client.requeue_stalled(exclude_worker=name),
+        sweep=lambda: requeue_stalled(store, app, settings, exclude_worker=name),
     ).start()
 
 

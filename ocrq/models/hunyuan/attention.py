@@ -62,7 +62,7 @@ class KernelConfig:
 
 DEFAULT_CONFIG = KernelConfig()
 # An fp8 pool: 128 keys a loop iteration were 5-6% faster than 64 for 176-512 rows on an H200
-# (bench/results/kv_attention_h200.md); bf16 is at the bandwidth with either.
+# (bench/results/kv_attention/kv_attention_h200.md); bf16 is at the bandwidth with either.
 FP8_CONFIG = KernelConfig(block_n=128)
 
 
@@ -106,8 +106,8 @@ def _kernels() -> tuple[Any, Any]:
             q = q.to(tl.float32)
         # An fp8 pool is multiplied in fp16: converting each loaded byte to bf16 takes two
         # conversions (through fp16), which capped the kernel at ~2.5 TB/s of fp8 on an H200
-        # (bench/results/kv_attention_h200_before.md); one to fp16 does not. q after its RMSNorm is
-        # far inside fp16's range, and fp16 keeps more of its bits than bf16.
+        # (bench/results/kv_attention/kv_attention_h200_before.md); one to fp16 does not. q after
+        # its RMSNorm is far inside fp16's range, and fp16 keeps more of its bits than bf16.
         q16 = q.to(tl.float16)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)

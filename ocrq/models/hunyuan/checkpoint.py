@@ -133,7 +133,7 @@ def load_checkpoint(settings: Settings) -> Checkpoint:
         # on the cores and slow the thread that feeds the GPU. One intra-op thread each:
         # the prefetch threads are the parallelism. With 16 prefetch threads beside a batch
         # of 64 pages, that batch took 6-7% longer at 16 intra-op threads than at 1
-        # (bench/results/prefill_profile_h200_threads.md).
+        # (bench/results/prefill_profile/prefill_profile_h200_threads.md).
         torch.set_num_threads(1)
     processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     processor.tokenizer.padding_side = "left"

@@ -15,9 +15,10 @@ Design notes (the why):
 * Decoding runs in ocrq/models/hunyuan/decode.py by default (`Settings.decode`, OCRQ_DECODE=fast):
   the model's own vision tower, a text prefill with fused norm/RoPE kernels, then a static KV
   cache and one CUDA graph per batch, 3.5 ms a step at batch 64 on an H200 where `generate()`
-  takes 62-105 ms (bench/results/decode_speed_h200*.md), same greedy tokens, less peak memory.
-  OCRQ_DECODE=generate keeps transformers' loop, and a generation config the fast loop cannot
-  honour (an n-gram ban, say) falls back to it on its own (ocrq/models/hunyuan/generation.py).
+  takes 62-105 ms (bench/results/decode_speed/decode_speed_h200*.md), same greedy tokens, less peak
+  memory. OCRQ_DECODE=generate keeps transformers' loop, and a generation config the fast loop
+  cannot honour (an n-gram ban, say) falls back to it on its own
+  (ocrq/models/hunyuan/generation.py).
 * HunyuanOCR 1.0 and 1.5 load through this same code; the checkpoint's config says which it is
   (ocrq/models/hunyuan/versions.py), and the version brings its prompts, its repetition penalty and
   its image limit. Both loops apply the penalty and stop rows whose tail loops
@@ -488,7 +489,8 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         """The padded prompt tokens of the largest prefill pass the loop runs, which the budget
         reserves: a chunk under the "chunked" schedule (a row over it is downscaled to fit by the
         planner), OCRQ_PREFILL_TOKENS under "alternate". Reserving the larger pass in chunked
-        mode over-predicted the H200's peak by 12% (bench/results/service_gpu_reading.md)."""
+        mode over-predicted the H200's peak by 12%
+        (bench/results/service_gpu/service_gpu_reading.md)."""
         s = self.settings
         return s.prefill_chunk_tokens if s.prefill_schedule == "chunked" else s.prefill_tokens
 

@@ -32,8 +32,8 @@ PREPROCESS_MODES = ("tensor", "processor")
 # Prefetch threads that may run transformers' processor at once. Its Python holds the GIL, and
 # the thread that feeds the GPU needs the GIL to launch each batch's thousands of kernels: 16
 # prefetch threads at once slowed a batch of 64 pages by 14-25% on the H200, 2 at once by nothing
-# measurable, while 1 could not keep up (bench/results/prefill_profile_h200.md, "Prefetch
-# beside a batch").
+# measurable, while 1 could not keep up (bench/results/prefill_profile/prefill_profile_h200.md,
+# "Prefetch beside a batch").
 PREPROCESS_SLOTS = 2
 
 
@@ -43,12 +43,13 @@ TENSOR_SLOTS = 2
 def tensor_slots() -> int:
     """Prefetch threads that may run the tensor path at once: 2, as for the processor.
 
-    Why not one per core: measured on the H200 host (bench/results/preprocess_speed_h200.md),
-    15 threads in the tensor path made 299 A4 pages/s but left a busy GPU-feeding thread 4% of
-    its rate (its many small ops each take the GIL back), while 2 processor threads left it
-    58-74%. One tensor thread already makes 70 A4 pages/s there (140 receipts at 2), over 10x
-    the ~5-15 pages/s the GPU takes, so two threads keep preprocessing off the critical path
-    without starving the thread that launches the GPU's kernels."""
+    Why not one per core: measured on the H200 host
+    (bench/results/preprocess_speed/preprocess_speed_h200.md), 15 threads in the tensor path made
+    299 A4 pages/s but left a busy GPU-feeding thread 4% of its rate (its many small ops each take
+    the GIL back), while 2 processor threads left it 58-74%. One tensor thread already makes 70 A4
+    pages/s there (140 receipts at 2), over 10x the ~5-15 pages/s the GPU takes, so two threads keep
+    preprocessing off the critical path without starving the thread that launches the GPU's
+    kernels."""
     return TENSOR_SLOTS
 
 
@@ -202,7 +203,7 @@ class Preprocessor:
         batch on the CPU while the GPU waits, and copies each row to the device asynchronously
         (pinned memory). Collated the plain way (float32 cast, one CPU `cat`, one pageable copy)
         with prefetch running beside it, a batch of 128 pages spent 0.75 s (1024²) to 1.4 s (A4)
-        outside its prefill and decode (bench/results/decode_speed_h200_step1.json).
+        outside its prefill and decode (bench/results/decode_speed/decode_speed_h200_step1.json).
         """
         pixels = pixels.to(self.model.dtype)
         if self.pin:
@@ -215,8 +216,8 @@ class Preprocessor:
         Why here: the positions depend on the row alone (ocrq/models/hunyuan/patches.py), and the
         library computes them with a Python loop over every prompt token with a device sync per
         row, 0.28 s (1024² pages) to 0.45 s (A4) of an idle GPU per batch of 64 measured on an
-        H200 (bench/results/prefill_profile_h200_before.md). In the prefetch thread that cost
-        overlaps the GPU's work on the batch before.
+        H200 (bench/results/prefill_profile/prefill_profile_h200_before.md). In the prefetch thread
+        that cost overlaps the GPU's work on the batch before.
         """
         import torch
 

@@ -1,9 +1,9 @@
 """Fused elementwise kernels for the graphed decode step (Triton; CUDA, or its CPU interpreter).
 
 Why: once the step runs as a CUDA graph, its cost at batch 64 is half kernel count. A profile
-(bench/results/decode_profile_h200.md) shows ~1,530 kernels per step, ~64 per layer, most of
-them the small float32 casts, multiplies, means and concatenations of transformers' RMSNorm and
-RoPE, each ~2 us however little it does. Three kernels replace them:
+(bench/results/decode_speed/decode_profile_h200.md) shows ~1,530 kernels per step, ~64 per layer,
+most of them the small float32 casts, multiplies, means and concatenations of transformers' RMSNorm
+and RoPE, each ~2 us however little it does. Three kernels replace them:
 
 * `add_rms_norm`: residual add (optional) + RMSNorm, writing both the new residual stream and the
   normalised row (transformers: `residual + h`, then `weight * (h * rsqrt(mean(h²) + eps))`);

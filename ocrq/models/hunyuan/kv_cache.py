@@ -2,8 +2,8 @@
 
 Why fp8: on an H200 a decode step of A4 pages is bound by reading the KV pool. 176 live rows of
 ~2,800 cached tokens at 96 KiB a token are ~47 GB a step, and 4,959 steps of 13.9 ms made 89 of a
-page's 143 ms (bench/results/service_gpu_reading.md, "A4 pages alone"). One byte a value instead
-of two halves that read and doubles the rows a pool of the same bytes holds.
+page's 143 ms (bench/results/service_gpu/service_gpu_reading.md, "A4 pages alone"). One byte a value
+instead of two halves that read and doubles the rows a pool of the same bytes holds.
 
 How: no scale, as vLLM's fp8 KV cache runs without calibrated scales. e4m3 keeps 3 mantissa bits
 and a range of +-448. HunYuan's keys leave a per-head RMSNorm (the key layernorm), so their size

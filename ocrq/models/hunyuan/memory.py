@@ -19,13 +19,14 @@ from ocrq.models.memory import HostMemory, ProbePage, is_oom_error
 KiB = 1024
 
 # Default memory model, measured on an H200 with the 1.0 shape in bf16 and sdpa
-# (bench/results/hunyuan_engine_h200.md, transformers 5.17): 1.88 GiB of weights allocated and
-# 2.52 GiB of device memory in use once loaded (CUDA context, allocator). The peak of a batch is
-# reached in its prefill and is linear in the batch's prompt tokens: 159.9-160.1 KiB per prompt
-# token (image tokens included; the vision tower's activations scale with them) for 1024² pages,
-# 886x1699 receipts and A4 pages at batch 16 to 256 alike, up to 161.2 KiB at batch 1 (a
-# per-call workspace; bench/results/hunyuan_engine_h200.json, decode_speed_h200.json): 162 KiB
-# covers every one of them from above, by at most 1.3%.
+# (bench/results/hunyuan_engine_bench/hunyuan_engine_h200.md, transformers 5.17): 1.88 GiB of
+# weights allocated and 2.52 GiB of device memory in use once loaded (CUDA context, allocator). The
+# peak of a batch is reached in its prefill and is linear in the batch's prompt tokens: 159.9-160.1
+# KiB per prompt token (image tokens included; the vision tower's activations scale with them) for
+# 1024² pages, 886x1699 receipts and A4 pages at batch 16 to 256 alike, up to 161.2 KiB at batch 1
+# (a per-call workspace; bench/results/hunyuan_engine_bench/hunyuan_engine_h200.json,
+# bench/results/decode_speed/decode_speed_h200.json): 162 KiB covers every one of them from above,
+# by at most 1.3%.
 # Decoding then holds the KV cache of prompt + new tokens: 96 KiB per token for this shape, plus
 # one layer's prefill cache while it is copied (ocrq/models/hunyuan/prefill.py), hence x 25/24; that
 # outgrows the prefill only for long generations (past ~640 new tokens on a 1024² page).
@@ -38,7 +39,7 @@ DEFAULT_PER_TOKEN_BYTES_FUSED = 139 * KiB
 DEFAULT_CACHE_TOKEN_BYTES = 96 * KiB * 25 / 24
 # The graphed decode phase's per-batch constant on a GPU, measured at batch 1 where the cache
 # term is the peak: a 0.166 GiB peak increment after a 0.142 GiB prefill, against 0.126 GiB of
-# cache (bench/results/decode_speed_h200.json).
+# cache (bench/results/decode_speed/decode_speed_h200.json).
 DEFAULT_DECODE_FIXED_BYTES = 42 * 1024 * KiB
 
 # Share of the device memory still free after loading that batches may use by default; the rest
@@ -165,7 +166,8 @@ class HunyuanMemory:
 
     def probe_pages(self) -> Sequence[ProbePage]:
         """A word crop (upscaled to 512² by the processor), a 1024² page, a 886x1699 receipt and
-        an A4 scan at 150 dpi, the sizes of bench/results/hunyuan_engine_h200.md."""
+        an A4 scan at 150 dpi, the sizes of
+        bench/results/hunyuan_engine_bench/hunyuan_engine_h200.md."""
         return (
             ProbePage("crop-240x64", 240, 64, ("STATION",), 24),
             ProbePage("page-1024", 1024, 1024),

@@ -3,8 +3,8 @@ attention per layer.
 
 Why: a prefill pass costs the host about as much to launch as the GPU takes to run it (118 ms
 against 107 ms a pass of the service's mix on an H200; most of the GPU's idle time sat in gaps
-over 1 ms while the loop thread launched a pass: bench/results/service_gpu_reading.md, "Where
-the steady GPU waits"). That cost is paid per pass, whatever it holds, so fuller passes would
+over 1 ms while the loop thread launched a pass: bench/results/service_gpu/service_gpu_reading.md,
+"Where the steady GPU waits"). That cost is paid per pass, whatever it holds, so fuller passes would
 spread it over more images, but the padded prefill pays rows x the longest prompt: 12,288-token
 passes cut the passes by 2.3x and gained nothing (runs 6-7). Packed, a pass holds what its
 rows hold, so `OCRQ_PREFILL_CHUNK_TOKENS` can grow with it. Measured on the H200 (runs 14-17):

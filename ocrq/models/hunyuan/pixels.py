@@ -5,9 +5,10 @@ few kernels through layers of Python (kwargs merging, validation, grouping by sh
 that hold the GIL, copies the image to channels-first before resizing (the slow path of torch's
 uint8 resize), and returns float32 that ocrq then casts and pins in two more passes. The thread
 that feeds the GPU needs the GIL for every kernel launch, so ocrq let only two prefetch threads
-into the processor at once (bench/results/prefill_profile_h200.md), which capped an H200 near 18
-A4 pages/s. Here each step is one torch call that releases the GIL while it runs, and the pixels
-are written once, in the model's dtype, straight into pinned memory when the model is on a GPU.
+into the processor at once (bench/results/prefill_profile/prefill_profile_h200.md), which capped an
+H200 near 18 A4 pages/s. Here each step is one torch call that releases the GIL while it runs, and
+the pixels are written once, in the model's dtype, straight into pinned memory when the model is on
+a GPU.
 
 What it reproduces (transformers 5.x `HunYuanVLImageProcessor`, torchvision backend):
 

@@ -180,9 +180,9 @@ def prefill_fused(
 
     Why: transformers' text layers spend most of their prefill time outside the matmuls and
     the attention: RMSNorm, RoPE and the q/k norms as ~30 float32 elementwise kernels a
-    layer over every prompt token (bench/results/prefill_profile_h200*.md). Here they are
-    the Triton kernels of ocrq/models/hunyuan/kernels.py, with transformers' rounding points.
-    The vision tower, the image scatter and the attention kernel are the library's; so is
+    layer over every prompt token (bench/results/prefill_profile/prefill_profile_h200*.md). Here
+    they are the Triton kernels of ocrq/models/hunyuan/kernels.py, with transformers' rounding
+    points. The vision tower, the image scatter and the attention kernel are the library's; so is
     the attention mask (causal, left padding; see `_padded_attention`).
     """
     import torch.nn.functional as F

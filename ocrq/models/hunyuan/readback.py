@@ -5,7 +5,7 @@ Why: the loop thread queues decode steps far ahead of the GPU, and every host sy
 GPU then idles for however long the thread takes to queue the next step. Inside a Celery worker
 that thread shares the GIL with hundreds of task threads and the preprocessing, so each sync can
 cost milliseconds: the service kept an H200 57% busy where the same loop alone kept it 92%
-(bench/results/service_gpu_reading.md). So:
+(bench/results/service_gpu/service_gpu_reading.md). So:
 
 * `to_device` sends small host lists through pinned memory, asynchronously;
 * `Readback` copies the slots' state (finished flags, token counts, guard stops, output tokens)

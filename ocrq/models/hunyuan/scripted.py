@@ -8,7 +8,7 @@ as the row's token at that step, exactly where a trained model would stop, so th
 finished (no `truncated`) and the memory plan still budgets the full `max_new_tokens`.
 
 Why production cannot reach it: the table is read only from a checkpoint whose config.json
-carries `RANDOM_MARK`, which only ocrq's random-weight builder (ocrq/models/hunyuan/tiny.py)
+carries `RANDOM_MARK`, which only ocrq's random-weight builder (ocrq/testing/tiny_hunyuan.py)
 writes; no setting or job field names it.
 """
 

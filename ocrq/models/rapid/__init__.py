@@ -6,7 +6,7 @@ then the crops of ALL images of the batch go through the classifier and the reco
 grouped by padded input width so that no crop's reading depends on its batch-mates.
 
 Departures from the library's own pipeline, each measured on the shared eval set
-(bench/results/accuracy_rapid.md has the figures):
+(bench/results/eval_accuracy/accuracy_rapid.md has the figures):
 
 * Small images (shorter side <= LINE_MAX_SIDE) may be tight word or line crops, on which the
   library's detector, run on an upscaled copy, finds no box or a wrong one (it reads 8% of the SVT

@@ -245,11 +245,12 @@ class RapidEngine(Engine):
     def cost_model(self) -> CostModel:
         """Peak host RSS = loaded process + one run's workspace + the images' own terms.
 
-        Measured with bench/rapid_memory.py (results in bench/results/rapid_memory_cpu.md): each
-        case in a fresh process, engine loaded and images decoded, then VmHWM growth over one
-        `run()` (onnxruntime with the library's session options: CPU arena off, so freed
-        activations go back to the OS between calls). The images' decoded pixels are outside it:
-        the worker's prefetch holds them whatever the engine does.
+        Measured with bench/rapid_memory.py (results in
+        bench/results/rapid_memory/rapid_memory_cpu.md): each case in a fresh process, engine loaded
+        and images decoded, then VmHWM growth over one `run()` (onnxruntime with the library's
+        session options: CPU arena off, so freed activations go back to the OS between calls). The
+        images' decoded pixels are outside it: the worker's prefetch holds them whatever the engine
+        does.
 
         The largest part is the detector's activations, about 160 bytes per input pixel (666 MiB
         at its 4 MP cap, measured alone). Images are detected one after the other, so that is a

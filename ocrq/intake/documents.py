@@ -1,0 +1,354 @@
+"""Documents (PDF, multi-page TIFF): tell one from an image, count its pages, render one page.
+
+A document is never held whole in memory as pixels: the splitting job only counts pages, and
+each page job renders its own page in its task thread. A path document is read through the
+same allowed-roots opener as images (ocrq/intake/images.py), lazily: PDFium and Pillow read the
+parts of the file a page needs from the descriptor. A URL or inline document is read once by
+its splitting job, which sends each page on inline as a one-page document
+(ocrq/intake/splitting.py).
+
+Each refusal is a DocumentError (an ImageError: the job fails alone with its message), raised
+before the expensive step: the page count against OCRQ_MAX_PDF_PAGES before any page job is
+made; a page's size at its render DPI against the image caps before it is rendered.
+
+PDFs are read with pypdfium2 (PDFium, Chrome's renderer: maintained, permissive licence,
+wheels with no system libraries). PDFium is not thread-safe, so every call into it holds one
+process-wide lock; a page renders in 10-50 ms at 144-200 dpi, far below an OCR page's time
+(bench/results/documents/documents_rapid.md measures both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import math
+import os
+import re
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from PIL import Image, ImageOps
+
+from ocrq.core.contract import ImageRef
+from ocrq.core.doc_formats import DocumentKind, claims_pdf, document_kind
+from ocrq.core.settings import Settings
+from ocrq.intake import images
+from ocrq.intake.images import ImageError, LoadedImage
+
+# Every call into PDFium holds this (the library keeps global state and is not thread-safe).
+PDFIUM = threading.Lock()
+DEFAULT_DPI = 200.0  # engines without a resolution preset (the CPU engine)
+POINTS_PER_INCH = 72.0
+
+
+class DocumentError(ImageError):
+    """This document (or this page of it) cannot be processed; the message says why."""
+
+
+@dataclass
+class Document:
+    """An opened document: a file read lazily (a path) or bytes (a URL or inline)."""
+
+    kind: DocumentKind
+    data: BinaryIO | bytes
+    source: str  # the request's description, for messages
+
+    def stream(self) -> BinaryIO:
+        if isinstance(self.data, bytes):
+            return io.BytesIO(self.data)
+        self.data.seek(0)
+        return self.data
+
+    def close(self) -> None:
+        if not isinstance(self.data, bytes):
+            self.data.close()
+
+    def __enter__(self) -> Document:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def take(ref: ImageRef, settings: Settings) -> Document | bytes:
+    """The request's bytes, read once: a Document, or an image's bytes for images.decode.
+
+    A single-frame TIFF is an image; a file whose name says PDF but whose bytes do not is
+    refused as such (rather than as "not an image").
+    """
+    if ref.path:
+        fh = images.open_path(ref.path, settings)
+        try:
+            kind = _document_kind(fh)
+            if kind is None:
+                if claims_pdf(ref.path):
+                    raise DocumentError(f"not a PDF: {ref.describe()} has no %PDF- header")
+                fh.seek(0)
+                data = images.read_capped(fh, ref.path, settings.max_image_bytes)
+                fh.close()
+                if not data:
+                    raise images.ImageError(f"empty image: {ref.describe()} has 0 bytes")
+                return data
+            size = os.fstat(fh.fileno()).st_size
+            if size > settings.max_document_bytes:
+                raise DocumentError(
+                    f"document too large: {size} bytes > limit {settings.max_document_bytes} "
+                    "(OCRQ_MAX_DOCUMENT_BYTES)"
+                )
+            return Document(kind, fh, ref.describe())
+        except BaseException:
+            fh.close()
+            raise
+    data = images.read_bytes(ref, settings)
+    stream = io.BytesIO(data)
+    kind = _document_kind(stream)
+    if kind is not None:
+        return Document(kind, data, ref.describe())
+    if ref.url and claims_pdf(ref.url):
+        raise DocumentError(f"not a PDF: {ref.describe()} has no %PDF- header")
+    return data
+
+
+def _document_kind(fh: BinaryIO) -> DocumentKind | None:
+    fh.seek(0)
+    kind = document_kind(fh.read(1024))
+    if kind == "tiff" and _tiff_frames(fh, 2) < 2:
+        kind = None  # one frame: an ordinary image
+    fh.seek(0)
+    return kind
+
+
+def _tiff_frames(fh: BinaryIO, limit: int) -> int:
+    """Frames of a TIFF, counted up to `limit` (IFD headers only, no pixel is decoded); 0 when
+    Pillow cannot read it (the image path then says why)."""
+    fh.seek(0)
+    try:
+        with _pillow_errors(), Image.open(fh, formats=["TIFF"]) as tiff:
+            count = 1
+            while count < limit:
+                try:
+                    tiff.seek(count)
+                except EOFError:
+                    break
+                count += 1
+            return count
+    except Exception:
+        return 0
+
+
+@contextlib.contextmanager
+def _pillow_errors() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        yield
+
+
+# ------------------------------------------------------------------------------------ whole
+
+
+def digest(document: Document) -> str:
+    """sha256 of the document's bytes, streamed (a path document is never read whole)."""
+    if isinstance(document.data, bytes):
+        return hashlib.sha256(document.data).hexdigest()
+    fh = document.stream()
+    h = hashlib.sha256()
+    for chunk in iter(lambda: fh.read(1 << 20), b""):
+        h.update(chunk)
+    fh.seek(0)
+    return h.hexdigest()
+
+
+def count_pages(document: Document, settings: Settings) -> int:
+    """Its page count, after the checks that fail the whole document: unreadable, encrypted,
+    no pages, more than OCRQ_MAX_PDF_PAGES."""
+    limit = settings.max_pdf_pages
+    if document.kind == "pdf":
+        with _pdf(document) as pdf:
+            pages = len(pdf)
+    else:
+        pages = _tiff_frames(document.stream(), limit + 1)
+        if pages == 0:
+            raise DocumentError(f"corrupt or unreadable TIFF: {document.source}")
+    if pages == 0:
+        raise DocumentError(f"document has no pages: {document.source}")
+    if pages > limit:
+        shown = f"{pages}" if pages <= limit or document.kind == "pdf" else f"over {limit}"
+        raise DocumentError(
+            f"document has too many pages: {shown} > limit {limit} (OCRQ_MAX_PDF_PAGES): "
+            f"{document.source}"
+        )
+    return pages
+
+
+@contextlib.contextmanager
+def _pdf(document: Document) -> Iterator[object]:
+    """The PDF opened under the PDFium lock, closed before the lock is let go."""
+    import pypdfium2 as pdfium
+
+    with PDFIUM:
+        try:
+            pdf = pdfium.PdfDocument(document.stream())
+        except pdfium.PdfiumError as exc:
+            if _declares_no_pages(document):  # PDFium refuses to open a page-less PDF at all
+                raise DocumentError(f"document has no pages: {document.source}") from None
+            raise DocumentError(_pdf_refusal(str(exc), document.source)) from None
+        try:
+            yield pdf
+        finally:
+            pdf.close()
+
+
+_NO_PAGES = re.compile(rb"/Type\s*/Pages\b[^>]*?/Count\s+0\b|/Count\s+0\b[^>]*?/Type\s*/Pages\b")
+
+
+def _declares_no_pages(document: Document) -> bool:
+    """Whether the page tree's root (in the first MiB, unencoded) says it has no pages."""
+    return _NO_PAGES.search(document.stream().read(1 << 20)) is not None
+
+
+def _pdf_refusal(error: str, source: str) -> str:
+    if "password" in error.lower():
+        return f"encrypted PDF: a password is needed to open {source} (ocrq takes none)"
+    if "security" in error.lower():
+        return f"encrypted PDF with an unsupported security handler: {source}"
+    return f"corrupt or unreadable PDF: {source} ({error.removesuffix('.')})"
+
+
+# ------------------------------------------------------------------------------------ pages
+
+
+def page_dpi(width_pt: float, height_pt: float, pixels: int | None, settings: Settings) -> float:
+    """The DPI a PDF page renders at: OCRQ_PDF_DPI, else the one that draws the page at the
+    engine's preset for the task (`pixels`), else DEFAULT_DPI; within the min/max DPI."""
+    if settings.pdf_dpi is not None:
+        return settings.pdf_dpi
+    if pixels:
+        area_in2 = (width_pt / POINTS_PER_INCH) * (height_pt / POINTS_PER_INCH)
+        dpi = math.sqrt(pixels / max(area_in2, 1e-6))
+    else:
+        dpi = DEFAULT_DPI
+    return min(max(dpi, settings.pdf_min_dpi), settings.pdf_max_dpi)
+
+
+def render_pdf_page(
+    document: Document, page: int, settings: Settings, pixels: int | None
+) -> Image.Image:
+    """Page `page` (1-based) as RGB, its rendered size checked against the image caps first."""
+    with _pdf(document) as pdf:
+        count = len(pdf)  # type: ignore[arg-type]
+        _check_page_number(page, count, document.source)
+        width_pt, height_pt = pdf.get_page_size(page - 1)  # type: ignore[attr-defined]
+        dpi = page_dpi(width_pt, height_pt, pixels, settings)
+        scale = dpi / POINTS_PER_INCH
+        # pypdfium2 sizes its bitmap as ceil(points x scale): the same arithmetic here.
+        size = (math.ceil(width_pt * scale), math.ceil(height_pt * scale))
+        _check_page_size(size, page, dpi, settings)
+        handle = pdf[page - 1]  # type: ignore[index]
+        try:
+            bitmap = handle.render(scale=scale, may_draw_forms=False)
+            image = bitmap.to_pil()
+            image.load()  # own its pixels before the bitmap goes
+            bitmap.close()
+        finally:
+            handle.close()
+    return images.to_rgb(image)
+
+
+def tiff_frame(document: Document, page: int, settings: Settings) -> Image.Image:
+    """Frame `page` (1-based) of a TIFF as RGB, its header checked before it is decoded."""
+    fh = document.stream()
+    try:
+        with _pillow_errors(), Image.open(fh, formats=["TIFF"]) as tiff:
+            try:
+                tiff.seek(page - 1)
+            except EOFError:
+                count = _tiff_frames(document.stream(), settings.max_pdf_pages + 1)
+                _check_page_number(page, count, document.source)
+                raise
+            images.check_header(*tiff.size, settings)
+            tiff.load()
+            frame = ImageOps.exif_transpose(tiff) or tiff
+            return images.to_rgb(frame)
+    except ImageError as exc:
+        raise DocumentError(f"page {page}: {exc}") from None
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+        raise DocumentError(
+            f"corrupt or truncated TIFF page {page}: {document.source} ({exc})"
+        ) from None
+
+
+def _check_page_number(page: int, count: int, source: str) -> None:
+    if not 1 <= page <= count:
+        raise DocumentError(f"no page {page} in {source}: it has {count} page(s)")
+
+
+def _check_page_size(size: tuple[int, int], page: int, dpi: float, settings: Settings) -> None:
+    try:
+        images.check_header(*size, settings)
+    except ImageError as exc:
+        raise DocumentError(f"page {page} at {dpi:.0f} dpi: {exc}") from None
+
+
+def load_page(
+    ref: ImageRef, settings: Settings, max_pixels: int | None, page_pixels: int | None
+) -> LoadedImage:
+    """A page job's image: page `ref.page` of its document, rendered here (this is the
+    prefetch thread), downscaled like an image to `max_pixels`. Page 1 of a plain image is
+    the image itself (one-frame TIFF pages travel as such)."""
+    assert ref.page is not None
+    source = ref.describe()
+    taken = take(ref, settings)
+    if isinstance(taken, bytes):
+        if ref.page != 1:
+            raise DocumentError(f"no page {ref.page} in {source}: an image has one page")
+        return images.decode(taken, settings, source, max_pixels)
+    with taken:
+        if taken.kind == "pdf":
+            image = render_pdf_page(taken, ref.page, settings, page_pixels)
+        else:
+            image = tiff_frame(taken, ref.page, settings)
+    # The page's pixels identify what the engine saw (hashing a large document per page
+    # would cost more than rendering it).
+    digest_ = hashlib.sha256(image.tobytes()).hexdigest()
+    original = image.size
+    if max_pixels and original[0] * original[1] > max_pixels:
+        image = images.downscale(image, max_pixels)
+    return LoadedImage(image=image, original_size=original, sha256=digest_, source=source)
+
+
+def one_page(document: Document, page: int, settings: Settings) -> bytes:
+    """Page `page` alone, as a document of its own (a one-page PDF; a TIFF frame as PNG): what
+    a URL or inline document's page job is sent, so no message carries the whole document."""
+    if document.kind == "pdf":
+        import pypdfium2 as pdfium
+
+        with _pdf(document) as pdf:
+            single = pdfium.PdfDocument.new()
+            try:
+                single.import_pages(pdf, [page - 1])
+                out = io.BytesIO()
+                single.save(out)
+            finally:
+                single.close()
+        return out.getvalue()
+    try:
+        with _pillow_errors(), Image.open(document.stream(), formats=["TIFF"]) as tiff:
+            tiff.seek(page - 1)
+            images.check_header(*tiff.size, settings)
+            out = io.BytesIO()
+            try:
+                tiff.save(out, format="PNG")
+            except OSError:  # a mode PNG cannot hold (CMYK, F): its RGB form
+                out = io.BytesIO()
+                tiff.convert("RGB").save(out, format="PNG")
+    except ImageError as exc:
+        raise DocumentError(f"page {page}: {exc}") from None
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+        raise DocumentError(
+            f"corrupt or truncated TIFF page {page}: {document.source} ({exc})"
+        ) from None
+    return out.getvalue()

@@ -1,0 +1,56 @@
+"""Smaller copies of waiting images, for the planner's size search and the batcher's execution.
+
+The planner decides sizes from costs alone (ocrq/scheduling/planner.py `estimate_at`); an engine's
+estimate, though, is a function of a PreparedImage. A `Downscaler` is that bridge for one
+planning round: it makes each candidate size once (each from the smallest copy made so far, as
+repeated halving did before), estimates it, and hands the batcher the very copy the plan chose.
+
+Every copy is a NEW PreparedImage (`dataclasses.replace`) with `encoded` empty, since the
+engine's preprocessing of the old pixels does not hold for the new ones: `run` redoes it. The
+waiting item itself is never changed, so a copy that was estimated and not chosen costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from ocrq.intake.images import downscale
+from ocrq.models.base import EngineCore, PreparedImage
+from ocrq.models.costs import ItemCost
+
+
+class Downscaler:
+    def __init__(self, engine: EngineCore, items: Mapping[str, PreparedImage]) -> None:
+        self._engine = engine
+        self._items = items
+        self._made: dict[tuple[str, int], PreparedImage] = {}
+
+    def estimate_at(self, key: str, pixels: int) -> ItemCost:
+        """The engine's cost of item `key` shrunk to at most `pixels` pixels."""
+        return self._engine.estimate(self.item_at(key, pixels))
+
+    def item_at(self, key: str, pixels: int) -> PreparedImage:
+        """Item `key` shrunk to at most `pixels` pixels (aspect ratio kept), made once."""
+        made = self._made.get((key, pixels))
+        if made is not None:
+            return made
+        original = self._items[key]
+        # Shrink from the smallest copy that is still at least this large: cheap on a big page.
+        larger = [
+            item
+            for (k, p), item in self._made.items()
+            if k == key and p >= pixels and _area(item) >= pixels
+        ]
+        source = min(larger, key=_area, default=original)
+        if _area(source) <= pixels:
+            made = replace(original, image=source.image, encoded=source.encoded)
+        else:
+            made = replace(original, image=downscale(source.image, pixels), encoded=None)
+        self._made[(key, pixels)] = made
+        return made
+
+
+def _area(item: PreparedImage) -> int:
+    w, h = item.image.size
+    return w * h

@@ -1,0 +1,74 @@
+"""The engine side of a worker: load the engine, pick its cost model and batch budget, start
+the batcher its scheduler calls for. Runs in the worker process, or in its engine process
+(ocrq/engine_process/host.py); the worker's wiring is ocrq/worker/runtime.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ocrq.core.settings import Settings
+from ocrq.models.base import Engine, StreamingEngine
+from ocrq.models.costs import CostModel, GiB
+from ocrq.models.memory import memory_of
+from ocrq.models.registry import create_engine
+from ocrq.scheduling.batcher import BatchConfig, Batcher, BatchRecord
+from ocrq.scheduling.streaming import StreamingBatcher
+from ocrq.tuning.profiles import ProfileChoice, choose_cost_model
+
+log = logging.getLogger(__name__)
+
+
+def batch_config(settings: Settings, engine: Engine, model: CostModel | None = None) -> BatchConfig:
+    """The budget a batch may use above the fixed part of `model` (a tuned profile's, when the
+    worker found one; else the engine's default)."""
+    fixed = (model or engine.cost_model()).fixed_bytes
+    if settings.memory_budget_gib is not None:
+        # Plan to a share of the budget: the allocator's cache and workspaces live in the rest
+        # (on the H200 a batch using 17.3 GiB of tensors had 19.4 GiB reserved).
+        usable = settings.memory_budget_gib * settings.memory_utilization
+        budget = int(usable * GiB) - fixed
+        if budget <= 0:
+            raise ValueError(
+                f"OCRQ_MEMORY_BUDGET_GIB={settings.memory_budget_gib} x OCRQ_MEMORY_UTILIZATION="
+                f"{settings.memory_utilization} does not cover the engine's fixed part "
+                f"({fixed / GiB:.2f} GiB)"
+            )
+    else:
+        budget = memory_of(engine).default_budget_bytes()
+    return BatchConfig(
+        max_items=settings.max_batch or engine.preferred_max_batch(),
+        wait_s=settings.batch_wait_ms / 1000,
+        budget_bytes=budget,
+    )
+
+
+@dataclass
+class EngineSide:
+    """The loaded engine, its cost model and its budget: what runs in the worker process, or in
+    its engine process (ocrq/engine_process/host.py), with the batcher `start` gives it."""
+
+    engine: Engine
+    config: BatchConfig
+    choice: ProfileChoice
+
+    def start(
+        self, on_batch: Callable[[BatchRecord], None] | None = None
+    ) -> Batcher | StreamingBatcher:
+        """The batcher the engine's scheduler calls for, started."""
+        engine, config, model = self.engine, self.config, self.choice.model
+        if isinstance(engine, StreamingEngine) and engine.streams():
+            # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
+            return StreamingBatcher(engine, config, on_batch, model).start()
+        return Batcher(engine, config, on_batch=on_batch, cost_model=model).start()
+
+
+def load_engine(settings: Settings) -> EngineSide:
+    """Load the engine and pick its cost model and batch budget."""
+    engine = create_engine(settings.engine, settings)
+    engine.load()
+    choice = choose_cost_model(engine, settings.profile_dir)
+    log.info(choice.describe())
+    return EngineSide(engine, batch_config(settings, engine, choice.model), choice)

@@ -1,0 +1,254 @@
+"""The batcher for an engine with a running decode loop: rows handed over as room frees up, each
+future resolved the moment its row finishes.
+
+Same surface as ocrq/scheduling/batcher.py's `Batcher` (submit -> Future, stop, records, budget), so
+the job runner and the runtime need not know which one they hold; same rules: only this thread
+touches the planner and the engine, every future is resolved exactly once. What differs:
+
+* the engine sizes its loop once from the budget (`StreamingEngine.open`: slots, a KV pool, one
+  prefill pass reserved); the planner (`plan_running`, pure) hands over the oldest waiting rows
+  while their KV fits the pool beside the rows in flight, and downscales or refuses a row too big
+  for the loop alone;
+* `engine.poll` runs the loop until some row ends; its job is resolved at once, so its task
+  thread stores the row and acks while the other rows decode on. Detokenising and parsing a
+  finished row (`Finished.resolve`) run on a finisher thread, not on the thread that keeps the
+  GPU's queue full;
+* the planner runs only when something changed (a row arrived, finished or was requeued): with
+  hundreds of rows waiting for room it is not free, and it shares the GIL with that thread;
+* an out-of-memory error from the loop lowers the budget (the governor), reopens the loop smaller
+  and puts the rows in flight back at the front of the queue: no job fails for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ocrq.core import metrics
+from ocrq.models.base import Finished, PreparedImage, StreamingEngine
+from ocrq.models.costs import CostModel, GiB
+from ocrq.models.memory import memory_of
+from ocrq.models.slots import RunningBudget, capacity_of
+from ocrq.scheduling.batcher import BatchConfig, BatchRecord, ItemOutcome, _Entry, _resolve
+from ocrq.scheduling.downscaling import Downscaler
+from ocrq.scheduling.executor import Row, log_downscale
+from ocrq.scheduling.planner import plan_running
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # longest the loop runs before this thread looks at new arrivals
+
+
+class StreamingBatcher:
+    def __init__(
+        self,
+        engine: StreamingEngine,
+        config: BatchConfig,
+        on_batch: Callable[[BatchRecord], None] | None = None,
+        cost_model: CostModel | None = None,
+    ) -> None:
+        if config.max_items < 1 or config.budget_bytes <= 0:
+            raise ValueError(f"invalid batch config: {config}")
+        self.engine = engine
+        self.config = config
+        self.cost_model = cost_model or engine.cost_model()
+        self.memory = memory_of(engine)
+        self.governor = config.start_governor()
+        self.loop: RunningBudget = engine.open(config.budget_bytes, self.cost_model)
+        self._on_batch = on_batch
+        self._cond = threading.Condition()
+        self._waiting: dict[str, _Entry] = {}
+        self._flight: dict[str, tuple[_Entry, int]] = {}  # engine key -> (entry, KV tokens)
+        self._seq = 0
+        self._changed = False  # something the planner would see differently since it last ran
+        self._loop_counts: dict[str, float] = {}  # the engine's totals at the last count
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="ocrq-finish")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ocrq-streaming", daemon=True)
+        self.records: deque[BatchRecord] = deque(maxlen=10_000)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.governor.budget_bytes
+
+    @property
+    def oom_events(self) -> int:
+        return self.governor.oom_events
+
+    def start(self) -> StreamingBatcher:
+        self._thread.start()
+        return self
+
+    def submit(self, item: PreparedImage) -> Future[ItemOutcome]:
+        future: Future[ItemOutcome] = Future()
+        try:
+            cost = self.engine.estimate(item)
+        except Exception as exc:  # an image the engine refuses fails alone
+            future.set_result(ItemOutcome(None, exc, "", self.engine.name))
+            return future
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("batcher is stopping; not accepting new images")
+            key = f"{item.key}#{self._seq}"
+            self._waiting[key] = _Entry(Row(item, cost, self._seq), future)
+            self._seq += 1
+            self._changed = True
+            self._cond.notify_all()
+        return future
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what is waiting and in flight, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if not self._thread.is_alive():  # else it may still hand rows to the finisher
+            self._finisher.shutdown(wait=True)
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._waiting) + len(self._flight)
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._flight:
+                    if self._stopping:
+                        return
+                    self._cond.wait(0.5)
+            try:
+                self._hand_over()
+                self._collect()
+            except Exception:  # never let the thread die with futures waiting
+                log.exception("running loop failed")
+                self._fail_flight(RuntimeError("the running loop failed; see the worker log"))
+
+    def _held(self) -> int:
+        return sum(tokens for _, tokens in self._flight.values())
+
+    def _hand_over(self) -> None:
+        """Plan against the pool beside the rows in flight, apply the plan, submit."""
+        with self._cond:
+            if not self._changed:
+                return
+            self._changed = False
+            snapshot = dict(self._waiting)
+        if not snapshot:
+            return
+        downscaler = Downscaler(self.engine, {k: e.row.item for k, e in snapshot.items()})
+        decided = plan_running(
+            [e.row.waiting(k) for k, e in snapshot.items()],
+            self._held(),
+            self.loop,
+            downscaler.estimate_at,
+            self.config.shrink,
+        )
+        rows = []
+        idle = not self._flight
+        with self._cond:
+            for shrink in decided.downscale:
+                old = self._waiting[shrink.key]
+                self._waiting[shrink.key] = _Entry(old.row.shrunk(shrink, downscaler), old.future)
+                log_downscale(old.row.item, self._waiting[shrink.key].row.item, "to fit the loop")
+            for refusal in decided.refused:
+                entry = self._waiting.pop(refusal.key)
+                _resolve(entry.future, ItemOutcome(None, MemoryError(refusal.reason), "",
+                                                   self.engine.name))
+            for key in decided.keys:
+                entry = self._waiting.pop(key)
+                cost = entry.row.cost
+                tokens = capacity_of(cost.prompt_tokens, cost.new_tokens)
+                item = entry.row.item
+                self._flight[item.key] = (entry, tokens)
+                rows.append(item)
+        if rows:
+            self.engine.submit(rows)
+            if idle:
+                metrics.engine_progress(busy=True)
+
+    def _collect(self) -> None:
+        """Run the loop a little; resolve every row that finished."""
+        started = time.monotonic()
+        wait = POLL_S if self._waiting else 0.5
+        try:
+            finished = self.engine.poll(wait)
+        except Exception as exc:
+            if not self.memory.is_oom(exc):
+                raise
+            self._recover(repr(exc)[:300])
+            return
+        if not finished:
+            return
+        batch_id = str(uuid.uuid4())
+        failed = 0
+        for f in finished:
+            held = self._flight.pop(f.key, None)
+            if held is None:
+                continue
+            entry, _ = held
+            failed += isinstance(f.result, BaseException)
+            self._finisher.submit(self._finish, entry, f, batch_id, time.monotonic())
+        with self._cond:
+            self._changed = True  # their KV ranges are free
+        metrics.engine_progress(busy=bool(self._flight))
+        self._loop_counts = metrics.count_loop(self.engine.loop_counts(), self._loop_counts)
+        self.governor = self.governor.after_batch(0)
+        record = BatchRecord(
+            batch_id, len(finished), started, time.monotonic(), self.loop.bytes, failed, 0,
+            self.budget_bytes, len(self._waiting),
+        )
+        self.records.append(record)
+        if self._on_batch is not None:
+            try:
+                self._on_batch(record)
+            except Exception:
+                log.exception("on_batch hook failed")
+
+    def _finish(self, entry: _Entry, finished: Finished, batch_id: str, ended: float) -> None:
+        """Its result, and its stages: waiting for the loop (submit to prefill) and in it."""
+        result = finished.resolve()
+        started = finished.started_at or entry.submitted
+        waited, ran = max(0.0, started - entry.submitted), max(0.0, ended - started)
+        name = self.engine.name
+        if isinstance(result, BaseException):
+            outcome = ItemOutcome(None, result, batch_id, name, waited, ran)
+        else:
+            outcome = ItemOutcome(result, None, batch_id, name, waited, ran)
+        _resolve(entry.future, outcome)
+
+    def _recover(self, message: str) -> None:
+        """Out of memory inside the loop: rows in flight go back to the front of the queue, the
+        budget drops below what the loop held, and the loop is opened again within it."""
+        self.engine.reset()
+        self.governor = self.governor.after_oom(self.loop.bytes)
+        metrics.OOM_EVENTS.inc()
+        with self._cond:
+            for key, (entry, _) in list(self._flight.items()):
+                self._waiting[f"{key}#retry{entry.row.seq}"] = entry
+            self._flight.clear()
+            self._changed = True
+        metrics.engine_progress(busy=False)  # its rows are handed over again from scratch
+        self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)
+        log.warning(
+            "out of memory in the running loop (%s); budget now %.2f GiB, rows in flight queued "
+            "again", message, self.governor.budget_bytes / GiB,
+        )
+
+    def _fail_flight(self, exc: BaseException) -> None:
+        self.engine.reset()
+        for entry, _ in self._flight.values():
+            _resolve(entry.future, ItemOutcome(None, exc, "", self.engine.name))
+        self._flight.clear()
+        metrics.engine_progress(busy=False)
+        try:
+            self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)
+        except Exception:
+            log.exception("could not reopen the running loop")

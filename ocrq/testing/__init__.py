@@ -1,0 +1,2 @@
+"""Test and bench helpers (tiny random-weight checkpoints), importable by tests and bench,
+never by production code."""

@@ -1,0 +1,163 @@
+"""Run the Celery worker in this process: its exit state, its preflight, its stop signals.
+
+A recycle is a warm shutdown the worker asks of itself: Celery stops consuming, the task
+threads in flight finish (the batcher runs their batches and their rows are stored), messages
+reserved but not started go back to the queue, and the process exits with RECYCLE_EXIT_CODE.
+Whatever supervises it starts a fresh one: Docker (`restart: always`), systemd
+(`Restart=always`), Kubernetes, or `ocrq worker` itself, which runs each worker as a new
+interpreter (never a fork, so CUDA is never initialised in a forked process): ocrq/worker/main.py.
+With `--gpus` it supervises one such process per GPU, each on its own (ocrq/worker/supervisor.py).
+
+This module holds the process's exit state and never imports the Celery app: the app's signal
+handlers call in here (`request_recycle`, `startup_failed`), and the entry point hands the app
+to `run_celery`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from ocrq.core import metrics
+from ocrq.scheduling.recycle import RECYCLE_EXIT_CODE
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from ocrq.core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+STARTUP_FAILED_EXIT_CODE = 78  # EX_CONFIG: restarting will not help (a missing model, say)
+DATABASE_WAIT_S = 60.0  # how long a starting worker waits for an unreachable database
+
+_exit_code: int | None = None
+_exit_lock = threading.Lock()
+
+
+def _request_exit(code: int, reason: str) -> bool:
+    """Ask this worker process for a warm shutdown (SIGTERM is Celery's), remembering why."""
+    global _exit_code
+    with _exit_lock:
+        if _exit_code is not None:
+            return False
+        _exit_code = code
+    log.warning("worker exit requested (%d): %s", code, reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+def request_recycle(reason: str) -> None:
+    """Recycle: a fresh process replaces this one (see the module docstring)."""
+    if _request_exit(RECYCLE_EXIT_CODE, f"recycle: {reason}"):
+        metrics.RECYCLES.labels(reason.split(" ")[0]).inc()
+
+
+def startup_failed(exc: BaseException, *, signal_self: bool = True) -> None:
+    """The engine could not be loaded: exit with a code that tells supervisors not to retry.
+    `signal_self=False` before Celery runs: the caller returns the code itself."""
+    log.critical("worker cannot start: %s: %s", type(exc).__name__, exc)
+    if signal_self:
+        _request_exit(STARTUP_FAILED_EXIT_CODE, f"startup failed: {exc}")
+
+
+def check_database(settings: Settings) -> int | None:
+    """Before the worker touches the broker: the database at the Alembic head.
+
+    Returns an exit code to stop with, or None to go on. A worker on an unmigrated database
+    would take each message, fail to claim its row and ack it: the job would be lost. Checked
+    here, before Celery starts, no message is ever fetched (at `worker_ready` the consumer has
+    already subscribed). Waits out a database still starting (compose, Kubernetes).
+    """
+    from sqlalchemy.exc import OperationalError
+    from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+    from ocrq.core.migrate import SchemaNotAtHead, check_at_head
+
+    check = retry(
+        retry=retry_if_exception_type(OperationalError),
+        wait=wait_exponential(multiplier=0.5, max=5),
+        stop=stop_after_delay(DATABASE_WAIT_S),
+        reraise=True,
+    )(check_at_head)
+    try:
+        check(settings.database_url)
+    except SchemaNotAtHead as exc:
+        log.critical("worker cannot start: %s", exc)
+        return STARTUP_FAILED_EXIT_CODE
+    except OperationalError as exc:  # still down: exit, and let the supervisor try again
+        log.critical(
+            "worker cannot start: database unreachable or missing (`ocrq migrate` creates it): %s",
+            exc.orig or exc,
+        )
+        return 1
+    return None
+
+
+def preflight(settings: Settings) -> int | None:
+    """Before the worker touches the broker: safe roots, database at the Alembic head. An exit
+    code to stop with, or None to go on."""
+    try:  # a worker that could read any host file does not start
+        settings.require_safe_roots()
+    except ValueError as exc:
+        log.critical("worker cannot start: %s", exc)
+        return STARTUP_FAILED_EXIT_CODE
+    return check_database(settings)
+
+
+def run_celery(app: Celery, argv: Sequence[str]) -> int:
+    """Run `celery worker` in this process until it stops; the exit code says whether this was
+    a recycle (or why it could not start)."""
+    code = 0
+    try:
+        app.worker_main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    return _exit_code if _exit_code is not None else code
+
+
+REPEAT_SIGNAL_S = 1.0  # a stop signal again within this long is the same stop, delivered twice
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def guard_stop_signals(signums: Sequence[int] = STOP_SIGNALS) -> None:
+    """Let Celery's handlers for SIGTERM/SIGINT run one at a time, and ignore a repeat within
+    REPEAT_SIGNAL_S. Called once Celery has installed them (at worker_ready).
+
+    Why: a stop reaches a worker twice, from its process group (systemd's control-group kill,
+    a terminal's Ctrl-C, `kill -- -PGID`) and from its supervisor, which forwards it. Celery's
+    handler sends `worker_shutting_down` under a lock that is not re-entrant; the second signal,
+    handled inside the first, waited for that lock forever. A worker hung in its warm shutdown
+    until it was killed, its heartbeat row left behind (seen in tests/test_liveness.py, with
+    the stacks of its threads). A repeated SIGINT would also turn one Ctrl-C into a cold stop.
+    """
+    state = {"busy": False}
+    last: dict[int, float] = {}
+
+    def guard(handler: Callable[[int, object], object]) -> Callable[[int, object], None]:
+        def guarded(signum: int, frame: object) -> None:
+            now = time.monotonic()
+            if state["busy"] or now - last.get(signum, -REPEAT_SIGNAL_S) < REPEAT_SIGNAL_S:
+                return
+            last[signum] = now
+            state["busy"] = True
+            try:
+                handler(signum, frame)
+            finally:
+                state["busy"] = False
+                again = signal.getsignal(signum)  # Celery installs a new one for SIGINT
+                if callable(again) and not getattr(again, "ocrq_guarded", False):
+                    signal.signal(signum, guard(again))
+
+        guarded.ocrq_guarded = True  # type: ignore[attr-defined]
+        return guarded
+
+    for signum in signums:
+        handler = signal.getsignal(signum)
+        if callable(handler) and not getattr(handler, "ocrq_guarded", False):
+            signal.signal(signum, guard(handler))
