@@ -10,9 +10,9 @@ Three parts, each written to --out as soon as it exists:
 (3) per mode, the fast path's prefill and end-to-end seconds on a batch of pages, the two modes
     alternated --reps times, so a speed change would show as a ratio off 1.
 
-Random weights of the full HunyuanOCR-1.5 shape (ocrq/models/hunyuan/tiny.py).
+Random weights of the full HunyuanOCR-1.5 shape (ocrq/testing/tiny_hunyuan.py).
 
-    PYTHONUNBUFFERED=1 python bench/fidelity_gpu.py --out bench/results
+    PYTHONUNBUFFERED=1 python bench/fidelity_gpu.py --out bench/results/fidelity_gpu
     python bench/fidelity_gpu.py --shape tiny --device cpu --dtype float32 --new-tokens 4 \\
         --batch 2 --reps 1 --out /tmp/fg   # smoke test without a GPU
 """
