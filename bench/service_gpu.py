@@ -51,6 +51,7 @@ if str(REPO) not in sys.path:
 
 from bench.common import add_model_args, random_checkpoint, run_part  # noqa: E402
 from bench.scoring import ground_truth_text, load_manifest  # noqa: E402
+from bench.sustained import Harvest, finish_window, harvests_from_log, sustained  # noqa: E402
 
 A4 = (1248, 1760)  # an A4 page at ~150 dpi, the size the engine benches use
 TASK_OF_KIND = {"svt_word": "text", "svt_scene": "text", "sroie": "parse", "page": "parse"}
@@ -220,33 +221,40 @@ class GpuSampler:
         return [round(mean(u[i] for u in inside), 1) for i in range(len(inside[0]))]
 
 
-def steady_window(finish_times: list[float]) -> tuple[float, float]:
-    """From the 10th to the 90th percentile finish: the pipeline is full, neither filling at
-    the start nor draining once the queue is empty."""
-    ts = sorted(finish_times)
-    return ts[int(0.1 * (len(ts) - 1))], ts[int(0.9 * (len(ts) - 1))]
-
-
-def rates(jobs: list[Job], finish: dict[str, float], started: float, gpus: GpuSampler) -> dict:
+def rates(jobs: list[Job], finish: dict[str, float], started: float, gpus: GpuSampler,
+          harvests: list[Harvest]) -> dict:
+    """Wall figures, the sustained rate over the loop's saturated window (bench/sustained.py)
+    and, for comparison only, the old finish-window figure, which counts work done outside its
+    window and moves with the number of jobs queued."""
     done = [j for j in jobs if j.job_id in finish]
     last = max(finish.values())
-    t0, t1 = steady_window(list(finish.values()))
-    in_window = [j for j in done if t0 < finish[j.job_id] <= t1]
-    span = max(t1 - t0, 1e-9)
-    return {
+    fw_rate, t0, t1 = finish_window(list(finish.values()))
+    held = sustained(harvests)
+    out: dict[str, Any] = {
         "jobs_done": len(done),
         "wall_s": round(last - started, 2),
         "images_per_s": round(len(done) / (last - started), 3),
         "tokens_per_s": round(sum(j.new_tokens for j in done) / (last - started), 1),
-        "steady_images_per_s": round(len(in_window) / span, 3),
-        "steady_tokens_per_s": round(sum(j.new_tokens for j in in_window) / span, 1),
-        "a4_pages_per_s_steady": round(sum(j.kind == "a4" for j in in_window) / span, 3),
-        "gpu_busy_steady_pct": gpus.busy(t0, t1),
+        "first_result_s": round(min(finish.values()) - started, 2),
+        "sustained_images_per_s": round(held["images_per_s"], 3) if held else None,
+        "sustained": held,
+        "finish_window_images_per_s": round(fw_rate, 3),
+        "finish_window_s": [round(t0 - started, 1), round(t1 - started, 1)],
         "gpu_busy_all_pct": gpus.busy(started, last),
         "gpu_busy_by_5s": gpus.series(started, last),
-        "steady_window_s": [round(t0 - started, 1), round(t1 - started, 1)],
         "latency_by_kind": latency_by_kind(done, finish, started),
     }
+    if held:
+        w0, w1 = held["window_s"]
+        out["gpu_busy_sustained_pct"] = gpus.busy(started + w0, started + w1)
+        # Per kind, the sustained rate split by the kinds' shares of the window's completions.
+        share = [j for j in done if w0 < finish[j.job_id] - started <= w1]
+        for kind in sorted({j.kind for j in share}):
+            n = sum(j.kind == kind for j in share)
+            out[f"sustained_{kind}_per_s"] = round(held["images_per_s"] * n / len(share), 3)
+        tokens = sum(j.new_tokens for j in share) / max(len(share), 1)
+        out["sustained_tokens_per_s"] = round(held["images_per_s"] * tokens, 1)
+    return out
 
 
 def latency_by_kind(done: list[Job], finish: dict[str, float], started: float) -> dict:
@@ -260,13 +268,14 @@ def latency_by_kind(done: list[Job], finish: dict[str, float], started: float) -
     return out
 
 
-def loop_summary(counts: dict[str, float], wall_s: float) -> dict[str, float]:
+def loop_summary(counts: dict[str, float], wall_s: float, jobs: int = 0) -> dict[str, Any]:
     """The running loop's own account (ocrq_loop_* counters): GPU seconds by CUDA events and
     their share of the wall time, how full the decode steps ran, rows per prefill pass."""
     if not counts or not counts.get("steps"):
         return {}
     gpu = counts.get("prefill_seconds", 0.0) + counts.get("decode_seconds", 0.0)
     return {
+        "gpu_ms_per_job": round(1000 * gpu / jobs, 1) if jobs else None,
         "prefill_gpu_s": round(counts.get("prefill_seconds", 0.0), 1),
         "decode_gpu_s": round(counts.get("decode_seconds", 0.0), 1),
         "gpu_busy_pct_of_wall": round(100 * gpu / max(wall_s, 1e-9), 1),
@@ -387,13 +396,15 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
 
             sample_stacks("ocrq-streaming", args.stacks_at, args.stacks_for,
                           args.out / f"{args.stem}{label}_stacks.json")
-        started = time.time()
+        started, started_mono = time.time(), time.monotonic()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(one, jobs))
     batcher.stop()
     sizes = [r.size for r in batcher.records]
-    out = rates(jobs, finish, started, gpus)
-    out["loop"] = loop_summary(engine.loop_counts(), out["wall_s"])
+    harvests = [Harvest(r.ended - started_mono, r.size, r.row_seconds, r.deferred, r.in_flight)
+                for r in batcher.records]
+    out = rates(jobs, finish, started, gpus, harvests)
+    out["loop"] = loop_summary(engine.loop_counts(), out["wall_s"], out["jobs_done"])
     out.update(
         scheduler="continuous" if engine.streams() else "static",
         task_threads=threads,
@@ -536,6 +547,7 @@ def service(
     if not (Path(sys.executable).parent / "ocrq").exists():
         cmd = [sys.executable, "-m", "ocrq.cli", "worker"]
     cmd += ["--gpus", gpus_arg] if gpus_arg else ["--no-supervise"]
+    spawned = time.time()
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -548,6 +560,7 @@ def service(
                 raise RuntimeError(f"worker did not start:\n{log.read_text()[-3000:]}")
             ready = log.read_text(errors="replace").count(" ready.")
             time.sleep(0.5)
+        ready_s = time.time() - spawned
         cpu0 = _tree_cpu(proc.pid)
         visible = [int(g) for g in gpus_arg.split(",")] if gpus_arg else [0]
         sampler = GpuSampler(visible) if args.device.startswith("cuda") else GpuSampler([])
@@ -565,15 +578,19 @@ def service(
             os.killpg(proc.pid, signal.SIGKILL)
     rows = _rows(db)
     shutil.copy(log, args.out / log.name)
-    out = rates(jobs, {k: v for k, v in finish.items()}, started, sampler)
+    harvests = harvests_from_log(log.read_text(errors="replace"), started)
+    out = rates(jobs, {k: v for k, v in finish.items()}, started, sampler, harvests)
     wall = max(finish.values()) - started if finish else 0.0
     out.update(
+        worker_ready_s=round(ready_s, 1),
+        # Worker start to first stored result, had the jobs been waiting when it started.
+        startup_to_first_result_s=round(ready_s + out["first_result_s"], 1),
         submit_s=round(submitted - started, 2),
         worker_cpu_cores=round((cpu1 - cpu0) / max(wall, 1e-9), 2),
         exactly_once=_exactly_once(rows, jobs, broker),
         latency=_latency(rows),
         stages=scrape_stages(scraped),
-        loop=loop_summary(scrape_loop(scraped), wall),
+        loop=loop_summary(scrape_loop(scraped), wall, out["jobs_done"]),
         batches=_batches(log),
         workers=sorted({r["worker"] for r in rows if r["worker"]}),
     )
@@ -729,16 +746,24 @@ def render(d: dict[str, Any]) -> str:
             "",
             "## Throughput",
             "",
-            "| run | jobs done | wall s | images/s | tokens/s | steady images/s | steady "
-            "tokens/s | steady A4 pages/s | GPU busy steady % | GPU busy all % |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "Sustained: completions per second while the loop is saturated (from its first "
+            "turnover at full occupancy until the waiting queue empties; Little's law over that "
+            "window, bench/sustained.py). Finish window: the old 10th-90th percentile figure, "
+            "biased by the loop's depth, for comparison only.",
+            "",
+            "| run | jobs done | wall s | wall images/s | sustained images/s | sustained A4 "
+            "pages/s | sustained tokens/s | GPU ms/job (loop) | GPU busy sustained % | "
+            "GPU busy all % | finish-window images/s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in runs:
             lines.append(
                 f"| {name} | {r['jobs_done']} | {r['wall_s']} | {r['images_per_s']} | "
-                f"{r['tokens_per_s']} | {r['steady_images_per_s']} | "
-                f"{r['steady_tokens_per_s']} | {r['a4_pages_per_s_steady']} | "
-                f"{r['gpu_busy_steady_pct']} | {r['gpu_busy_all_pct']} |"
+                f"{r.get('sustained_images_per_s')} | {r.get('sustained_a4_per_s')} | "
+                f"{r.get('sustained_tokens_per_s')} | "
+                f"{(r.get('loop') or {}).get('gpu_ms_per_job')} | "
+                f"{r.get('gpu_busy_sustained_pct')} | {r['gpu_busy_all_pct']} | "
+                f"{r['finish_window_images_per_s']} |"
             )
     for name, r in runs:
         if not name.startswith("service"):
@@ -750,8 +775,10 @@ def render(d: dict[str, Any]) -> str:
         lines.append(f"- latency from rows: `{json.dumps(r.get('latency'))}`")
         lines.append(f"- workers: {', '.join(r.get('workers', []))}")
         lines.append(f"- running loop: `{json.dumps(r.get('loop'))}`")
-        lines.append(f"- GPU busy % per 5 s (steady window {r.get('steady_window_s')} s): "
-                     f"{r.get('gpu_busy_by_5s')}")
+        lines.append(f"- worker start to ready: {r.get('worker_ready_s')} s; to the first "
+                     f"result with jobs waiting: {r.get('startup_to_first_result_s')} s")
+        lines.append(f"- sustained window: `{json.dumps(r.get('sustained'))}`")
+        lines.append(f"- GPU busy % per 5 s: {r.get('gpu_busy_by_5s')}")
         stages = r.get("stages") or {}
         if stages:
             lines += ["", "| stage | mean s | count |", "|---|---:|---:|"]
@@ -770,10 +797,11 @@ def render(d: dict[str, Any]) -> str:
         for name, r in runs:
             if name.startswith("engine_alone") and r.get("loop"):
                 lines += ["", f"{name}, running loop: `{json.dumps(r['loop'])}`",
-                          "", f"{name}, GPU busy % per 5 s (steady window "
-                          f"{r.get('steady_window_s')} s): {r.get('gpu_busy_by_5s')}"]
+                          "", f"{name}, sustained window: `{json.dumps(r.get('sustained'))}`",
+                          "", f"{name}, GPU busy % per 5 s: {r.get('gpu_busy_by_5s')}"]
     if "ratio" in d:
-        lines += ["", f"Service / engine alone (images/s, steady): {d['ratio']}"]
+        lines += ["", f"Service / engine alone (sustained images/s; wall where either has no "
+                  f"saturated window): {d['ratio']}"]
     if d.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e['part']}: {e['error']}" for e in d["errors"]]
     return "\n".join(lines) + "\n"
@@ -894,9 +922,9 @@ def main() -> None:
             report.write()
         alone, svc = report.data.get("engine_alone"), report.data.get("service")
         if alone and svc:
-            report.data["ratio"] = round(
-                svc["steady_images_per_s"] / max(alone["steady_images_per_s"], 1e-9), 3
-            )
+            key = ("sustained_images_per_s" if svc.get("sustained_images_per_s")
+                   and alone.get("sustained_images_per_s") else "images_per_s")
+            report.data["ratio"] = round(svc[key] / max(alone[key], 1e-9), 3)
         report.write()
     finally:
         if services is not None:

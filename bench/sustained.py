@@ -67,8 +67,9 @@ def sustained(harvests: Sequence[Harvest], full: float = FULL) -> dict[str, Any]
     The window opens once the loop, after first holding (nearly) its peak rows, has turned over
     once (as many rows have finished as it holds): before that the rows finishing are the first
     cohort, admitted together, whose finishes bunch or have not begun. It closes at the last
-    harvest with rows still waiting; after it the loop drains. A run too short for both (fewer
-    than about three loops' worth of jobs) gets None rather than a biased figure.
+    harvest with rows still waiting; after it the loop drains. A run too short for both and for
+    one more turnover between them (fewer than about three loops' worth of jobs) gets None
+    rather than a biased figure.
 
     Inside the window the rate is given twice. `images_per_s` is Little's law: rows in the loop
     (mean over the window's harvests) over the mean seconds a row finishing in it spent in the
@@ -95,7 +96,7 @@ def sustained(harvests: Sequence[Harvest], full: float = FULL) -> dict[str, Any]
     window = harvests[start + 1 : end + 1]
     done = sum(h.finished for h in window)
     ran = sum(h.ran_s for h in window)
-    if not done or ran <= 0:
+    if done < peak or ran <= 0:  # less than one more turnover: too short to say
         return None
     span = harvests[end].t - harvests[start].t
     rows = sum(h.in_flight for h in window) / len(window)

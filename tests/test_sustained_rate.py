@@ -86,3 +86,26 @@ def test_harvest_lines_are_read_from_a_worker_log() -> None:
     t0 = datetime(2026, 12, 1, 10, 0, 0).timestamp()
     got = harvests_from_log(log, t0)
     assert got == [Harvest(1.5, 3, 31.5, 40, 512), Harvest(2.25, 0, 0.0, 0, 509)]
+
+
+def test_the_workers_own_harvest_line_is_read(caplog: pytest.LogCaptureFixture) -> None:
+    """The line the worker really logs (ocrq/worker/runtime.py), in Celery's worker format."""
+    import logging
+    import time as _time
+
+    from ocrq.core.settings import Settings
+    from ocrq.scheduling.batcher import BatchRecord
+    from ocrq.worker import runtime
+    from ocrq.worker.celery_app import make_app
+
+    record = BatchRecord("0123456789", 7, 1.0, 1.25, 2**30, 0, 0, 2**31, 12, in_flight=300,
+                         row_seconds=42.25)
+    with caplog.at_level(logging.INFO, logger=runtime.log.name):
+        runtime._log_batch(record)
+    formatter = logging.Formatter(make_app(Settings()).conf.worker_log_format)
+    line = formatter.format(caplog.records[-1])
+    now = _time.time()
+    got = harvests_from_log(line, now)
+    assert len(got) == 1
+    assert (got[0].finished, got[0].ran_s, got[0].waiting, got[0].in_flight) == (7, 42.2, 12, 300)
+    assert abs(got[0].t) < 5

@@ -84,6 +84,11 @@ class BatchRecord:
     budget_bytes: int = 0
     deferred: int = 0  # images left waiting when it was planned (the plan's `deferred`)
     measured_peak_bytes: int | None = None  # the engine's peak during it (memory_of(engine))
+    # The running loop only: rows handed to the engine and not yet finished after this round,
+    # and the seconds the rows that finished spent there (hand-over to finish, summed). With
+    # `deferred` they are what a sustained rate is measured from (bench/sustained.py).
+    in_flight: int = 0
+    row_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

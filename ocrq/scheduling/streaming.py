@@ -28,6 +28,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 from ocrq.core import metrics
 from ocrq.models.base import Finished, PreparedImage, StreamingEngine
@@ -40,6 +41,16 @@ from ocrq.scheduling.executor import Row, log_downscale
 from ocrq.scheduling.planner import plan_running
 
 log = logging.getLogger(__name__)
+
+
+class _Held(NamedTuple):
+    """A row handed to the engine: its entry, the KV tokens it holds, and when it was handed
+    over (with the count of held rows, what Little's law needs: bench/sustained.py)."""
+
+    entry: _Entry
+    tokens: int
+    handed: float
+
 
 POLL_S = 0.05  # longest the loop runs before this thread looks at new arrivals
 
@@ -63,7 +74,7 @@ class StreamingBatcher:
         self._on_batch = on_batch
         self._cond = threading.Condition()
         self._waiting: dict[str, _Entry] = {}
-        self._flight: dict[str, tuple[_Entry, int]] = {}  # engine key -> (entry, KV tokens)
+        self._flight: dict[str, _Held] = {}  # engine key -> the row handed to the engine
         self._seq = 0
         self._changed = False  # something the planner would see differently since it last ran
         self._loop_counts: dict[str, float] = {}  # the engine's totals at the last count
@@ -132,7 +143,7 @@ class StreamingBatcher:
                 self._fail_flight(RuntimeError("the running loop failed; see the worker log"))
 
     def _held(self) -> int:
-        return sum(tokens for _, tokens in self._flight.values())
+        return sum(held.tokens for held in self._flight.values())
 
     def _hand_over(self) -> None:
         """Plan against the pool beside the rows in flight, apply the plan, submit."""
@@ -153,6 +164,7 @@ class StreamingBatcher:
         )
         rows = []
         idle = not self._flight
+        now = time.monotonic()
         with self._cond:
             for shrink in decided.downscale:
                 old = self._waiting[shrink.key]
@@ -167,7 +179,7 @@ class StreamingBatcher:
                 cost = entry.row.cost
                 tokens = capacity_of(cost.prompt_tokens, cost.new_tokens)
                 item = entry.row.item
-                self._flight[item.key] = (entry, tokens)
+                self._flight[item.key] = _Held(entry, tokens, now)
                 rows.append(item)
         if rows:
             self.engine.submit(rows)
@@ -189,13 +201,15 @@ class StreamingBatcher:
             return
         batch_id = str(uuid.uuid4())
         failed = 0
+        row_seconds = 0.0
         for f in finished:
             held = self._flight.pop(f.key, None)
             if held is None:
                 continue
-            entry, _ = held
             failed += isinstance(f.result, BaseException)
-            self._finisher.submit(self._finish, entry, f, batch_id, time.monotonic())
+            ended = time.monotonic()
+            row_seconds += ended - held.handed
+            self._finisher.submit(self._finish, held.entry, f, batch_id, ended)
         with self._cond:
             self._changed = True  # their KV ranges are free
         metrics.engine_progress(busy=bool(self._flight))
@@ -203,7 +217,8 @@ class StreamingBatcher:
         self.governor = self.governor.after_batch(0)
         record = BatchRecord(
             batch_id, len(finished), started, time.monotonic(), self.loop.bytes, failed, 0,
-            self.budget_bytes, len(self._waiting),
+            self.budget_bytes, len(self._waiting), in_flight=len(self._flight),
+            row_seconds=row_seconds,
         )
         self.records.append(record)
         if self._on_batch is not None:
@@ -231,8 +246,8 @@ class StreamingBatcher:
         self.governor = self.governor.after_oom(self.loop.bytes)
         metrics.OOM_EVENTS.inc()
         with self._cond:
-            for key, (entry, _) in list(self._flight.items()):
-                self._waiting[f"{key}#retry{entry.row.seq}"] = entry
+            for key, held in list(self._flight.items()):
+                self._waiting[f"{key}#retry{held.entry.row.seq}"] = held.entry
             self._flight.clear()
             self._changed = True
         metrics.engine_progress(busy=False)  # its rows are handed over again from scratch
@@ -244,8 +259,8 @@ class StreamingBatcher:
 
     def _fail_flight(self, exc: BaseException) -> None:
         self.engine.reset()
-        for entry, _ in self._flight.values():
-            _resolve(entry.future, ItemOutcome(None, exc, "", self.engine.name))
+        for held in self._flight.values():
+            _resolve(held.entry.future, ItemOutcome(None, exc, "", self.engine.name))
         self._flight.clear()
         metrics.engine_progress(busy=False)
         try:

@@ -187,13 +187,16 @@ def _count_batch(record: BatchRecord, fixed_bytes: int) -> None:
 
 def _log_batch(record: BatchRecord) -> None:
     log.info(
-        "batch %s: %d images in %.3f s (%d failed, predicted %.3f GiB, %d left waiting)",
+        "batch %s: %d images in %.3f s (%d failed, predicted %.3f GiB, %d left waiting, "
+        "%d in flight, %.1f row-s)",
         record.batch_id[:8],
         record.size,
         record.ended - record.started,
         record.failed_items,
         record.predicted_bytes / GiB,
         record.deferred,
+        record.in_flight,
+        record.row_seconds,
     )
 
 
