@@ -36,9 +36,13 @@ class Settings(BaseSettings):
     # hide_input_in_errors: a bad setting's error must not print the others (tokens, passwords).
     model_config = SettingsConfigDict(env_prefix="OCRQ_", extra="ignore", hide_input_in_errors=True)
 
+    # The Celery broker (Redis).
     broker_url: str = "redis://localhost:6379/0"
+    # The job table's database (`ocrq run` uses --db, a temporary SQLite file by default).
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/ocrq"
+    # A name of ocrq/models/registry.py's ENGINES: rapid, hunyuan, vllm or openai.
     engine: str = "rapid"
+    # The queue workers consume (and `ocrq submit` and the api send to).
     queue: str = "ocr"
     # Directories that {"path": ...} images may be read from. Empty: every path is refused, and
     # a worker will not start (nor with `/` among them) unless allow_any_path says so; there is
@@ -75,7 +79,7 @@ class Settings(BaseSettings):
     pdf_max_dpi: float = Field(default=300.0, ge=10, le=1200)
     url_timeout_s: float = Field(default=15.0, gt=0, le=600)  # per connect / read / write
     url_deadline_s: float = Field(default=30.0, gt=0, le=3600)  # whole fetch, redirects included
-    url_max_redirects: int = Field(default=5, ge=0, le=20)
+    url_max_redirects: int = Field(default=5, ge=0, le=20)  # each checked like the first request
     # Addresses URLs may reach although internal (loopback, private, link-local, ...): e.g.
     # "10.0.0.0/8,127.0.0.1/32". Empty: public addresses only.
     url_allow_networks: Annotated[list[ipaddress.IPv4Network | ipaddress.IPv6Network], NoDecode] = (
@@ -104,7 +108,7 @@ class Settings(BaseSettings):
     # Delivery and lifecycle.
     # Redis redelivers a message not acked within this many seconds: keep it above the worst
     # delivery-to-ack time (96 s for the eval set on the 2-core CPU machine,
-    # bench/results/service_accuracy/service_accuracy_rapid.md; README "How it works" gives the GPU
+    # bench/results/service_accuracy/service_accuracy_rapid.md; docs/internals.md gives the GPU
     # estimate). The fault tests run at 20 s to recover quickly; a week is far past any sane
     # setting.
     visibility_timeout_s: int = Field(default=3600, ge=1, le=7 * 86_400)
@@ -171,12 +175,15 @@ class Settings(BaseSettings):
     # (ocrq/models/hunyuan/resolution.py), e.g. "parse=2359296,spotting=4194304"; the task names of
     # ocrq.core.contract.TASKS, or "custom" for free prompts. The model's own limit always applies.
     task_max_pixels: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
+    # HunyuanOCR's attention implementation; "eager" is refused (13 GiB for one A4 page).
     attention: str = "sdpa"
     # HunyuanOCR's XD-RoPE layout for image tokens and its ViT position-table interpolation:
     # Tencent's training code by default; "transformers" reproduces transformers' (and vLLM's)
     # outputs. Text tokens and decode steps are the same either way.
     hunyuan_rope: HunyuanNumerics = "trained"
     hunyuan_vit_positions: HunyuanNumerics = "trained"
+    # HunyuanOCR's weights and activations: a torch dtype, or "auto" (bfloat16 on CUDA, else
+    # float32). Device "auto": cuda:0 when torch sees CUDA, else the CPU; or e.g. "cuda:1".
     dtype: str = "bfloat16"
     device: str = "auto"
     # Which loop generates: "fast" (ocrq's, CUDA graphs and Triton kernels; same greedy tokens)
@@ -223,7 +230,7 @@ class Settings(BaseSettings):
     # bench/results/service_gpu/service_gpu_reading.md, runs 10-11); off elsewhere.
     engine_process: bool | None = None
 
-    # vLLM engines (ocrq/models/vllm, ocrq/models/openai; README "The vLLM engines").
+    # vLLM engines (ocrq/models/vllm, ocrq/models/openai; docs/engines.md).
     # In-process vLLM: sequences in flight and tokens per scheduler step (vLLM's own knobs);
     # the context a sequence may take (None: the version's largest image + prompt + new tokens).
     vllm_max_num_seqs: int = Field(default=256, ge=1, le=65_536)
