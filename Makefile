@@ -1,5 +1,5 @@
 # Shortcuts; the scripts hold the real steps (the README's two commands call them directly).
-.PHONY: demo test lint services worker flower
+.PHONY: demo test lint docs services worker flower
 
 demo:
 	bash scripts/demo.sh
@@ -10,6 +10,10 @@ test:
 lint:
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
+
+docs:
+	.venv/bin/python scripts/settings_doc.py
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 services:
 	bash scripts/services.sh
