@@ -29,7 +29,7 @@ err = Console(stderr=True)
 ENGINE_HELP = f"OCR engine: {' | '.join(ENGINES)}."
 TASK_HELP = f"{' | '.join(TASKS)} | a free prompt."
 
-# Exit codes scripts can rely on (README "Commands"); 2 is click's own for a usage error.
+# Exit codes scripts can rely on (docs/operations.md); 2 is click's own for a usage error.
 EXIT_FAILED = 1  # at least one job failed
 EXIT_USAGE = 2  # a bad option or argument
 EXIT_PENDING = 3  # --timeout passed with jobs still queued or running

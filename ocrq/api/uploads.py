@@ -11,7 +11,7 @@ worker an ordinary `{"path": ...}` job; the folder is one of the worker's allowe
   worker never reads half an upload.
 
 Object storage maps onto this as a mounted bucket (s3fs / gcsfuse / a CSI driver) at the same
-path on the api and the workers; README "HTTP api" says more. Files are never deleted here:
+path on the api and the workers; docs/api.md says more. Files are never deleted here:
 a bucket lifecycle rule or a cron job removes old ones.
 """
 

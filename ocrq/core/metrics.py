@@ -9,7 +9,7 @@ value in a file per process there, and the supervisor, which outlives recycles, 
 `--no-supervise` the process serves its own values: its orchestrator restarts the whole
 container, and Prometheus' `rate()` / `increase()` handle the counter reset.
 
-Names are listed in README "Metrics and health"; keep the two together.
+Names are listed in docs/operations.md, "Metrics and health"; keep the two together.
 """
 
 from __future__ import annotations

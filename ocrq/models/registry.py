@@ -1,4 +1,4 @@
-"""Engine names -> factories: adding an engine is one entry here (see README, "Adding an engine").
+"""Engine names -> factories: adding an engine is one entry here (docs/engines.md).
 
 A plain mapping of functions that import their engine when called, so the CPU path never loads
 torch and an engine's optional dependencies are needed only where it runs.
