@@ -154,17 +154,26 @@ def _default(info: FieldInfo) -> str:
     return _value(info.default)
 
 
-def _bounds(info: FieldInfo) -> str:
+def _num(n: object, in_bytes: bool) -> str:
+    """A bound; of a `*_bytes` setting in binary units (2147483648 -> 2 GiB)."""
+    if in_bytes and isinstance(n, int) and not isinstance(n, bool):
+        for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+            if n >= size and n % size == 0:
+                return f"{n // size} {unit}"
+    return str(n)
+
+
+def _bounds(info: FieldInfo, in_bytes: bool) -> str:
     lo = hi = ""
     for m in info.metadata:
         if isinstance(m, annotated_types.Ge):
-            lo = f"{m.ge} ≤ "
+            lo = f"{_num(m.ge, in_bytes)} ≤ "
         elif isinstance(m, annotated_types.Gt):
-            lo = f"{m.gt} < "
+            lo = f"{_num(m.gt, in_bytes)} < "
         elif isinstance(m, annotated_types.Le):
-            hi = f" ≤ {m.le}"
+            hi = f" ≤ {_num(m.le, in_bytes)}"
         elif isinstance(m, annotated_types.Lt):
-            hi = f" < {m.lt}"
+            hi = f" < {_num(m.lt, in_bytes)}"
     return f"{lo}x{hi}" if lo or hi else ""
 
 
@@ -210,7 +219,7 @@ def render(settings_cls: type | None = None, source: str | None = None) -> str:
                 shared = ""  # its own comment covers it alone
             elif shared:
                 text = f"See `{shared}`."
-            bounds = _bounds(info)
+            bounds = _bounds(info, entry.name.endswith("_bytes"))
             kind = _type(info.annotation) + (f" ({bounds})" if bounds else "")
             out.append(f"| `{env}` | {_cell(kind)} | {_cell(_default(info))} | {_cell(text)} |")
         out.append("")
