@@ -11,6 +11,7 @@ window is shown wrong on the same trace.
 from __future__ import annotations
 
 import random
+from statistics import mean
 
 import pytest
 
@@ -19,10 +20,12 @@ from bench.sustained import Harvest, finish_window, harvests_from_log, sustained
 STEP_S = 0.04
 
 
-def trace(jobs: int, lengths: tuple[int, int], slots: int = 512, per_step: int = 64,
+def trace(jobs: int, lengths: tuple[int, int] | None, slots: int = 512, per_step: int = 64,
           seed: int = 0) -> tuple[list[Harvest], list[float], float]:
+    """`lengths`: uniform in that range, or None for `service_mix`."""
     rng = random.Random(seed)
-    waiting = [rng.randint(*lengths) for _ in range(jobs)]
+    waiting = [rng.randint(*lengths) if lengths else service_mix(rng) for _ in range(jobs)]
+    original = list(waiting)
     live: list[tuple[int, float]] = []  # (tokens left, admitted at)
     harvests, finishes, t = [], [], 0.0
     while waiting or live:
@@ -36,7 +39,7 @@ def trace(jobs: int, lengths: tuple[int, int], slots: int = 512, per_step: int =
         waiting = waiting[room:]
         harvests.append(Harvest(t, len(done), sum(t - at for at in done), len(waiting),
                                 len(live)))
-    return harvests, finishes, slots / (sum(lengths) / 2 * STEP_S)
+    return harvests, finishes, slots / (mean(length for length in original) * STEP_S)
 
 
 # Near-equal lengths (the A4 bench's scripted ~1,070 tokens), a wider spread, and a mix of
@@ -44,10 +47,18 @@ def trace(jobs: int, lengths: tuple[int, int], slots: int = 512, per_step: int =
 LENGTHS = [(1000, 1140), (600, 1500), (3, 1500)]
 
 
-@pytest.mark.parametrize("lengths", LENGTHS)
+def service_mix(rng: random.Random) -> int:
+    """Lengths like the service bench's mix: 15% A4 pages, the rest crops, lines, receipts."""
+    u = rng.random()
+    if u < 0.15:
+        return rng.randint(1000, 1140)
+    return rng.randint(3, 12) if u < 0.45 else rng.randint(50, 400)
+
+
+@pytest.mark.parametrize("lengths", [*LENGTHS, None])
 @pytest.mark.parametrize("jobs", [2500, 6000])
 def test_sustained_rate_is_the_loops_rate_whatever_the_queue(
-    lengths: tuple[int, int], jobs: int
+    lengths: tuple[int, int] | None, jobs: int
 ) -> None:
     harvests, _, rate = trace(jobs, lengths)
     got = sustained(harvests)
@@ -55,6 +66,18 @@ def test_sustained_rate_is_the_loops_rate_whatever_the_queue(
     assert got["images_per_s"] == pytest.approx(rate, rel=0.05)
     assert got["peak_in_flight"] == 512
     assert got["completions"] > 0
+
+
+def test_the_cross_check_and_its_bias() -> None:
+    """Little's law is exact on near-equal lengths and reads high on the service's mix."""
+    narrow, _, rate = trace(2500, (1000, 1140))
+    got = sustained(narrow)
+    assert got is not None and got["little_images_per_s"] == pytest.approx(rate, rel=0.01)
+    mixed, _, rate = trace(2500, None, slots=256, per_step=10)
+    got = sustained(mixed)
+    assert got is not None
+    assert got["images_per_s"] == pytest.approx(rate, rel=0.03)
+    assert got["little_images_per_s"] > 1.04 * rate
 
 
 def test_the_finish_window_is_biased_where_the_sustained_rate_refuses() -> None:
