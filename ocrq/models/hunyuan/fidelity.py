@@ -82,7 +82,7 @@ def _install_rope(model: Any, layout: Numerics) -> None:
     setattr(rotary, _LAYOUT_ATTR, layout)
     if layout == "transformers" or not sections:
         return
-    index = torch.tensor(axes, dtype=torch.long)
+    index = torch.tensor(axes, dtype=torch.long, device=rotary.inv_freq.device)
 
     def recomposition_frequencies(self: Any, freq: torch.Tensor) -> torch.Tensor:
         # freq: (axes, batch, seq, D/2) -> (batch, seq, D), dimension d taken from its axis.
