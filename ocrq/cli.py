@@ -131,6 +131,18 @@ def run(
         raise typer.Exit(EXIT_FAILED)
 
 
+def worker_queues(settings: Settings) -> str:
+    """`--queues`: the configured queue, and Celery's default one where a producer's
+    `send_task` without `queue=` lands (OCRQ_CONSUME_DEFAULT_QUEUE)."""
+    from celery.app.defaults import DEFAULTS
+
+    queues = [settings.queue]
+    default = DEFAULTS["task_default_queue"]
+    if settings.consume_default_queue and default not in queues:
+        queues.append(default)
+    return ",".join(queues)
+
+
 @app.command()
 def worker(
     engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
@@ -182,7 +194,7 @@ def worker(
         "--pool",
         "threads",
         "--queues",
-        settings.queue,
+        worker_queues(settings),
         "--loglevel",
         loglevel,
         "--task-events",

@@ -282,7 +282,7 @@ class JobRunner:
                 truncated=outcome.result.truncated,
                 **common,
             )
-        metrics.JOBS.labels("done", self.engine.name).inc()
+        self._count("done")
         return JobOutcome(
             request.job_id,
             source,
@@ -292,6 +292,12 @@ class JobRunner:
             truncated=outcome.result.truncated,
             **batch,
         )
+
+    def _count(self, status: str) -> None:
+        """One finished job in `ocrq_jobs_total`: every call site passes both labels through
+        here, since a label missing at one of them (a document's split) raised ValueError after
+        the row was stored and failed its Celery task and `ocrq run` (issue 27)."""
+        metrics.JOBS.labels(status, self.engine.name).inc()
 
     def _release_slot(self) -> None:
         self._decoded.release()
@@ -309,7 +315,7 @@ class JobRunner:
         except documents.DocumentError as exc:
             return self._fail(request.job_id, source, str(exc))
         self._db(self.store.finish)(request.job_id, status="done", error=None)
-        metrics.JOBS.labels("done").inc()
+        self._count("done")
         return JobOutcome(request.job_id, source, "done", pages=pages)
 
     def _complete_document(self, job_id: str) -> None:
@@ -328,7 +334,7 @@ class JobRunner:
         # Nothing is written: a reused id's row belongs to its first image, and a job out of
         # attempts was failed by the claim itself.
         log.warning("job %s refused: %s", job_id, claim.error)
-        metrics.JOBS.labels("failed", self.engine.name).inc()
+        self._count("failed")
         return JobOutcome(job_id, source, "failed", error=claim.error)
 
     def reject(self, job_id: Any, source: str, task: str, message: str) -> None:
@@ -358,5 +364,5 @@ class JobRunner:
         log.warning("job %s failed: %s", job_id, message)
         with metrics.stage_timer("store"):
             self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
-        metrics.JOBS.labels("failed", self.engine.name).inc()
+        self._count("failed")
         return JobOutcome(job_id, source, "failed", error=message)
