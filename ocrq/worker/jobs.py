@@ -337,21 +337,31 @@ class JobRunner:
         self._count("failed")
         return JobOutcome(job_id, source, "failed", error=claim.error)
 
-    def reject(self, job_id: Any, source: str, task: str, message: str) -> None:
-        """Record a malformed request as a failed job, when it carries a usable job id.
+    def reject(
+        self, job_id: Any, source: str, task: str, message: str, task_id: Any = None
+    ) -> None:
+        """Record a malformed request as a failed job: under its job id, or, when that is not
+        usable, under its Celery task id (the id send_task returned to the producer).
 
-        `source` and `task` must already be storable (see `storable_text`). Without a usable
-        id there is no row to write: the log line, and Flower's failed task, are the record.
+        `source` and `task` must already be storable (see `storable_text`). With neither id
+        usable there is no row to write: the log line, and Flower's failed task, are the record.
         """
         try:
             job_id = canonical_job_id(job_id)
         except ValueError:
+            try:
+                fallback: str | None = canonical_job_id(task_id)
+            except ValueError:
+                fallback = None
             log.warning(
-                "rejected a request without a valid job id (%s): %s",
+                "rejected a request without a valid job id (%s): %s%s",
                 safe_text(repr(job_id), 80),
                 safe_text(message, 300),
+                f"; its failure is stored under the task id {fallback}" if fallback else "",
             )
-            return
+            if fallback is None:
+                return
+            job_id = fallback
         claim = self._db(self.store.claim)(
             job_id, task, source, self.worker_name, max_attempts=self.settings.max_attempts
         )

@@ -106,10 +106,7 @@ def _recognize(
         # or surrogate refused), under the job id, or under the task id when the job id is
         # itself what is malformed: the producer still holds that one (send_task returned it).
         get_runtime().runner.reject(
-            job_id if _usable_id(job_id) else task_id,
-            _refused_source(image),
-            storable_text(task, limit=4000),
-            message,
+            job_id, _refused_source(image), storable_text(task, limit=4000), message, task_id
         )
         raise JobFailed(message) from None
     if _usable_id(task_id) and canonical_job_id(task_id) != request.job_id:
