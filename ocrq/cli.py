@@ -23,17 +23,69 @@ from ocrq.core.contract import TASKS
 from ocrq.core.settings import Settings
 from ocrq.models.registry import ENGINES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+# Exit codes scripts can rely on; `ocrq --help` shows them (EPILOG), docs/operations.md too.
+EXIT_FAILED = 1  # at least one job failed
+EXIT_USAGE = 2  # a bad option or argument (click's own code)
+EXIT_PENDING = 3  # --timeout passed with jobs still queued or running
+EXIT_UNKNOWN = 4  # a job id has no row
+EXIT_DATABASE = 5  # PostgreSQL unreachable, the database missing or not migrated
+EXIT_BROKER = 6  # the broker (Redis) unreachable
+EXIT_CONFIG = 78  # invalid settings, e.g. an unknown engine (EX_CONFIG; also `ocrq worker`'s)
+EPILOG = (
+    "Exit codes: 0 ok; 1 a job failed; 2 bad usage; 3 jobs still pending at --timeout; "
+    "4 unknown job id; 5 database unreachable, missing or not migrated; 6 broker unreachable; "
+    "78 invalid settings (an unknown engine, a bad OCRQ_* value)."
+)
+
+
+class ConfigProblem(Exception):
+    """A setting that cannot work (an unknown engine name): one line, EXIT_CONFIG."""
+
+
+class _App(typer.Typer):
+    """The `ocrq` Typer app, with infrastructure failures turned into one line and an exit code
+    of their own: a 460-line traceback ending in exit code 1 (a failed job's) told a user
+    neither what was wrong nor what to do, and told a script the wrong thing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:
+            from ocrq.core.problems import infrastructure_problem
+
+            problem = infrastructure_problem(exc)
+            if problem is None:
+                raise
+            code = {"database": EXIT_DATABASE, "broker": EXIT_BROKER, "config": EXIT_CONFIG}
+            err.print(f"[red]ocrq:[/] {problem.message}", soft_wrap=True, highlight=False)
+            sys.exit(code[problem.kind])
+
+
+app = _App(add_completion=False, no_args_is_help=True, help=__doc__, epilog=EPILOG)
 err = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        import ocrq
+
+        typer.echo(f"ocrq {ocrq.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """OCR images through Celery into PostgreSQL, batched to a measured memory budget."""
+
 # Help strings name what is there: the registry's engines, the contract's tasks.
 ENGINE_HELP = f"OCR engine: {' | '.join(ENGINES)}."
 TASK_HELP = f"{' | '.join(TASKS)} | a free prompt."
 
-# Exit codes scripts can rely on (docs/operations.md); 2 is click's own for a usage error.
-EXIT_FAILED = 1  # at least one job failed
-EXIT_USAGE = 2  # a bad option or argument
-EXIT_PENDING = 3  # --timeout passed with jobs still queued or running
-EXIT_UNKNOWN = 4  # a job id has no row
 JOB_ID_CHARS = 36
 TABLE_MIN_WIDTH = 80  # narrower terminals get one block per job: ids are never cut
 
@@ -50,7 +102,15 @@ def _progress() -> Progress:
 
 
 def _settings(**overrides: object) -> Settings:
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    """Settings from OCRQ_* and the options given; an unknown engine is refused here, before
+    any model, broker or database is touched."""
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    if settings.engine not in ENGINES:
+        raise ConfigProblem(
+            f"unknown engine {settings.engine!r} (--engine / OCRQ_ENGINE): choose one of "
+            f"{', '.join(ENGINES)}"
+        )
+    return settings
 
 
 def _logging(level: str) -> None:
@@ -131,6 +191,18 @@ def run(
         raise typer.Exit(EXIT_FAILED)
 
 
+def worker_queues(settings: Settings) -> str:
+    """`--queues`: the configured queue, and Celery's default one where a producer's
+    `send_task` without `queue=` lands (OCRQ_CONSUME_DEFAULT_QUEUE)."""
+    from celery.app.defaults import DEFAULTS
+
+    queues = [settings.queue]
+    default = DEFAULTS["task_default_queue"]
+    if settings.consume_default_queue and default not in queues:
+        queues.append(default)
+    return ",".join(queues)
+
+
 @app.command()
 def worker(
     engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
@@ -174,7 +246,7 @@ def worker(
     }
     try:
         settings = _settings(**given)  # checked here, before any process starts
-    except ValueError as exc:
+    except (ValueError, ConfigProblem) as exc:
         err.print(f"[red]ocrq worker: invalid settings:[/] {exc}", soft_wrap=True)
         raise typer.Exit(STARTUP_FAILED_EXIT_CODE) from None
     argv = [
@@ -182,7 +254,7 @@ def worker(
         "--pool",
         "threads",
         "--queues",
-        settings.queue,
+        worker_queues(settings),
         "--loglevel",
         loglevel,
         "--task-events",
@@ -234,7 +306,7 @@ def submit(
     from ocrq.api.client import Client, image_ref
     from ocrq.worker.embedded import expand
 
-    settings = Settings()
+    settings = _settings()
     client = Client(settings)
     refs: list[str] = []
     for target in targets:
@@ -325,7 +397,7 @@ def status(
     """Show jobs' rows. Exit code 4 when an id has no row, else 1 when a job failed."""
     from ocrq.api.client import Client
 
-    rows = Client(Settings()).status(job_ids)
+    rows = Client(_settings()).status(job_ids)
     _print_rows(rows, as_json)
     if any(r["status"] == "unknown" for r in rows):
         unknown = [r["job_id"] for r in rows if r["status"] == "unknown"]
@@ -375,7 +447,7 @@ def jobs(
     if bad:
         raise typer.BadParameter(f"unknown status {bad}", param_hint="--status")
     after = since_time(since) if since else None
-    page = Client(Settings()).page(statuses, created_after=after, limit=limit)
+    page = Client(_settings()).page(statuses, created_after=after, limit=limit)
     _print_rows([full_view(r) for r in page.rows], as_json)
 
 
@@ -397,7 +469,7 @@ def requeue(
     --stalled the running jobs of workers that stopped beating."""
     from ocrq.api.client import Client
 
-    client = Client(Settings())
+    client = Client(_settings())
     if stalled:
         sent = client.requeue_stalled()
         err.print(f"re-sent {len(sent)} stalled job(s)")
@@ -413,7 +485,7 @@ def migrate() -> None:
     """Create the database if missing and apply every Alembic revision."""
     from ocrq.core.migrate import upgrade
 
-    url = Settings().database_url
+    url = _settings().database_url
     upgrade(url)
     err.print(f"database at {url.split('@')[-1]} is at the latest revision")
 

@@ -16,4 +16,6 @@ bash scripts/services.sh
 # the site builds with warnings as errors (a broken link or anchor fails; well under 20 s).
 .venv/bin/python scripts/settings_doc.py --check
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+# The built wheel in a fresh venv: migrate + worker + submit (~1 min; scripts/wheel-check.sh).
+PYTHON=.venv/bin/python bash scripts/wheel-check.sh
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

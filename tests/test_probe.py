@@ -5,9 +5,10 @@ its own. This module checks that they hold together, the way the probe found the
 `ocrq worker` (engine rapid) under an address-space cap gets every case in one mixed run, so
 hostile jobs share batches, task threads and the broker connection with good ones. Each case
 names how it is sent (a producer's `send_task` kwargs, or bytes pushed onto the queue's Redis
-list the way kombu stores messages), the final row status it must end in (or "rejected": no
-row, one log line) and a short, stable fragment of its error. One pytest item per case reads
-the shared run's results, so a regression names its case.
+list the way kombu stores messages), the final row status it must end in (or "rejected": one
+log line, and no row but, for a bad job id, a failed one under the task id) and a short, stable
+fragment of its error. One pytest item per case reads the shared run's results, so a regression
+names its case.
 
 Targets are loopback only: a "secret" image server on 127.0.0.1 stands for what a job must
 never read; a "public" one on 127.0.0.3, the only address the worker's allowlist lets through,
@@ -77,6 +78,9 @@ class Sent:
     messages: list[tuple[str, Any]]  # ("task", kwargs) via send_task, or ("raw", bytes) LPUSHed
     job_id: str | None = None  # the canonical id its row must have (None: no row expected)
     marker: str | None = None  # what the log line of a rejected message carries
+    # The Celery task id it is sent under (else a fresh one): a request whose job id is
+    # unusable fails under its task id, the id send_task returned (issue 27).
+    task_id: str | None = None
     info: dict[str, Any] = field(default_factory=dict)  # whatever the case's check needs
 
 
@@ -318,7 +322,11 @@ def bad_id(value: str) -> Callable[[Ctx], Sent]:
     def send(ctx: Ctx) -> Sent:
         marker = f"nope{uuid.uuid4().hex[:8]}"
         image = {"path": ctx.text_file("bad-id", "ECHO FOXTROT 313")}
-        return Sent([("task", {"image": image, "job_id": value.format(marker)})], marker=marker)
+        return Sent(
+            [("task", {"image": image, "job_id": value.format(marker)})],
+            marker=marker,
+            task_id=new_id(),
+        )
 
     return send
 
@@ -569,8 +577,9 @@ def run(
                     if kind == "raw":
                         r.lpush(queue, payload)
                     else:
+                        task_id = sent[case.name].task_id or new_id()
                         app.send_task("ocrq.recognize", kwargs=payload, queue=queue,
-                                      task_id=new_id(), producer=producer)  # fmt: skip
+                                      task_id=task_id, producer=producer)  # fmt: skip
         ids = [s.job_id for s in sent.values() if s.job_id]
         vm_peak = rss_peak = 0
         deadline = time.monotonic() + 170
@@ -597,7 +606,8 @@ def run(
             written = conn.execute(
                 select(ocr_jobs.c.id).where(ocr_jobs.c.created_at >= started)
             ).scalars()
-            stray = sorted(set(written) - set(ids))
+            under_task_ids = {s.task_id for s in sent.values() if s.task_id}
+            stray = sorted(set(written) - set(ids) - under_task_ids)
         yield ProbeRun(
             ctx=ctx,
             sent=sent,
@@ -632,6 +642,10 @@ def test_case(case: Case, run: ProbeRun) -> None:
         lines = [line for line in run.log.splitlines() if sent.marker in line]
         assert len(lines) == 1, lines  # logged once: not redelivered, not looping
         assert case.fragment in lines[0] and "WARNING" in lines[0], lines[0]
+        if sent.task_id:  # a bad job id: failed under the task id, the id the producer has
+            row = run.store.get([sent.task_id]).get(sent.task_id)
+            assert row is not None and row["status"] == "failed", row
+            assert "job_id" in row["error"], row
         return
     assert sent.job_id is not None
     row = run.rows.get(sent.job_id)

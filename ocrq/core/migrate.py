@@ -16,7 +16,21 @@ from sqlalchemy.pool import NullPool
 
 from ocrq.core.db import sqlalchemy_url
 
-MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+
+def migrations_dir() -> Path:
+    """The Alembic scripts: `ocrq/_migrations` in an installed wheel (setup.py maps the
+    checkout's top-level `migrations/` there), else `migrations/` at the top of the checkout."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "_migrations", package.parent / "migrations"):
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"ocrq's migrations are missing (looked in {package / '_migrations'} and "
+        f"{package.parent / 'migrations'}): reinstall ocrq"
+    )
+
+
+MIGRATIONS = migrations_dir()
 
 
 def ensure_database(url: str) -> None:

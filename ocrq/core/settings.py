@@ -44,6 +44,17 @@ class Settings(BaseSettings):
     engine: str = "rapid"
     # The queue workers consume (and `ocrq submit` and the api send to).
     queue: str = "ocr"
+    # Also consume Celery's default queue `celery`, where a producer's bare
+    # `send_task("ocrq.recognize", ...)` without `queue=` lands (it would wait there forever).
+    # Turn off when the broker database is shared with another Celery app that uses that queue:
+    # this worker would take (and drop as unregistered) that app's tasks. docs/producers.md.
+    consume_default_queue: bool = True
+    # Where each task's result (the job's result dict, or its failure) is kept, so that
+    # `AsyncResult(job_id).get()` works for a bare Celery producer: "broker" (the broker's Redis,
+    # the default), "none" (no result backend), or any Celery result-backend URL.
+    result_backend: str = "broker"
+    # How long a result stays in the backend; the job's row in PostgreSQL stays for good.
+    result_expires_s: int = Field(default=86_400, ge=60, le=90 * 86_400)
     # Directories that {"path": ...} images may be read from. Empty: every path is refused, and
     # a worker will not start (nor with `/` among them) unless allow_any_path says so; there is
     # no fallback to the working directory, which is `/` under systemd.
@@ -353,3 +364,18 @@ class Settings(BaseSettings):
                 "OCRQ_ALLOWED_ROOTS includes /: every file on the host would be readable; name "
                 "the image folders instead, or set OCRQ_ALLOW_ANY_PATH=true to mean it"
             )
+
+
+def result_backend_url(settings: Settings) -> str | None:
+    """The Celery result backend the worker stores task results in, or None for none.
+
+    "broker" follows the broker when it is Redis (a result is a few KiB kept for
+    OCRQ_RESULT_EXPIRES_S) and means none for other brokers, which hold no results.
+    """
+    value = settings.result_backend.strip()
+    if value.lower() in ("", "none", "off", "disabled"):
+        return None
+    if value.lower() == "broker":
+        url = settings.broker_url
+        return url if url.startswith(("redis://", "rediss://")) else None
+    return value

@@ -7,6 +7,8 @@
 - visibility_timeout: Redis redelivers an unacked message after this long, so it must exceed
   the worst delivery-to-ack time (queue wait inside the worker + batch time).
 - task events on, so Flower lists every image's task: received, started, succeeded/failed.
+- a result backend (the broker's Redis by default, OCRQ_RESULT_BACKEND): the task's result is
+  the job's result dict, so a bare Celery producer's `AsyncResult(job_id).get()` returns it.
 - malformed messages are rejected by the transport (ocrq/worker/broker.py), never crash the worker.
 """
 
@@ -17,13 +19,16 @@ import logging
 from celery import Celery, signals
 
 from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME
-from ocrq.core.settings import Settings
+from ocrq.core.settings import Settings, result_backend_url
 
 log = logging.getLogger(__name__)
 
 
 def make_app(settings: Settings) -> Celery:
-    app = Celery("ocrq", broker=settings.broker_url, include=["ocrq.worker.tasks"])
+    backend = result_backend_url(settings)
+    app = Celery(
+        "ocrq", broker=settings.broker_url, backend=backend, include=["ocrq.worker.tasks"]
+    )
     if settings.broker_url.startswith(("redis://", "rediss://")):
         from ocrq.worker.broker import TRANSPORT
 
@@ -35,8 +40,8 @@ def make_app(settings: Settings) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,
-        task_ignore_result=True,
-        result_backend=None,
+        task_ignore_result=backend is None,
+        result_expires=settings.result_expires_s,
         worker_prefetch_multiplier=1,
         worker_send_task_events=True,
         task_send_sent_event=True,
@@ -56,6 +61,8 @@ def make_app(settings: Settings) -> Celery:
             "unacked_restore_throttle": 1,
             # Messages on these queues must be these tasks, in Celery's protocol: anything
             # else is rejected with one log line before Celery sees it (ocrq/worker/envelope.py).
+            # Not `celery` (OCRQ_CONSUME_DEFAULT_QUEUE): another app's tasks there meet Celery's
+            # own unregistered-task handling; the envelope is checked on every queue.
             "ocrq_task_queues": [settings.queue or DEFAULT_QUEUE],
             "ocrq_task_names": [TASK_NAME],
         },

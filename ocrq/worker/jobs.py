@@ -282,7 +282,7 @@ class JobRunner:
                 truncated=outcome.result.truncated,
                 **common,
             )
-        metrics.JOBS.labels("done", self.engine.name).inc()
+        self._count("done")
         return JobOutcome(
             request.job_id,
             source,
@@ -292,6 +292,12 @@ class JobRunner:
             truncated=outcome.result.truncated,
             **batch,
         )
+
+    def _count(self, status: str) -> None:
+        """One finished job in `ocrq_jobs_total`: every call site passes both labels through
+        here, since a label missing at one of them (a document's split) raised ValueError after
+        the row was stored and failed its Celery task and `ocrq run` (issue 27)."""
+        metrics.JOBS.labels(status, self.engine.name).inc()
 
     def _release_slot(self) -> None:
         self._decoded.release()
@@ -309,7 +315,7 @@ class JobRunner:
         except documents.DocumentError as exc:
             return self._fail(request.job_id, source, str(exc))
         self._db(self.store.finish)(request.job_id, status="done", error=None)
-        metrics.JOBS.labels("done").inc()
+        self._count("done")
         return JobOutcome(request.job_id, source, "done", pages=pages)
 
     def _complete_document(self, job_id: str) -> None:
@@ -328,24 +334,34 @@ class JobRunner:
         # Nothing is written: a reused id's row belongs to its first image, and a job out of
         # attempts was failed by the claim itself.
         log.warning("job %s refused: %s", job_id, claim.error)
-        metrics.JOBS.labels("failed", self.engine.name).inc()
+        self._count("failed")
         return JobOutcome(job_id, source, "failed", error=claim.error)
 
-    def reject(self, job_id: Any, source: str, task: str, message: str) -> None:
-        """Record a malformed request as a failed job, when it carries a usable job id.
+    def reject(
+        self, job_id: Any, source: str, task: str, message: str, task_id: Any = None
+    ) -> None:
+        """Record a malformed request as a failed job: under its job id, or, when that is not
+        usable, under its Celery task id (the id send_task returned to the producer).
 
-        `source` and `task` must already be storable (see `storable_text`). Without a usable
-        id there is no row to write: the log line, and Flower's failed task, are the record.
+        `source` and `task` must already be storable (see `storable_text`). With neither id
+        usable there is no row to write: the log line, and Flower's failed task, are the record.
         """
         try:
             job_id = canonical_job_id(job_id)
         except ValueError:
+            try:
+                fallback: str | None = canonical_job_id(task_id)
+            except ValueError:
+                fallback = None
             log.warning(
-                "rejected a request without a valid job id (%s): %s",
+                "rejected a request without a valid job id (%s): %s%s",
                 safe_text(repr(job_id), 80),
                 safe_text(message, 300),
+                f"; its failure is stored under the task id {fallback}" if fallback else "",
             )
-            return
+            if fallback is None:
+                return
+            job_id = fallback
         claim = self._db(self.store.claim)(
             job_id, task, source, self.worker_name, max_attempts=self.settings.max_attempts
         )
@@ -358,5 +374,5 @@ class JobRunner:
         log.warning("job %s failed: %s", job_id, message)
         with metrics.stage_timer("store"):
             self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
-        metrics.JOBS.labels("failed", self.engine.name).inc()
+        self._count("failed")
         return JobOutcome(job_id, source, "failed", error=message)

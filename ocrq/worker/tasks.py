@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Task, shared_task
 from pydantic import ValidationError
 
-from ocrq.core.contract import TASK_NAME, JobRequest, storable_text
+from ocrq.core.contract import TASK_NAME, JobRequest, canonical_job_id, storable_text
 from ocrq.worker.acking import task_returned
+from ocrq.worker.envelope import safe_text
 from ocrq.worker.runtime import get_runtime
+
+log = logging.getLogger(__name__)
 
 
 class JobFailed(Exception):
@@ -42,19 +46,48 @@ def recognize(
     max_new_tokens: Any = None,
     **_: Any,
 ) -> dict[str, Any]:
+    """One job; its result (stored in the result backend when there is one) is the job's
+    result dict, so `AsyncResult(job_id).get()` returns what `GET /jobs/{id}` would."""
+    task_id = self.request.id
+    if job_id is None:
+        # The job id a producer learns is the task id send_task returned: without a job_id of
+        # its own the job takes that, instead of a fresh id nobody knows.
+        job_id = task_id
     try:
-        return _recognize(image, task, job_id, max_pixels, max_new_tokens)
+        result = _recognize(image, task, job_id, task_id, max_pixels, max_new_tokens)
+    except JobFailed as exc:
+        _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
+        raise
+    else:
+        _also_under_job_id(self, job_id, task_id, result, "SUCCESS")
+        return result
     finally:
-        task_returned(self.request.id)
+        task_returned(task_id)
+
+
+def _also_under_job_id(self: Task, job_id: Any, task_id: Any, result: Any, state: str) -> None:
+    """A producer that sent a job_id but no matching task_id (the old README's example) finds
+    the result under its job id too: the result is stored under both."""
+    if self.request.ignore_result or getattr(self.app.conf, "task_ignore_result", True):
+        return
+    try:
+        same = canonical_job_id(job_id) == canonical_job_id(task_id)
+    except ValueError:
+        return  # a malformed job_id: its failure is under the task id (and its row too)
+    if not same:
+        self.backend.store_result(canonical_job_id(job_id), result, state, request=self.request)
 
 
 def _recognize(
-    image: Any, task: str, job_id: str | None, max_pixels: Any, max_new_tokens: Any
+    image: Any,
+    task: str,
+    job_id: Any,
+    task_id: Any,
+    max_pixels: Any,
+    max_new_tokens: Any,
 ) -> dict[str, Any]:
     try:
-        kwargs: dict[str, Any] = {"image": image, "task": task}
-        if job_id is not None:
-            kwargs["job_id"] = job_id
+        kwargs: dict[str, Any] = {"image": image, "task": task, "job_id": job_id}
         if max_pixels is not None:
             kwargs["max_pixels"] = max_pixels
         if max_new_tokens is not None:
@@ -69,12 +102,20 @@ def _recognize(
             ),
             limit=2000,
         )
-        # With a usable job id the failure gets its row (source and task made storable: they
-        # may hold the very NUL or surrogate refused); without one, the log line and Flower.
+        # The failure gets its row (source and task made storable: they may hold the very NUL
+        # or surrogate refused), under the job id, or under the task id when the job id is
+        # itself what is malformed: the producer still holds that one (send_task returned it).
         get_runtime().runner.reject(
-            job_id, _refused_source(image), storable_text(task, limit=4000), message
+            job_id, _refused_source(image), storable_text(task, limit=4000), message, task_id
         )
         raise JobFailed(message) from None
+    if _usable_id(task_id) and canonical_job_id(task_id) != request.job_id:
+        log.warning(
+            "job %s came in a task with another id (%s): send task_id=job_id so that "
+            "AsyncResult(job_id) and Flower name the job",
+            request.job_id,
+            safe_text(str(task_id), 80),
+        )
     outcome = get_runtime().runner.process(request)
     # Flower shows the result (or the exception): the batch and the wait for it are there, since
     # Celery's runtime of the task includes that wait.
@@ -89,13 +130,18 @@ def _recognize(
             if not batch
             else f"{outcome.error} (batch {outcome.batch_id}, waited {outcome.batch_wait_s} s)"
         )
-    return {
-        "job_id": outcome.job_id,
-        "status": outcome.status,
-        "chars": len(outcome.text or ""),
-        "lines": len(outcome.lines or []),
-        **batch,
-    }
+    result = {**outcome.as_json(), **batch}
+    if outcome.pages is not None:  # a document's own job: the page jobs it made
+        result["pages"] = outcome.pages
+    return result
+
+
+def _usable_id(value: Any) -> bool:
+    try:
+        canonical_job_id(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _refused_source(image: Any) -> str:

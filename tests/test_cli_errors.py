@@ -1,0 +1,101 @@
+"""Infrastructure errors in the CLI (issue 27): one line that says what is wrong and what to do,
+and an exit code of their own, never a traceback ending in 1 (a failed job's code); --version.
+
+Real `ocrq` processes against a PostgreSQL that is there (the session's migrated database), one
+that is not (a closed port), a database that does not exist, and a broker that does not answer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+import ocrq
+from ocrq.cli import EXIT_BROKER, EXIT_CONFIG, EXIT_DATABASE
+from tests.conftest import BIN, TEST_PG
+
+
+def closed_port() -> int:
+    """A port nothing listens on: bound, then closed again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ocrq_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "ocrq"), *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def one_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def test_version() -> None:
+    done = ocrq_cli(dict(os.environ), "--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"ocrq {ocrq.__version__}"
+    assert ocrq.__version__ != "0+unknown"
+
+
+def test_help_lists_the_exit_codes() -> None:
+    done = ocrq_cli({**os.environ, "COLUMNS": "200"}, "--help")
+    assert done.returncode == 0
+    for code in ("5 database", "6 broker", "78 invalid settings"):
+        assert code in done.stdout
+
+
+@pytest.mark.parametrize("command", [["jobs"], ["status", str(uuid.uuid4())], ["migrate"]])
+def test_database_unreachable(service_env: dict[str, str], command: list[str]) -> None:
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{closed_port()}/ocrq"
+    done = ocrq_cli({**service_env, "OCRQ_DATABASE_URL": url}, *command)
+    assert done.returncode == EXIT_DATABASE
+    line = one_line(done)
+    assert "cannot reach the database" in line and "OCRQ_DATABASE_URL" in line
+
+
+def test_database_missing_or_not_migrated(service_env: dict[str, str]) -> None:
+    missing = make_url(TEST_PG).set(database=f"ocrq_missing_{uuid.uuid4().hex[:8]}")
+    done = ocrq_cli(
+        {**service_env, "OCRQ_DATABASE_URL": missing.render_as_string(hide_password=False)},
+        "jobs",
+    )
+    assert done.returncode == EXIT_DATABASE
+    assert "does not exist" in (line := one_line(done)) and "ocrq migrate" in line
+    # `postgres` exists on every server and holds no ocrq tables
+    done = ocrq_cli({**service_env, "OCRQ_DATABASE_URL": TEST_PG}, "jobs")
+    assert done.returncode == EXIT_DATABASE and "ocrq migrate" in one_line(done)
+
+
+def test_broker_down(service_env: dict[str, str], text_images: dict[str, Path]) -> None:
+    env = {**service_env, "OCRQ_BROKER_URL": f"redis://127.0.0.1:{closed_port()}/0"}
+    done = ocrq_cli(env, "submit", str(text_images["hello"]))
+    assert done.returncode == EXIT_BROKER
+    line = one_line(done)
+    assert "cannot reach the broker" in line and "OCRQ_BROKER_URL" in line
+
+
+@pytest.mark.parametrize(
+    ("command", "env"),
+    [
+        (["run", "--engine", "nope", "x.png"], {}),
+        (["jobs"], {"OCRQ_ENGINE": "nope"}),
+        (["worker", "--engine", "nope"], {}),
+        (["run", "x.png"], {"OCRQ_MAX_BATCH": "-3"}),
+    ],
+)
+def test_bad_settings(
+    service_env: dict[str, str], command: list[str], env: dict[str, str], tmp_path: Path
+) -> None:
+    done = ocrq_cli({**service_env, **env}, *command)
+    assert done.returncode == EXIT_CONFIG
+    line = one_line(done)
+    assert ("unknown engine 'nope'" in line and "rapid" in line) or "OCRQ_MAX_BATCH" in line

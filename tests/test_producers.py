@@ -1,0 +1,193 @@
+"""Another app's round trip (issue 27): results back through Celery's result backend and through
+the HTTP client, job id = task id, PDFs through `ocrq run` and through the service.
+
+Real processes throughout: a worker on a queue of its own (and Celery's default queue, where a
+bare `send_task` without `queue=` lands), Redis, PostgreSQL, a uvicorn api, and a producer
+process that imports nothing of ocrq.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from ocrq.client import Client as HttpClient
+from ocrq.client import OcrqError
+from ocrq.core.db import get_engine
+from ocrq.core.samples import draw_text_image
+from ocrq.core.store import JobStore
+from tests.conftest import BIN, WorkerProcess
+from tests.pdfs import image_pdf
+from tests.test_api import Uvicorn
+
+QUEUE = f"ocr-producers-{uuid.uuid4().hex[:6]}"
+TOKEN = "producer-token-" + uuid.uuid4().hex
+
+# The producer another app would write: Celery alone, the ocrq worker's Redis as broker and
+# result backend. It must not import ocrq (checked at the end).
+BARE_PRODUCER = """
+import json, sys, uuid
+from celery import Celery
+
+broker, queue, image = sys.argv[1:4]
+app = Celery(broker=broker, backend=broker)
+out = {}
+# 1. No queue=, no job_id, no task_id: the worker consumes Celery's default queue too, and the
+#    job takes the task id as its job id.
+plain = app.send_task("ocrq.recognize", kwargs={"image": {"path": image}})
+out["plain_id"] = plain.id
+out["plain"] = plain.get(timeout=60)
+# 2. The old README's message: a job_id of its own and no task_id; the result is found under
+#    the job id too.
+job_id = str(uuid.uuid4())
+old = app.send_task("ocrq.recognize", kwargs={"image": {"path": image}, "job_id": job_id},
+                    queue=queue)
+old.get(timeout=60)
+out["old_job_id"] = job_id
+out["old_by_job_id"] = app.AsyncResult(job_id).get(timeout=60)
+# 3. A malformed job_id: a FAILURE with the reason, and a row under the task id.
+bad = app.send_task("ocrq.recognize", kwargs={"image": {"path": image}, "job_id": "nope"},
+                    queue=queue)
+error = bad.get(timeout=60, propagate=False)
+out["bad_id"] = bad.id
+out["bad_state"] = bad.state
+out["bad_error"] = str(error)
+out["imported_ocrq"] = any(m == "ocrq" or m.startswith("ocrq.") for m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def env(service_env: dict[str, str]) -> dict[str, str]:
+    return {**service_env, "OCRQ_QUEUE": QUEUE}
+
+
+@pytest.fixture(scope="module")
+def producer_worker(
+    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    log = tmp_path_factory.mktemp("producers") / "ocrq.worker.log"
+    proc = WorkerProcess(env, log, "--concurrency", "4").wait_ready()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def report_pdf(image_root: Path) -> Path:
+    """A two-page image PDF whose pages say known words."""
+    pages = [draw_text_image([words], margin=30) for words in ("HELLO WORLD", "INVOICE 2026")]
+    return image_pdf(pages, image_root / "report.pdf")
+
+
+def test_ocrq_run_reads_a_pdf(report_pdf: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """`ocrq run report.pdf` as a user types it: one document row with both pages' text."""
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run(
+        [str(BIN / "ocrq"), "run", str(report_pdf), "-o", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["status"] == "done" and row["pages"] == 2 and row["pages_failed"] == 0
+    assert [p["status"] for p in row["page_results"]] == ["done", "done"]
+    assert "HELLO" in row["text"] and "INVOICE" in row["text"]
+
+
+def test_a_document_task_succeeds_with_its_pages(
+    producer_worker: WorkerProcess, broker_url: str, database_url: str, report_pdf: Path
+) -> None:
+    """The document's own Celery task ends in SUCCESS (it was FAILURE though the document was
+    done), its result says how many page jobs it made, and each page task succeeds too."""
+    app = Celery(broker=broker_url, backend=broker_url)
+    job_id = str(uuid.uuid4())
+    sent = app.send_task(
+        "ocrq.recognize",
+        kwargs={"image": {"path": str(report_pdf)}, "job_id": job_id},
+        queue=QUEUE,
+        task_id=job_id,
+    )
+    result = sent.get(timeout=60)
+    assert sent.state == "SUCCESS"
+    assert result["job_id"] == job_id and result["status"] == "done" and result["pages"] == 2
+    store = JobStore(get_engine(database_url))
+    pages = [
+        r for r in store.page([], limit=200).rows if r.get("document_id") and r.get("page")
+    ]
+    mine = [r for r in pages if r["source"].startswith(str(report_pdf))]
+    page_ids = {r["id"] for r in mine}
+    assert len(page_ids) >= 2
+    for page_id in page_ids:
+        assert app.AsyncResult(page_id).get(timeout=60)["status"] == "done"
+
+
+def test_bare_celery_producer_round_trip(
+    producer_worker: WorkerProcess,
+    broker_url: str,
+    database_url: str,
+    text_images: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """send_task + AsyncResult.get from a process that imports nothing of ocrq."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", BARE_PRODUCER, broker_url, QUEUE, str(text_images["hello"])],
+        env=env,
+        cwd=tmp_path,  # not the checkout: `import ocrq` would not even find it by accident
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr + producer_worker.text()[-3000:]
+    out = json.loads(done.stdout)
+    assert not out["imported_ocrq"]
+    # job id = task id: the result and the row are under the id send_task returned
+    assert out["plain"]["job_id"] == out["plain_id"] and out["plain"]["status"] == "done"
+    assert "HELLO" in out["plain"]["text"] and out["plain"]["lines"][0]["box"]
+    assert out["old_by_job_id"]["job_id"] == out["old_job_id"]
+    assert out["bad_state"] == "FAILURE" and "job_id" in out["bad_error"]
+    rows = JobStore(get_engine(database_url)).get([out["plain_id"], out["bad_id"]])
+    assert rows[out["plain_id"]]["status"] == "done"
+    assert rows[out["bad_id"]]["status"] == "failed" and "job_id" in rows[out["bad_id"]]["error"]
+
+
+@pytest.fixture(scope="module")
+def api_url(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    api_env = {k: v for k, v in env.items() if not k.startswith("OCRQ_API_")}
+    server = Uvicorn(
+        {**api_env, "OCRQ_API_TOKEN": TOKEN}, tmp_path_factory.mktemp("api") / "api.log"
+    ).wait_up()
+    yield f"http://127.0.0.1:{server.port}"
+    server.stop()
+
+
+def test_http_client_submit_get_wait(
+    producer_worker: WorkerProcess, api_url: str, text_images: dict[str, Path]
+) -> None:
+    """ocrq.client against a real api and worker: a path, inline bytes, get and wait."""
+    with HttpClient(api_url, token=TOKEN) as ocr:
+        by_path = ocr.submit(text_images["hello"])
+        inline = ocr.submit(text_images["invoice"].read_bytes())
+        rows = ocr.wait([by_path, inline], timeout=60)
+        assert [r["status"] for r in rows] == ["done", "done"], rows
+        assert "HELLO" in rows[0]["text"] and "INVOICE" in rows[1]["text"]
+        assert ocr.get(by_path)["text"] == rows[0]["text"]
+        with pytest.raises(OcrqError) as missing:
+            ocr.get(str(uuid.uuid4()))
+        assert missing.value.status == 404
+    with HttpClient(api_url, token="wrong-" + TOKEN) as denied, pytest.raises(OcrqError) as no:
+        denied.submit(text_images["hello"])
+    assert no.value.status == 401
