@@ -540,6 +540,28 @@ def tune(
 
 
 @app.command()
+def api(
+    host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface.")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[
+        int, typer.Option(help="Port (not 8000, which `vllm serve` takes in the remote layout).")
+    ] = 8080,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
+) -> None:
+    """Serve the HTTP api (extra `api`): submit, look up and wait for jobs over HTTP.
+
+    The same app as `uvicorn ocrq.api.http:app`; it needs OCRQ_API_TOKEN (or
+    OCRQ_API_ALLOW_NO_AUTH=true behind an authenticating proxy)."""
+    try:
+        import uvicorn
+    except ImportError:
+        err.print("the api needs its extra: pip install 'ocrq[api]'")
+        raise typer.Exit(78) from None
+    uvicorn.run("ocrq.api.http:app", host=host, port=port, log_level=log_level)
+
+
+@app.command()
 def samples(
     folder: Annotated[Path, typer.Argument(help="Where to write the sample images.")] = Path(
         "samples"

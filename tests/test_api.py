@@ -121,12 +121,16 @@ def test_app_without_lifespan_fails_closed(broker_url: str, database_url: str) -
 
 
 class Uvicorn:
-    def __init__(self, env: dict[str, str], log: Path) -> None:
+    """The api as a user starts it: `ocrq api` (or, `raw`, uvicorn itself, as the deploy
+    files do)."""
+
+    def __init__(self, env: dict[str, str], log: Path, raw: bool = False) -> None:
         self.port = free_port()
         self.log = log
+        launcher = [str(BIN / "uvicorn"), "ocrq.api.http:app"] if raw else [str(BIN / "ocrq"),
+                                                                           "api"]
         self.proc = subprocess.Popen(
-            [str(BIN / "uvicorn"), "ocrq.api.http:app", "--host", "127.0.0.1", "--port",
-            str(self.port)],
+            [*launcher, "--host", "127.0.0.1", "--port", str(self.port)],
             env=env,
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
@@ -153,12 +157,12 @@ def api_env(service_env: dict[str, str], queue: str, **extra: str) -> dict[str, 
     return {**env, "OCRQ_QUEUE": queue, **extra}
 
 
-@pytest.mark.parametrize("token", [None, "Zq7-tiny"])
+@pytest.mark.parametrize(("token", "raw"), [(None, False), ("Zq7-tiny", False), (None, True)])
 def test_uvicorn_refuses_to_start_without_a_token(
-    token: str | None, service_env: dict[str, str], queue: str, tmp_path: Path
+    token: str | None, raw: bool, service_env: dict[str, str], queue: str, tmp_path: Path
 ) -> None:
     env = api_env(service_env, queue, **({"OCRQ_API_TOKEN": token} if token else {}))
-    server = Uvicorn(env, tmp_path / "ocrq.api.log")
+    server = Uvicorn(env, tmp_path / "ocrq.api.log", raw=raw)
     try:
         code = server.proc.wait(60)
     finally:
