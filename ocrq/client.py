@@ -10,7 +10,8 @@ import-layer contract keeps it so), so it may even be copied into another projec
         for job in ocr.wait(ids, timeout=300):
             print(job["job_id"], job["status"], job["text"])
 
-The api is the one `ocrq api` (or `uvicorn ocrq.api.http:app`) serves (docs/producers.md, README "HTTP api").
+The api is the one `ocrq api` (or `uvicorn ocrq.api.http:app`) serves (docs/producers.md,
+docs/api.md).
 """
 
 from __future__ import annotations
