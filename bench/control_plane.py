@@ -139,9 +139,23 @@ class Servers:
     def start(self) -> Servers:
         self.redis_port = free_port()
         self.redis = subprocess.Popen(
-            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save",
-             "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.work)],
-            stdout=(self.work / "redis.log").open("wb"), stderr=subprocess.STDOUT,
+            [
+                "redis-server",
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--dir",
+                str(self.work),
+            ],
+            stdout=(self.work / "redis.log").open("wb"),
+            stderr=subprocess.STDOUT,
         )
         wait_port(self.redis_port)
         self.pg_data = self.work / "pg"
@@ -150,23 +164,36 @@ class Servers:
             d.mkdir(mode=0o700)
             shutil.chown(d, PG_OS_USER, PG_OS_USER)
         os.chmod(self.work, 0o755)
-        subprocess.run(as_pg(f"{PG_BIN}/initdb -D {self.pg_data} -A trust -U postgres"),
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            as_pg(f"{PG_BIN}/initdb -D {self.pg_data} -A trust -U postgres"),
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         self.pg_port = free_port()
         # PostgreSQL's defaults (synchronous_commit on: every job's commit is durable, as in
         # production) but for the statement counter and enough connections for the workers.
-        opts = (f"-p {self.pg_port} -k {sock} -c listen_addresses=127.0.0.1 "
-                "-c max_connections=300 -c shared_preload_libraries=pg_stat_statements "
-                "-c pg_stat_statements.track_utility=on")
-        subprocess.run(as_pg(f"{PG_BIN}/pg_ctl -D {self.pg_data} -o '{opts}' "
-                             f"-l {self.pg_data}/log -w start"),
-                       check=True, capture_output=True, timeout=120)
+        opts = (
+            f"-p {self.pg_port} -k {sock} -c listen_addresses=127.0.0.1 "
+            "-c max_connections=300 -c shared_preload_libraries=pg_stat_statements "
+            "-c pg_stat_statements.track_utility=on"
+        )
+        subprocess.run(
+            as_pg(f"{PG_BIN}/pg_ctl -D {self.pg_data} -o '{opts}' -l {self.pg_data}/log -w start"),
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         return self
 
     def stop(self) -> None:
         if self.pg_data is not None:
-            subprocess.run(as_pg(f"{PG_BIN}/pg_ctl -D {self.pg_data} -m fast stop"),
-                           check=False, capture_output=True, timeout=60)
+            subprocess.run(
+                as_pg(f"{PG_BIN}/pg_ctl -D {self.pg_data} -m fast stop"),
+                check=False,
+                capture_output=True,
+                timeout=60,
+            )
         if self.redis is not None:
             self.redis.terminate()
             self.redis.wait(20)
@@ -224,8 +251,7 @@ class Snapshot:
 
 
 def snapshot(r: Any, pg: Any, servers: Servers, workers: dict[str, int]) -> Snapshot:
-    cmds = {k.removeprefix("cmdstat_"): int(v["calls"])
-            for k, v in r.info("commandstats").items()}
+    cmds = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
     stats = {k: int(v) for k, v in r.info("stats").items() if isinstance(v, int)}
     rows = pg.execute(
         "SELECT r.rolname, s.query, sum(s.calls), sum(s.rows), sum(s.wal_bytes) "
@@ -238,18 +264,28 @@ def snapshot(r: Any, pg: Any, servers: Servers, workers: dict[str, int]) -> Snap
         "SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted, "
         "tup_returned, tup_fetched FROM pg_stat_database WHERE datname = 'ocrq'"
     ).fetchone()
-    names = ("xact_commit", "xact_rollback", "tup_inserted", "tup_updated", "tup_deleted",
-             "tup_returned", "tup_fetched")
+    names = (
+        "xact_commit",
+        "xact_rollback",
+        "tup_inserted",
+        "tup_updated",
+        "tup_deleted",
+        "tup_returned",
+        "tup_fetched",
+    )
     wal = int(pg.execute("SELECT wal_bytes FROM pg_stat_wal").fetchone()[0])
     assert servers.redis is not None
     # Less the backend serving these snapshots and the bench's polls.
-    cpu = {"redis": cpu_s(servers.redis.pid),
-           "postgres": postgres_cpu_s(servers.postmaster_pid()) - cpu_s(pg.info.backend_pid)}
+    cpu = {
+        "redis": cpu_s(servers.redis.pid),
+        "postgres": postgres_cpu_s(servers.postmaster_pid()) - cpu_s(pg.info.backend_pid),
+    }
     for name, pid in workers.items():
         cpu[name] = cpu_s(pid, children=True)
     cpu["bench"] = time.process_time()  # the producer (and the HTTP server) run here
-    return Snapshot(time.monotonic(), cmds, stats, statements, dict(zip(names, db, strict=True)),
-                    wal, cpu)
+    return Snapshot(
+        time.monotonic(), cmds, stats, statements, dict(zip(names, db, strict=True)), wal, cpu
+    )
 
 
 def delta(a: Snapshot, b: Snapshot, jobs: int) -> dict[str, Any]:
@@ -265,14 +301,26 @@ def delta(a: Snapshot, b: Snapshot, jobs: int) -> dict[str, Any]:
     for key, (calls, rows, wal) in b.statements.items():
         c0, r0, w0 = a.statements.get(key, (0, 0, 0))
         if calls - c0:
-            stmts.append({"role": key[0], "query": " ".join(key[1].split())[:300],
-                          "calls": calls - c0, "rows": rows - r0, "wal_bytes": wal - w0,
-                          "calls_per_job": round((calls - c0) * per, 3),
-                          "rows_per_job": round((rows - r0) * per, 3)})
+            stmts.append(
+                {
+                    "role": key[0],
+                    "query": " ".join(key[1].split())[:300],
+                    "calls": calls - c0,
+                    "rows": rows - r0,
+                    "wal_bytes": wal - w0,
+                    "calls_per_job": round((calls - c0) * per, 3),
+                    "rows_per_job": round((rows - r0) * per, 3),
+                }
+            )
     stmts.sort(key=lambda s: (s["role"], -s["calls"]))
     st = sub(a.redis_stats, b.redis_stats)
-    redis_keys = ("total_net_input_bytes", "total_net_output_bytes", "total_reads_processed",
-                  "total_writes_processed", "total_commands_processed")
+    redis_keys = (
+        "total_net_input_bytes",
+        "total_net_output_bytes",
+        "total_reads_processed",
+        "total_writes_processed",
+        "total_commands_processed",
+    )
     cpu = {k: round(b.cpu[k] - a.cpu.get(k, 0.0), 3) for k in b.cpu}
     workers_cpu = sum(v for k, v in cpu.items() if k.startswith("w"))
     by_role: dict[str, int] = defaultdict(int)
@@ -286,8 +334,9 @@ def delta(a: Snapshot, b: Snapshot, jobs: int) -> dict[str, Any]:
         "seconds": round(b.t - a.t, 2),
         "redis_commands": dict(sorted(cmds.items(), key=lambda kv: -kv[1])),
         "redis_commands_per_job": round(sum(cmds.values()) * per, 2),
-        "redis_commands_per_job_by_type": {k: round(v * per, 3) for k, v in
-                                           sorted(cmds.items(), key=lambda kv: -kv[1])},
+        "redis_commands_per_job_by_type": {
+            k: round(v * per, 3) for k, v in sorted(cmds.items(), key=lambda kv: -kv[1])
+        },
         "redis_stats": {k: st.get(k, 0) for k in redis_keys},
         "redis_bytes_in_per_job": round(st.get("total_net_input_bytes", 0) * per),
         "redis_bytes_out_per_job": round(st.get("total_net_output_bytes", 0) * per),
@@ -353,12 +402,17 @@ class Bench:
         self.stop_workers()
         for i in range(n):
             name = f"w{i}"
-            env = {**self.env,
-                   "OCRQ_DATABASE_URL": self.servers.url("worker", app_name=f"cp-{name}")}
+            env = {
+                **self.env,
+                "OCRQ_DATABASE_URL": self.servers.url("worker", app_name=f"cp-{name}"),
+            }
             log = (self.folder / f"worker-{n}-{name}.log").open("wb")
             self.workers[name] = subprocess.Popen(
                 [sys.executable, "-c", "import bench.control_plane as c; c.worker_main()"],
-                env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
 
     def stop_workers(self) -> None:
@@ -421,18 +475,20 @@ def run_phase(
     ).fetchone()
     out = delta(before, after, units)
     release = delta(pre_rename, after, units)
-    out.update({
-        "label": label,
-        "workers": len(bench.workers),
-        "submitted_messages": ids,
-        "failed": int(failed),
-        "wall_s_after_release": round(wall, 2),
-        "jobs_per_s": round(units / wall, 1),
-        "rows_span_s": round(float(times[1]) - float(times[0]), 2),
-        "jobs_per_s_rows": round(units / (float(times[1]) - float(times[0])), 1),
-        "worker_cpu_ms_per_job_after_release": release["cpu_ms_per_job"]["workers"],
-        "pg_connections_peak_per_worker": dict(peak),
-    })
+    out.update(
+        {
+            "label": label,
+            "workers": len(bench.workers),
+            "submitted_messages": ids,
+            "failed": int(failed),
+            "wall_s_after_release": round(wall, 2),
+            "jobs_per_s": round(units / wall, 1),
+            "rows_span_s": round(float(times[1]) - float(times[0]), 2),
+            "jobs_per_s_rows": round(units / (float(times[1]) - float(times[0])), 1),
+            "worker_cpu_ms_per_job_after_release": release["cpu_ms_per_job"]["workers"],
+            "pg_connections_peak_per_worker": dict(peak),
+        }
+    )
     pg.execute("TRUNCATE ocr_jobs, ocr_documents")  # each phase starts from an empty table
     return out
 
@@ -443,6 +499,11 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=10, help="pages per PDF")
     ap.add_argument("--workers", default="2,4", help="worker processes for the rate phases")
     ap.add_argument("--idle-s", type=float, default=20.0)
+    ap.add_argument(
+        "--kinds",
+        default="image,page,url",
+        help="single-worker phases to run (a subset for quick A/B runs)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/control_plane")
     args = ap.parse_args()
 
@@ -455,19 +516,33 @@ def main() -> None:
     httpd = None
     bench: Bench | None = None
     try:
-        with psycopg.connect(f"host=127.0.0.1 port={servers.pg_port} user=postgres",
-                             autocommit=True) as admin:
+        with psycopg.connect(
+            f"host=127.0.0.1 port={servers.pg_port} user=postgres", autocommit=True
+        ) as admin:
             admin.execute("CREATE DATABASE ocrq")
             for role in ("producer", "worker"):
                 admin.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OCRQ_BROKER_URL": servers.broker(),
-               "OCRQ_DATABASE_URL": servers.url("postgres"), "OCRQ_QUEUE": QUEUE,
-               "OCRQ_ALLOWED_ROOTS": str(work), "OCRQ_URL_ALLOW_NETWORKS": "127.0.0.1/32",
-               "OCRQ_MEMORY_BUDGET_GIB": "4", "OCRQ_MAX_IMAGES": "100000000"}
-        subprocess.run([sys.executable, "-m", "ocrq.cli", "migrate"], env=env, check=True,
-                       cwd=ROOT, capture_output=True)
-        pg = psycopg.connect(f"host=127.0.0.1 port={servers.pg_port} user=postgres dbname=ocrq",
-                             autocommit=True)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OCRQ_BROKER_URL": servers.broker(),
+            "OCRQ_DATABASE_URL": servers.url("postgres"),
+            "OCRQ_QUEUE": QUEUE,
+            "OCRQ_ALLOWED_ROOTS": str(work),
+            "OCRQ_URL_ALLOW_NETWORKS": "127.0.0.1/32",
+            "OCRQ_MEMORY_BUDGET_GIB": "4",
+            "OCRQ_MAX_IMAGES": "100000000",
+        }
+        subprocess.run(
+            [sys.executable, "-m", "ocrq.cli", "migrate"],
+            env=env,
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        )
+        pg = psycopg.connect(
+            f"host=127.0.0.1 port={servers.pg_port} user=postgres dbname=ocrq", autocommit=True
+        )
         pg.execute("CREATE EXTENSION pg_stat_statements")
         r = redis.Redis(port=servers.redis_port)
         png, pdf = make_inputs(work, args.pages)
@@ -484,9 +559,14 @@ def main() -> None:
             def submit() -> int:
                 # The api's batch submit: one enqueue_many (rows) per 100, then a message each.
                 for start in range(0, count, 100):
-                    client.submit_many([JobRequest.model_validate({"image": image})
-                                        for _ in range(min(100, count - start))])
+                    client.submit_many(
+                        [
+                            JobRequest.model_validate({"image": image})
+                            for _ in range(min(100, count - start))
+                        ]
+                    )
                 return count
+
             return submit
 
         bench = Bench(servers, work, env)
@@ -498,12 +578,18 @@ def main() -> None:
         idle = delta(idle0, snapshot(r, pg, servers, bench.pids()), 1)
         results["idle_one_worker"] = idle
         k, p = args.jobs, args.pages
-        phases: list[tuple[str, dict[str, Any], int, int]] = [
-            ("image (path)", {"path": str(png)}, k, k),
-            (f"document page (path PDF, {p} pages)", {"path": str(pdf)}, k // p, (k // p) * p),
-            ("url", {"url": f"http://127.0.0.1:{http_port}/page.png"}, k, k),
-        ]
-        for label, image, count, units in phases:
+        phases: dict[str, tuple[str, dict[str, Any], int, int]] = {
+            "image": ("image (path)", {"path": str(png)}, k, k),
+            "page": (
+                f"document page (path PDF, {p} pages)",
+                {"path": str(pdf)},
+                k // p,
+                (k // p) * p,
+            ),
+            "url": ("url", {"url": f"http://127.0.0.1:{http_port}/page.png"}, k, k),
+        }
+        for kind in args.kinds.split(","):
+            label, image, count, units = phases[kind]
             print(f"phase: {label}, 1 worker", flush=True)
             results["phases"].append(run_phase(bench, r, pg, label, submitter(image, count), units))
         for n in [int(x) for x in args.workers.split(",") if x]:
@@ -512,16 +598,33 @@ def main() -> None:
             pg.execute("DELETE FROM ocr_workers")
             wait_ready(pg, n)
             count = k * 2
-            results["phases"].append(run_phase(bench, r, pg, f"image (path), {n} workers",
-                                               submitter({"path": str(png)}, count), count))
+            results["phases"].append(
+                run_phase(
+                    bench,
+                    r,
+                    pg,
+                    f"image (path), {n} workers",
+                    submitter({"path": str(png)}, count),
+                    count,
+                )
+            )
         results["meta"] = meta(args, time.time() - started)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "control_plane_cpu.json").write_text(json.dumps(results, indent=1) + "\n")
-        print(json.dumps({ph["label"]: {"jobs_per_s": ph["jobs_per_s"],
-                                        "cpu_ms": ph["cpu_ms_per_job"],
-                                        "redis": ph["redis_commands_per_job"],
-                                        "sql": ph["sql_calls_per_job_total"]}
-                          for ph in results["phases"]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    ph["label"]: {
+                        "jobs_per_s": ph["jobs_per_s"],
+                        "cpu_ms": ph["cpu_ms_per_job"],
+                        "redis": ph["redis_commands_per_job"],
+                        "sql": ph["sql_calls_per_job_total"],
+                    }
+                    for ph in results["phases"]
+                },
+                indent=1,
+            )
+        )
     finally:
         if bench is not None:
             bench.stop_workers()
@@ -533,9 +636,14 @@ def main() -> None:
 
 def meta(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     """How to repeat it and what it ran on (the machine is shared: the load says how much)."""
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     redis_v = subprocess.run(["redis-server", "--version"], capture_output=True, text=True)
     pg_v = subprocess.run([str(PG_BIN / "postgres"), "--version"], capture_output=True, text=True)
     return {
