@@ -100,6 +100,19 @@ def worker_main() -> None:
     from ocrq.models.registry import ENGINES
 
     ENGINES["fixed"] = _fixed_engine
+    pool = os.environ.get("CP_POOL")  # "SIZE,OVERFLOW": what other pool sizes would cost
+    if pool:
+        from ocrq.core import db
+
+        size, overflow = (int(x) for x in pool.split(","))
+        plain = db.create_engine
+
+        def sized(url: Any, **kw: Any) -> Any:
+            if "pool_size" in kw:
+                kw.update(pool_size=size, max_overflow=overflow)
+            return plain(url, **kw)
+
+        db.create_engine = sized  # type: ignore[assignment]
     sys.argv = ["ocrq", "worker", "--no-supervise", "--engine", "fixed", "--loglevel", "WARNING"]
     app()
 
@@ -225,18 +238,37 @@ def cpu_s(pid: int, children: bool = False) -> float:
     return ticks / CLK
 
 
-def postgres_cpu_s(postmaster: int) -> float:
-    """Every PostgreSQL process: the postmaster, its live children, and the children it has
-    reaped (backends that exited), which the kernel adds to its cutime/cstime."""
-    total = cpu_s(postmaster, children=True)
+def _pg_role(pid: int) -> str:
+    """What a PostgreSQL process is, from the title it sets (`postgres: walwriter`, `postgres:
+    worker ocrq 127.0.0.1(5555) idle`: a backend of the role `worker`)."""
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return "other"
+    words = title.removeprefix("postgres: ").split()
+    if not words:
+        return "other"
+    if words[0] in ("producer", "worker", "postgres") and len(words) > 1 and words[1] == "ocrq":
+        return f"backend:{words[0]}"
+    return " ".join(words[:2]) if words[0] == "autovacuum" else words[0]
+
+
+def postgres_cpu(postmaster: int) -> dict[str, float]:
+    """CPU seconds of every PostgreSQL process by kind: the postmaster, each live child (a
+    backend by role, walwriter, checkpointer, ...), and the children it has reaped (backends
+    that exited, autovacuum workers), which the kernel adds to its cutime/cstime."""
+    f = _stat(postmaster)
+    out: dict[str, float] = defaultdict(float)
+    out["postmaster"] = (int(f[11]) + int(f[12])) / CLK
+    out["reaped children"] = (int(f[13]) + int(f[14])) / CLK
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 if int(_stat(int(entry.name))[1]) == postmaster:
-                    total += cpu_s(int(entry.name))
+                    out[_pg_role(int(entry.name))] += cpu_s(int(entry.name))
             except (OSError, ValueError, IndexError):
                 continue
-    return total
+    return dict(out)
 
 
 @dataclass
@@ -244,7 +276,8 @@ class Snapshot:
     t: float
     redis_cmds: dict[str, int]
     redis_stats: dict[str, int]
-    statements: dict[tuple[str, str], tuple[int, int, int]]  # (role, query): calls, rows, wal
+    # (role, query): calls, rows, WAL bytes, exec ms
+    statements: dict[tuple[str, str], tuple[int, int, int, float]]
     database: dict[str, int]
     wal_bytes: int
     cpu: dict[str, float]
@@ -254,15 +287,16 @@ def snapshot(r: Any, pg: Any, servers: Servers, workers: dict[str, int]) -> Snap
     cmds = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
     stats = {k: int(v) for k, v in r.info("stats").items() if isinstance(v, int)}
     rows = pg.execute(
-        "SELECT r.rolname, s.query, sum(s.calls), sum(s.rows), sum(s.wal_bytes) "
+        "SELECT r.rolname, s.query, sum(s.calls), sum(s.rows), sum(s.wal_bytes), "
+        "sum(s.total_exec_time) "
         "FROM pg_stat_statements s JOIN pg_roles r ON r.oid = s.userid "
         "WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = 'ocrq') "
         "AND r.rolname IN ('producer', 'worker') GROUP BY 1, 2"
     ).fetchall()
-    statements = {(role, q): (int(c), int(n), int(w)) for role, q, c, n, w in rows}
+    statements = {(role, q): (int(c), int(n), int(w), float(ms)) for role, q, c, n, w, ms in rows}
     db = pg.execute(
         "SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted, "
-        "tup_returned, tup_fetched FROM pg_stat_database WHERE datname = 'ocrq'"
+        "tup_returned, tup_fetched, sessions FROM pg_stat_database WHERE datname = 'ocrq'"
     ).fetchone()
     names = (
         "xact_commit",
@@ -272,17 +306,19 @@ def snapshot(r: Any, pg: Any, servers: Servers, workers: dict[str, int]) -> Snap
         "tup_deleted",
         "tup_returned",
         "tup_fetched",
+        "sessions",  # connections opened: a pool that closes and reopens them shows here
     )
     wal = int(pg.execute("SELECT wal_bytes FROM pg_stat_wal").fetchone()[0])
     assert servers.redis is not None
     # Less the backend serving these snapshots and the bench's polls.
-    cpu = {
-        "redis": cpu_s(servers.redis.pid),
-        "postgres": postgres_cpu_s(servers.postmaster_pid()) - cpu_s(pg.info.backend_pid),
-    }
+    by_kind = postgres_cpu(servers.postmaster_pid())
+    by_kind["backend:postgres"] = by_kind.get("backend:postgres", 0.0) - cpu_s(pg.info.backend_pid)
+    cpu = {"redis": cpu_s(servers.redis.pid), "postgres": sum(by_kind.values())}
+    cpu.update({f"pg {k}": v for k, v in by_kind.items()})
     for name, pid in workers.items():
         cpu[name] = cpu_s(pid, children=True)
     cpu["bench"] = time.process_time()  # the producer (and the HTTP server) run here
+    # exec time per statement, summed: the backends' share of PostgreSQL's CPU is mostly this
     return Snapshot(
         time.monotonic(), cmds, stats, statements, dict(zip(names, db, strict=True)), wal, cpu
     )
@@ -298,8 +334,8 @@ def delta(a: Snapshot, b: Snapshot, jobs: int) -> dict[str, Any]:
     cmds = sub(a.redis_cmds, b.redis_cmds)
     cmds.pop("info", None)  # the bench's own snapshots
     stmts = []
-    for key, (calls, rows, wal) in b.statements.items():
-        c0, r0, w0 = a.statements.get(key, (0, 0, 0))
+    for key, (calls, rows, wal, ms) in b.statements.items():
+        c0, r0, w0, ms0 = a.statements.get(key, (0, 0, 0, 0.0))
         if calls - c0:
             stmts.append(
                 {
@@ -308,6 +344,7 @@ def delta(a: Snapshot, b: Snapshot, jobs: int) -> dict[str, Any]:
                     "calls": calls - c0,
                     "rows": rows - r0,
                     "wal_bytes": wal - w0,
+                    "exec_ms": round(ms - ms0, 1),
                     "calls_per_job": round((calls - c0) * per, 3),
                     "rows_per_job": round((rows - r0) * per, 3),
                 }
@@ -322,7 +359,7 @@ def delta(a: Snapshot, b: Snapshot, jobs: int) -> dict[str, Any]:
         "total_commands_processed",
     )
     cpu = {k: round(b.cpu[k] - a.cpu.get(k, 0.0), 3) for k in b.cpu}
-    workers_cpu = sum(v for k, v in cpu.items() if k.startswith("w"))
+    workers_cpu = sum(v for k, v in cpu.items() if k[0] == "w" and k[1:].isdigit())
     by_role: dict[str, int] = defaultdict(int)
     xacts: dict[str, int] = defaultdict(int)
     for s in stmts:
@@ -347,8 +384,15 @@ def delta(a: Snapshot, b: Snapshot, jobs: int) -> dict[str, Any]:
         "database": sub(a.database, b.database),
         # pg_stat_database counts the bench's own polls too: the roles' COMMITs are exact.
         "transactions_per_job": {k: round(v * per, 2) for k, v in xacts.items()},
+        "pg_sessions_per_job": round((b.database["sessions"] - a.database["sessions"]) * per, 3),
         "wal_bytes_per_job": round((b.wal_bytes - a.wal_bytes) * per),
         "cpu_s": cpu,
+        "postgres_cpu_ms_per_job_by_process": {
+            k.removeprefix("pg "): round(v * 1000 * per, 3)
+            for k, v in cpu.items()
+            if k.startswith("pg ") and abs(v) > 0.001
+        },
+        "sql_exec_ms_per_job": round(sum(s["exec_ms"] for s in stmts) * per, 3),
         "cpu_ms_per_job": {
             "redis": round(cpu["redis"] * 1000 * per, 3),
             "postgres": round(cpu["postgres"] * 1000 * per, 3),
@@ -504,6 +548,11 @@ def main() -> None:
         default="image,page,url",
         help="single-worker phases to run (a subset for quick A/B runs)",
     )
+    ap.add_argument(
+        "--pool",
+        default="",
+        help="SIZE,OVERFLOW of the workers' SQLAlchemy pool instead of ocrq's (10,20)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/control_plane")
     args = ap.parse_args()
 
@@ -533,6 +582,8 @@ def main() -> None:
             "OCRQ_MEMORY_BUDGET_GIB": "4",
             "OCRQ_MAX_IMAGES": "100000000",
         }
+        if args.pool:
+            env["CP_POOL"] = args.pool
         subprocess.run(
             [sys.executable, "-m", "ocrq.cli", "migrate"],
             env=env,
@@ -656,6 +707,7 @@ def meta(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
         "python": platform.python_version(),
         "bench_seconds": round(seconds, 1),
         "jobs_per_phase": args.jobs,
+        "worker_pool": args.pool or "ocrq's default (pool_size 10, max_overflow 20)",
         "pages": args.pages,
         "result_text_chars": len(LINE_TEXT) * N_LINES + N_LINES - 1,
         "result_lines": N_LINES,
