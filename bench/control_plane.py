@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -113,6 +114,17 @@ def worker_main() -> None:
             return plain(url, **kw)
 
         db.create_engine = sized  # type: ignore[assignment]
+    if os.environ.get("CP_NO_PREPARE"):  # psycopg prepares nothing: PgBouncer < 1.21 needs it
+        from ocrq.core import db
+
+        wrapped = db.create_engine
+
+        def unprepared(url: Any, **kw: Any) -> Any:
+            if str(url).startswith("postgresql"):
+                kw["connect_args"] = {**kw.get("connect_args", {}), "prepare_threshold": None}
+            return wrapped(url, **kw)
+
+        db.create_engine = unprepared  # type: ignore[assignment]
     sys.argv = ["ocrq", "worker", "--no-supervise", "--engine", "fixed", "--loglevel", "WARNING"]
     app()
 
@@ -148,6 +160,30 @@ class Servers:
     pg_port: int = 0
     redis: subprocess.Popen[bytes] | None = None
     pg_data: Path | None = None
+    bouncer_port: int = 0
+    bouncer: subprocess.Popen[bytes] | None = None
+
+    def start_pgbouncer(self, pool_size: int = 20) -> None:
+        """PgBouncer in transaction mode in front of the private PostgreSQL (the workers'
+        connections go through it): what a GPU fleet would put in front of one database."""
+        conf = self.work / "bouncer"
+        conf.mkdir(mode=0o755)
+        (conf / "users.txt").write_text('"worker" ""\n"producer" ""\n"postgres" ""\n')
+        self.bouncer_port = free_port()
+        (conf / "pgbouncer.ini").write_text(
+            f"[databases]\nocrq = host=127.0.0.1 port={self.pg_port} dbname=ocrq\n"
+            f"[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {self.bouncer_port}\n"
+            f"unix_socket_dir =\nauth_type = trust\nauth_file = {conf}/users.txt\n"
+            f"pool_mode = transaction\ndefault_pool_size = {pool_size}\n"
+            "max_client_conn = 2000\nignore_startup_parameters = extra_float_digits\n"
+        )
+        shutil.chown(conf, PG_OS_USER, PG_OS_USER)
+        self.bouncer = subprocess.Popen(
+            as_pg(f"exec pgbouncer {conf}/pgbouncer.ini"),
+            stdout=(self.work / "pgbouncer.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        wait_port(self.bouncer_port)
 
     def start(self) -> Servers:
         self.redis_port = free_port()
@@ -207,13 +243,17 @@ class Servers:
                 capture_output=True,
                 timeout=60,
             )
-        if self.redis is not None:
-            self.redis.terminate()
-            self.redis.wait(20)
+        for proc in (self.redis, self.bouncer):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(20)
 
-    def url(self, role: str, db: str = "ocrq", app_name: str | None = None) -> str:
+    def url(
+        self, role: str, db: str = "ocrq", app_name: str | None = None, bouncer: bool = False
+    ) -> str:
         tail = f"?application_name={app_name}" if app_name else ""
-        return f"postgresql+psycopg://{role}@127.0.0.1:{self.pg_port}/{db}{tail}"
+        port = self.bouncer_port if bouncer else self.pg_port
+        return f"postgresql+psycopg://{role}@127.0.0.1:{port}/{db}{tail}"
 
     def broker(self) -> str:
         return f"redis://127.0.0.1:{self.redis_port}/0"
@@ -448,7 +488,9 @@ class Bench:
             name = f"w{i}"
             env = {
                 **self.env,
-                "OCRQ_DATABASE_URL": self.servers.url("worker", app_name=f"cp-{name}"),
+                "OCRQ_DATABASE_URL": self.servers.url(
+                    "worker", app_name=f"cp-{name}", bouncer=self.servers.bouncer is not None
+                ),
             }
             log = (self.folder / f"worker-{n}-{name}.log").open("wb")
             self.workers[name] = subprocess.Popen(
@@ -492,6 +534,8 @@ def run_phase(
     ids = submit()
     pre_rename = snapshot(r, pg, bench.servers, bench.pids())
     peak: dict[str, int] = defaultdict(int)
+    peak_total = 0
+    last_pending, progressed = -1, time.monotonic()
     t0 = time.monotonic()
     r.rename(HOLD, QUEUE)
     while True:
@@ -500,6 +544,13 @@ def run_phase(
             "WHERE usename = 'worker' GROUP BY 1"
         ).fetchall():
             peak[app_name] = max(peak[app_name], int(n))
+        total = sum(
+            int(n)
+            for (n,) in pg.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE usename = 'worker'"
+            ).fetchall()
+        )
+        peak_total = max(peak_total, total)
         pending = pg.execute(
             "SELECT (SELECT count(*) FROM ocr_jobs WHERE status NOT IN ('done', 'failed')) + "
             "(SELECT count(*) FROM ocr_documents WHERE status NOT IN ('done', 'failed', "
@@ -507,8 +558,10 @@ def run_phase(
         ).fetchone()[0]
         if pending == 0 and r.llen(QUEUE) == 0:
             break
-        if time.monotonic() - t0 > 600:
-            raise TimeoutError(f"{label}: {pending} jobs not final")
+        if pending != last_pending:
+            last_pending, progressed = pending, time.monotonic()
+        if time.monotonic() - progressed > 60:  # jobs that raised leave their rows running
+            raise TimeoutError(f"{label}: {pending} jobs not final, none for 60 s")
         time.sleep(0.25)
     wall = time.monotonic() - t0
     after = snapshot(r, pg, bench.servers, bench.pids())
@@ -531,6 +584,7 @@ def run_phase(
             "jobs_per_s_rows": round(units / (float(times[1]) - float(times[0])), 1),
             "worker_cpu_ms_per_job_after_release": release["cpu_ms_per_job"]["workers"],
             "pg_connections_peak_per_worker": dict(peak),
+            "pg_connections_peak_total": peak_total,
         }
     )
     pg.execute("TRUNCATE ocr_jobs, ocr_documents")  # each phase starts from an empty table
@@ -553,6 +607,16 @@ def main() -> None:
         default="",
         help="SIZE,OVERFLOW of the workers' SQLAlchemy pool instead of ocrq's (10,20)",
     )
+    ap.add_argument(
+        "--pgbouncer",
+        action="store_true",
+        help="the workers reach PostgreSQL through PgBouncer in transaction mode",
+    )
+    ap.add_argument(
+        "--no-prepare",
+        action="store_true",
+        help="the workers' psycopg prepares no statements (prepare_threshold=None)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/control_plane")
     args = ap.parse_args()
 
@@ -560,6 +624,8 @@ def main() -> None:
     import redis
 
     started = time.time()
+    # A SIGTERM (`timeout`) still runs the `finally` below: the private servers stop.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="ocrq-cp-"))
     servers = Servers(work).start()
     httpd = None
@@ -584,6 +650,10 @@ def main() -> None:
         }
         if args.pool:
             env["CP_POOL"] = args.pool
+        if args.no_prepare:
+            env["CP_NO_PREPARE"] = "1"
+        if args.pgbouncer:
+            servers.start_pgbouncer()
         subprocess.run(
             [sys.executable, "-m", "ocrq.cli", "migrate"],
             env=env,
@@ -707,6 +777,8 @@ def meta(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
         "python": platform.python_version(),
         "bench_seconds": round(seconds, 1),
         "jobs_per_phase": args.jobs,
+        "pgbouncer": "transaction mode" if args.pgbouncer else "none",
+        "psycopg_prepare": "off" if args.no_prepare else "psycopg's default (after 5 uses)",
         "worker_pool": args.pool or "ocrq's default (pool_size 10, max_overflow 20)",
         "pages": args.pages,
         "result_text_chars": len(LINE_TEXT) * N_LINES + N_LINES - 1,
