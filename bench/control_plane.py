@@ -326,6 +326,7 @@ class Snapshot:
 def snapshot(r: Any, pg: Any, servers: Servers, workers: dict[str, int]) -> Snapshot:
     cmds = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
     stats = {k: int(v) for k, v in r.info("stats").items() if isinstance(v, int)}
+    stats["used_memory"] = int(r.info("memory")["used_memory"])  # results kept, messages
     rows = pg.execute(
         "SELECT r.rolname, s.query, sum(s.calls), sum(s.rows), sum(s.wal_bytes), "
         "sum(s.total_exec_time) "
@@ -415,6 +416,11 @@ def delta(a: Snapshot, b: Snapshot, jobs: int) -> dict[str, Any]:
             k: round(v * per, 3) for k, v in sorted(cmds.items(), key=lambda kv: -kv[1])
         },
         "redis_stats": {k: st.get(k, 0) for k in redis_keys},
+        # What stays in Redis per job once it is done (the result backend's keys, kept for
+        # OCRQ_RESULT_EXPIRES_S): the Redis memory a sustained rate needs.
+        "redis_memory_bytes_per_job": round(
+            (b.redis_stats["used_memory"] - a.redis_stats["used_memory"]) * per
+        ),
         "redis_bytes_in_per_job": round(st.get("total_net_input_bytes", 0) * per),
         "redis_bytes_out_per_job": round(st.get("total_net_output_bytes", 0) * per),
         "redis_reads_per_job": round(st.get("total_reads_processed", 0) * per, 2),
