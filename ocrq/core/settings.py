@@ -53,8 +53,10 @@ class Settings(BaseSettings):
     # `AsyncResult(job_id).get()` works for a bare Celery producer: "broker" (the broker's Redis,
     # the default), "none" (no result backend), or any Celery result-backend URL.
     result_backend: str = "broker"
-    # How long a result stays in the backend; the job's row in PostgreSQL stays for good.
-    result_expires_s: int = Field(default=86_400, ge=60, le=90 * 86_400)
+    # How long a result stays in the backend; the job's row in PostgreSQL stays for good. An
+    # hour: ~7.4 KB a job, so at ~30 images/s a GPU keeps ~0.8 GB in Redis (a day would be
+    # ~19 GB; bench/results/control_plane/control_plane_cpu.md).
+    result_expires_s: int = Field(default=3_600, ge=60, le=90 * 86_400)
     # Directories that {"path": ...} images may be read from. Empty: every path is refused, and
     # a worker will not start (nor with `/` among them) unless allow_any_path says so; there is
     # no fallback to the working directory, which is `/` under systemd.
