@@ -34,6 +34,7 @@ from ocrq.core.store import JobStore
 from tests.conftest import BIN, FIGURES, WorkerProcess, eval_data
 from tests.pdfs import TEST_DPI, encrypted_pdf, image_pdf, multipage_tiff, text_pdf
 from tests.test_rapid_bounds import MEMORY_FAILURES, CappedWorker
+from tests.waiting import Budget
 
 GiB = 1024**3
 MAX_PAGES = 40
@@ -298,23 +299,42 @@ def test_kill_9_mid_document_loses_and_duplicates_nothing(
         service_env, queue, visibility_timeout_s="20", max_batch="4", heartbeat_s="1",
         stalled_after_s="5", stalled_sweep_s="2",
     )  # fmt: skip
-    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8").wait_ready()
+    # Waits: ready 60 + pages mid-run 120 + the document final 240.
+    budget = Budget(420, "kill-9 document")
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8").wait_ready(60)
     store = JobStore(get_engine(database_url))
     t0 = time.monotonic()
     try:
         document_id = client.submit({"path": str(pdf)})
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+
+        def pages() -> str:
+            rows = client.documents.page_rows(document_id)
+            return "pages: " + ", ".join(f"{r['page']}:{r['status']}/{r['attempts']}" for r in rows)
+
+        def mid_run() -> list[dict[str, Any]] | None:
             rows = client.documents.page_rows(document_id)
             done = [r for r in rows if r["status"] == "done"]
-            if len(done) >= 5 and any(r["status"] == "running" for r in rows):
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError(f"no page running after 300 s: {worker.text()[-2000:]}")
+            return done if len(done) >= 5 and any(r["status"] == "running" for r in rows) else None
+
+        done = budget.until(
+            ">= 5 pages done and one running",
+            mid_run,
+            120,
+            lambda: pages() + "\n" + worker.text()[-2000:],
+            poll_s=0.05,
+        )
         before = {r["id"]: (r["text"], r["finished_at"]) for r in done}
         os.kill(child_pids(worker)[-1], signal.SIGKILL)
-        (doc,) = wait_documents(client, [document_id], 400)
+        budget.until(
+            "the document final after the kill",
+            lambda: all(
+                r["status"] in ("done", "failed") for r in client.documents.page_rows(document_id)
+            ),
+            240,
+            lambda: pages() + "\n" + worker.text()[-3000:],
+            poll_s=0.25,
+        )
+        (doc,) = wait_documents(client, [document_id], 30)
         seconds = time.monotonic() - t0
     finally:
         worker.stop()

@@ -26,6 +26,7 @@ from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from tests.conftest import BIN, FIGURES, WorkerProcess
 from tests.servers import PrivatePostgres, PrivateRedis
+from tests.waiting import Budget, WaitTimeout
 
 WORDS = [
     "ALPHA",
@@ -79,30 +80,69 @@ def final_rows(store: JobStore, ids: list[str]) -> dict[str, dict[str, Any]]:
     return {k: v for k, v in store.get(ids).items() if v["status"] in ("done", "failed")}
 
 
-def wait_all(store: JobStore, ids: list[str], timeout: float) -> dict[str, dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = final_rows(store, ids)
-        if len(rows) == len(ids):
-            return rows
-        time.sleep(0.5)
+def not_final(store: JobStore, ids: list[str], show: int = 8) -> str:
+    """What a failed wait saw last: how many rows of each status, and the first few jobs
+    that are not final with their status, attempts and worker."""
     rows = store.get(ids)
-    missing = [i for i in ids if rows.get(i, {}).get("status") not in ("done", "failed")]
-    raise TimeoutError(f"{len(missing)} of {len(ids)} jobs not final after {timeout} s")
+    late = [i for i in ids if rows.get(i, {}).get("status") not in ("done", "failed")]
+    counts: dict[str, int] = {}
+    for i in ids:
+        status = rows.get(i, {}).get("status", "no row")
+        counts[status] = counts.get(status, 0) + 1
+    shown = [
+        f"  {i}: {rows[i]['status']} attempts={rows[i]['attempts']} worker={rows[i]['worker']}"
+        if i in rows
+        else f"  {i}: no row"
+        for i in late[:show]
+    ]
+    return f"statuses {counts}; not final: {len(late)}\n" + "\n".join(shown)
+
+
+def wait_all(
+    store: JobStore,
+    ids: list[str],
+    timeout: float,
+    budget: Budget | None = None,
+    log: WorkerProcess | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Every job's final row, waited for within `timeout` (and the test's `budget`); out of
+    time, the error lists the jobs still not final and the tail of the worker's `log`."""
+    budget = budget or Budget(timeout, "wait_all")
+
+    def final() -> dict[str, dict[str, Any]] | None:
+        rows = final_rows(store, ids)
+        return rows if len(rows) == len(ids) else None
+
+    def detail() -> str:
+        tail = f"\nworker log tail:\n{log.text()[-2000:]}" if log is not None else ""
+        return not_final(store, ids) + tail
+
+    return budget.until(f"{len(ids)} jobs final", final, timeout, detail, poll_s=0.5)
 
 
 def done_mid_run(
-    store: JobStore, ids: list[str], done_at_least: int = 8, timeout: float = 120
+    store: JobStore,
+    ids: list[str],
+    budget: Budget,
+    done_at_least: int = 8,
+    timeout: float = 90,
 ) -> dict[str, tuple[Any, Any]]:
     """Wait until some jobs are done and others running; the done ones' (text, finished_at),
     which a kill from here on must leave as they are."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def mid_run() -> list[dict[str, Any]] | None:
         rows = store.get(ids)
         done = [r for r in rows.values() if r["status"] == "done"]
-        if len(done) >= done_at_least and any(r["status"] == "running" for r in rows.values()):
-            break
-        time.sleep(0.05)
+        running = any(r["status"] == "running" for r in rows.values())
+        return done if len(done) >= done_at_least and running else None
+
+    done = budget.until(
+        f">= {done_at_least} jobs done and one running",
+        mid_run,
+        timeout,
+        lambda: not_final(store, ids),
+        poll_s=0.05,
+    )
     return {r["id"]: (r["text"], r["finished_at"]) for r in done}
 
 
@@ -143,29 +183,32 @@ def child_pids(worker: WorkerProcess) -> list[int]:
     return [int(p) for p in re.findall(r"started worker process pid (\d+)", worker.text())]
 
 
-def test_recycle_1000_images_every_50(
+def test_recycle_400_images_every_25(
     service_env: dict[str, str],
     database_url: str,
     broker_url: str,
     image_root: Path,
     tmp_path: Path,
 ) -> None:
-    paths = make_images(image_root / "recycle", 1000)
+    """Sized to finish well inside pytest's timeout on a loaded 2-core machine: 16 recycles
+    (each a new worker process) exercise the hand-over as well as 1,000 images did."""
+    budget = Budget(480, "recycle")
+    paths = make_images(image_root / "recycle", 400)
     store = JobStore(get_engine(database_url))
     ids = send_all(broker_url, paths)
     t0 = time.monotonic()
     env = worker_env(service_env, max_batch="16")
-    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16", "--max-images", "50")
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16", "--max-images", "25")
     try:
-        worker.wait_ready()
-        rows = wait_all(store, ids, timeout=900)
+        worker.wait_ready(timeout=min(90, budget.left()))
+        rows = wait_all(store, ids, timeout=budget.left(), budget=budget, log=worker)
         seconds = time.monotonic() - t0
     finally:
         worker.stop()
     recycles = worker.text().count("worker recycled (")
     figures = report("recycle", ids, rows, store, seconds, recycles)
-    assert figures["done"] == 1000 and figures["lost"] == 0 and figures["duplicated"] == 0
-    assert recycles >= 15, worker.text()[-3000:]  # ~20 expected; in-flight jobs overshoot a bit
+    assert figures["done"] == 400 and figures["lost"] == 0 and figures["duplicated"] == 0
+    assert recycles >= 12, worker.text()[-3000:]  # ~16 expected; in-flight jobs overshoot a bit
     assert len(set(child_pids(worker))) == recycles + 1
     text = {r["id"]: r["text"] for r in rows.values()}
     assert all(text[i] for i in ids)
@@ -180,8 +223,9 @@ def test_kill_9_mid_batch(
 ) -> None:
     paths = make_images(image_root / "kill", 80, lines=6)
     store = JobStore(get_engine(database_url))
+    budget = Budget(480, "kill-9")
     env = worker_env(service_env, visibility_timeout_s="20", max_batch="8")
-    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16").wait_ready()
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16").wait_ready(90)
     t0 = time.monotonic()
     try:
         # Through the client, so each job has a queued row: kombu pops a message and marks it
@@ -190,14 +234,14 @@ def test_kill_9_mid_batch(
         client = Client(Settings(broker_url=broker_url, database_url=database_url))
         ids = [client.submit({"path": str(p)}) for p in paths]
         # Wait until some jobs are done and a batch is in flight, then kill -9 the worker.
-        before = done_mid_run(store, ids)
+        before = done_mid_run(store, ids, budget)
         victim = child_pids(worker)[-1]
         os.kill(victim, signal.SIGKILL)
         try:
-            rows = wait_all(store, ids, timeout=120)
-        except TimeoutError:
+            rows = wait_all(store, ids, timeout=120, budget=budget, log=worker)
+        except WaitTimeout:
             FIGURES.append(f"[kill-9] re-sent by ocrq requeue: {len(client.requeue(30))}")
-            rows = wait_all(store, ids, timeout=240)
+            rows = wait_all(store, ids, timeout=budget.left(), budget=budget, log=worker)
         seconds = time.monotonic() - t0
     finally:
         worker.stop()
@@ -215,29 +259,35 @@ def test_redis_restart_mid_run(
     """Redis stops and starts again under a running worker; jobs submitted through the client
     (which records them as queued) all finish, with `ocrq requeue` re-sending any job whose
     message died in kombu's pop-then-mark-unacked window."""
+    budget = Budget(480, "redis-restart")
     private = PrivateRedis(tmp_path)
     private.start()
     store = JobStore(get_engine(database_url))
     env = worker_env(service_env, broker_url=private.url, visibility_timeout_s="20", max_batch="8")
     worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8")
     try:
-        worker.wait_ready()
+        worker.wait_ready(90)
         client = Client(Settings(broker_url=private.url, database_url=database_url))
         paths = make_images(image_root / "redis", 150, lines=3)
         ids = [client.submit({"path": str(p)}) for p in paths]
         t0 = time.monotonic()
-        while len(final_rows(store, ids)) < 20:
-            time.sleep(0.1)
+        budget.until(
+            "20 jobs final before the restart",
+            lambda: len(final_rows(store, ids)) >= 20,
+            120,
+            lambda: not_final(store, ids) + worker.text()[-2000:],
+            poll_s=0.1,
+        )
         private.stop()
-        time.sleep(5)
+        time.sleep(5)  # the fault itself: Redis stays down this long, nothing waits on it
         assert worker.alive()
         private.start()
         try:
-            rows = wait_all(store, ids, timeout=90)
+            rows = wait_all(store, ids, timeout=90, budget=budget, log=worker)
             requeued: list[str] = []
-        except TimeoutError:
+        except WaitTimeout:
             requeued = client.requeue(older_than_s=30)
-            rows = wait_all(store, ids, timeout=240)
+            rows = wait_all(store, ids, timeout=budget.left(), budget=budget, log=worker)
         seconds = time.monotonic() - t0
     finally:
         worker.stop()
@@ -252,6 +302,7 @@ def test_redis_restart_mid_run(
 def test_postgres_down_30s(
     service_env: dict[str, str], broker_url: str, image_root: Path, tmp_path: Path
 ) -> None:
+    budget = Budget(480, "postgres-down-30s")
     pg = PrivatePostgres()
     pg.init()
     try:
@@ -268,7 +319,7 @@ def test_postgres_down_30s(
         app = Celery(broker=broker_url)
         r = redis.Redis.from_url(broker_url)
         try:
-            worker.wait_ready()
+            worker.wait_ready(90)
             ids = []
             for path in make_images(image_root / "pg", 100, lines=3):
                 job_id = str(uuid.uuid4())
@@ -279,18 +330,23 @@ def test_postgres_down_30s(
                 )
                 ids.append(job_id)
             t0 = time.monotonic()
-            while len(final_rows(store, ids)) < 15:
-                time.sleep(0.05)
+            budget.until(
+                "15 jobs final before the outage",
+                lambda: len(final_rows(store, ids)) >= 15,
+                120,
+                lambda: not_final(store, ids) + worker.text()[-2000:],
+                poll_s=0.05,
+            )
             pg.stop()
             stopped_at = dt.datetime.now(dt.UTC)
-            time.sleep(30)
+            time.sleep(30)  # the fault itself: the outage lasts this long
             # During the outage: which messages has the worker acked?
             unacked = sum(1 for v in r.hgetall("unacked").values() if queue.encode() in v)
             queued = r.llen(queue)
             acked = len(ids) - queued - unacked
             assert worker.alive()
             pg.start()
-            rows = wait_all(store, ids, timeout=300)
+            rows = wait_all(store, ids, timeout=budget.left(), budget=budget, log=worker)
             seconds = time.monotonic() - t0
         finally:
             worker.stop()
