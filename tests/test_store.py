@@ -6,7 +6,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, func, select, update
 
 from ocrq.core.db import get_engine, ocr_jobs
 from ocrq.core.store import JobStore
@@ -48,13 +48,23 @@ def test_claim_finish_redelivery(store: JobStore) -> None:
     assert _count(store, job) == 1
 
 
-def test_failed_job_can_be_retried_to_done(store: JobStore) -> None:
+def test_a_failed_row_stays_failed(store: JobStore) -> None:
+    """A client told `failed` is never told otherwise: a redelivery does not claim it, a late
+    result does not overwrite it."""
     job = str(uuid.uuid4())
     assert store.claim(job, "text", "/y.png", "w1").run
-    store.finish(job, status="failed", error="transient")
-    assert store.claim(job, "text", "/y.png", "w1").run
-    assert store.finish(job, status="done", text="ok")
-    assert store.get([job])[job]["status"] == "done"
+    assert store.finish(job, status="failed", error="bad image")
+    claim = store.claim(job, "text", "/y.png", "w2", max_attempts=3)
+    assert not claim.run and claim.error is None and claim.row["status"] == "failed"
+    assert not store.finish(job, status="done", text="late")
+    row = store.get([job])[job]
+    assert (row["status"], row["error"], row["text"], row["attempts"], row["worker"]) == (
+        "failed",
+        "bad image",
+        None,
+        1,
+        "w1",
+    )
     with pytest.raises(ValueError):
         store.finish(job, status="running")
 
@@ -79,19 +89,24 @@ def test_redelivery_cap(store: JobStore) -> None:
         "w3",
     )
     assert row["finished_at"] is not None
-    # A failed job re-sent on purpose runs again: only unfinished attempts count as deaths.
-    assert store.claim(job, "text", "/p.png", "w5", max_attempts=3).run
-    assert store.finish(job, status="done", text="ok")
-    claim = store.claim(job, "text", "/p.png", "w6", max_attempts=3)
-    assert not claim.run and claim.error is None and claim.row["text"] == "ok"
+    # Later copies of the message (the sweep's, the visibility timeout's) find it final.
+    claim = store.claim(job, "text", "/p.png", "w5", max_attempts=3)
+    assert not claim.run and claim.error is None
+    assert store.get([job])[job]["attempts"] == 3
 
 
-def test_failed_attempts_do_not_count_as_deaths(store: JobStore) -> None:
+def test_a_sweep_requeue_does_not_reset_the_count(store: JobStore) -> None:
+    """The stall sweep puts a dead worker's rows back to `queued` before re-sending them: that
+    is still an attempt that died, so the cap counts it (the probe saw attempts 8 of 3)."""
     job = str(uuid.uuid4())
-    for _ in range(5):
-        assert store.claim(job, "text", "/f.png", "w", max_attempts=2).run
-        store.finish(job, status="failed", error="bad image")
-    assert store.get([job])[job]["attempts"] == 5
+    store.enqueue(job, "text", "/q.png")
+    for attempt in range(1, 4):
+        assert store.claim(job, "text", "/q.png", f"w{attempt}", max_attempts=3).run
+        with store.engine.begin() as conn:  # what workers_table.flip_stalled does
+            conn.execute(update(ocr_jobs).where(ocr_jobs.c.id == job).values(status="queued"))
+    claim = store.claim(job, "text", "/q.png", "w4", max_attempts=3)
+    assert not claim.run and claim.error is not None and "gave up after 3" in claim.error
+    assert store.get([job])[job]["status"] == "failed"
 
 
 def test_reused_job_id_refused(store: JobStore) -> None:

@@ -1,10 +1,11 @@
 """Job rows: the only code that writes `ocr_jobs`, for the worker and embedded mode alike.
 
 Idempotency lives here, in SQL, not in callers: claiming a job creates or locks its row and
-bumps `attempts`, but a row that is already `done` is left untouched and reported as such, so a
-redelivered message neither creates a second row nor overwrites a finished result. A job id
-names one image and task: another message reusing it is refused, and a job whose worker keeps
-dying under it is failed after `max_attempts` instead of being run again.
+bumps `attempts`, but a row that is already final (`done` or `failed`) is left untouched and
+reported as such, so a redelivered message neither creates a second row, nor overwrites a
+finished result, nor runs a failed job again: a status a client was told is final never
+changes. A job id names one image and task: another message reusing it is refused, and a job
+whose worker keeps dying under it is failed after `max_attempts` instead of being run again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from ocrq.core.db import ocr_jobs
 
 def now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+# Statuses no claim or finish changes: redeliveries and sweeps copy messages (the sweep re-sends,
+# the unacked original returns after the visibility timeout), and each copy must find the
+# outcome the first one stored.
+FINAL = ("done", "failed")
 
 
 REUSED_ID = "job_id already used for a different image"
@@ -64,7 +71,8 @@ class Page:
 class Claim:
     """The outcome of claiming a job: run it, or not (then `row` is the stored row).
 
-    Not run, with `error` None: the job is already done (a redelivery). With `error`: the
+    Not run, with `error` None: the job is already final, done or failed (a redelivery; `row`
+    says which). With `error`: the
     message must fail with it, either because the job id belongs to another image (the row is
     left as it was) or because the attempts ran out (the row is now failed with that error).
     """
@@ -213,10 +221,12 @@ class JobStore:
 
         One transaction, the row locked: concurrent deliveries of one job see each other's
         claim. A row is one job: a message whose source or task differs from the row's is
-        refused, whatever the row's status. `attempts` counts claims; a claim that finds the row
-        still `running` means the previous attempt never finished (its worker died, or the
-        message outlived the visibility timeout), and once `max_attempts` such attempts were
-        made the job fails instead of running again, so a poison message cannot loop.
+        refused, whatever the row's status. A final row (done or failed) is never run again.
+        `attempts` counts claims; a claim that finds the row not final with attempts already made
+        means the previous attempt never finished (its worker died: the row is still `running`,
+        or the stall sweep put it back to `queued` to re-send it), and once `max_attempts` such
+        attempts were made the job fails instead of running again, so a poison message costs at
+        most `max_attempts` worker deaths, however many copies of its message are about.
         """
         t = now()
         locked = select(ocr_jobs).where(ocr_jobs.c.id == job_id).with_for_update()
@@ -245,14 +255,10 @@ class JobStore:
             row = dict(row)
             if (row["source"], row["task"]) != (source, task):
                 return Claim(run=False, row=row, error=REUSED_ID)
-            if row["status"] == "done":
+            if row["status"] in FINAL:
                 return Claim(run=False, row=row)
             where = ocr_jobs.c.id == job_id
-            if (
-                max_attempts is not None
-                and row["status"] == "running"
-                and row["attempts"] >= max_attempts
-            ):
+            if max_attempts is not None and row["attempts"] >= max(max_attempts, 1):
                 error = gave_up(row["attempts"])
                 fields = {"status": "failed", "error": error, "finished_at": t}
                 conn.execute(update(ocr_jobs).where(where).values(**fields))
@@ -273,18 +279,20 @@ class JobStore:
         return Claim(run=True, created_at=created)
 
     def finish(self, job_id: str, **fields: Any) -> bool:
-        """Store a final status; never overwrites a done row. Returns whether a row changed.
+        """Store a final status; never overwrites a final row (an attempt still running when a
+        copy of its message gave the job up must not turn `failed` into `done`, nor a late
+        duplicate `done` into `failed`). Returns whether a row changed.
 
         One UPDATE in autocommit: every job ends here, and the BEGIN and COMMIT of a transaction
         around the one statement were 2 of the worker's 9 database round trips per image job
         (bench/results/control_plane/control_plane_cpu.md has the before and after).
         """
-        if fields.get("status") not in ("done", "failed"):
+        if fields.get("status") not in FINAL:
             raise ValueError("finish() needs status 'done' or 'failed'")
         fields.setdefault("finished_at", now())
         stmt = (
             update(ocr_jobs)
-            .where(ocr_jobs.c.id == job_id, ocr_jobs.c.status != "done")
+            .where(ocr_jobs.c.id == job_id, ocr_jobs.c.status.not_in(FINAL))
             .values(**fields)
         )
         with self._autocommit.connect() as conn:

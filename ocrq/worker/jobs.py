@@ -326,10 +326,10 @@ class JobRunner:
                 log.info("document %s %s", row["document_id"], status)
 
     def _not_run(self, job_id: str, source: str, claim: Claim) -> JobOutcome:
-        """A claim that said no: already done, the id taken by another image, or out of tries."""
+        """A claim that said no: already final, the id taken by another image, or out of tries."""
         row = claim.row or {}
-        if claim.error is None:
-            log.info("job %s already done; redelivery ignored", job_id)
+        if claim.error is None:  # done or failed: the stored outcome stands, this copy is acked
+            log.info("job %s already %s; redelivery ignored", job_id, row.get("status", "done"))
             return JobOutcome.of_row(job_id, source, row, "done")
         # Nothing is written: a reused id's row belongs to its first image, and a job out of
         # attempts was failed by the claim itself.
