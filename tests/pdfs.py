@@ -116,3 +116,74 @@ def multipage_tiff(pages: Sequence[Image.Image], path: Path) -> Path:
     first, *rest = [p.convert("RGB") for p in pages]
     first.save(path, format="TIFF", save_all=True, append_images=rest, compression="tiff_lzw")
     return path
+
+
+def _assemble(objects: list[bytes]) -> bytes:
+    """Numbered objects (1 is the catalog) into a PDF with a correct cross-reference table."""
+    out = io.BytesIO()
+    out.write(b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n")
+    offsets = []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(out.tell())
+        out.write(f"{number} 0 obj\n".encode() + body + b"\nendobj\n")
+    xref = out.tell()
+    out.write(f"xref\n0 {len(offsets) + 1}\n0000000000 65535 f \n".encode())
+    for offset in offsets:
+        out.write(f"{offset:010d} 00000 n \n".encode())
+    out.write(
+        f"trailer\n<< /Size {len(offsets) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    )
+    return out.getvalue()
+
+
+def _stream(content: bytes, extra: str = "") -> bytes:
+    data = zlib.compress(content, 9)
+    head = f"<< {extra} /Length {len(data)} /Filter /FlateDecode >>\nstream\n".encode()
+    return head + data + b"\nendstream"
+
+
+def _one_page(content_object: int, resources: str, size: tuple[float, float]) -> list[bytes]:
+    return [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 {size[0]} {size[1]}] "
+        f"/Contents {content_object} 0 R /Resources {resources} >>".encode(),
+    ]
+
+
+def xobject_bomb_pdf(
+    path: Path, depth: int = 7, fanout: int = 10, size: tuple[float, float] = (420, 300)
+) -> Path:
+    """One page whose content draws Form XObject X{depth}, which draws X{depth-1} `fanout`
+    times, ... down to X0, one stroked line: fanout**depth paths from ~2 KB (issue 31's bomb:
+    10^7 paths, GBs of PDFium memory)."""
+    # 1-3 catalog, pages, page; 4 the page content; 5 + k the XObject X{k}.
+    objects = _one_page(4, f"<< /XObject << /X{depth} {5 + depth} 0 R >> >>", size)
+    objects.append(_stream(f"q /X{depth} Do Q".encode()))
+    for k in range(depth + 1):
+        if k == 0:
+            body, resources = b"0 0 m 400 280 l 20 280 l h S", "<< >>"
+        else:
+            body = (f"q /X{k - 1} Do Q " * fanout).encode()
+            resources = f"<< /XObject << /X{k - 1} {5 + k - 1} 0 R >> >>"
+        extra = f"/Type /XObject /Subtype /Form /BBox [0 0 {size[0]} {size[1]}] "
+        objects.append(_stream(body, extra + f"/Resources {resources}"))
+    path.write_bytes(_assemble(objects))
+    return path
+
+
+def line_ops_pdf(
+    path: Path, lines: int = 3_000_000, size: tuple[float, float] = (420, 300)
+) -> Path:
+    """One page of `lines` stroked line segments (issue 31: 3,000,000 of them, ~146 KB
+    compressed, drew for minutes at 99% CPU)."""
+    w, h = size
+    ops = b"".join(
+        f"{i % 400} {i % 280} m {(i * 7) % 420} {(i * 13) % 300} l S\n".encode()
+        for i in range(1000)
+    )
+    content = ops * (lines // 1000)
+    objects = _one_page(4, "<< >>", (w, h))
+    objects.append(_stream(content))
+    path.write_bytes(_assemble(objects))
+    return path

@@ -90,6 +90,14 @@ class Settings(BaseSettings):
     pdf_dpi: float | None = Field(default=None, ge=10, le=1200)
     pdf_min_dpi: float = Field(default=72.0, ge=10, le=1200)
     pdf_max_dpi: float = Field(default=300.0, ge=10, le=1200)
+    # Pages are drawn in render processes (ocrq/intake/render_pool.py), each under this
+    # address-space cap, for at most this many seconds a page: what a PDF bomb may cost. A
+    # healthy page draws in 10-50 ms at 144-200 dpi (bench/results/documents); the cap leaves
+    # room for the largest page the image caps admit (40 MP x 4 bytes) and PDFium's own needs.
+    pdf_render_timeout_s: float = Field(default=20.0, gt=0, le=3600)
+    pdf_render_max_bytes: int = Field(default=2 * 1024**3, ge=256 * 1024**2, le=2**40)
+    # Render processes per worker process, started as pages need them.
+    pdf_render_processes: int = Field(default=4, ge=1, le=64)
     url_timeout_s: float = Field(default=15.0, gt=0, le=600)  # per connect / read / write
     url_deadline_s: float = Field(default=30.0, gt=0, le=3600)  # whole fetch, redirects included
     url_max_redirects: int = Field(default=5, ge=0, le=20)  # each checked like the first request

@@ -12,9 +12,11 @@ before the expensive step: the page count against OCRQ_MAX_PDF_PAGES before any 
 made; a page's size at its render DPI against the image caps before it is rendered.
 
 PDFs are read with pypdfium2 (PDFium, Chrome's renderer: maintained, permissive licence,
-wheels with no system libraries). PDFium is not thread-safe, so every call into it holds one
-process-wide lock; a page renders in 10-50 ms at 144-200 dpi, far below an OCR page's time
-(bench/results/documents/documents_rapid.md measures both).
+wheels with no system libraries). PDFium is not thread-safe, so every call into it in the worker
+holds one process-wide lock; those calls only parse (open, count, size, copy a page). Drawing a
+page, whose cost no parse can bound (a PDF bomb), happens in a render process under a memory
+cap and a deadline (ocrq/intake/render_pool.py), outside the lock. A page renders in 10-50 ms at
+144-200 dpi, far below an OCR page's time (bench/results/documents/documents_rapid.md).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from PIL import Image, ImageOps
 from ocrq.core.contract import ImageRef
 from ocrq.core.doc_formats import DocumentKind, claims_pdf, document_kind
 from ocrq.core.settings import Settings
-from ocrq.intake import images
+from ocrq.intake import images, render_pool
 from ocrq.intake.images import ImageError, LoadedImage
 
 # Every call into PDFium holds this (the library keeps global state and is not thread-safe).
@@ -237,7 +239,8 @@ def page_dpi(width_pt: float, height_pt: float, pixels: int | None, settings: Se
 def render_pdf_page(
     document: Document, page: int, settings: Settings, pixels: int | None
 ) -> Image.Image:
-    """Page `page` (1-based) as RGB, its rendered size checked against the image caps first."""
+    """Page `page` (1-based) as RGB, its rendered size checked against the image caps first,
+    drawn in a render process within OCRQ_PDF_RENDER_MAX_BYTES and OCRQ_PDF_RENDER_TIMEOUT_S."""
     with _pdf(document) as pdf:
         count = len(pdf)  # type: ignore[arg-type]
         _check_page_number(page, count, document.source)
@@ -247,14 +250,17 @@ def render_pdf_page(
         # pypdfium2 sizes its bitmap as ceil(points x scale): the same arithmetic here.
         size = (math.ceil(width_pt * scale), math.ceil(height_pt * scale))
         _check_page_size(size, page, dpi, settings)
-        handle = pdf[page - 1]  # type: ignore[index]
-        try:
-            bitmap = handle.render(scale=scale, may_draw_forms=False)
-            image = bitmap.to_pil()
-            image.load()  # own its pixels before the bitmap goes
-            bitmap.close()
-        finally:
-            handle.close()
+    renderer = render_pool.pool(
+        render_pool.Budget(settings.pdf_render_max_bytes, settings.pdf_render_timeout_s),
+        settings.pdf_render_processes,
+    )
+    try:
+        if isinstance(document.data, bytes):
+            image = renderer.render(page, scale, size, data=document.data)
+        else:
+            image = renderer.render(page, scale, size, fd=document.stream().fileno())
+    except render_pool.RenderError as exc:
+        raise DocumentError(f"{exc}: {document.source}") from None
     return images.to_rgb(image)
 
 

@@ -1,0 +1,195 @@
+"""PDF pages drawn in render processes with a memory cap and a deadline, never in the worker.
+
+Why: PDFium's drawing cost has no bound a check could compute first (issue 31: a 2,215-byte PDF
+of nested Form XObjects drew 10^7 paths, 6 GB in 28 s, and killed the worker on every delivery;
+3,000,000 line operations drew for > 165 s holding the process-wide PDFium lock, and so every
+other document). Here each page is drawn by one of a few child processes
+(ocrq/intake/render_child.py), each under RLIMIT_AS = OCRQ_PDF_RENDER_MAX_BYTES; the worker
+waits at most OCRQ_PDF_RENDER_TIMEOUT_S for the pixels, then kills that child and starts
+another. A bomb fails its own page with a clear error; other pages go on in the other children,
+at their normal latency, and nothing in the worker holds a lock while a page draws.
+
+Children are plain `python -m` processes (fork+exec: nothing of the worker's threads, CUDA or
+sockets is inherited), started on first use, kept while they serve, replaced when killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from PIL import Image
+
+from ocrq.intake import render_wire
+
+log = logging.getLogger(__name__)
+
+MODES = {"RGB": 3, "RGBA": 4, "RGBX": 4, "L": 1, "1": 0}
+BOMB = "possible PDF bomb"
+
+
+class RenderError(Exception):
+    """This page could not be drawn within its budget, or PDFium refused it; says why."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one page may cost: the child's address space and the seconds it may draw."""
+
+    max_bytes: int
+    timeout_s: float
+
+
+class _Child:
+    def __init__(self, budget: Budget) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = ours
+        self.dead = False
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ocrq.intake.render_child",
+                    str(theirs.fileno()),
+                    str(budget.max_bytes),
+                ],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        finally:
+            theirs.close()
+
+    def kill(self) -> None:
+        self.dead = True
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(Exception):
+            self.proc.wait(10)
+        self.sock.close()
+
+    def exit_text(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+
+class RenderPool:
+    """Up to `processes` render children, handed out one page at a time."""
+
+    def __init__(self, budget: Budget, processes: int) -> None:
+        self.budget = budget
+        self.processes = processes
+        self._idle: queue.LifoQueue[_Child] = queue.LifoQueue()
+        self._slots = threading.BoundedSemaphore(processes)
+        self._closed = False
+
+    def render(
+        self,
+        page: int,
+        scale: float,
+        size: tuple[int, int],
+        fd: int | None = None,
+        data: bytes = b"",
+    ) -> Image.Image:
+        """Page `page` (1-based) drawn at `scale`; `size` is the bitmap the caller expects
+        (checked against the image caps already), so an answer of any other size is refused.
+        The document comes as an open file descriptor (sent along, read lazily there) or
+        bytes."""
+        max_payload = size[0] * size[1] * 4
+        with self._slots:
+            child = self._take()
+            try:
+                return self._ask(child, page, scale, size, fd, data, max_payload)
+            finally:
+                if not child.dead:  # served, or answered with PDFium's refusal: keep it
+                    self._idle.put(child)
+
+    def _take(self) -> _Child:
+        while True:
+            try:
+                child = self._idle.get_nowait()
+            except queue.Empty:
+                return _Child(self.budget)
+            if child.proc.poll() is None:
+                return child
+            child.kill()
+
+    def _ask(
+        self,
+        child: _Child,
+        page: int,
+        scale: float,
+        size: tuple[int, int],
+        fd: int | None,
+        data: bytes,
+        max_payload: int,
+    ) -> Image.Image:
+        started = time.monotonic()
+        try:
+            render_wire.send(
+                child.sock,
+                {"page": page, "scale": scale},
+                b"" if fd is not None else data,
+                [fd] if fd is not None else [],
+            )
+            child.sock.settimeout(self.budget.timeout_s)
+            got = render_wire.receive(child.sock, max_payload)
+        except TimeoutError:
+            child.kill()
+            raise RenderError(
+                f"page {page}: drawing it took longer than {self.budget.timeout_s:g} s "
+                f"(OCRQ_PDF_RENDER_TIMEOUT_S), stopped: {BOMB}"
+            ) from None
+        except (OSError, ValueError) as exc:
+            got = None
+            log.warning("render process %d: %s", child.proc.pid, exc)
+        if got is None:  # it died mid-page: out of memory (PDFium aborts), or crashed
+            child.kill()
+            mib = self.budget.max_bytes / 2**20
+            raise RenderError(
+                f"page {page}: drawing it ran out of its {mib:.0f} MiB memory budget "
+                f"(OCRQ_PDF_RENDER_MAX_BYTES) or crashed PDFium ({child.exit_text()} after "
+                f"{time.monotonic() - started:.1f} s): {BOMB}"
+            )
+        header, _fds, pixels = got
+        if "error" in header:
+            raise RenderError(f"page {page}: {header['error']}")
+        mode, got_size = header.get("mode"), tuple(header.get("size") or ())
+        if mode not in MODES or got_size != size or len(pixels) > max_payload:
+            child.kill()
+            raise RenderError(f"page {page}: the render process answered {mode} {got_size}")
+        return Image.frombytes(mode, got_size, pixels)
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().kill()
+            except queue.Empty:
+                return
+
+
+_POOL: RenderPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pool(budget: Budget, processes: int) -> RenderPool:
+    """The process's pool, made on first use (a worker that never sees a PDF starts none);
+    settings that change (tests building their own) get a pool of their own."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or (_POOL.budget, _POOL.processes) != (budget, processes):
+            if _POOL is not None:
+                _POOL.close()
+            _POOL = RenderPool(budget, processes)
+        return _POOL
