@@ -1,0 +1,121 @@
+"""A final row stays final, with real workers: a failed job's redelivered message is acked
+without running, and a job whose worker dies under it costs at most OCRQ_MAX_ATTEMPTS deaths,
+however its message comes back (the stall sweep puts its row back to `queued` to re-send it).
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from ocrq.api.client import Client
+from ocrq.core.db import get_engine
+from ocrq.core.samples import draw_text_image
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore
+from tests.conftest import WorkerProcess
+from tests.test_faults import not_final, wait_all
+from tests.test_liveness import LIVENESS, slow_images
+from tests.waiting import Budget
+
+
+def test_a_failed_job_redelivered_is_not_run_again(
+    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    """The job fails (its file is not an image); the file is then fixed and the very message
+    sent again: the row stays failed, with its attempts, error and time, and no text."""
+    budget = Budget(200, "failed-stays-failed")
+    queue = f"ocr-final-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, "OCRQ_QUEUE": queue}
+    path = image_root / f"fixed-later-{uuid.uuid4().hex[:6]}.png"
+    path.write_bytes(b"not an image at all")
+    store = JobStore(get_engine(database_url))
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "4")
+    try:
+        worker.wait_ready(60)
+        app = Celery(broker=env["OCRQ_BROKER_URL"])
+        job_id = str(uuid.uuid4())
+
+        def send() -> None:
+            app.send_task(
+                "ocrq.recognize",
+                kwargs={"image": {"path": str(path)}, "job_id": job_id},
+                queue=queue,
+                task_id=job_id,
+            )
+
+        send()
+        (first,) = wait_all(store, [job_id], 60, budget, worker).values()
+        assert first["status"] == "failed", first
+        draw_text_image(["HELLO WORLD"]).save(path)  # it would read now
+        send()
+        r = redis.Redis.from_url(env["OCRQ_BROKER_URL"])
+        budget.until(
+            "the second delivery acked as a redelivery of a final job",
+            lambda: (
+                f"job {job_id} already failed; redelivery ignored" in worker.text()
+                and r.llen(queue) == 0
+                and not [v for v in r.hgetall("unacked").values() if job_id.encode() in v]
+            ),
+            60,
+            lambda: worker.text()[-2000:],
+        )
+        after = store.get([job_id])[job_id]
+    finally:
+        worker.stop()
+    fields = ("status", "attempts", "error", "text", "finished_at", "started_at")
+    assert {k: after[k] for k in fields} == {k: first[k] for k in fields}
+    assert after["text"] is None and after["attempts"] == 1
+
+
+def running_attempt(store: JobStore, job_id: str, attempt: int) -> bool:
+    row = store.get([job_id]).get(job_id)
+    return row is not None and row["status"] == "running" and row["attempts"] == attempt
+
+
+def test_a_job_whose_worker_dies_costs_at_most_max_attempts(
+    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    """Its worker is killed (-9) each time it runs the job; a live worker's stall sweep re-sends
+    it. With OCRQ_MAX_ATTEMPTS=2, the third delivery fails it ("gave up after 2 attempts")
+    instead of running it a third time: before, the sweep's `queued` row reset the count."""
+    budget = Budget(400, "poison-cap")
+    queue = f"ocr-poison-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue, "OCRQ_MAX_ATTEMPTS": "2"}
+    store = JobStore(get_engine(database_url))
+    client = Client(
+        Settings(broker_url=env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue)
+    )
+    (image,) = slow_images(image_root / "poison", 1, lines=40)
+    workers: list[WorkerProcess] = []
+    try:
+        job_id = ""
+        for death in (1, 2):
+            worker = WorkerProcess(
+                env, tmp_path / f"w{death}.log", "--concurrency", "2", "--no-supervise"
+            )
+            workers.append(worker)
+            worker.wait_ready(60)
+            if death == 1:
+                job_id = client.submit({"path": str(image)})
+            budget.until(
+                f"the job running on worker {death} (attempt {death})",
+                lambda job=job_id, n=death: running_attempt(store, job, n),
+                90,
+                lambda job=job_id: not_final(store, [job]) + "\n" + workers[-1].text()[-2000:],
+                poll_s=0.05,
+            )
+            worker.stop(signal.SIGKILL)  # dies under it, as a poison input would kill it
+        rescuer = WorkerProcess(env, tmp_path / "rescuer.log", "--concurrency", "2")
+        workers.append(rescuer)
+        rescuer.wait_ready(60)
+        (row,) = wait_all(store, [job_id], 120, budget, rescuer).values()
+    finally:
+        for w in workers:
+            w.stop(signal.SIGKILL)
+    assert row["status"] == "failed", row
+    assert row["attempts"] == 2 and "gave up after 2 attempts" in (row["error"] or ""), row
