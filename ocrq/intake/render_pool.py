@@ -148,7 +148,7 @@ class RenderPool:
         except TimeoutError:
             child.kill()
             raise RenderError(
-                f"page {page}: drawing it took longer than {self.budget.timeout_s:g} s "
+                f"drawing page {page} took longer than {self.budget.timeout_s:g} s "
                 f"(OCRQ_PDF_RENDER_TIMEOUT_S), stopped: {BOMB}"
             ) from None
         except (OSError, ValueError) as exc:
@@ -158,7 +158,7 @@ class RenderPool:
             child.kill()
             mib = self.budget.max_bytes / 2**20
             raise RenderError(
-                f"page {page}: drawing it ran out of its {mib:.0f} MiB memory budget "
+                f"drawing page {page} ran out of its {mib:.0f} MiB memory budget "
                 f"(OCRQ_PDF_RENDER_MAX_BYTES) or crashed PDFium ({child.exit_text()} after "
                 f"{time.monotonic() - started:.1f} s): {BOMB}"
             )
