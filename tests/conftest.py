@@ -22,7 +22,8 @@ from ocrq.core.samples import draw_text_image
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EVAL_DATA = Path(os.environ.get("OCRQ_EVAL_DATA", REPO.parent / "shared" / "data" / "ocr-eval"))
-TEST_BROKER = os.environ.get("OCRQ_TEST_BROKER_URL", "redis://127.0.0.1:6379/15")
+# Unset: each test session gets a Redis server of its own (see `broker_url`).
+TEST_BROKER = os.environ.get("OCRQ_TEST_BROKER_URL")
 TEST_PG = os.environ.get(
     "OCRQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
@@ -47,9 +48,27 @@ def eval_data() -> Path:
 
 
 @pytest.fixture(scope="session")
-def broker_url() -> str:
-    redis.Redis.from_url(TEST_BROKER).flushdb()
-    return TEST_BROKER
+def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis server of this session's own, on a free loopback port.
+
+    Why not a database of the machine's Redis: sessions run side by side here (engineers on
+    one host, a loop beside a single test), and each used to FLUSHDB the shared database 15
+    as it started, wiping another session's queue and `unacked` mid-test; its jobs then waited
+    forever (a fault test "hung" with its worker idle). OCRQ_TEST_BROKER_URL still picks a
+    given server, flushed as before.
+    """
+    if TEST_BROKER is not None:
+        redis.Redis.from_url(TEST_BROKER).flushdb()
+        yield TEST_BROKER
+        return
+    from tests.servers import PrivateRedis
+
+    server = PrivateRedis(tmp_path_factory.mktemp("redis"), persist=False)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

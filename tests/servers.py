@@ -39,8 +39,11 @@ def _wait_port(port: int, up: bool, timeout: float = 30) -> None:
 
 
 class PrivateRedis:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, persist: bool = True) -> None:
+        """`persist`: an append-only file synced on every write (a restart keeps the queue);
+        off for a session's broker, which is never restarted."""
         self.folder = folder
+        self.persist = persist
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -59,7 +62,7 @@ class PrivateRedis:
                 "--dir",
                 str(self.folder),
                 "--appendonly",
-                "yes",
+                "yes" if self.persist else "no",
                 "--appendfsync",
                 "always",
                 "--save",
