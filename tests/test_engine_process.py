@@ -36,6 +36,7 @@ from tests.test_faults import (
     worker_env,
 )
 from tests.test_service import _wait_rows
+from tests.waiting import Budget
 
 ENGINE_HOST = "ocrq.engine_process.host"
 
@@ -142,21 +143,24 @@ def test_engine_process_death_loses_nothing(
     env = worker_env(
         service_env, engine_process="on", visibility_timeout_s="20", max_batch="8", queue=queue
     )
-    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16").wait_ready(180)
+    # Waits: ready 90 + mid-run 90 + all final (120, then after a requeue the rest) in 480 s,
+    # under pytest's 600 s (tests/waiting.py).
+    budget = Budget(480, "engine-kill-9")
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16").wait_ready(90)
     t0 = time.monotonic()
     try:
         settings = Settings(broker_url=broker_url, database_url=database_url, queue=queue)
         client = Client(settings)
         ids = [client.submit({"path": str(p)}) for p in paths]
-        before = done_mid_run(store, ids)
+        before = done_mid_run(store, ids, budget)
         first = child_pids(worker)[-1]
         (victim,) = engine_pids(first)
         os.kill(victim, signal.SIGKILL)
         try:
-            rows = wait_all(store, ids, timeout=120)
+            rows = wait_all(store, ids, timeout=120, budget=budget, log=worker)
         except TimeoutError:
             client.requeue(30)
-            rows = wait_all(store, ids, timeout=240)
+            rows = wait_all(store, ids, timeout=budget.left(), budget=budget, log=worker)
         seconds = time.monotonic() - t0
     finally:
         worker.stop()
