@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import socket
 import subprocess
@@ -162,7 +163,9 @@ class RenderPool:
                 f"(OCRQ_PDF_RENDER_MAX_BYTES) or crashed PDFium ({child.exit_text()} after "
                 f"{time.monotonic() - started:.1f} s): {BOMB}"
             )
-        header, _fds, pixels = got
+        header, fds, pixels = got
+        for stray in fds:  # a render process sends none; one that does is not trusted
+            os.close(stray)
         if "error" in header:
             raise RenderError(f"page {page}: {header['error']}")
         mode, got_size = header.get("mode"), tuple(header.get("size") or ())
