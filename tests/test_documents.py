@@ -307,7 +307,7 @@ def test_kill_9_mid_document_loses_and_duplicates_nothing(
     try:
         document_id = client.submit({"path": str(pdf)})
 
-        def pages() -> str:
+        def page_states() -> str:
             rows = client.documents.page_rows(document_id)
             return "pages: " + ", ".join(f"{r['page']}:{r['status']}/{r['attempts']}" for r in rows)
 
@@ -320,7 +320,7 @@ def test_kill_9_mid_document_loses_and_duplicates_nothing(
             ">= 5 pages done and one running",
             mid_run,
             120,
-            lambda: pages() + "\n" + worker.text()[-2000:],
+            lambda: page_states() + "\n" + worker.text()[-2000:],
             poll_s=0.05,
         )
         before = {r["id"]: (r["text"], r["finished_at"]) for r in done}
@@ -331,7 +331,7 @@ def test_kill_9_mid_document_loses_and_duplicates_nothing(
                 r["status"] in ("done", "failed") for r in client.documents.page_rows(document_id)
             ),
             240,
-            lambda: pages() + "\n" + worker.text()[-3000:],
+            lambda: page_states() + "\n" + worker.text()[-3000:],
             poll_s=0.25,
         )
         (doc,) = wait_documents(client, [document_id], 30)
