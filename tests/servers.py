@@ -38,6 +38,15 @@ def _wait_port(port: int, up: bool, timeout: float = 30) -> None:
     raise TimeoutError(f"port {port} not {'up' if up else 'down'} after {timeout} s")
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class PrivateRedis:
     def __init__(self, folder: Path, persist: bool = True) -> None:
         """`persist`: an append-only file synced on every write (a restart keeps the queue);
@@ -70,6 +79,9 @@ class PrivateRedis:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # A session killed outright (pytest-timeout's thread method exits at once) takes
+            # its broker along rather than leaving it running.
+            preexec_fn=None if self.persist else _die_with_parent,
         )
         _wait_port(self.port, up=True)
 
