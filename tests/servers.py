@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 
@@ -48,17 +49,27 @@ def _die_with_parent() -> None:
 
 
 class PrivateRedis:
+    """A redis-server of the test's own, on a free loopback port, with a password.
+
+    Why the password: sessions run side by side on one host, and a fault test that restarts
+    its server leaves its port free for a few seconds; another session may start its broker
+    there meanwhile, and the first test's SHUTDOWN at its end (or its clients) would then reach
+    a server that is not its own (a loop run lost its broker mid-test that way). With a
+    password of its own, a stranger's command is refused; `stop` signals its own process only.
+    """
+
     def __init__(self, folder: Path, persist: bool = True) -> None:
         """`persist`: an append-only file synced on every write (a restart keeps the queue);
         off for a session's broker, which is never restarted."""
         self.folder = folder
         self.persist = persist
         self.port = free_port()
+        self.password = uuid.uuid4().hex
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -76,6 +87,8 @@ class PrivateRedis:
                 "always",
                 "--save",
                 "",
+                "--requirepass",
+                self.password,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -84,14 +97,18 @@ class PrivateRedis:
             preexec_fn=None if self.persist else _die_with_parent,
         )
         _wait_port(self.port, up=True)
+        import redis
+
+        try:  # our password answers: the server on the port is this one, not another's
+            redis.Redis.from_url(self.url).ping()
+        except redis.RedisError as exc:
+            raise RuntimeError(f"port {self.port} is not this test's redis-server: {exc}") from None
 
     def stop(self) -> None:
-        """A clean SHUTDOWN: the append-only file keeps every message."""
+        """SIGTERM to its own process (redis-server shuts down cleanly on it, syncing the
+        append-only file, which keeps every message), never a command to whatever listens."""
         if self.proc and self.proc.poll() is None:
-            import redis
-
-            with contextlib.suppress(redis.ConnectionError):
-                redis.Redis(port=self.port).shutdown()
+            self.proc.terminate()
             self.proc.wait(30)
         _wait_port(self.port, up=False)
 
