@@ -21,5 +21,8 @@ services:
 worker:
 	.venv/bin/ocrq worker
 
+# Flower shows task arguments (paths, URLs): loopback only, and never without a password.
 flower:
-	.venv/bin/celery --broker=$${OCRQ_BROKER_URL:-redis://localhost:6379/0} flower --port=5555
+	@case "$${FLOWER_BASIC_AUTH:-}" in *:?*) ;; *) echo "set FLOWER_BASIC_AUTH=user:password first" >&2; exit 2;; esac
+	.venv/bin/celery --broker=$${OCRQ_BROKER_URL:-redis://localhost:6379/0} flower \
+		--address=127.0.0.1 --port=5555 --basic-auth="$$FLOWER_BASIC_AUTH"

@@ -552,12 +552,25 @@ def api(
     """Serve the HTTP api (extra `api`): submit, look up and wait for jobs over HTTP.
 
     The same app as `uvicorn ocrq.api.http:app`; it needs OCRQ_API_TOKEN (or
-    OCRQ_API_ALLOW_NO_AUTH=true behind an authenticating proxy)."""
+    OCRQ_API_ALLOW_NO_AUTH=true behind an authenticating proxy). Bound to a loopback address,
+    its /docs page opens in a browser without the token (only this machine can reach it) unless
+    OCRQ_API_DOCS says otherwise; the api itself still needs the token."""
+    import ipaddress
+    import os
+
     try:
         import uvicorn
     except ImportError:
         err.print("the api needs its extra: pip install 'ocrq[api]'")
         raise typer.Exit(78) from None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback and "OCRQ_API_DOCS" not in os.environ:
+        os.environ["OCRQ_API_DOCS"] = "public"
+        err.print(f"api docs: http://{host}:{port}/docs (open on loopback; OCRQ_API_DOCS=token "
+                  "puts them behind the token)")
     uvicorn.run("ocrq.api.http:app", host=host, port=port, log_level=log_level)
 
 

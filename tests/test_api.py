@@ -270,3 +270,22 @@ def test_post_and_get_through_uvicorn(
     assert created.status_code == 202 and row["status"] == "queued"
     assert denied.status_code == 401 and "example.org" not in denied.text
     assert json.loads(denied.text) == {"detail": "missing or wrong bearer token"}
+
+
+def test_ocrq_api_opens_its_docs_on_loopback_only(
+    service_env: dict[str, str], queue: str, tmp_path: Path
+) -> None:
+    """`ocrq api` on 127.0.0.1: /docs and its assets open in a browser without the token, the
+    api itself does not; OCRQ_API_DOCS=token keeps the docs behind it too."""
+    token = "T" * 40
+    for docs_setting, docs_open in ((None, True), ("token", False)):
+        extra = {"OCRQ_API_TOKEN": token, **({"OCRQ_API_DOCS": docs_setting}
+                                             if docs_setting else {})}
+        server = Uvicorn(api_env(service_env, queue, **extra), tmp_path / f"{docs_setting}.log")
+        try:
+            base = f"http://127.0.0.1:{server.wait_up().port}"
+            page = httpx.get(f"{base}/docs", timeout=10)
+            assert (page.status_code == 200) == docs_open, (docs_setting, page.status_code)
+            assert httpx.get(f"{base}/jobs/{uuid.uuid4()}", timeout=10).status_code == 401
+        finally:
+            server.stop()
