@@ -168,7 +168,7 @@ class Client:
         for job_id, task, source, created, max_pixels, page in rows:
             if created.timestamp() > cutoff or source == "b64" or source.startswith("b64:"):
                 continue
-            self._resend(job_id, task, source, max_pixels, page)
+            requeue.resend(self.app, self.settings, job_id, task, source, max_pixels, page)
             sent.append(job_id)
         return sent
 
@@ -180,17 +180,6 @@ class Client:
         return requeue.requeue_stalled(
             self.store, self.app, self.settings, stalled_after_s, exclude_worker
         )
-
-    def _resend(
-        self,
-        job_id: str,
-        task: str,
-        source: str,
-        max_pixels: int | None = None,
-        page: int | None = None,
-    ) -> None:
-        """A job's message rebuilt from its row (path or URL; the row holds no inline bytes)."""
-        requeue.resend(self.app, self.settings, job_id, task, source, max_pixels, page)
 
     def status(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Rows by job id, in any UUID spelling (`{...}`, `urn:uuid:`, upper case, no dashes)."""
