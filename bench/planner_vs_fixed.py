@@ -56,7 +56,8 @@ from ocrq.models.base import Engine, OcrResult, PreparedImage  # noqa: E402
 from ocrq.models.costs import CostModel, GiB, ItemCost  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
 from ocrq.models.memory import OutOfMemory, ProbePage, catch_oom  # noqa: E402
-from ocrq.scheduling.batcher import BatchConfig, Batcher  # noqa: E402
+from ocrq.scheduling.batcher import StaticBatcher as Batcher  # noqa: E402
+from ocrq.scheduling.vocabulary import BatchConfig  # noqa: E402
 from ocrq.tuning.probing import draw_page, run_probes  # noqa: E402
 from ocrq.tuning.profiles import choose_cost_model  # noqa: E402
 from ocrq.tuning.tune import save  # noqa: E402

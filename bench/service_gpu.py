@@ -335,7 +335,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     from ocrq.intake import images
     from ocrq.models.base import PreparedImage
     from ocrq.models.registry import create_engine
-    from ocrq.scheduling.batcher import Batcher
+    from ocrq.scheduling.batcher import StaticBatcher as Batcher
     from ocrq.scheduling.engine_side import batch_config
     from ocrq.scheduling.streaming import StreamingBatcher
     from ocrq.tuning.profiles import choose_cost_model

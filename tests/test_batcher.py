@@ -15,7 +15,8 @@ from PIL import Image
 
 from ocrq.models.base import Engine, OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, ItemCost
-from ocrq.scheduling.batcher import BatchConfig, Batcher
+from ocrq.scheduling.batcher import StaticBatcher as Batcher
+from ocrq.scheduling.vocabulary import BatchConfig
 
 MiB = 1024**2
 
@@ -189,3 +190,28 @@ def test_real_cpu_engine_batches() -> None:
 def test_invalid_config_refused(budget: int) -> None:
     with pytest.raises(ValueError):
         Batcher(OomAbovePixels(1), BatchConfig(budget_bytes=budget))
+
+
+def test_every_batcher_speaks_the_batcher_protocol() -> None:
+    """The job runner holds whichever batcher the runtime built through the one `Batcher`
+    surface: a batcher kind missing a member would fail only when that path runs."""
+    from ocrq.engine_process.link import RemoteBatcher, RemoteEngine
+    from ocrq.models.base import EngineCore, EngineFront
+    from ocrq.scheduling.streaming import StreamingBatcher
+    from ocrq.scheduling.vocabulary import Batcher as BatcherProtocol
+
+    members = ("submit", "pending", "stop", "budget_bytes", "oom_events")
+    for kind in (Batcher, StreamingBatcher, RemoteBatcher):
+        missing = [m for m in members if not hasattr(kind, m)]
+        assert not missing, f"{kind.__name__} lacks {missing}"
+    batcher = Batcher(OomAbovePixels(10**9), BatchConfig(max_items=4)).start()
+    try:
+        assert isinstance(batcher, BatcherProtocol)
+        assert batcher.submit(item("a", 8)).result(timeout=30).error is None
+    finally:
+        batcher.stop()
+    front = ("prepare", "page_pixels", "close", "prepares_here", "max_pixels", "name")
+    for kind in (EngineCore, RemoteEngine):
+        assert all(hasattr(kind, m) or m in ("name", "max_pixels") for m in front), kind
+    assert EngineFront is not None and RemoteEngine.prepares_here is False
+    assert not hasattr(RemoteEngine, "estimate")  # estimated where its batcher runs

@@ -333,7 +333,7 @@ def test_an_error_that_would_not_unpickle_arrives_by_name() -> None:
 
     from ocrq.engine_process import wire
     from ocrq.engine_process.host import EngineHost
-    from ocrq.scheduling.batcher import ItemOutcome
+    from ocrq.scheduling.vocabulary import ItemOutcome
 
     ours, theirs = Pipe()
     host = EngineHost(Settings(engine="rapid"), theirs)

@@ -576,7 +576,8 @@ def test_planner_downscales_the_biggest_15_pages_over_budget() -> None:
     and a budget that one such page exceeds makes the batcher shrink it until it fits, never
     sending it into an out-of-memory error."""
     from ocrq.models.costs import GiB
-    from ocrq.scheduling.batcher import BatchConfig, Batcher
+    from ocrq.scheduling.batcher import StaticBatcher as Batcher
+    from ocrq.scheduling.vocabulary import BatchConfig
 
     eng = HunyuanEngine(Settings(max_new_tokens=16))
     huge = PreparedImage(

@@ -60,7 +60,8 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, database_url: str) -> Iterator[Setup]:
-    from ocrq.scheduling.batcher import BatchConfig, Batcher
+    from ocrq.scheduling.batcher import StaticBatcher as Batcher
+    from ocrq.scheduling.vocabulary import BatchConfig
     from ocrq.worker.jobs import JobRunner
 
     root = tmp_path_factory.mktemp("images")

@@ -299,7 +299,8 @@ def test_oom_lowered_budget_and_batch_timings_are_exported() -> None:
     the one fake the project allows (tests/test_batcher.py: a CUDA OOM cannot happen here)."""
     from prometheus_client import REGISTRY
 
-    from ocrq.scheduling.batcher import BatchConfig, Batcher
+    from ocrq.scheduling.batcher import StaticBatcher as Batcher
+    from ocrq.scheduling.vocabulary import BatchConfig
     from ocrq.worker import runtime
     from tests.test_batcher import OomAbovePixels, item
 

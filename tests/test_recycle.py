@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ocrq.models.costs import GiB
-from ocrq.scheduling.batcher import BatchRecord
 from ocrq.scheduling.recycle import RecyclePolicy, Recycler
+from ocrq.scheduling.vocabulary import BatchRecord
 
 
 def record(size: int = 1) -> BatchRecord:

@@ -407,8 +407,8 @@ def test_an_oom_in_the_loop_requeues_its_rows_and_lowers_the_budget(
     """StreamingBatcher's recovery: the rows in flight go back to the queue, the loop reopens
     within a lower budget, and every job still gets the result it gets without the error."""
     from ocrq.models.costs import CostModel
-    from ocrq.scheduling.batcher import BatchConfig
     from ocrq.scheduling.streaming import StreamingBatcher
+    from ocrq.scheduling.vocabulary import BatchConfig
 
     path = tiny_checkpoint(tmp_path_factory.mktemp("oom"), "1.5")
     engine = OomWhenFull(cpu_settings(str(path), MAX_NEW), decode="fast")

@@ -117,7 +117,7 @@ def test_the_workers_own_harvest_line_is_read(caplog: pytest.LogCaptureFixture) 
     import time as _time
 
     from ocrq.core.settings import Settings
-    from ocrq.scheduling.batcher import BatchRecord
+    from ocrq.scheduling.vocabulary import BatchRecord
     from ocrq.worker import runtime
     from ocrq.worker.celery_app import make_app
 

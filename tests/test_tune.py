@@ -30,7 +30,8 @@ from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from ocrq.models.base import OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, GiB, ItemCost
-from ocrq.scheduling.batcher import BatchConfig, Batcher
+from ocrq.scheduling.batcher import StaticBatcher as Batcher
+from ocrq.scheduling.vocabulary import BatchConfig
 from ocrq.tuning.calibration import Sample, fit, relative_error
 from ocrq.tuning.profiles import KEY_FIELDS, engine_key, load_profile, profile_path
 from ocrq.worker.runtime import build_runtime

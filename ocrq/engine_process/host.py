@@ -33,9 +33,9 @@ from ocrq.core.procfs import rss_bytes
 from ocrq.core.settings import Settings
 from ocrq.engine_process import wire
 from ocrq.models.memory import memory_of
-from ocrq.scheduling.batcher import BatchRecord, ItemOutcome
 from ocrq.scheduling.engine_side import EngineSide, load_engine
 from ocrq.scheduling.recycle import MEMORY_CHECK_S
+from ocrq.scheduling.vocabulary import BatchRecord, ItemOutcome
 
 log = logging.getLogger(__name__)
 

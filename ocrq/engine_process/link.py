@@ -34,9 +34,9 @@ from ocrq.core import metrics
 from ocrq.core.procfs import rss_bytes
 from ocrq.core.settings import Settings
 from ocrq.engine_process import wire
-from ocrq.models.base import EngineCore, PreparedImage
-from ocrq.models.costs import CostModel, ItemCost
-from ocrq.scheduling.batcher import BatchConfig, BatchRecord, ItemOutcome
+from ocrq.models.base import PreparedImage
+from ocrq.models.costs import CostModel
+from ocrq.scheduling.vocabulary import BatchConfig, BatchRecord, ItemOutcome
 
 log = logging.getLogger(__name__)
 
@@ -249,22 +249,16 @@ class EngineLink:
         self.conn.close()
 
 
-class RemoteEngine(EngineCore):
-    """What a JobRunner asks of its engine, answered from the engine process."""
+class RemoteEngine:
+    """What a JobRunner asks of its engine (`EngineFront`), answered from the engine process;
+    estimates and preprocessing happen there, beside its batcher."""
+
+    prepares_here = False
 
     def __init__(self, link: EngineLink) -> None:
         self.link = link
         self.name = link.ready.name
         self.max_pixels = link.ready.max_pixels
-
-    def load(self) -> None:
-        """Loaded already, in the engine process."""
-
-    def estimate(self, item: PreparedImage) -> ItemCost:
-        raise NotImplementedError("images are estimated in the engine process, by its batcher")
-
-    def cost_model(self) -> CostModel:
-        return self.link.cost_model
 
     def page_pixels(self, task: str, max_pixels: int | None) -> int | None:
         value = self.link.call("page_pixels", task, max_pixels)
@@ -278,8 +272,8 @@ class RemoteEngine(EngineCore):
 
 
 class RemoteBatcher:
-    """The batcher in the engine process, with the batchers' surface
-    (ocrq/scheduling/batcher.py)."""
+    """The batcher in the engine process, behind the `Batcher` surface
+    (ocrq/scheduling/vocabulary.py)."""
 
     def __init__(self, link: EngineLink) -> None:
         self.link = link

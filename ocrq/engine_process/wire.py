@@ -10,7 +10,7 @@ from typing import Any
 
 from ocrq.models.base import PreparedImage
 from ocrq.models.costs import CostModel
-from ocrq.scheduling.batcher import BatchConfig, BatchRecord, ItemOutcome
+from ocrq.scheduling.vocabulary import BatchConfig, BatchRecord, ItemOutcome
 
 # -- worker -> engine process -------------------------------------------------------------------
 

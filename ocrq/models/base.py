@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from PIL import Image
 
@@ -94,10 +95,29 @@ class UnsupportedTask(ValueError):
     """The engine cannot do what the job asks (a free prompt on the CPU engine, say)."""
 
 
+class EngineFront(Protocol):
+    """What the worker side (claiming, decoding, splitting documents, shutting down) asks of an
+    engine, wherever the engine runs: in this process (every `EngineCore`) or in an engine
+    process of its own (ocrq/engine_process/link.py `RemoteEngine`), whose estimates and
+    preprocessing happen over there, beside its batcher."""
+
+    name: str
+    max_pixels: int | None
+    # Whether `prepare` does its work in this process (and is worth timing here).
+    prepares_here: bool
+
+    def prepare(self, item: PreparedImage) -> None: ...
+
+    def page_pixels(self, task: str, max_pixels: int | None) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
 class EngineCore(ABC):
     """What every engine does, whichever way it runs rows."""
 
     name: str = "engine"
+    prepares_here: bool = True
     # Pixels above which prefetch threads downscale an image before it waits for the engine;
     # engines that resize internally anyway set their own ceiling here. None: keep full size.
     max_pixels: int | None = None

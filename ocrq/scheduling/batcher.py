@@ -24,88 +24,26 @@ from dataclasses import dataclass, field
 
 from ocrq.core import metrics
 from ocrq.models.base import Engine, OcrResult, PreparedImage
-from ocrq.models.costs import CostModel, GiB
+from ocrq.models.costs import CostModel
 from ocrq.scheduling.downscaling import Downscaler
-from ocrq.scheduling.executor import BatchExecutor, Row, log_downscale
+from ocrq.scheduling.executor import BatchExecutor, log_downscale
 from ocrq.scheduling.governor import BudgetGovernor
-from ocrq.scheduling.planner import Plan, ShrinkRule, plan
+from ocrq.scheduling.planner import Plan, plan
+from ocrq.scheduling.vocabulary import BatchConfig, BatchRecord, Entry, ItemOutcome, Row, resolve
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class BatchConfig:
-    max_items: int = 32
-    wait_s: float = 0.05  # linger after the first arrival, to let a batch fill
-    budget_bytes: int = 8 * GiB  # above the engine's fixed part
-    shrink: ShrinkRule = field(
-        default_factory=ShrinkRule
-    )  # how far an image over the budget alone may be halved
-    # After an OOM the budget drops below the failed batch's prediction, then climbs back by
-    # `budget_step` of the configured budget after every `clean_batches_to_raise` clean batches
-    # (ocrq/scheduling/governor.py).
-    oom_backoff: float = 0.8
-    clean_batches_to_raise: int = 20
-    budget_step: float = 0.05
-
-    def start_governor(self) -> BudgetGovernor:
-        """The budget governor this config describes (each batcher kind starts one)."""
-        return BudgetGovernor.start(
-            self.budget_bytes,
-            oom_backoff=self.oom_backoff,
-            clean_batches_to_raise=self.clean_batches_to_raise,
-            budget_step=self.budget_step,
-        )
-
-
-@dataclass(frozen=True)
-class ItemOutcome:
-    """What a task thread gets back: a result or the image's own error, and which batch ran it."""
-
-    result: OcrResult | None
-    error: BaseException | None
-    batch_id: str
-    engine: str
-    waited_s: float = 0.0  # from `submit` to its batch's start: the wait for a batch
-    run_s: float = 0.0  # its batch's engine time (OOM splits and retries included)
-
-
-@dataclass(frozen=True)
-class BatchRecord:
-    """One executed batch, for logs, metrics and the idle-time benchmark."""
-
-    batch_id: str
-    size: int
-    started: float
-    ended: float
-    predicted_bytes: int
-    failed_items: int
-    oom_events: int = 0
-    budget_bytes: int = 0
-    deferred: int = 0  # images left waiting when it was planned (the plan's `deferred`)
-    measured_peak_bytes: int | None = None  # the engine's peak during it (memory_of(engine))
-    # The running loop only: rows handed to the engine and not yet finished after this round,
-    # and the seconds the rows that finished spent there (hand-over to finish, summed). With
-    # `deferred` they are what a sustained rate is measured from (bench/sustained.py).
-    in_flight: int = 0
-    row_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class _Entry:
-    row: Row
-    future: Future[ItemOutcome]
-    submitted: float = field(default_factory=time.monotonic)
-
-
 @dataclass
 class _State:
-    waiting: dict[str, _Entry] = field(default_factory=dict)
+    waiting: dict[str, Entry] = field(default_factory=dict)
     seq: int = 0
     stopping: bool = False
 
 
-class Batcher:
+class StaticBatcher:
+    """Whole batches planned to the memory budget, one at a time: engines with no running loop."""
+
     def __init__(
         self,
         engine: Engine,
@@ -140,7 +78,7 @@ class Batcher:
     def oom_events(self) -> int:
         return self.executor.governor.oom_events
 
-    def start(self) -> Batcher:
+    def start(self) -> StaticBatcher:
         self._thread.start()
         return self
 
@@ -156,7 +94,7 @@ class Batcher:
             if self._state.stopping:
                 raise RuntimeError("batcher is stopping; not accepting new images")
             key = f"{item.key}#{self._state.seq}"
-            self._state.waiting[key] = _Entry(Row(item, cost, self._state.seq), future)
+            self._state.waiting[key] = Entry(Row(item, cost, self._state.seq), future)
             self._state.seq += 1
             self._cond.notify_all()
         return future
@@ -184,7 +122,7 @@ class Batcher:
             if batch:
                 self._execute(batch, decided)
 
-    def _gather(self) -> dict[str, _Entry] | None:
+    def _gather(self) -> dict[str, Entry] | None:
         """Wait for work and linger briefly to fill a batch; then what waits (None: stop)."""
         with self._cond:
             while not self._state.waiting:
@@ -199,7 +137,7 @@ class Batcher:
                 self._cond.wait(remaining)
             return dict(self._state.waiting)
 
-    def _take_batch(self, snapshot: dict[str, _Entry]) -> tuple[dict[str, _Entry], Plan]:
+    def _take_batch(self, snapshot: dict[str, Entry]) -> tuple[dict[str, Entry], Plan]:
         """Plan outside the lock (a size search resizes images), then apply the plan under it.
         An oversize leader is shrunk or failed as planned, and what waits is planned again.
 
@@ -220,20 +158,20 @@ class Batcher:
                 waiting = self._state.waiting
                 for shrink in decided.downscale:
                     old = waiting[shrink.key]
-                    waiting[shrink.key] = _Entry(
+                    waiting[shrink.key] = Entry(
                         old.row.shrunk(shrink, downscaler), old.future, old.submitted
                     )
                     log_downscale(old.row.item, waiting[shrink.key].row.item, "to fit the budget")
                 for refusal in decided.refused:
                     entry = waiting.pop(refusal.key)
                     outcome = ItemOutcome(None, MemoryError(refusal.reason), "", self.engine.name)
-                    _resolve(entry.future, outcome)
+                    resolve(entry.future, outcome)
                 batch = {key: waiting.pop(key) for key in decided.keys}
                 if batch or not waiting:
                     return batch, decided
                 snapshot = dict(waiting)
 
-    def _execute(self, batch: dict[str, _Entry], decided: Plan) -> None:
+    def _execute(self, batch: dict[str, Entry], decided: Plan) -> None:
         batch_id = str(uuid.uuid4())
         entries = list(batch.values())
         ooms_before = self.oom_events
@@ -242,9 +180,9 @@ class Batcher:
         metrics.BATCH_SINCE.set(time.time())
         started = time.monotonic()
 
-        def outcome(entry: _Entry, result: OcrResult | None, error: BaseException | None) -> None:
+        def outcome(entry: Entry, result: OcrResult | None, error: BaseException | None) -> None:
             waited, ran = started - entry.submitted, time.monotonic() - started
-            _resolve(
+            resolve(
                 entry.future,
                 ItemOutcome(result, error, batch_id, self.engine.name, waited, ran),
             )
@@ -302,14 +240,3 @@ class Batcher:
             return self.executor.memory.peak_memory_bytes()
         except Exception:
             return None
-
-
-def _resolve(future: Future[ItemOutcome], outcome: ItemOutcome) -> bool:
-    """Set a future's result once; a second call is a no-op. Returns whether it set it."""
-    if future.done():
-        return False
-    try:
-        future.set_result(outcome)
-    except Exception:  # InvalidStateError: resolved concurrently
-        return False
-    return True

@@ -14,8 +14,9 @@ from ocrq.models.base import Engine, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.registry import create_engine
-from ocrq.scheduling.batcher import BatchConfig, Batcher, BatchRecord
+from ocrq.scheduling.batcher import StaticBatcher
 from ocrq.scheduling.streaming import StreamingBatcher
+from ocrq.scheduling.vocabulary import BatchConfig, Batcher, BatchRecord
 from ocrq.tuning.profiles import ProfileChoice, choose_cost_model
 
 log = logging.getLogger(__name__)
@@ -54,15 +55,13 @@ class EngineSide:
     config: BatchConfig
     choice: ProfileChoice
 
-    def start(
-        self, on_batch: Callable[[BatchRecord], None] | None = None
-    ) -> Batcher | StreamingBatcher:
+    def start(self, on_batch: Callable[[BatchRecord], None] | None = None) -> Batcher:
         """The batcher the engine's scheduler calls for, started."""
         engine, config, model = self.engine, self.config, self.choice.model
         if isinstance(engine, StreamingEngine) and engine.streams():
             # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
             return StreamingBatcher(engine, config, on_batch, model).start()
-        return Batcher(engine, config, on_batch=on_batch, cost_model=model).start()
+        return StaticBatcher(engine, config, on_batch=on_batch, cost_model=model).start()
 
 
 def load_engine(settings: Settings) -> EngineSide:

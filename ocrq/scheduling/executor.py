@@ -12,36 +12,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 
 from ocrq.core import metrics
 from ocrq.models.base import Engine, OcrResult, PreparedImage
-from ocrq.models.costs import CostModel, GiB, ItemCost
+from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import OutOfMemory, catch_oom, memory_of
 from ocrq.scheduling.downscaling import Downscaler
 from ocrq.scheduling.governor import BudgetGovernor
-from ocrq.scheduling.planner import Downscale, Refusal, ShrinkRule, Waiting, after_oom
+from ocrq.scheduling.planner import Downscale, Refusal, ShrinkRule, after_oom
+from ocrq.scheduling.vocabulary import Row
 
 log = logging.getLogger(__name__)
 
 Result = OcrResult | BaseException
-
-
-@dataclass(frozen=True)
-class Row:
-    """One image as the planner sees it: the item, its estimated cost, its arrival order."""
-
-    item: PreparedImage
-    cost: ItemCost
-    seq: int
-
-    def waiting(self, key: str) -> Waiting:
-        w, h = self.item.image.size
-        return Waiting(key, self.cost, self.seq, pixels=w * h)
-
-    def shrunk(self, to: Downscale, downscaler: Downscaler) -> Row:
-        """The same image at the planner's smaller size, at the cost the planner saw."""
-        return replace(self, item=downscaler.item_at(to.key, to.pixels), cost=to.cost)
 
 
 def log_downscale(before: PreparedImage, after: PreparedImage, why: str) -> None:

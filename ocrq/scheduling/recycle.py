@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ocrq.core.procfs import rss_bytes
 from ocrq.models.costs import GiB
-from ocrq.scheduling.batcher import BatchRecord
+from ocrq.scheduling.vocabulary import BatchRecord
 
 log = logging.getLogger(__name__)
 

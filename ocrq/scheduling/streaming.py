@@ -1,9 +1,10 @@
 """The batcher for an engine with a running decode loop: rows handed over as room frees up, each
 future resolved the moment its row finishes.
 
-Same surface as ocrq/scheduling/batcher.py's `Batcher` (submit -> Future, stop, records, budget), so
-the job runner and the runtime need not know which one they hold; same rules: only this thread
-touches the planner and the engine, every future is resolved exactly once. What differs:
+The same `Batcher` surface (ocrq/scheduling/vocabulary.py) as the static batcher (submit ->
+Future, stop, records, budget), so the job runner and the runtime need not know which one they
+hold; same rules: only this thread touches the planner and the engine, every future is resolved
+exactly once. What differs:
 
 * the engine sizes its loop once from the budget (`StreamingEngine.open`: slots, a KV pool, one
   prefill pass reserved); the planner (`plan_running`, pure) hands over the oldest waiting rows
@@ -35,10 +36,10 @@ from ocrq.models.base import Finished, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.slots import RunningBudget, capacity_of
-from ocrq.scheduling.batcher import BatchConfig, BatchRecord, ItemOutcome, _Entry, _resolve
 from ocrq.scheduling.downscaling import Downscaler
-from ocrq.scheduling.executor import Row, log_downscale
+from ocrq.scheduling.executor import log_downscale
 from ocrq.scheduling.planner import plan_running
+from ocrq.scheduling.vocabulary import BatchConfig, BatchRecord, Entry, ItemOutcome, Row, resolve
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class _Held(NamedTuple):
     """A row handed to the engine: its entry, the KV tokens it holds, and when it was handed
     over (with the count of held rows, what Little's law needs: bench/sustained.py)."""
 
-    entry: _Entry
+    entry: Entry
     tokens: int
     handed: float
 
@@ -73,7 +74,7 @@ class StreamingBatcher:
         self.loop: RunningBudget = engine.open(config.budget_bytes, self.cost_model)
         self._on_batch = on_batch
         self._cond = threading.Condition()
-        self._waiting: dict[str, _Entry] = {}
+        self._waiting: dict[str, Entry] = {}
         self._flight: dict[str, _Held] = {}  # engine key -> the row handed to the engine
         self._seq = 0
         self._changed = False  # something the planner would see differently since it last ran
@@ -106,7 +107,7 @@ class StreamingBatcher:
             if self._stopping:
                 raise RuntimeError("batcher is stopping; not accepting new images")
             key = f"{item.key}#{self._seq}"
-            self._waiting[key] = _Entry(Row(item, cost, self._seq), future)
+            self._waiting[key] = Entry(Row(item, cost, self._seq), future)
             self._seq += 1
             self._changed = True
             self._cond.notify_all()
@@ -168,12 +169,14 @@ class StreamingBatcher:
         with self._cond:
             for shrink in decided.downscale:
                 old = self._waiting[shrink.key]
-                self._waiting[shrink.key] = _Entry(old.row.shrunk(shrink, downscaler), old.future)
+                self._waiting[shrink.key] = Entry(old.row.shrunk(shrink, downscaler), old.future)
                 log_downscale(old.row.item, self._waiting[shrink.key].row.item, "to fit the loop")
             for refusal in decided.refused:
                 entry = self._waiting.pop(refusal.key)
-                _resolve(entry.future, ItemOutcome(None, MemoryError(refusal.reason), "",
-                                                   self.engine.name))
+                resolve(
+                    entry.future,
+                    ItemOutcome(None, MemoryError(refusal.reason), "", self.engine.name),
+                )
             for key in decided.keys:
                 entry = self._waiting.pop(key)
                 cost = entry.row.cost
@@ -216,8 +219,16 @@ class StreamingBatcher:
         self._loop_counts = metrics.count_loop(self.engine.loop_counts(), self._loop_counts)
         self.governor = self.governor.after_batch(0)
         record = BatchRecord(
-            batch_id, len(finished), started, time.monotonic(), self.loop.bytes, failed, 0,
-            self.budget_bytes, len(self._waiting), in_flight=len(self._flight),
+            batch_id,
+            len(finished),
+            started,
+            time.monotonic(),
+            self.loop.bytes,
+            failed,
+            0,
+            self.budget_bytes,
+            len(self._waiting),
+            in_flight=len(self._flight),
             row_seconds=row_seconds,
         )
         self.records.append(record)
@@ -227,7 +238,7 @@ class StreamingBatcher:
             except Exception:
                 log.exception("on_batch hook failed")
 
-    def _finish(self, entry: _Entry, finished: Finished, batch_id: str, ended: float) -> None:
+    def _finish(self, entry: Entry, finished: Finished, batch_id: str, ended: float) -> None:
         """Its result, and its stages: waiting for the loop (submit to prefill) and in it."""
         result = finished.resolve()
         started = finished.started_at or entry.submitted
@@ -237,7 +248,7 @@ class StreamingBatcher:
             outcome = ItemOutcome(None, result, batch_id, name, waited, ran)
         else:
             outcome = ItemOutcome(result, None, batch_id, name, waited, ran)
-        _resolve(entry.future, outcome)
+        resolve(entry.future, outcome)
 
     def _recover(self, message: str) -> None:
         """Out of memory inside the loop: rows in flight go back to the front of the queue, the
@@ -254,13 +265,15 @@ class StreamingBatcher:
         self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)
         log.warning(
             "out of memory in the running loop (%s); budget now %.2f GiB, rows in flight queued "
-            "again", message, self.governor.budget_bytes / GiB,
+            "again",
+            message,
+            self.governor.budget_bytes / GiB,
         )
 
     def _fail_flight(self, exc: BaseException) -> None:
         self.engine.reset()
         for held in self._flight.values():
-            _resolve(held.entry.future, ItemOutcome(None, exc, "", self.engine.name))
+            resolve(held.entry.future, ItemOutcome(None, exc, "", self.engine.name))
         self._flight.clear()
         metrics.engine_progress(busy=False)
         try:

@@ -27,11 +27,9 @@ from ocrq.core.contract import TASKS, JobRequest, canonical_job_id
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
-from ocrq.engine_process.link import RemoteBatcher, RemoteEngine
 from ocrq.intake import documents, images, splitting
-from ocrq.models.base import EngineCore, PreparedImage
-from ocrq.scheduling.batcher import Batcher
-from ocrq.scheduling.streaming import StreamingBatcher
+from ocrq.models.base import EngineFront, PreparedImage
+from ocrq.scheduling.vocabulary import Batcher
 from ocrq.worker.envelope import safe_text
 
 log = logging.getLogger(__name__)
@@ -107,8 +105,8 @@ class JobRunner:
     def __init__(
         self,
         settings: Settings,
-        engine: EngineCore,
-        batcher: Batcher | StreamingBatcher | RemoteBatcher,
+        engine: EngineFront,
+        batcher: Batcher,
         store: JobStore,
         worker_name: str,
         prefetch_images: int = 64,
@@ -228,7 +226,7 @@ class JobRunner:
                     max_pixels=request.max_pixels,
                     max_new_tokens=request.max_new_tokens,
                 )
-                if not isinstance(self.engine, RemoteEngine):  # else timed where it runs
+                if self.engine.prepares_here:  # else timed in the engine process
                     with metrics.stage_timer("preprocess"):
                         self.engine.prepare(item)  # CPU preprocessing, in the prefetch thread
             except _IsDocument:

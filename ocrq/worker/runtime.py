@@ -17,13 +17,12 @@ from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from ocrq.engine_process.link import EngineLink, RemoteBatcher
 from ocrq.intake.splitting import SendPage
-from ocrq.models.base import EngineCore
+from ocrq.models.base import EngineFront
 from ocrq.models.costs import GiB
 from ocrq.models.memory import memory_of
-from ocrq.scheduling.batcher import Batcher, BatchRecord
 from ocrq.scheduling.engine_side import load_engine
 from ocrq.scheduling.recycle import RecyclePolicy, Recycler
-from ocrq.scheduling.streaming import StreamingBatcher
+from ocrq.scheduling.vocabulary import Batcher, BatchRecord
 from ocrq.worker.gpus import has_nvidia_gpu
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
@@ -34,8 +33,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Runtime:
     settings: Settings
-    engine: EngineCore
-    batcher: Batcher | StreamingBatcher | RemoteBatcher
+    engine: EngineFront
+    batcher: Batcher
     runner: JobRunner
     recycler: Recycler | None = None
     heartbeat: Heartbeat | None = None
@@ -113,8 +112,8 @@ def build_runtime(
     """Load the engine (here, or in an engine process: OCRQ_ENGINE_PROCESS) and start its
     batcher; with `on_recycle`, watch for recycling too; `send_page`: where documents' page
     jobs go (default: the broker)."""
-    engine: EngineCore
-    batcher: Batcher | StreamingBatcher | RemoteBatcher
+    engine: EngineFront
+    batcher: Batcher
     recycler = None
     if engine_in_own_process(settings):
         link = EngineLink.start(settings)
