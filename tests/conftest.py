@@ -24,13 +24,41 @@ BIN = Path(sys.executable).parent
 EVAL_DATA = Path(os.environ.get("OCRQ_EVAL_DATA", REPO.parent / "shared" / "data" / "ocr-eval"))
 # Unset: each test session gets a Redis server of its own (see `broker_url`).
 TEST_BROKER = os.environ.get("OCRQ_TEST_BROKER_URL")
-TEST_PG = os.environ.get(
-    "OCRQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
+# Unset: the session starts a PostgreSQL server of its own (see `pytest_configure`), and this
+# becomes its admin URL before any test module reads it.
+TEST_PG = os.environ.get("OCRQ_TEST_PG_URL", "")
+_PRIVATE_PG: list[object] = []  # the session's own server, stopped in `pytest_unconfigure`
 
 
 # Figures the fault tests measure (jobs, done, lost, ...), printed at the end of every run.
 FIGURES: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Without OCRQ_TEST_PG_URL, start a throw-away PostgreSQL cluster on a free loopback port
+    (tests/servers.py `PrivatePostgres`, ~3 s) and point every test at it.
+
+    Why: the suite creates and drops databases, kills workers mid-transaction and fills tables;
+    on a developer's machine none of that should reach the PostgreSQL that holds their data, and
+    sessions side by side must not share one server's connection limit. A given server is still
+    used when OCRQ_TEST_PG_URL names it (a CI service container, say).
+    """
+    global TEST_PG
+    if TEST_PG or hasattr(config, "workerinput"):
+        return
+    from tests.servers import PrivatePostgres
+
+    server = PrivatePostgres()
+    server.init()
+    _PRIVATE_PG.append(server)
+    TEST_PG = f"postgresql+psycopg://postgres@127.0.0.1:{server.port}/postgres"
+    os.environ["OCRQ_TEST_PG_URL"] = TEST_PG  # for modules that read it themselves
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for server in _PRIVATE_PG:
+        server.destroy()  # type: ignore[attr-defined]
+    _PRIVATE_PG.clear()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
