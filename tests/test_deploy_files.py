@@ -20,7 +20,7 @@ import httpx
 import yaml
 
 from ocrq.core.settings import Settings
-from ocrq.worker.queue_depth import consumed_queues
+from ocrq.worker.queue_depth import QueueDepth, consumed_queues
 from tests.conftest import BIN, REPO
 from tests.servers import free_port
 
@@ -407,10 +407,10 @@ def test_grafana_dashboard_queries_only_metrics_the_worker_exports() -> None:
 
     dashboard = json.loads((REPO / "deploy" / "grafana" / "ocrq-dashboard.json").read_text())
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    # The worker's registry, and what /metrics adds at scrape time (ocrq/worker/queue_depth.py).
+    families = [*REGISTRY.collect(), *QueueDepth("redis://127.0.0.1:1/0", ["ocr"]).describe()]
     exported = {
-        family.name + suffix
-        for family in REGISTRY.collect()
-        for suffix in suffixes.get(family.type, ("",))
+        family.name + suffix for family in families for suffix in suffixes.get(family.type, ("",))
     }
     queried = {
         name
