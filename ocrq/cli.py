@@ -194,13 +194,9 @@ def run(
 def worker_queues(settings: Settings) -> str:
     """`--queues`: the configured queue, and Celery's default one where a producer's
     `send_task` without `queue=` lands (OCRQ_CONSUME_DEFAULT_QUEUE)."""
-    from celery.app.defaults import DEFAULTS
+    from ocrq.worker.queue_depth import consumed_queues
 
-    queues = [settings.queue]
-    default = DEFAULTS["task_default_queue"]
-    if settings.consume_default_queue and default not in queues:
-        queues.append(default)
-    return ",".join(queues)
+    return ",".join(consumed_queues(settings))
 
 
 @app.command()

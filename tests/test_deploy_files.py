@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import yaml
 
+from ocrq.core.settings import Settings
+from ocrq.worker.queue_depth import QueueDepth, consumed_queues
 from tests.conftest import BIN, REPO
 from tests.servers import free_port
 
@@ -405,10 +407,10 @@ def test_grafana_dashboard_queries_only_metrics_the_worker_exports() -> None:
 
     dashboard = json.loads((REPO / "deploy" / "grafana" / "ocrq-dashboard.json").read_text())
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    # The worker's registry, and what /metrics adds at scrape time (ocrq/worker/queue_depth.py).
+    families = [*REGISTRY.collect(), *QueueDepth("redis://127.0.0.1:1/0", ["ocr"]).describe()]
     exported = {
-        family.name + suffix
-        for family in REGISTRY.collect()
-        for suffix in suffixes.get(family.type, ("",))
+        family.name + suffix for family in families for suffix in suffixes.get(family.type, ("",))
     }
     queried = {
         name
@@ -417,3 +419,200 @@ def test_grafana_dashboard_queries_only_metrics_the_worker_exports() -> None:
         for name in re.findall(r"\bocrq_[a-z_]+", target["expr"])
     }
     assert len(queried) >= 15 and queried <= exported, queried - exported
+
+
+# -- uploads on one shared volume, claims, image layers, install steps (issue 27) ----------
+
+API_UNIT = REPO / "deploy" / "systemd" / "ocrq-api.service"
+UPLOAD = "OCRQ_UPLOAD_DIR"
+
+
+def unit_env(path: Path) -> dict[str, str]:
+    lines = [line.split("=", 1)[1] for line in path.read_text().splitlines() if line.startswith(
+        "Environment=")]
+    return dict(v.split("=", 1) for v in lines)
+
+
+def test_compose_shares_one_upload_volume_between_the_api_and_the_workers() -> None:
+    document = yaml.safe_load(COMPOSE.read_text())
+    services: dict[str, dict[str, Any]] = document["services"]
+    folders = {name: services[name]["environment"].get(UPLOAD) for name in
+               ("api", "worker", "worker-gpu")}
+    (folder,) = set(folders.values())  # one setting, the same on every side
+    assert folder and folder.startswith("/"), folders
+    volumes = {}
+    for name in folders:
+        mounts = [str(v).split(":") for v in services[name].get("volumes", [])]
+        (mount,) = [m for m in mounts if m[1] == folder]
+        volumes[name] = mount[0]
+        if name == "api":
+            assert mount[2:] in ([], ["rw"]), mount  # the api writes uploads
+    (volume,) = set(volumes.values())
+    assert volume in document["volumes"], volumes  # a named volume, not a per-host bind
+    # The image makes the folder for its user, so a fresh named volume there is writable.
+    text = DOCKERFILE.read_text()
+    assert re.search(r"install -d -o 10001 -g 10001 [^\n]*" + re.escape(folder) + r"\b", text)
+
+
+def pod_of(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return deployment(docs, name)["spec"]["template"]["spec"]
+
+
+def test_kubernetes_api_and_workers_mount_one_shared_upload_claim() -> None:
+    docs = k8s_documents()
+    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    shared = {}
+    for name in ("ocrq-api", "ocrq-worker"):
+        pod = pod_of(docs, name)
+        (container,) = pod["containers"]
+        folder = env_of(container)[UPLOAD]["value"]
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        shared[name] = (folder, volume["persistentVolumeClaim"]["claimName"])
+        if name == "ocrq-api":
+            assert not mount.get("readOnly"), mount
+    ((folder, claim),) = set(shared.values())
+    # Pods on several nodes mount it at once: ReadWriteMany.
+    assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"]
+    # The api's root file system is read-only: the uploads volume is where it writes.
+    api = pod_of(docs, "ocrq-api")
+    assert api["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    assert api["securityContext"]["fsGroup"] == api["securityContext"]["runAsGroup"]
+
+
+def test_kubernetes_every_claim_a_pod_mounts_is_shipped() -> None:
+    docs = k8s_documents()
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    used = {
+        v["persistentVolumeClaim"]["claimName"]
+        for d in docs
+        if d["kind"] in ("Deployment", "Job")
+        for v in d["spec"]["template"]["spec"].get("volumes", [])
+        if "persistentVolumeClaim" in v
+    }
+    assert {"ocrq-uploads", "ocrq-models", "ocrq-images"} <= used
+    assert used <= claims, used - claims
+    for doc in docs:
+        if doc["kind"] == "PersistentVolumeClaim":
+            assert doc["spec"]["resources"]["requests"]["storage"], doc["metadata"]["name"]
+
+
+def test_keda_scales_on_every_queue_the_workers_consume() -> None:
+    docs = k8s_documents()
+    scaled = next(d for d in docs if d["kind"] == "ScaledObject")
+    lists = {t["metadata"]["listName"] for t in scaled["spec"]["triggers"] if t["type"] == "redis"}
+    assert lists == set(consumed_queues(Settings.model_construct()))  # the defaults
+
+
+def test_systemd_api_and_workers_share_the_upload_folder(tmp_path: Path) -> None:
+    api, worker = unit_env(API_UNIT), unit_env(UNIT)
+    assert api[UPLOAD] == worker[UPLOAD]
+    settings = dict(
+        line.split("=", 1) for line in API_UNIT.read_text().splitlines() if "=" in line
+        and not line.startswith("#")
+    )
+    # StateDirectory= creates it for User= and leaves it writable under ProtectSystem=strict.
+    assert "/var/lib/" + settings["StateDirectory"] == api[UPLOAD]
+    assert settings["ProtectSystem"] == "strict" and settings["NoNewPrivileges"] == "yes"
+    assert settings["User"] == dict(unit_entries())["User"] not in ROOT
+    assert "78" in settings["RestartPreventExitStatus"].split()
+    tool = shutil.which("systemd-analyze")
+    if tool is not None:
+        (tmp_path / API_UNIT.name).write_text(API_UNIT.read_text())
+        proc = subprocess.run(
+            [tool, "verify", "--man=no", str(tmp_path / API_UNIT.name)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+        problems = [
+            line
+            for line in (proc.stdout + proc.stderr).splitlines()
+            if "is not executable" not in line  # /opt/ocrq is not installed here
+        ]
+        assert not problems, problems
+
+
+def test_systemd_install_steps_make_the_paths_the_units_run() -> None:
+    """docs/deploy.md's install steps create the venv, user and env file the units name."""
+    steps = (REPO / "docs" / "deploy.md").read_text()
+    for unit in (UNIT, API_UNIT):
+        entries = dict(
+            line.split("=", 1) for line in unit.read_text().splitlines() if "=" in line
+            and not line.startswith("#")
+        )
+        binary = entries["ExecStart"].split()[0]
+        venv = binary.removesuffix("/bin/ocrq")
+        assert venv != binary and f"-m venv {venv}" in steps, venv
+        assert f"{venv}/bin/pip install" in steps
+        assert "useradd --system" in steps and entries["User"] in steps
+        assert entries["EnvironmentFile"].lstrip("-") in steps
+        assert f"deploy/systemd/{unit.name}" in steps
+    assert f"{venv}/bin/ocrq migrate" in steps
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(instruction, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    joined = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    for line in joined.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_installs_dependencies_in_a_layer_before_the_code(tmp_path: Path) -> None:
+    """A code edit must not reinstall the dependencies: they are installed from pyproject.toml
+    alone before the code is copied; the code then goes in with --no-deps. Without a Docker
+    daemon here, the build's copies are replayed into a folder: they must be enough to list the
+    requirements and to build the package (migrations inside)."""
+    steps = dockerfile_instructions()
+    copies = [(i, args.split()) for i, (word, args) in enumerate(steps) if word == "COPY"]
+    runs = [(i, args) for i, (word, args) in enumerate(steps) if word == "RUN"]
+    deps_at, deps = next((i, a) for i, a in runs if "pip install" in a and " -r " in a)
+    code_at = next(i for i, args in copies if args[0] == "ocrq")
+    assert deps_at < code_at
+    before = {src for i, args in copies if i < deps_at for src in args[:-1]}
+    assert before == {"pyproject.toml", "deploy/pyproject_deps.py"}, before
+    own = next(a for i, a in runs if i > code_at and "pip install" in a)
+    assert "--no-deps" in own
+    # Replay the copies (WORKDIR /src) and run what the RUN lines run.
+    src = tmp_path / "src"
+    src.mkdir()
+    for _, args in copies:
+        *sources, dest = args
+        for source in sources:
+            target = src / dest / Path(source).name if dest.endswith("/") else src / dest
+            if (REPO / source).is_dir():
+                shutil.copytree(REPO / source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(REPO / source, target)
+    extras = next(a for w, a in steps if w == "ARG" and a.startswith("EXTRAS=")).split("=", 1)[1]
+    assert "pyproject_deps.py pyproject.toml" in deps
+    listed = subprocess.run(
+        [str(BIN / "python"), "pyproject_deps.py", "pyproject.toml", extras],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"])
+    for extra in extras.split(","):
+        wanted += project["optional-dependencies"][extra]
+    assert set(listed) == set(wanted) and not any(r.startswith("ocrq") for r in listed)
+    wheel = subprocess.run(
+        [str(BIN / "python"), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True,
+        text=True,
+    )
+    assert wheel.returncode == 0, wheel.stdout + wheel.stderr
+    import zipfile
+
+    (built,) = (tmp_path / "dist").glob("ocrq-*.whl")
+    names = zipfile.ZipFile(built).namelist()
+    assert "ocrq/_migrations/env.py" in names and "ocrq/worker/queue_depth.py" in names

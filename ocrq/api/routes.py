@@ -117,12 +117,21 @@ def router(settings: Settings, client: Client) -> APIRouter:
     async def stored_upload(chunks: Any) -> str:
         if uploads is None:
             raise HTTPException(
-                415, "uploads are not enabled on this api (OCRQ_UPLOAD_DIR); send JSON"
+                415,
+                "uploads are not enabled on this api: set OCRQ_UPLOAD_DIR to one folder shared "
+                "by the api and every worker (docs/deploy.md, Uploads), or send JSON that names "
+                "the image by path or url",
             )
         try:
             return str(await uploads.store(chunks))
         except UploadTooLarge as exc:
             raise HTTPException(413, str(exc)) from None
+        except OSError as exc:  # a read-only or missing volume: say which setting, not a 500
+            raise HTTPException(
+                503,
+                f"cannot store the upload in OCRQ_UPLOAD_DIR ({uploads.folder}): "
+                f"{exc.strerror or type(exc).__name__}",
+            ) from None
 
     async def from_multipart(request: Request) -> JobIn:
         async with request.form(max_files=1, max_fields=len(UPLOAD_FIELDS)) as form:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
 
+from ocrq.core.upload_paths import upload_path
+
 FILE_MODE = 0o644  # workers may run as another user of the same group or none
 CHUNK = 1 << 20
 
@@ -40,7 +42,7 @@ class Uploads:
         self.max_bytes = max_bytes
 
     def path_for(self, digest: str) -> Path:
-        return self.folder / digest[:2] / digest
+        return Path(upload_path(self.folder, digest))
 
     async def store(self, chunks: AsyncIterator[bytes]) -> Path:
         """Write the bytes to their content-addressed file and return its path.

@@ -164,9 +164,11 @@ class Settings(BaseSettings):
     api_allow_no_auth: bool = False
     # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
     api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
-    # Where the api stores uploaded images (multipart, raw bodies, inline b64), one file per
-    # content hash; the same folder, at the same path, must be mounted on every worker, which
-    # reads it as one more allowed root. None: uploads get 503, b64 travels inline.
+    # Where the api stores uploaded images (multipart and raw bodies), one file per content
+    # hash. Set it on the api AND every worker, to one folder shared by all (a volume at the same
+    # path): the worker reads it as one more allowed root, no OCRQ_ALLOWED_ROOTS needed for it,
+    # and a worker without it fails an uploaded job with a message naming this setting. None:
+    # the api refuses uploads (415); JSON jobs with a path, url or b64 still work.
     upload_dir: Path | None = None
     # /docs, /redoc and /openapi.json (assets served from the fastapi-offline wheel, no CDN):
     # "token" behind the bearer token like every path, "public" without it, "off" not served.

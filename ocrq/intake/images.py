@@ -24,6 +24,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ocrq.core.contract import ImageRef
 from ocrq.core.settings import Settings
+from ocrq.core.upload_paths import upload_folder_of
 from ocrq.intake.fetch import FetchError, fetch
 
 # We apply our own pixel cap to the header; Pillow's global check would fire on a warning-only
@@ -73,10 +74,7 @@ def open_path(raw: str, settings: Settings) -> BinaryIO:
     Missing and outside-the-roots paths give the same message, so a job cannot probe the host.
     Documents are read through this too, lazily, page by page (ocrq/intake/documents.py).
     """
-    hidden = ImageError(
-        f"image not found or outside allowed roots: {raw} (path images must be regular files "
-        "under OCRQ_ALLOWED_ROOTS)"
-    )
+    hidden = ImageError(_not_found_message(raw, settings))
     try:
         resolved = Path(raw).expanduser().resolve(strict=True)
     except (OSError, RuntimeError, ValueError):  # missing, a symlink loop, a NUL byte
@@ -96,6 +94,34 @@ def open_path(raw: str, settings: Settings) -> BinaryIO:
         os.close(fd)
         raise ImageError(f"not a regular file: {raw}")
     return os.fdopen(fd, "rb")
+
+
+def _not_found_message(raw: str, settings: Settings) -> str:
+    """Why a path cannot be opened, without saying whether the file exists (a job must not
+    probe the host). A path shaped like an api upload gets a message about OCRQ_UPLOAD_DIR:
+    the api accepted it with 202, so the fix is on the worker's side, not the producer's."""
+    folder = upload_folder_of(raw)
+    if folder is None:
+        return (
+            f"image not found or outside allowed roots: {raw} (path images must be regular "
+            "files under OCRQ_ALLOWED_ROOTS)"
+        )
+    if settings.upload_dir is None:
+        return (
+            f"uploaded image not readable on this worker: {raw}: OCRQ_UPLOAD_DIR is not set "
+            f"here; set it to the api's upload folder ({folder}) on every worker, on a volume "
+            "the api and the workers share"
+        )
+    mine = settings.upload_dir.expanduser().resolve()
+    if Path(folder) != mine:
+        return (
+            f"uploaded image not readable on this worker: {raw}: it is in {folder}, but this "
+            f"worker's OCRQ_UPLOAD_DIR is {mine}; the api and every worker need the same folder"
+        )
+    return (
+        f"uploaded image not found in OCRQ_UPLOAD_DIR ({mine}): {raw}: is the api's upload "
+        "volume mounted here, shared with the api at the same path?"
+    )
 
 
 def read_capped(fh: BinaryIO, raw: str, limit: int) -> bytes:

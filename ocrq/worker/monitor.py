@@ -1,5 +1,7 @@
 """The worker's HTTP side on OCRQ_METRICS_PORT: /metrics, /healthz (live), /readyz (ready).
 
+/metrics also carries `ocrq_queue_depth`, the broker's queue lengths (ocrq/worker/queue_depth.py).
+
 Who serves it: under `ocrq worker` the supervisor, which outlives recycles, from the worker
 processes' multiprocess files (a MultiProcessCollector over PROMETHEUS_MULTIPROC_DIR); under
 `--no-supervise` the worker process itself, from its own registry. Either way the health
@@ -21,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from ocrq.core.settings import Settings
 from ocrq.worker import health
+from ocrq.worker.queue_depth import queue_depth_registry
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,8 @@ class Monitor:
         process_alive: Callable[[], bool] = lambda: True,
     ) -> None:
         self.registry = registry
+        # The broker's queue lengths, read at scrape time (ocrq/worker/queue_depth.py).
+        self.queue_depth = queue_depth_registry(settings)
         self.schema = SchemaCheck(settings.database_url)
         self.process_alive = process_alive
         self.stale_after_s = max(3 * settings.heartbeat_s, 5.0)  # 3 missed beats
@@ -93,7 +98,10 @@ class Monitor:
         return health.readiness(state, live, schema)
 
     def metrics(self) -> bytes:
-        return generate_latest(self.registry)
+        body = generate_latest(self.registry)
+        if self.queue_depth is not None:
+            body += generate_latest(self.queue_depth)
+        return body
 
 
 def serve(monitor: Monitor, port: int, address: str = "0.0.0.0") -> ThreadingHTTPServer:
