@@ -88,10 +88,12 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(wanted) if wanted else tmp_path_factory.mktemp("screenshots")
 
 
-def screenshot(driver: webdriver.Chrome, path: Path) -> None:
-    """A PNG of the window, in 256 colours (small enough to keep in the docs)."""
+def screenshot(driver: webdriver.Chrome, path: Path, height: int = 800) -> None:
+    """A PNG of the window `height` px tall, in 256 colours (small enough for the docs)."""
+    driver.set_window_size(1200, height)
     image = Image.open(io.BytesIO(driver.get_screenshot_as_png())).convert("RGB")
     image.quantize(256).save(path, optimize=True)
+    driver.set_window_size(1200, 800)
 
 
 def done_job(api: httpx.Client, image: dict[str, Any]) -> dict[str, Any]:
@@ -211,7 +213,7 @@ def test_a_documents_pages_are_drawn(
         for section, page in zip(sections, doc["page_results"], strict=True):
             assert_page_drawn(browser, section, page)
         assert "PAGE TWO" in sections[1].text.upper()
-    screenshot(browser, shots / "viewer-document.png")
+    screenshot(browser, shots / "viewer-document.png", height=1000)
 
 
 def test_the_page_asks_for_the_token(
