@@ -252,6 +252,7 @@ def test_the_api_docs_render_in_a_browser(
 def test_the_image_route_reads_only_what_the_job_read(
     api: httpx.Client,
     server: str,
+    browser: webdriver.Chrome,
     image_root: Path,
     broker_url: str,
     database_url: str,
@@ -282,5 +283,15 @@ def test_the_image_route_reads_only_what_the_job_read(
     row = done_job(api, {"b64": inline})
     kept = api.get(f"/jobs/{row['job_id']}/image")
     assert kept.status_code == 404 and "inline" in kept.json()["detail"]
+    # In the browser: the boxes on a blank page of the image's size, the text beside them.
+    browser.get(f"{server}/view/{row['job_id']}#token={TOKEN}")
+    WebDriverWait(browser, PAGE_S).until(
+        lambda d: d.find_elements(By.CSS_SELECTOR, "svg[data-image=none]")
+    )
+    assert len(browser.find_elements(By.CSS_SELECTOR, "rect.box")) == len(row["lines"]) > 0
+    assert not browser.find_elements(By.CSS_SELECTOR, "image.scan")
+    items = browser.find_elements(By.CSS_SELECTOR, "ol.lines li")
+    assert len(items) == len(row["lines"])
+    assert all(i.text.startswith(x["text"]) for i, x in zip(items, row["lines"], strict=True))
     assert api.get(f"/jobs/{uuid.uuid4()}/image").status_code == 404
     assert api.get("/jobs/not-a-uuid/image").status_code == 404
