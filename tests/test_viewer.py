@@ -52,13 +52,19 @@ def env(service_env: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def served(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Uvicorn]:
+    """`ocrq api` on loopback and a worker."""
     folder = tmp_path_factory.mktemp("viewer")
     worker = WorkerProcess(env, folder / "worker.log", "--concurrency", "4").wait_ready()
     uvicorn = Uvicorn({**env, "OCRQ_API_TOKEN": TOKEN}, folder / "api.log").wait_up()
-    yield f"http://127.0.0.1:{uvicorn.port}"
+    yield uvicorn
     uvicorn.stop()
     worker.stop()
+
+
+@pytest.fixture(scope="module")
+def server(served: Uvicorn) -> str:
+    return f"http://127.0.0.1:{served.port}"
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +242,9 @@ def test_the_page_asks_for_the_token(
 
 
 def test_the_api_docs_render_in_a_browser(
-    server: str, browser: webdriver.Chrome, shots: Path
+    served: Uvicorn, server: str, browser: webdriver.Chrome, shots: Path
 ) -> None:
+    assert f"results viewer: {server}/view/JOB_ID#token=" in served.log.read_text()
     browser.get(f"{server}/docs")  # `ocrq api` on loopback opens them without the token
     WebDriverWait(browser, PAGE_S).until(
         lambda d: d.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock")
