@@ -7,5 +7,8 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["ocrq*"]), "ocrq._migrations", "ocrq._migrations.versions"],
     package_dir={"ocrq._migrations": "migrations"},
-    package_data={"ocrq": ["py.typed"], "ocrq._migrations": ["*.py", "*.mako", "versions/*.py"]},
+    package_data={
+        "ocrq": ["py.typed", "api/viewer_static/*"],
+        "ocrq._migrations": ["*.py", "*.mako", "versions/*.py"],
+    },
 )

@@ -550,7 +550,8 @@ def api(
     The same app as `uvicorn ocrq.api.http:app`; it needs OCRQ_API_TOKEN (or
     OCRQ_API_ALLOW_NO_AUTH=true behind an authenticating proxy). Bound to a loopback address,
     its /docs page opens in a browser without the token (only this machine can reach it) unless
-    OCRQ_API_DOCS says otherwise; the api itself still needs the token."""
+    OCRQ_API_DOCS says otherwise; the api itself still needs the token. /view/JOB_ID shows a
+    job's lines drawn over its image (the page asks for the token)."""
     import ipaddress
     import os
 
@@ -567,6 +568,7 @@ def api(
         os.environ["OCRQ_API_DOCS"] = "public"
         err.print(f"api docs: http://{host}:{port}/docs (open on loopback; OCRQ_API_DOCS=token "
                   "puts them behind the token)")
+    err.print(f"results viewer: http://{host}:{port}/view/JOB_ID#token=... (docs/api.md#viewer)")
     uvicorn.run("ocrq.api.http:app", host=host, port=port, log_level=log_level)
 
 

@@ -10,6 +10,7 @@ bash scripts/venv.sh "service,hunyuan,tune,test,docs" "torch==2.14.1" "torchvisi
 # openai engine tests; idempotent, ~2-3 min the first time.
 bash scripts/vllm-venv.sh
 bash scripts/services.sh
+bash scripts/browser.sh
 .venv/bin/ruff check .
 .venv/bin/lint-imports
 # The docs: the settings reference regenerated from Settings must match docs/settings.md, and

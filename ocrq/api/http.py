@@ -2,13 +2,15 @@
 batches), read, list and wait for their rows.
 
 Run: `uvicorn ocrq.api.http:app` (settings from OCRQ_* variables). It only enqueues and reads; it
-never touches an engine. The endpoints live in routes.py (jobs), health.py (/healthz, /readyz)
-and docs.py (offline OpenAPI pages); this module assembles them behind the safe defaults:
+never touches an engine. The endpoints live in routes.py (jobs), health.py (/healthz, /readyz),
+docs.py (offline OpenAPI pages) and viewer.py (a page that draws results); this module
+assembles them behind the safe defaults:
 
-- every path but `/healthz` and `/readyz` (and the docs, with OCRQ_API_DOCS=public) needs
-  `Authorization: Bearer $OCRQ_API_TOKEN`, checked before any of the body is read; without a
-  token the app refuses to start (and, if started some other way, answers 503) unless
-  OCRQ_API_ALLOW_NO_AUTH=true says a proxy authenticates;
+- every path but `/healthz`, `/readyz`, the viewer's page under `/view/` (it holds no data:
+  viewer.py) and the docs with OCRQ_API_DOCS=public needs `Authorization: Bearer
+  $OCRQ_API_TOKEN`, checked before any of the body is read; without a token the app refuses
+  to start (and, if started some other way, answers 503) unless OCRQ_API_ALLOW_NO_AUTH=true
+  says a proxy authenticates;
 - request bodies over OCRQ_API_MAX_BODY_BYTES get 413 as soon as the count passes the limit
   (FastAPI's own limit, counted while reading, chunked bodies included);
 - a 422 names the fields and what is wrong with them, never the values sent;
@@ -33,7 +35,7 @@ from sqlalchemy import exc as sa_exc
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ocrq.api import docs, documents, health, routes
+from ocrq.api import docs, documents, health, routes, viewer
 from ocrq.api.client import Client, NotSent
 from ocrq.core.settings import Settings
 from ocrq.core.store import REUSED_ID, JobIdReused
@@ -70,7 +72,8 @@ class BearerAuth:
         self.problem = auth_problem(settings)
         token = settings.api_token.get_secret_value() if settings.api_token else ""
         self.token = token.encode() if token else None
-        doc_paths, self.open_prefixes = docs.open_paths(settings.api_docs)
+        doc_paths, doc_prefixes = docs.open_paths(settings.api_docs)
+        self.open_prefixes = (*doc_prefixes, *viewer.open_prefixes())
         self.open_paths = OPEN_PATHS | doc_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -184,6 +187,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(
         routes.router(settings, client), dependencies=[Depends(HTTPBearer(auto_error=False))]
     )
+    app.include_router(
+        viewer.router(settings, client), dependencies=[Depends(HTTPBearer(auto_error=False))]
+    )
+    viewer.mount(app)
     if settings.api_docs != "off":
         docs.mount(app)
     return app
