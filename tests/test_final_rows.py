@@ -5,6 +5,7 @@ however its message comes back (the stall sweep puts its row back to `queued` to
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import threading
@@ -99,9 +100,9 @@ def test_an_ignored_redelivery_keeps_the_batch_in_its_result(
     def capture() -> None:  # what Flower reads
         with app.connection() as conn:
             recv = app.events.Receiver(conn, handlers={"*": events.append})
-            for _ in recv.itercapture(limit=None, timeout=None, wakeup=True):
-                if stop.is_set():
-                    return
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):  # a second without events
+                    recv.capture(limit=None, timeout=1)
 
     def succeeded(task_id: str) -> list[str]:
         return [
@@ -111,7 +112,8 @@ def test_an_ignored_redelivery_keeps_the_batch_in_its_result(
         ]
 
     worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "4")
-    threading.Thread(target=capture, daemon=True).start()
+    listener = threading.Thread(target=capture, daemon=True)
+    listener.start()
     jobs = {str(uuid.uuid4()): text_images["hello"], str(uuid.uuid4()): pdf}
     try:
         worker.wait_ready(60)
@@ -143,6 +145,7 @@ def test_an_ignored_redelivery_keeps_the_batch_in_its_result(
     finally:
         stop.set()
         worker.stop()
+        listener.join(30)
     image_id, doc_id = jobs
     assert worker.text().count("redelivery ignored") == 2, worker.text()[-2000:]
     batch = first[image_id]["batch_id"]
