@@ -25,6 +25,7 @@ BLOCK_BELOW = 72  # narrower terminals get a few lines per job: an id alone take
 CREATED_FROM = 100  # the created column only from this width on (it is in the detail and JSON)
 FILE_MIN, FILE_MAX = 12, 40  # cells for the file's name, before the text gets the rest
 TEXT_MIN = 8  # a text column narrower than this is left out
+TEXT_ROOM = 30  # a status says in full why a text was cut only if this much text still shows
 DETAIL_TEXT_LINES = 30  # the detail view's text, at most; `--json` has all of it
 CUT = "*"  # after a status whose text the engine cut short (max_tokens, repetition)
 
@@ -58,8 +59,13 @@ def one_line(row: dict[str, Any]) -> str:
     return " | ".join(line for line in text.split("\n") if line.strip())
 
 
-def status_cell(row: dict[str, Any]) -> str:
-    return row["status"] + (CUT if row.get("truncated") else "")
+def status_cell(row: dict[str, Any], short: bool = False) -> str:
+    """The status, and why the text ended early when it did: in full, or (`short`, on a
+    terminal too narrow for it) as a mark the legend explains."""
+    cut = row.get("truncated")
+    if not cut:
+        return row["status"]
+    return row["status"] + (CUT if short else f" (truncated: {cut})")
 
 
 def pages_cell(row: dict[str, Any]) -> str:
@@ -87,17 +93,20 @@ def print_table(rows: Sequence[dict[str, Any]], console: Console) -> None:
     if console.width < BLOCK_BELOW:
         print_blocks(rows, console)
         return
-    columns: list[tuple[str, list[str]]] = [
-        ("job id", [r["job_id"] for r in rows]),
-        ("status", [status_cell(r) for r in rows]),
-    ]
-    if any(r.get("pages") is not None for r in rows):
-        columns.append(("pages", [pages_cell(r) for r in rows]))
-    if console.width >= CREATED_FROM:
-        columns.append(("created UTC", [created_cell(r) for r in rows]))
-    gaps = 2 * len(columns)  # two spaces between columns, the file column included
-    fixed = sum(max(len(title), *(len(c) for c in cells)) for title, cells in columns) + gaps
-    left = console.width - fixed
+    for short in (False, True):  # why a text was cut in full, where that leaves the text room
+        columns: list[tuple[str, list[str]]] = [
+            ("job id", [r["job_id"] for r in rows]),
+            ("status", [status_cell(r, short) for r in rows]),
+        ]
+        if any(r.get("pages") is not None for r in rows):
+            columns.append(("pages", [pages_cell(r) for r in rows]))
+        if console.width >= CREATED_FROM:
+            columns.append(("created UTC", [created_cell(r) for r in rows]))
+        gaps = 2 * len(columns)  # two spaces between columns, the file column included
+        fixed = sum(max(len(title), *(len(c) for c in cells)) for title, cells in columns) + gaps
+        left = console.width - fixed
+        if left >= FILE_MAX + 2 + TEXT_ROOM:
+            break
     names = [file_name(r.get("path")) for r in rows]
     longest = max((Text(n).cell_len for n in names), default=0)
     share = max(FILE_MIN, min(FILE_MAX, left // 2))
@@ -117,7 +126,8 @@ def print_table(rows: Sequence[dict[str, Any]], console: Console) -> None:
             cells.append(one_line(row))
         table.add_row(*cells)
     console.print(table, crop=True)
-    _legend(rows, console)
+    if short:
+        _legend(rows, console)
 
 
 def print_blocks(rows: Sequence[dict[str, Any]], console: Console) -> None:
@@ -144,7 +154,6 @@ def print_blocks(rows: Sequence[dict[str, Any]], console: Console) -> None:
                     markup=False,
                     crop=True,
                 )
-    _legend(rows, console)
 
 
 def _head(text: str, cells: int) -> str:
@@ -155,7 +164,7 @@ def _head(text: str, cells: int) -> str:
 
 def _legend(rows: Sequence[dict[str, Any]], console: Console) -> None:
     if any(r.get("truncated") for r in rows):
-        legend = f"{CUT} text cut short (max_tokens or repetition): `ocrq status ID` says which"
+        legend = f"{CUT} truncated (max_tokens or repetition): `ocrq status ID` says which"
         console.print(_head(legend, console.width), highlight=False, markup=False, crop=True)
 
 
