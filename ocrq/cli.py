@@ -10,14 +10,12 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from ocrq.core.contract import TASKS
 from ocrq.core.settings import Settings
@@ -85,9 +83,6 @@ def _main(
 # Help strings name what is there: the registry's engines, the contract's tasks.
 ENGINE_HELP = f"OCR engine: {' | '.join(ENGINES)}."
 TASK_HELP = f"{' | '.join(TASKS)} | a free prompt."
-
-JOB_ID_CHARS = 36
-TABLE_MIN_WIDTH = 80  # narrower terminals get one block per job: ids are never cut
 
 
 def _progress() -> Progress:
@@ -340,49 +335,20 @@ def submit(
         raise typer.Exit(EXIT_FAILED)
 
 
-def _print_rows(rows: Iterable[dict[str, Any]], as_json: bool) -> None:
-    """Rows as JSON lines, a table, or (narrower than TABLE_MIN_WIDTH) one block per job; a
-    job id is always printed whole, at any width."""
+def _print_rows(rows: list[dict[str, Any]], as_json: bool, detail: bool = False) -> None:
+    """Rows as JSON lines, one job whole (`detail`), or a table of one line per job
+    (ocrq/job_table.py); a job id is always printed whole, at any width."""
+    from ocrq.job_table import print_detail, print_table
+
     if as_json:
         for row in rows:
             typer.echo(json.dumps(row, ensure_ascii=False))
         return
     console = Console()
-
-    def status_of(row: dict[str, Any]) -> str:
-        cut = f" (truncated: {row['truncated']})" if row.get("truncated") else ""
-        if row.get("document_id"):  # a document: its progress in pages
-            cut += f" ({row.get('pages_final', 0)}/{row.get('pages') or 0} pages)"
-        return row["status"] + cut
-
-    def excerpt(row: dict[str, Any], chars: int) -> str:
-        return (row.get("text") or row.get("error") or "").replace("\n", " | ")[:chars]
-
-    if console.width < TABLE_MIN_WIDTH:
-        for row in rows:
-            typer.echo(f"{row['job_id']}  {status_of(row)}")
-            for label, value in (("path", row.get("path")), ("text", excerpt(row, 200))):
-                if value:
-                    typer.echo(f"  {label}: {value}")
-        return
-    rows = list(rows)
-    statuses = [status_of(row) for row in rows]
-    table = Table("job_id", "status", "created", "path", "text / error")
-    table.columns[0].no_wrap = True
-    table.columns[0].min_width = JOB_ID_CHARS
-    table.columns[1].no_wrap = True
-    # Whole, like the id (a document's "(3/3 pages)"); the path and text columns give way.
-    table.columns[1].min_width = min(max(map(len, statuses), default=6), 40)
-    table.columns[2].no_wrap = True
-    for row, shown in zip(rows, statuses, strict=True):
-        table.add_row(
-            row["job_id"],
-            shown,
-            (row.get("created_at") or "")[:19].replace("T", " "),
-            str(row.get("path") or ""),
-            excerpt(row, 60),
-        )
-    console.print(table)
+    if detail and len(rows) == 1:
+        print_detail(rows[0], console)
+    else:
+        print_table(rows, console)
 
 
 @app.command()
@@ -390,11 +356,12 @@ def status(
     job_ids: Annotated[list[str], typer.Argument(help="Job ids.")],
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
 ) -> None:
-    """Show jobs' rows. Exit code 4 when an id has no row, else 1 when a job failed."""
+    """Show jobs: one id whole (every field, the text), several as a table of one line each.
+    Exit code 4 when an id has no row, else 1 when a job failed."""
     from ocrq.api.client import Client
 
     rows = Client(_settings()).status(job_ids)
-    _print_rows(rows, as_json)
+    _print_rows(rows, as_json, detail=len(rows) == 1 and rows[0]["status"] != "unknown")
     if any(r["status"] == "unknown" for r in rows):
         unknown = [r["job_id"] for r in rows if r["status"] == "unknown"]
         err.print(f"[yellow]unknown job id(s):[/] {', '.join(unknown)}")
@@ -434,17 +401,16 @@ def jobs(
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="Rows at most.")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
 ) -> None:
-    """List recent jobs, newest first."""
+    """List recent jobs, newest first, one line each (a document with its pages)."""
     from ocrq.api.client import Client
-    from ocrq.core.store import full_view
 
     statuses = [s.strip() for item in status or () for s in item.split(",") if s.strip()]
     bad = sorted(set(statuses) - {"queued", "running", "done", "failed"})
     if bad:
         raise typer.BadParameter(f"unknown status {bad}", param_hint="--status")
     after = since_time(since) if since else None
-    page = Client(_settings()).page(statuses, created_after=after, limit=limit)
-    _print_rows([full_view(r) for r in page.rows], as_json)
+    rows = Client(_settings()).listing(statuses, created_after=after, limit=limit)
+    _print_rows(rows, as_json)
 
 
 @app.command()

@@ -289,3 +289,48 @@ def test_ocrq_api_opens_its_docs_on_loopback_only(
             assert httpx.get(f"{base}/jobs/{uuid.uuid4()}", timeout=10).status_code == 401
         finally:
             server.stop()
+
+
+def test_openapi_describes_every_route_behind_the_token(
+    service_env: dict[str, str], queue: str, tmp_path: Path
+) -> None:
+    """The served schema marks each route behind the token with the bearer scheme (the
+    `/documents` routes lacked it) and says what `POST /documents` takes (it declared no
+    body); a client built from the schema then works: its upload is accepted."""
+    from ocrq.core.samples import draw_text_image
+    from tests.pdfs import image_pdf
+
+    server = Uvicorn(api_env(service_env, queue, OCRQ_API_TOKEN=TOKEN), tmp_path / "api.log")
+    pdf = image_pdf([draw_text_image(["HELLO WORLD"])], tmp_path / "one.pdf").read_bytes()
+    try:
+        base = f"http://127.0.0.1:{server.wait_up().port}"
+        schema = httpx.get(f"{base}/openapi.json", headers=AUTH, timeout=10).json()
+        denied = httpx.post(f"{base}/documents", content=pdf, timeout=10)
+        upload = httpx.post(
+            f"{base}/documents",
+            content=pdf,
+            headers={**AUTH, "Content-Type": "application/pdf"},
+            timeout=10,
+        )
+    finally:
+        server.stop()
+    schemes = schema["components"]["securitySchemes"]
+    bearer = [name for name, s in schemes.items() if s == {"type": "http", "scheme": "bearer"}]
+    assert len(bearer) == 1, schemes
+    operations = {
+        (path, method): op for path, ops in schema["paths"].items() for method, op in ops.items()
+    }
+    assert {("/documents", "post"), ("/documents/{document_id}", "get")} <= set(operations)
+    for (path, method), op in operations.items():
+        secured = {bearer[0]: []} in op.get("security", [])
+        assert secured == (path not in ("/healthz", "/readyz")), (path, method, op)
+    body = operations[("/documents", "post")]["requestBody"]
+    assert body["required"] is True
+    for media in ("application/pdf", "image/tiff"):
+        assert body["content"][media]["schema"] == {"type": "string", "format": "binary"}
+    accepted = operations[("/documents", "post")]["responses"]["202"]["content"]
+    ref = accepted["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+    required = set(schema["components"]["schemas"][ref]["required"])
+    assert denied.status_code == 401
+    assert upload.status_code == 202 and required <= set(upload.json()), upload.text
+    assert upload.json()["document_id"] == upload.json()["job_id"]

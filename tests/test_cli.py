@@ -174,3 +174,112 @@ def test_run_on_a_terminal_writes_a_results_file(
     assert piped.returncode == 1
     assert len([json.loads(line) for line in piped.stdout.splitlines()]) == 4
     assert sorted(p.name for p in cwd.iterdir()) == [results.name]
+
+
+LONG_FOLDER = "a-folder-name-that-every-scan-of-this-batch-shares"
+LONG_NAME = "scan-of-the-quarterly-report-2026-{:06d}.{}"
+
+
+def _rows_of(out: str, ids: list[str]) -> dict[str, list[str]]:
+    return {job_id: [line for line in out.splitlines() if job_id in line] for job_id in ids}
+
+
+def test_status_and_jobs_fit_80_and_120_columns(
+    worker: WorkerProcess,
+    service_env: dict[str, str],
+    text_images: dict[str, Path],
+    image_root: Path,
+) -> None:
+    """Issue 27: at 80 columns paths and text folded to `…` and one job took ~20 lines, and
+    `ocrq jobs` showed a document as `done (0/0 pages)`. Now: one line per job, no line wider
+    than the terminal, the end of each file's name (what tells them apart) on the job's line,
+    and a document's status and page counts from its pages."""
+    from PIL import Image
+
+    from tests.pdfs import image_pdf
+
+    folder = image_root / LONG_FOLDER
+    folder.mkdir()
+    images = []
+    for n, source in enumerate(text_images.values(), start=1):
+        path = folder / LONG_NAME.format(n, "png")
+        path.write_bytes(source.read_bytes())
+        images.append(path)
+    pages = [Image.open(text_images[k]).copy() for k in ("hello", "invoice")]
+    pdf = image_pdf(pages, folder / LONG_NAME.format(9, "pdf"))
+    sent = ocrq(service_env, "submit", *map(str, [*images, pdf]), "--wait", "--json")
+    assert sent.returncode == 0, sent.stderr
+    rows = [json.loads(line) for line in sent.stdout.splitlines()]
+    ids = [r["job_id"] for r in rows]
+    doc_id = ids[-1]
+    assert rows[-1]["pages"] == 2, rows[-1]
+    tails = dict(zip(ids, [f"{n:06d}.png" for n in (1, 2, 3)] + ["000009.pdf"], strict=True))
+
+    listed = ocrq(service_env, "jobs", "--limit", "50", "--json")
+    (doc,) = [r for r in map(json.loads, listed.stdout.splitlines()) if r["job_id"] == doc_id]
+    assert (doc["status"], doc["pages"], doc["pages_final"], doc["pages_failed"]) == (
+        "done",
+        2,
+        2,
+        0,
+    ), doc
+    assert "HELLO" in doc["text"]
+
+    for columns in (80, 120):
+        for args in (["status", *ids], ["jobs", "--limit", "50"]):
+            code, out, err = ocrq_on_tty(service_env, *args, columns=columns)
+            assert code == 0, (args, err)
+            lines = out.splitlines()
+            assert max(len(line) for line in lines) <= columns, (columns, out)
+            if args[0] == "status":
+                assert len(lines) <= len(ids) + 2, (columns, out)  # header, rows, a legend
+            for job_id, mine in _rows_of(out, ids).items():
+                assert len(mine) == 1, (columns, job_id, out)
+                assert tails[job_id] in mine[0], (columns, tails[job_id], out)
+                assert " done" in mine[0], (columns, out)
+            (doc_line,) = _rows_of(out, [doc_id])[doc_id]
+            assert " 2/2 " in doc_line, (columns, out)
+            if columns == 120:  # the text starts on the job's line
+                for row in rows:
+                    first = row["text"].split("\n")[0][:8]
+                    assert first in _rows_of(out, [row["job_id"]])[row["job_id"]][0], out
+
+    # One id: the job whole, every line within the terminal.
+    code, out, _ = ocrq_on_tty(service_env, "status", doc_id, columns=80)
+    assert code == 0 and max(map(len, out.splitlines())) <= 80, out
+    assert re.search(r"^pages\s+2/2\s*$", out, re.M) and "INVOICE" in out, out
+    code, out, _ = ocrq_on_tty(service_env, "status", ids[0], columns=80)
+    assert code == 0 and max(map(len, out.splitlines())) <= 80, out
+    batch = json.loads(ocrq(service_env, "status", ids[0], "--json").stdout)["batch_id"]
+    assert re.search(rf"^batch\s+{batch}\s*$", out, re.M), out
+    assert LONG_NAME.format(1, "png") in "".join(line.strip() for line in out.splitlines())
+
+
+def test_wide_characters_are_measured_in_cells() -> None:
+    """HunyuanOCR reads Chinese: a CJK character takes two columns, so a line cut by
+    characters would still run past the terminal. Measured by rich's cell widths."""
+    import io
+
+    from rich.cells import cell_len
+    from rich.console import Console
+
+    from ocrq.job_table import print_blocks, print_table
+
+    row = {
+        "job_id": str(uuid.uuid4()),
+        "status": "done",
+        "path": "/srv/扫描/发票-二〇二六年-第一季度-000123.png",
+        "text": "增值税专用发票\n购买方名称：某某科技有限公司\n金额合计 134.90",
+        "created_at": "2026-12-02T03:01:22+00:00",
+        "truncated": "max_tokens",
+    }
+    # Why it was cut: in full where the text keeps its room, else a mark and a legend.
+    full = "done (truncated: max_tokens)"
+    for width, shown in ((40, full), (80, "done*"), (120, "done*"), (200, full)):
+        out = io.StringIO()
+        console = Console(file=out, width=width)
+        (print_table if width >= 72 else print_blocks)([row], console)
+        lines = out.getvalue().splitlines()
+        assert max(cell_len(line) for line in lines) <= width, out.getvalue()
+        assert "000123.png" in out.getvalue()
+        assert row["job_id"] in out.getvalue() and shown in out.getvalue(), out.getvalue()

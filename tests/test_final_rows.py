@@ -5,10 +5,13 @@ however its message comes back (the stall sweep puts its row back to `queued` to
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
+import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import redis
 from celery import Celery
@@ -19,6 +22,7 @@ from ocrq.core.samples import draw_text_image
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from tests.conftest import WorkerProcess
+from tests.pdfs import image_pdf
 from tests.test_faults import not_final, wait_all
 from tests.test_liveness import LIVENESS, slow_images
 from tests.waiting import Budget
@@ -73,6 +77,86 @@ def test_a_failed_job_redelivered_is_not_run_again(
     assert {k: after[k] for k in fields} == {k: first[k] for k in fields}
     assert after["text"] is None and after["attempts"] == 1
     assert f"job {job_id} already failed; redelivery ignored" in worker.text()
+
+
+def test_an_ignored_redelivery_keeps_the_batch_in_its_result(
+    service_env: dict[str, str], text_images: dict[str, Path], image_root: Path, tmp_path: Path
+) -> None:
+    """A finished job's message delivered again is acked without running; its task result
+    (Flower's result column, from the task-succeeded event) names the batch that ran the job,
+    as the first delivery's did, and a document's still counts its pages. Before, the copy's
+    result had neither, and Flower lost the batch."""
+    budget = Budget(240, "redelivery-result")
+    queue = f"ocr-again-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, "OCRQ_QUEUE": queue}
+    pdf = image_pdf(
+        [draw_text_image([w], margin=30) for w in ("HELLO WORLD", "INVOICE 2026")],
+        image_root / f"again-{uuid.uuid4().hex[:6]}.pdf",
+    )
+    app = Celery(broker=env["OCRQ_BROKER_URL"], backend=env["OCRQ_BROKER_URL"])
+    events: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def capture() -> None:  # what Flower reads
+        with app.connection() as conn:
+            recv = app.events.Receiver(conn, handlers={"*": events.append})
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):  # a second without events
+                    recv.capture(limit=None, timeout=1)
+
+    def succeeded(task_id: str) -> list[str]:
+        return [
+            e["result"]
+            for e in list(events)
+            if e["type"] == "task-succeeded" and e.get("uuid") == task_id
+        ]
+
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "4")
+    listener = threading.Thread(target=capture, daemon=True)
+    listener.start()
+    jobs = {str(uuid.uuid4()): text_images["hello"], str(uuid.uuid4()): pdf}
+    try:
+        worker.wait_ready(60)
+        budget.until(
+            "the event receiver hears the worker",
+            lambda: any(e["type"] == "worker-heartbeat" for e in list(events)),
+            30,
+        )
+
+        def send() -> None:
+            for job_id, path in jobs.items():
+                app.send_task(
+                    "ocrq.recognize",
+                    kwargs={"image": {"path": str(path)}, "job_id": job_id},
+                    queue=queue,
+                    task_id=job_id,
+                )
+
+        send()
+        first = {j: app.AsyncResult(j).get(timeout=budget.left()) for j in jobs}
+        send()  # the very messages again: each row is final now
+        budget.until(
+            "both copies ended",
+            lambda: all(len(succeeded(j)) == 2 for j in jobs),
+            90,
+            lambda: worker.text()[-2000:],
+        )
+        again = {j: app.backend.get_task_meta(j, cache=False)["result"] for j in jobs}
+    finally:
+        stop.set()
+        worker.stop()
+        listener.join(30)
+    image_id, doc_id = jobs
+    assert worker.text().count("redelivery ignored") == 2, worker.text()[-2000:]
+    batch = first[image_id]["batch_id"]
+    assert batch and first[image_id]["batch_wait_s"] is not None, first
+    # The backend keeps a task's first SUCCESS (Celery ignores later results for its id).
+    assert again == first
+    original, copy = succeeded(image_id)
+    assert f"'batch_id': '{batch}'" in original, original
+    assert f"'batch_id': '{batch}', 'batch_wait_s': None" in copy, copy  # it waited for none
+    assert first[doc_id]["pages"] == 2, first
+    assert all("'pages': 2" in shown for shown in succeeded(doc_id)), succeeded(doc_id)
 
 
 def running_attempt(store: JobStore, job_id: str, attempt: int) -> bool:

@@ -203,6 +203,16 @@ class Client:
         """Recent jobs, newest first (`ocrq jobs`, `GET /jobs`)."""
         return self.store.page(statuses, created_after, created_before, limit, after)
 
+    def listing(
+        self,
+        statuses: Sequence[str] = (),
+        created_after: dt.datetime | None = None,
+        limit: int = 50,
+    ) -> list[dict[str, Any]]:
+        """Recent jobs as `ocrq jobs` lists them: documents with their status and pages."""
+        page = self.page(statuses, created_after, limit=limit)
+        return document_status.listed(self.documents, page.rows)
+
     def wait(
         self,
         job_ids: Iterable[str],

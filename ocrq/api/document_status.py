@@ -13,6 +13,7 @@ from typing import Any
 
 from ocrq.core.documents_store import FINAL as DOCUMENT_FINAL
 from ocrq.core.documents_store import DocumentStore
+from ocrq.core.store import full_view
 
 JOB_FINAL = ("done", "failed")
 
@@ -33,6 +34,14 @@ def views(
             if view is not None:
                 out[job_id] = view
     return out
+
+
+def listed(docs: DocumentStore, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows as a listing shows them: each job's full view, a document's own job with its
+    document's status, text, error and page counts. Listed as the bare job row, a document read
+    `done (0/0 pages)`: its job is done once it is split, and the pages are not in that row."""
+    summaries = docs.summaries([r["id"] for r in rows if is_document(r)])
+    return [{**full_view(r), **summaries.get(r["id"], {})} for r in rows]
 
 
 def progress(

@@ -15,23 +15,51 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
+from pydantic import BaseModel
 
 from ocrq.api.client import Client
 from ocrq.core.doc_formats import document_kind
 from ocrq.core.settings import Settings
 
 MAX_TASK_CHARS = 4000
+DOCUMENT_TYPES = ("application/pdf", "image/tiff", "application/octet-stream")
+
+# The handler reads the raw body itself (FastAPI declares no body for it), so the schema says
+# what it takes: the document's bytes; the type is told from the bytes, not the header.
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "The document's bytes: a PDF or a (multi-page) TIFF, at most "
+        "OCRQ_MAX_IMAGE_BYTES. Recognised by its bytes, whatever the Content-Type says.",
+        "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in DOCUMENT_TYPES},
+    }
+}
+
+
+class DocumentAccepted(BaseModel):
+    job_id: str  # the document's job; its id is the document's id
+    document_id: str
 
 
 def router(client: Client, settings: Settings) -> APIRouter:
-    routes = APIRouter()
+    routes = APIRouter(tags=["documents"])
 
-    @routes.post("/documents", status_code=202)
+    @routes.post(
+        "/documents",
+        status_code=202,
+        response_model=DocumentAccepted,
+        openapi_extra=UPLOAD_BODY,
+        responses={
+            413: {"description": "over OCRQ_MAX_IMAGE_BYTES"},
+            415: {"description": "not a PDF or TIFF document"},
+        },
+    )
     async def upload_document(
         request: Request,
         task: Annotated[str, Query(min_length=1, max_length=MAX_TASK_CHARS)] = "text",
     ) -> dict[str, str]:
-        """The body is the document's bytes (Content-Type: application/pdf or image/tiff)."""
+        """Upload a PDF or multi-page TIFF as the request body; its pages become page jobs.
+        Read the result with `GET /documents/{document_id}` (or `GET /jobs/{job_id}`)."""
         body = await request.body()
         if len(body) > settings.max_image_bytes:
             raise HTTPException(
@@ -45,7 +73,7 @@ def router(client: Client, settings: Settings) -> APIRouter:
         job_id = client.submit(image, task)
         return {"job_id": job_id, "document_id": job_id}
 
-    @routes.get("/documents/{document_id}")
+    @routes.get("/documents/{document_id}", responses={404: {"description": "no such document"}})
     def get_document(document_id: str) -> dict[str, Any]:
         """The document with every page (text, lines with boxes in the page's pixels)."""
         try:

@@ -180,16 +180,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(NotSent, not_sent)
     app.add_exception_handler(JobIdReused, id_reused)
     client = Client(settings)
-    app.include_router(documents.router(client, settings))
-
     app.include_router(health.router(client.app, lambda: client.store.engine))
-    # The bearer scheme in the schema, so Swagger UI's "Authorize" sends it; BearerAuth checks.
-    app.include_router(
-        routes.router(settings, client), dependencies=[Depends(HTTPBearer(auto_error=False))]
-    )
-    app.include_router(
-        viewer.router(settings, client), dependencies=[Depends(HTTPBearer(auto_error=False))]
-    )
+    # The bearer scheme in the schema of every route behind the token, so Swagger UI's
+    # "Authorize" sends it; BearerAuth checks it (the dependency never refuses).
+    bearer = [Depends(HTTPBearer(auto_error=False))]
+    app.include_router(routes.router(settings, client), dependencies=bearer)
+    app.include_router(documents.router(client, settings), dependencies=bearer)
+    app.include_router(viewer.router(settings, client), dependencies=bearer)
     viewer.mount(app)
     if settings.api_docs != "off":
         docs.mount(app)

@@ -167,6 +167,34 @@ class DocumentStore:
             )
         return {d: (counts.get(d, 0), row["pages"] or 0, row["status"]) for d, row in docs.items()}
 
+    def summaries(self, document_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Per document, what a listing shows (`ocrq jobs`, `GET /jobs`): its status, text
+        and error, and its pages counted (all, final, failed), without the pages' results."""
+        docs = self.get(document_ids)
+        if not docs:
+            return {}
+        with self.engine.connect() as conn:
+            counted = conn.execute(
+                select(ocr_jobs.c.document_id, ocr_jobs.c.status, func.count())
+                .where(ocr_jobs.c.document_id.in_(list(docs)), ocr_jobs.c.page.is_not(None))
+                .group_by(ocr_jobs.c.document_id, ocr_jobs.c.status)
+            ).all()
+        by_status: dict[str, dict[str, int]] = {d: {} for d in docs}
+        for document_id, status, n in counted:
+            by_status[document_id][status] = n
+        return {
+            d: {
+                "status": doc["status"],
+                "text": doc["text"],
+                "error": doc["error"],
+                "pages": doc["pages"],
+                "pages_final": sum(by_status[d].get(s, 0) for s in PAGE_JOB_FINAL),
+                "pages_failed": by_status[d].get("failed", 0),
+                "finished_at": _iso(doc["finished_at"]),
+            }
+            for d, doc in docs.items()
+        }
+
     def view(self, document_id: str) -> dict[str, Any] | None:
         """The JSON object users see for a document (`ocrq status`, the api, `ocrq run`).
 

@@ -50,8 +50,18 @@ class JobOutcome:
     pages: int | None = None  # a document's splitting job: the page jobs it made
 
     @classmethod
-    def of_row(cls, job_id: str, source: str, row: dict[str, Any], status: str) -> JobOutcome:
-        """A job another delivery ran: its stored row (`status` while it has none)."""
+    def of_row(
+        cls,
+        job_id: str,
+        source: str,
+        row: dict[str, Any],
+        status: str,
+        pages: int | None = None,
+    ) -> JobOutcome:
+        """A job another delivery ran: its stored row (`status` while it has none), with the
+        batch that ran it, so the copy's task result names it as the first one's did (Flower
+        lost the batch when a redelivery was ignored). How long that batch was waited for is
+        not stored: `batch_wait_s` is None, as this delivery waited for no batch."""
         return cls(
             job_id,
             source,
@@ -61,6 +71,8 @@ class JobOutcome:
             row.get("error"),
             already_done=True,
             truncated=row.get("truncated"),
+            batch_id=row.get("batch_id"),
+            pages=pages,
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -176,7 +188,16 @@ class JobRunner:
         log.info("job %s is running in this worker already; this delivery waits for it", job_id)
         running.finished.wait(self.settings.job_timeout_s + 60)
         row = self._db(self.store.get)([job_id]).get(job_id) or {}
-        return JobOutcome.of_row(job_id, source, row, "running")
+        return self._as_stored(job_id, source, row, "running")
+
+    def _as_stored(self, job_id: str, source: str, row: dict[str, Any], status: str) -> JobOutcome:
+        """The outcome another delivery stored, as that delivery reported it: a document's
+        own job with its page count too."""
+        pages = None
+        if row.get("document_id") == job_id and row.get("page") is None:
+            document = self._db(self.documents.get)([job_id]).get(job_id)
+            pages = document["pages"] if document is not None else None
+        return JobOutcome.of_row(job_id, source, row, status, pages)
 
     def _process(self, request: JobRequest, source: str) -> JobOutcome:
         task = request.task if request.task in TASKS else "custom"
@@ -328,7 +349,7 @@ class JobRunner:
         row = claim.row or {}
         if claim.error is None:  # done or failed: the stored outcome stands, this copy is acked
             log.info("job %s already %s; redelivery ignored", job_id, row.get("status", "done"))
-            return JobOutcome.of_row(job_id, source, row, "done")
+            return self._as_stored(job_id, source, row, "done")
         # Nothing is written: a reused id's row belongs to its first image, and a job out of
         # attempts was failed by the claim itself.
         log.warning("job %s refused: %s", job_id, claim.error)

@@ -118,19 +118,22 @@ def _recognize(
         )
     outcome = get_runtime().runner.process(request)
     # Flower shows the result (or the exception): the batch and the wait for it are there, since
-    # Celery's runtime of the task includes that wait.
+    # Celery's runtime of the task includes that wait. A redelivery of a finished job names the
+    # batch that ran it, with no wait (it waited for none).
     batch = (
         {"batch_id": outcome.batch_id, "batch_wait_s": outcome.batch_wait_s}
         if outcome.batch_id
         else {}
     )
     if outcome.status == "failed":
+        waited = "" if outcome.batch_wait_s is None else f", waited {outcome.batch_wait_s} s"
         raise JobFailed(
-            outcome.error
-            if not batch
-            else f"{outcome.error} (batch {outcome.batch_id}, waited {outcome.batch_wait_s} s)"
+            outcome.error if not batch else f"{outcome.error} (batch {outcome.batch_id}{waited})"
         )
-    result = {**outcome.as_json(), **batch}
+    view = outcome.as_json()
+    # The batch right after the job's id, path and status: Flower shows the result's repr cut
+    # at 1024 characters (Celery's resultrepr_maxsize), and the text and lines come after.
+    result = {**{k: view[k] for k in ("job_id", "path", "status")}, **batch, **view}
     if outcome.pages is not None:  # a document's own job: the page jobs it made
         result["pages"] = outcome.pages
     return result
