@@ -595,6 +595,12 @@ def main() -> None:
         help="the workers reach PostgreSQL through PgBouncer in transaction mode",
     )
     ap.add_argument(
+        "--bouncer-pool",
+        type=int,
+        default=20,
+        help="PgBouncer's default_pool_size: server connections for all the workers together",
+    )
+    ap.add_argument(
         "--no-prepare",
         action="store_true",
         help="the workers' psycopg prepares no statements (prepare_threshold=None)",
@@ -636,7 +642,7 @@ def main() -> None:
         if args.no_prepare:
             env["OCRQ_DATABASE_PREPARED_STATEMENTS"] = "false"
         if args.pgbouncer:
-            servers.start_pgbouncer()
+            servers.start_pgbouncer(args.bouncer_pool)
         subprocess.run(
             [sys.executable, "-m", "ocrq.cli", "migrate"],
             env=env,
@@ -760,7 +766,9 @@ def meta(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
         "python": platform.python_version(),
         "bench_seconds": round(seconds, 1),
         "jobs_per_phase": args.jobs,
-        "pgbouncer": "transaction mode" if args.pgbouncer else "none",
+        "pgbouncer": (
+            f"transaction mode, default_pool_size {args.bouncer_pool}" if args.pgbouncer else "none"
+        ),
         "psycopg_prepare": "off" if args.no_prepare else "psycopg's default (after 5 uses)",
         "worker_pool": args.pool or "ocrq's default (pool_size 10, max_overflow 0)",
         "pages": args.pages,
