@@ -219,9 +219,11 @@ class JobStore:
     ) -> Claim:
         """Mark the job running (creating its row if the producer did not), unless it must not run.
 
-        One transaction, the row locked: concurrent deliveries of one job see each other's
-        claim. A row is one job: a message whose source or task differs from the row's is
-        refused, whatever the row's status. A final row (done or failed) is never run again.
+        The common case (the producer's row, not final, under the cap) is one UPDATE
+        (`_claim_in_one_statement`); the rest is one transaction with the row locked. Either
+        way concurrent deliveries of one job see each other's claim. A row is one job: a
+        message whose source or task differs from the row's is refused, whatever the row's
+        status. A final row (done or failed) is never run again.
         `attempts` counts claims; a claim that finds the row not final with attempts already made
         means the previous attempt never finished (its worker died: the row is still `running`,
         or the stall sweep put it back to `queued` to re-send it), and once `max_attempts` such
