@@ -44,10 +44,11 @@ class Settings(BaseSettings):
     # any without `max_prepared_statements`): psycopg then prepares no statements, which such a
     # bouncer cannot follow from one server connection to the next. docs/operations.md.
     database_prepared_statements: bool = True
-    # PostgreSQL connections each process keeps (a worker, the api): a worker's claims and
-    # finishes hold one for a few ms, so 10 serve hundreds of jobs/s. Overflow connections are
-    # opened past the pool and closed when returned (a new PostgreSQL session each time, which
-    # cost half its CPU in bench/control_plane.py): keep 0 unless the pool is the bottleneck.
+    # PostgreSQL connections each process keeps (a worker, the api): a worker's claim and
+    # finish hold one for a statement each, so 10 are plenty (4 ran as fast in the bench:
+    # bench/results/control_plane/control_plane_cpu_run2.md). Overflow connections are opened
+    # past the pool and closed when returned (a new PostgreSQL session every few jobs, half of
+    # PostgreSQL's CPU in that bench): keep 0 unless the pool is the bottleneck.
     database_pool_size: int = Field(default=10, ge=1, le=1000)
     database_max_overflow: int = Field(default=0, ge=0, le=1000)
     # A name of ocrq/models/registry.py's ENGINES: rapid, hunyuan, vllm or openai.
