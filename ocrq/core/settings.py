@@ -45,8 +45,8 @@ class Settings(BaseSettings):
     # bouncer cannot follow from one server connection to the next. docs/operations.md.
     database_prepared_statements: bool = True
     # PostgreSQL connections each process keeps (a worker, the api): a worker's claim and
-    # finish hold one for a statement each, so 10 are plenty (4 ran as fast in the bench:
-    # bench/results/control_plane/control_plane_cpu_run2.md). Overflow connections are opened
+    # finish hold one for a statement each, so 10 are plenty (4 ran within the spread of 10's
+    # runs: bench/results/control_plane/control_plane_cpu_run2.md). Overflow connections are opened
     # past the pool and closed when returned (a new PostgreSQL session every few jobs, half of
     # PostgreSQL's CPU in that bench): keep 0 unless the pool is the bottleneck.
     database_pool_size: int = Field(default=10, ge=1, le=1000)
