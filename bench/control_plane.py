@@ -101,30 +101,6 @@ def worker_main() -> None:
     from ocrq.models.registry import ENGINES
 
     ENGINES["fixed"] = _fixed_engine
-    pool = os.environ.get("CP_POOL")  # "SIZE,OVERFLOW": what other pool sizes would cost
-    if pool:
-        from ocrq.core import db
-
-        size, overflow = (int(x) for x in pool.split(","))
-        plain = db.create_engine
-
-        def sized(url: Any, **kw: Any) -> Any:
-            if "pool_size" in kw:
-                kw.update(pool_size=size, max_overflow=overflow)
-            return plain(url, **kw)
-
-        db.create_engine = sized  # type: ignore[assignment]
-    if os.environ.get("CP_NO_PREPARE"):  # psycopg prepares nothing: PgBouncer < 1.21 needs it
-        from ocrq.core import db
-
-        wrapped = db.create_engine
-
-        def unprepared(url: Any, **kw: Any) -> Any:
-            if str(url).startswith("postgresql"):
-                kw["connect_args"] = {**kw.get("connect_args", {}), "prepare_threshold": None}
-            return wrapped(url, **kw)
-
-        db.create_engine = unprepared  # type: ignore[assignment]
     sys.argv = ["ocrq", "worker", "--no-supervise", "--engine", "fixed", "--loglevel", "WARNING"]
     app()
 
@@ -611,12 +587,18 @@ def main() -> None:
     ap.add_argument(
         "--pool",
         default="",
-        help="SIZE,OVERFLOW of the workers' SQLAlchemy pool instead of ocrq's (10,20)",
+        help="SIZE,OVERFLOW of the workers' pool (OCRQ_DATABASE_POOL_SIZE / _MAX_OVERFLOW)",
     )
     ap.add_argument(
         "--pgbouncer",
         action="store_true",
         help="the workers reach PostgreSQL through PgBouncer in transaction mode",
+    )
+    ap.add_argument(
+        "--bouncer-pool",
+        type=int,
+        default=20,
+        help="PgBouncer's default_pool_size: server connections for all the workers together",
     )
     ap.add_argument(
         "--no-prepare",
@@ -655,11 +637,12 @@ def main() -> None:
             "OCRQ_MAX_IMAGES": "100000000",
         }
         if args.pool:
-            env["CP_POOL"] = args.pool
+            size, overflow = args.pool.split(",")
+            env["OCRQ_DATABASE_POOL_SIZE"], env["OCRQ_DATABASE_MAX_OVERFLOW"] = size, overflow
         if args.no_prepare:
-            env["CP_NO_PREPARE"] = "1"
+            env["OCRQ_DATABASE_PREPARED_STATEMENTS"] = "false"
         if args.pgbouncer:
-            servers.start_pgbouncer()
+            servers.start_pgbouncer(args.bouncer_pool)
         subprocess.run(
             [sys.executable, "-m", "ocrq.cli", "migrate"],
             env=env,
@@ -783,9 +766,11 @@ def meta(args: argparse.Namespace, seconds: float) -> dict[str, Any]:
         "python": platform.python_version(),
         "bench_seconds": round(seconds, 1),
         "jobs_per_phase": args.jobs,
-        "pgbouncer": "transaction mode" if args.pgbouncer else "none",
+        "pgbouncer": (
+            f"transaction mode, default_pool_size {args.bouncer_pool}" if args.pgbouncer else "none"
+        ),
         "psycopg_prepare": "off" if args.no_prepare else "psycopg's default (after 5 uses)",
-        "worker_pool": args.pool or "ocrq's default (pool_size 10, max_overflow 20)",
+        "worker_pool": args.pool or "ocrq's default (pool_size 10, max_overflow 0)",
         "pages": args.pages,
         "result_text_chars": len(LINE_TEXT) * N_LINES + N_LINES - 1,
         "result_lines": N_LINES,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make sure Redis and PostgreSQL answer at the OCRQ_* URLs' hosts (default: localhost).
 # Where one is not running, start the local one, installing Debian's package if missing.
+# And PgBouncer's binary for tests/test_pgbouncer.py.
 set -euo pipefail
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -37,6 +38,12 @@ if ! port_open "$pg_host" "$pg_port"; then
     as_root sed -i '1i host all all 127.0.0.1/32 trust # ocrq-trust\nhost all all ::1/128 trust # ocrq-trust' "$hba"
     as_root pg_ctlcluster --skip-systemctl-redirect "$ver" main reload
   fi
+fi
+
+# PgBouncer: tests/test_pgbouncer.py starts one of its own in front of PostgreSQL (the setup
+# docs/operations.md recommends for GPU hosts); only the binary is needed, never its service.
+if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then
+  apt_install pgbouncer
 fi
 
 port_open "$redis_host" "$redis_port" || { echo "Redis is not reachable on $redis_port" >&2; exit 1; }

@@ -175,3 +175,63 @@ class PrivatePostgres:
         with contextlib.suppress(Exception):
             self.stop()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _pgbouncer_bin() -> str:
+    found = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin:/usr/bin")
+    if not found:
+        raise RuntimeError("pgbouncer not found (Debian package pgbouncer: scripts/services.sh)")
+    return found
+
+
+class PrivateBouncer:
+    """PgBouncer in transaction mode on a free loopback port, in front of one database.
+
+    `pool_size` server connections at most for all its clients together: what a GPU host puts
+    in front of PostgreSQL (docs/operations.md). Started as `postgres` when the test runs as
+    root (PgBouncer refuses root without `-u`); its own process, so `stop` signals only it.
+    """
+
+    def __init__(self, pg_port: int, database: str, pool_size: int) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="ocrq-pgbouncer-"))
+        self.folder.chmod(0o755)
+        self.port = free_port()
+        self.database = database
+        self.pool_size = pool_size
+        self.pg_port = pg_port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{self.database}"
+
+    @property
+    def log(self) -> Path:
+        return self.folder / "pgbouncer.log"
+
+    def start(self) -> None:
+        (self.folder / "users.txt").write_text('"postgres" ""\n')
+        config = self.folder / "pgbouncer.ini"
+        config.write_text(
+            f"[databases]\n{self.database} = host=127.0.0.1 port={self.pg_port} "
+            f"dbname={self.database}\n"
+            f"[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {self.port}\n"
+            f"unix_socket_dir =\nauth_type = trust\nauth_file = {self.folder}/users.txt\n"
+            f"pool_mode = transaction\ndefault_pool_size = {self.pool_size}\n"
+            "max_client_conn = 500\n"
+        )
+        user = ["-u", "postgres"] if os.geteuid() == 0 else []
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [_pgbouncer_bin(), *user, str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        _wait_port(self.port, up=True)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, select, update
+from sqlalchemy import create_engine, event, func, select, update
 
 from ocrq.core.db import get_engine, ocr_jobs
 from ocrq.core.store import JobStore
@@ -46,6 +47,29 @@ def test_claim_finish_redelivery(store: JobStore) -> None:
         "w2",
     )
     assert _count(store, job) == 1
+
+
+def test_claim_of_a_queued_row_is_one_statement(store: JobStore) -> None:
+    """Every job's claim finds the producer's row: one UPDATE ... RETURNING in autocommit
+    (was SELECT ... FOR UPDATE + UPDATE in a transaction), its enqueue time kept."""
+    job = str(uuid.uuid4())
+    store.enqueue(job, "text", "/one.png")
+    created = store.get([job])[job]["created_at"]
+    statements: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        statements.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", count)
+    try:
+        claim = store.claim(job, "text", "/one.png", "w1", max_attempts=3)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", count)
+    assert claim.run and claim.created_at is not None
+    assert claim.created_at == (created if created.tzinfo else created.replace(tzinfo=dt.UTC))
+    assert len(statements) == 1 and statements[0].lstrip().upper().startswith("UPDATE"), statements
+    row = store.get([job])[job]
+    assert (row["status"], row["attempts"], row["worker"]) == ("running", 1, "w1")
 
 
 def test_a_failed_row_stays_failed(store: JobStore) -> None:
@@ -141,3 +165,18 @@ def test_concurrent_first_claims_make_one_row(database_url: str) -> None:
         claims = list(pool.map(lambda i: store.claim(job, "text", "/c.png", f"w{i}"), range(8)))
     assert all(c.run for c in claims)
     assert _count(store, job) == 1 and store.get([job])[job]["attempts"] == 8
+
+
+def test_concurrent_claims_of_a_queued_row_each_count(database_url: str) -> None:
+    """Duplicate deliveries of a job whose row the producer wrote, claiming at once (the
+    one-statement claim): each claim counts, and none past the attempt cap runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = JobStore(get_engine(database_url))
+    job = str(uuid.uuid4())
+    store.enqueue(job, "text", "/d.png")
+    with ThreadPoolExecutor(8) as pool:
+        claims = list(pool.map(lambda i: store.claim(job, "text", "/d.png", f"w{i}", 5), range(8)))
+    assert sum(c.run for c in claims) == 5
+    row = store.get([job])[job]
+    assert row["attempts"] == 5 and row["status"] == "failed", row

@@ -23,7 +23,7 @@ from ocrq.core.contract import (
     canonical_job_id,
     job_kwargs,
 )
-from ocrq.core.db import get_engine
+from ocrq.core.db import engine_for
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.requeue import producer_app
 from ocrq.core.settings import Settings
@@ -70,7 +70,7 @@ class Client:
     @property
     def store(self) -> JobStore:
         if self._store is None:
-            self._store = JobStore(get_engine(self.settings.database_url))
+            self._store = JobStore(engine_for(self.settings))
         return self._store
 
     def submit(

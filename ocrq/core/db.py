@@ -7,6 +7,7 @@ the embedded SQLite file, which is created from it directly.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     JSON,
@@ -21,6 +22,9 @@ from sqlalchemy import (
     create_engine,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+
+if TYPE_CHECKING:
+    from ocrq.core.settings import Settings
 
 metadata = MetaData()
 
@@ -95,9 +99,40 @@ def sqlalchemy_url(url: str) -> str:
 
 
 @lru_cache(maxsize=8)
-def get_engine(url: str) -> Engine:
-    """One pooled engine per URL per process; pre_ping survives a database restart."""
+def get_engine(
+    url: str,
+    prepared_statements: bool = True,
+    pool_size: int = 10,
+    max_overflow: int = 0,
+) -> Engine:
+    """One pooled engine per URL and options per process; pre_ping survives a database restart.
+
+    `prepared_statements=False` stops psycopg from preparing a statement after its fifth use on
+    a connection (`prepare_threshold=None`): through PgBouncer in transaction mode (< 1.21, or
+    without `max_prepared_statements`) consecutive transactions land on different server
+    connections, where that prepared statement does not exist or already does.
+    The pool's defaults (10, no overflow) come from bench/control_plane.py: an overflow
+    connection is closed when returned while the pool is full, so overflow meant a new
+    PostgreSQL session every few jobs (half its CPU) and up to 30 connections a worker.
+    """
     url = sqlalchemy_url(url)
     if url.startswith("sqlite"):
         return create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    connect_args: dict[str, Any] = {} if prepared_statements else {"prepare_threshold": None}
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        connect_args=connect_args,
+    )
+
+
+def engine_for(settings: Settings) -> Engine:
+    """The job database's engine as OCRQ_DATABASE_* configure it."""
+    return get_engine(
+        settings.database_url,
+        settings.database_prepared_statements,
+        settings.database_pool_size,
+        settings.database_max_overflow,
+    )

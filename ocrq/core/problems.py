@@ -47,6 +47,14 @@ def infrastructure_problem(exc: BaseException) -> Problem | None:
     for link in _chain(exc):
         if isinstance(link, SchemaNotAtHead):
             return Problem("database", str(link))
+        if isinstance(link, sqlalchemy.exc.ProgrammingError) and "prepared statement" in str(
+            link
+        ):  # psycopg's own statements, lost or doubled by a pooler between us and PostgreSQL
+            return Problem(
+                "database",
+                f"{_first_line(link)}: a pooler in transaction mode (PgBouncer) sits in front "
+                "of PostgreSQL; set OCRQ_DATABASE_PREPARED_STATEMENTS=false",
+            )
         if isinstance(link, sqlalchemy.exc.ProgrammingError) and "does not exist" in str(link):
             return Problem(
                 "database",

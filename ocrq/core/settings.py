@@ -40,6 +40,17 @@ class Settings(BaseSettings):
     broker_url: str = "redis://localhost:6379/0"
     # The job table's database (`ocrq run` uses --db, a temporary SQLite file by default).
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/ocrq"
+    # Off when OCRQ_DATABASE_URL points at PgBouncer in transaction mode (Debian 12's 1.18, or
+    # any without `max_prepared_statements`): psycopg then prepares no statements, which such a
+    # bouncer cannot follow from one server connection to the next. docs/operations.md.
+    database_prepared_statements: bool = True
+    # PostgreSQL connections each process keeps (a worker, the api): a worker's claim and
+    # finish hold one for a statement each, so 10 are plenty (4 ran within the spread of 10's
+    # runs: bench/results/control_plane/control_plane_cpu_run2.md). Overflow connections are opened
+    # past the pool and closed when returned (a new PostgreSQL session every few jobs, half of
+    # PostgreSQL's CPU in that bench): keep 0 unless the pool is the bottleneck.
+    database_pool_size: int = Field(default=10, ge=1, le=1000)
+    database_max_overflow: int = Field(default=0, ge=0, le=1000)
     # A name of ocrq/models/registry.py's ENGINES: rapid, hunyuan, vllm or openai.
     engine: str = "rapid"
     # The queue workers consume (and `ocrq submit` and the api send to).

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ocrq.core.contract import ImageRef, JobRequest
-from ocrq.core.db import get_engine
+from ocrq.core.db import engine_for
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
@@ -78,7 +78,7 @@ def run_paths(
     # The user named these files: allow exactly their folders.
     roots = sorted({f.expanduser().resolve().parent for f in files} | set(settings.roots()))
     settings = settings.model_copy(update={"allowed_roots": roots})
-    store = JobStore(get_engine(db_url))
+    store = JobStore(engine_for(settings.model_copy(update={"database_url": db_url})))
     store.create_tables()
     pages: dict[str, list[dict[str, Any]]] = {}
     lock = threading.Lock()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ocrq.core import metrics
-from ocrq.core.db import get_engine
+from ocrq.core.db import engine_for
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from ocrq.engine_process.link import EngineLink, RemoteBatcher
@@ -133,7 +133,7 @@ def build_runtime(
         batcher = side.start(batch_hooks(recycler, model.fixed_bytes))
     metrics.CONFIGURED_BUDGET_BYTES.set(config.budget_bytes)
     metrics.BUDGET_BYTES.set(config.budget_bytes)
-    store = store or JobStore(get_engine(settings.database_url))
+    store = store or JobStore(engine_for(settings))
     name = worker_name or unique_worker_name(settings.engine)
     prefetch = settings.prefetch_images or 2 * config.max_items
     runner = JobRunner(
@@ -163,7 +163,7 @@ def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
     from ocrq.core.requeue import producer_app, requeue_stalled  # as `ocrq requeue --stalled`
 
     app = producer_app(settings.broker_url)
-    store = JobStore(get_engine(settings.database_url))
+    store = JobStore(engine_for(settings))
     return Heartbeat(
         store.engine,
         name,
