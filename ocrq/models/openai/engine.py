@@ -12,10 +12,11 @@ Design notes (the why):
   original image's pixels.
 * Which version the server runs cannot be read from here: OCRQ_OPENAI_VERSION says (1.5 by
   default), and OCRQ_MODEL is the served model's name.
-* Rows of a batch are sent at once, at most OCRQ_OPENAI_CONCURRENCY in flight per worker; the
-  server batches them with other workers' requests. Retries and failures are the client's
-  (ocrq/models/openai/client.py): a server that is away keeps the jobs waiting, unacked; a
-  request it refuses fails that job alone.
+* Rows of a batch are sent at once, at most OCRQ_OPENAI_CONCURRENCY in flight per worker, as
+  tasks of the client's own event loop; the server batches them with other workers' requests.
+  Retries, deadlines and failures are the client's (ocrq/models/openai/client.py): a server
+  that is away keeps the jobs waiting, unacked; a request it refuses, or one that passes its
+  deadline or byte cap, fails that job alone.
 * The memory planned for is this process's (the images it holds); the model's is the server's.
 """
 
@@ -25,7 +26,7 @@ import base64
 import io
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -55,7 +56,6 @@ class OpenAIEngine(Engine):
         self.served = ServedModel.of_version(settings, VERSIONS[settings.openai_version])
         self.max_pixels = self.served.geometry.max_pixels
         self.client: ChatClient | None = None
-        self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OpenAIEngine:
@@ -72,8 +72,8 @@ class OpenAIEngine(Engine):
             timeout_s=s.openai_timeout_s,
             retry_s=s.openai_retry_s,
             max_connections=s.openai_concurrency,
+            max_response_bytes=s.openai_max_response_bytes,
         )
-        self._pool = ThreadPoolExecutor(s.openai_concurrency, thread_name_prefix="ocrq-openai")
         try:
             served = self.client.models()
         except Exception as exc:  # a server may come up after its workers: jobs will retry
@@ -93,9 +93,6 @@ class OpenAIEngine(Engine):
         )
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -154,20 +151,29 @@ class OpenAIEngine(Engine):
         }
 
     def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
-        if self._pool is None or self.client is None:
+        if self.client is None:
             raise RuntimeError("OpenAIEngine.load() must run before run()")
-        futures = [self._pool.submit(self._one, item) for item in batch]
-        results: list[OcrResult | Exception] = []
-        for future in futures:
-            try:
-                results.append(future.result())
-            except Exception as exc:  # refused, or the server stayed away: this image fails
-                results.append(exc)
-        return results
+        sent = [self._send(item) for item in batch]
+        return [self._answer(item, reply) for item, reply in zip(batch, sent, strict=True)]
 
-    def _one(self, item: PreparedImage) -> OcrResult | Exception:
+    def _send(self, item: PreparedImage) -> Future[Completion] | Exception:
         assert self.client is not None
-        encoded = item.encoded if isinstance(item.encoded, EncodedRequest) else self.encode(item)
-        reply: Completion = self.client.complete(self.body(item, encoded))
+        try:
+            encoded = item.encoded
+            if not isinstance(encoded, EncodedRequest):
+                encoded = self.encode(item)
+            return self.client.submit(self.body(item, encoded))
+        except Exception as exc:  # an image or task this version refuses: it fails alone
+            return exc
+
+    def _answer(
+        self, item: PreparedImage, sent: Future[Completion] | Exception
+    ) -> OcrResult | Exception:
+        if isinstance(sent, Exception):
+            return sent
+        try:
+            reply = sent.result()
+        except Exception as exc:  # refused, or the server stayed away: this image fails
+            return exc
         gen = self.served.generated(reply.text, [], reply.finish_reason)
         return self.served.result(item, gen)
