@@ -271,7 +271,7 @@ def test_a_dripping_server_fails_its_job_at_the_deadline(
     worker: WorkerProcess, env: dict[str, str], image: Path
 ) -> None:
     """A byte every 0.5 s would hold the job ~14 h for its declared 100,000 bytes: the attempt
-    ends at OCRQ_OPENAI_TIMEOUT_S, and the jobs sent with it are answered."""
+    ends at OCRQ_OPENAI_TIMEOUT_S, and the jobs sent with it are answered meanwhile."""
     started = time.monotonic()
     ids = _submit(env, image, "drip slowly", "plain two", "plain three")
     rows = _final(env, ids, Budget(90, "drip"), 90)
@@ -287,6 +287,10 @@ def test_a_dripping_server_fails_its_job_at_the_deadline(
     assert took < 60
     for name in ("plain two", "plain three"):
         assert rows[name]["status"] == "done" and rows[name]["text"] == f"answer to {name}"
+        # Answered on their own, not when the dripping request gave up (a static batch held
+        # them, and the batches behind them, for as long as its slowest request).
+        early = (drip["finished_at"] - rows[name]["finished_at"]).total_seconds()
+        assert early > TIMEOUT_S / 2, f"{name} finished only {early:.1f} s before the drip job"
 
 
 def test_a_huge_answer_is_cut_off_and_the_next_answer_is_whole(

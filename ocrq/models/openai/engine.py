@@ -12,8 +12,12 @@ Design notes (the why):
   original image's pixels.
 * Which version the server runs cannot be read from here: OCRQ_OPENAI_VERSION says (1.5 by
   default), and OCRQ_MODEL is the served model's name.
-* Rows of a batch are sent at once, at most OCRQ_OPENAI_CONCURRENCY in flight per worker, as
-  tasks of the client's own event loop; the server batches them with other workers' requests.
+* Rows are sent as they come, at most OCRQ_OPENAI_CONCURRENCY in flight per worker, as tasks
+  of the client's own event loop; the server batches them with other workers' requests. The
+  engine is a streaming one (the batcher's running loop, ocrq/scheduling/streaming.py): each
+  row's job is answered the moment its reply is in, so one slow request holds its own job and
+  nothing else (with static batches, a batch and the batches behind it waited for its slowest
+  request: a dripping server stalled the next jobs 148 s). OCRQ_SCHEDULER=static keeps batches.
   Retries, deadlines and failures are the client's (ocrq/models/openai/client.py): a server
   that is away keeps the jobs waiting, unacked; a request it refuses, or one that passes its
   deadline or byte cap, fails that job alone.
@@ -25,18 +29,20 @@ from __future__ import annotations
 import base64
 import io
 import logging
-from collections.abc import Sequence
-from concurrent.futures import Future
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from ocrq.core.settings import Settings
-from ocrq.models.base import Engine, OcrResult, PreparedImage
+from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.served import ServedModel
 from ocrq.models.hunyuan.versions import VERSIONS
 from ocrq.models.openai.client import ChatClient, Completion
+from ocrq.models.slots import RunningBudget
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,13 @@ class EncodedRequest:
     data_url: str
 
 
-class OpenAIEngine(Engine):
+# The "loop" of a remote engine holds no KV: rows are limited by the images the worker holds
+# (its prefetch cap), so its token pool is set past any row's need.
+UNBOUNDED_TOKENS = 2**40
+IDLE_POLL_S = 0.05
+
+
+class OpenAIEngine(Engine, StreamingEngine):
     name = "openai"
 
     def __init__(self, settings: Settings) -> None:
@@ -56,6 +68,8 @@ class OpenAIEngine(Engine):
         self.served = ServedModel.of_version(settings, VERSIONS[settings.openai_version])
         self.max_pixels = self.served.geometry.max_pixels
         self.client: ChatClient | None = None
+        # Rows handed to the running loop: key -> (row, its request or why it was not sent, when)
+        self._flight: dict[str, tuple[PreparedImage, Future[Completion] | Exception, float]] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OpenAIEngine:
@@ -177,3 +191,64 @@ class OpenAIEngine(Engine):
             return exc
         gen = self.served.generated(reply.text, [], reply.finish_reason)
         return self.served.result(item, gen)
+
+    # -- the running loop: rows answered one by one -------------------------------------------
+
+    def streams(self) -> bool:
+        return self.settings.scheduler != "static"
+
+    def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
+        """Nothing to allocate: the budget is the host's, for the images in flight."""
+        return RunningBudget(
+            slots=self.settings.openai_concurrency,
+            pool_tokens=UNBOUNDED_TOKENS,
+            prefill_tokens=UNBOUNDED_TOKENS,
+            pool_bytes=budget_bytes,
+            prefill_bytes=0,
+            state_bytes=0,
+            decode_fixed_bytes=0,
+        )
+
+    def submit(self, rows: Sequence[PreparedImage]) -> None:
+        if self.client is None:
+            raise RuntimeError("OpenAIEngine.load() must run before submit()")
+        for row in rows:
+            self._flight[row.key] = (row, self._send(row), time.monotonic())
+
+    def poll(self, timeout_s: float) -> list[Finished]:
+        """Rows whose replies are in (or that were never sent), waiting at most `timeout_s`
+        for the first."""
+        pending = [sent for _, sent, _ in self._flight.values() if isinstance(sent, Future)]
+        if len(pending) == len(self._flight):
+            if pending:
+                wait(pending, timeout_s, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(min(timeout_s, IDLE_POLL_S))
+        finished = []
+        for key, (row, sent, handed) in list(self._flight.items()):
+            if isinstance(sent, Future) and not sent.done():
+                continue
+            del self._flight[key]
+            finished.append(Finished(key, None, self._later(row, sent), handed))
+        return finished
+
+    def _later(
+        self, row: PreparedImage, sent: Future[Completion] | Exception
+    ) -> Callable[[], OcrResult]:
+        """Parsing the reply, for the batcher's finisher thread."""
+
+        def resolve() -> OcrResult:
+            result = self._answer(row, sent)
+            if isinstance(result, Exception):
+                raise result
+            return result
+
+        return resolve
+
+    def reset(self) -> list[str]:
+        keys = list(self._flight)
+        for _, sent, _ in self._flight.values():
+            if isinstance(sent, Future):
+                sent.cancel()
+        self._flight.clear()
+        return keys
