@@ -72,6 +72,21 @@ def test_claim_of_a_queued_row_is_one_statement(store: JobStore) -> None:
     assert (row["status"], row["attempts"], row["worker"]) == ("running", 1, "w1")
 
 
+def test_finish_stores_any_engines_text(store: JobStore) -> None:
+    """NUL and lone surrogates, which PostgreSQL's text and jsonb refuse, in the text, the lines
+    and the error alike: stored as U+FFFD, whichever engine made them."""
+    done, failed = str(uuid.uuid4()), str(uuid.uuid4())
+    for job in (done, failed):
+        assert store.claim(job, "text", "/n.png", "w1").run
+    lines = [{"text": "a\x00b", "box": [0, 0, 1, 1], "label": "x\ud800"}]
+    assert store.finish(done, status="done", text="A\x00B\udfffC", lines=lines)
+    assert store.finish(failed, status="failed", error="bad \x00 answer")
+    rows = store.get([done, failed])
+    assert rows[done]["text"] == "A\ufffdB\ufffdC"
+    assert rows[done]["lines"] == [{"text": "a\ufffdb", "box": [0, 0, 1, 1], "label": "x\ufffd"}]
+    assert rows[failed]["error"] == "bad \ufffd answer"
+
+
 def test_a_failed_row_stays_failed(store: JobStore) -> None:
     """A client told `failed` is never told otherwise: a redelivery does not claim it, a late
     result does not overwrite it."""

@@ -12,7 +12,10 @@ assembles them behind the safe defaults:
   to start (and, if started some other way, answers 503) unless OCRQ_API_ALLOW_NO_AUTH=true
   says a proxy authenticates;
 - request bodies over OCRQ_API_MAX_BODY_BYTES get 413 as soon as the count passes the limit
-  (FastAPI's own limit, counted while reading, chunked bodies included);
+  (FastAPI's own limit, counted while reading, chunked bodies included); the JSON-only routes
+  (/jobs/batch, /jobs/lookup) have lower limits, from what their capped lists need (routes.py);
+- a JSON body with more values than its route could use gets 413 while it is still arriving,
+  before it is parsed (json_budget.py): parsing and validating stay bounded on the event loop;
 - a 422 names the fields and what is wrong with them, never the values sent;
 - Redis or PostgreSQL down is a 503 with Retry-After, and leaves no job half-submitted
   (client.py's submit_many says how).
@@ -37,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ocrq.api import docs, documents, health, routes, viewer
 from ocrq.api.client import Client, NotSent
+from ocrq.api.json_budget import JsonBudget
 from ocrq.core.settings import Settings
 from ocrq.core.store import REUSED_ID, JobIdReused
 
@@ -170,6 +174,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
         openapi_url=None if settings.api_docs == "off" else docs.OPENAPI,
     )
+    # The last added runs first: the token is checked before a JSON body is counted.
+    app.add_middleware(JsonBudget, settings=settings)
     app.add_middleware(BearerAuth, settings=settings)
     app.add_exception_handler(RequestValidationError, validation_failed)
     # Connection-level failures only: a constraint or data error is a bug and stays a 500.

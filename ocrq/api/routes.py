@@ -3,9 +3,11 @@ look up many, and wait for results.
 
 Handlers are async so that a long-poll holds no thread while it sleeps; every database or
 broker call runs in the thread pool. Backend failures become 503s in http.py.
-"""
 
-from __future__ import annotations
+No `from __future__ import annotations` here: the batch and lookup bodies are models built per
+settings (their list caps), and FastAPI can resolve a handler's annotations only when they are
+objects, not names of a function's locals.
+"""
 
 import asyncio
 import base64
@@ -26,12 +28,11 @@ from ocrq.api.client import FINAL, Client, Submitted
 from ocrq.api.schemas import (
     Accepted,
     BatchAccepted,
-    BatchIn,
     JobIn,
     JobList,
     JobOut,
-    LookupIn,
     Status,
+    capped,
 )
 from ocrq.api.uploads import CHUNK, Uploads, UploadTooLarge
 from ocrq.core.contract import canonical_job_id
@@ -39,6 +40,12 @@ from ocrq.core.settings import Settings
 from ocrq.core.store import full_view
 
 RAW_TYPES = ("image/", "application/octet-stream")
+# Body limits of the JSON-only routes, from what their capped lists need (and never above
+# OCRQ_API_MAX_BODY_BYTES): a batch job is a path or URL (at most 8,192 characters), a task
+# (4,000) and an id; inline images go one per POST /jobs, or as uploads. A lookup is ids.
+BATCH_BYTES_PER_JOB = 16 * 1024
+LOOKUP_BYTES_PER_ID = 128
+BODY_SLACK = 4096
 UPLOAD_FIELDS = ("task", "job_id", "max_pixels")
 
 # POST /jobs takes three bodies; FastAPI can declare only one, so the schema says all three.
@@ -106,6 +113,10 @@ def _utc(value: dt.datetime | None) -> dt.datetime | None:
 
 def router(settings: Settings, client: Client) -> APIRouter:
     api = APIRouter(tags=["jobs"])
+    BatchIn, LookupIn = capped(settings.api_max_batch)
+    n, most = settings.api_max_batch, settings.api_max_body_bytes
+    batch_bytes = min(most, n * BATCH_BYTES_PER_JOB + BODY_SLACK)
+    lookup_bytes = min(most, n * LOOKUP_BYTES_PER_ID + BODY_SLACK)
     uploads = (
         Uploads(settings.upload_dir, settings.max_image_bytes) if settings.upload_dir else None
     )
@@ -217,12 +228,17 @@ def router(settings: Settings, client: Client) -> APIRouter:
             status_code=202 if done.created else 200,
         )
 
-    @api.post("/jobs/batch", status_code=202, response_model=BatchAccepted)
+    @api.post(
+        "/jobs/batch",
+        status_code=202,
+        response_model=BatchAccepted,
+        max_body_size=batch_bytes,
+        responses={413: {"description": "body over its limit, or too many JSON values"}},
+    )
     async def create_batch(batch: BatchIn) -> BatchAccepted:
-        """Submit many jobs in one request: recorded all or none (a reused `job_id` -> 409 and
-        nothing recorded), then sent; duplicate ids of the same job count once."""
-        if len(batch.jobs) > settings.api_max_batch:
-            raise HTTPException(413, f"more than {settings.api_max_batch} jobs in one batch")
+        """Submit many jobs in one request (at most OCRQ_API_MAX_BATCH; more is a 422): recorded
+        all or none (a reused `job_id` -> 409 and nothing recorded), then sent; duplicate ids of
+        the same job count once."""
         done = await submit(batch.jobs)
         return BatchAccepted(
             jobs=[Accepted(job_id=d.job_id, created=d.created, status=d.status) for d in done]
@@ -265,12 +281,16 @@ def router(settings: Settings, client: Client) -> APIRouter:
             "next_cursor": _encode_cursor(page.next_after) if page.next_after else None,
         }
 
-    @api.post("/jobs/lookup", response_model=JobList)
+    @api.post(
+        "/jobs/lookup",
+        response_model=JobList,
+        max_body_size=lookup_bytes,
+        responses={413: {"description": "body over its limit, or too many JSON values"}},
+    )
     async def lookup(request: Request, body: LookupIn) -> dict[str, Any]:
-        """Many jobs by id, in the order given (`status: "unknown"` for ids with no row); with
-        `wait`, answered once none is queued or running or after `wait` s (capped)."""
-        if len(body.job_ids) > settings.api_max_batch:
-            raise HTTPException(413, f"more than {settings.api_max_batch} job ids")
+        """Many jobs by id (at most OCRQ_API_MAX_BATCH), in the order given (`status:
+        "unknown"` for ids with no row); with `wait`, answered once none is queued or running
+        or after `wait` s (capped)."""
         return {"jobs": await wait_for(request, body.job_ids, body.wait)}
 
     @api.get("/jobs/{job_id}", response_model=JobOut, responses={404: {}})

@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -22,6 +23,7 @@ from ocrq.core.contract import MAX_PIXELS_RANGE, ImageRef, JobRequest, canonical
 
 MAX_TASK_CHARS = 4000  # as the worker's JobRequest
 MAX_REF_CHARS = 8192  # a path or URL longer than this is not a real reference
+DEFAULT_MAX_ITEMS = 1000  # OCRQ_API_MAX_BATCH's default; `capped` builds the configured models
 
 Task = Annotated[str, Field(min_length=1, max_length=MAX_TASK_CHARS)]
 MaxPixels = Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])]
@@ -76,7 +78,9 @@ class BatchIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    jobs: Annotated[list[JobIn], Field(min_length=1)]
+    # The cap is in the schema so that a longer list fails on its length alone, before any item
+    # is validated: checked after the items, a list of a million bad items was a million errors.
+    jobs: Annotated[list[JobIn], Field(min_length=1, max_length=DEFAULT_MAX_ITEMS)]
 
 
 class Accepted(BaseModel):
@@ -95,8 +99,26 @@ class LookupIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    job_ids: Annotated[list[str], Field(min_length=1)]
+    job_ids: Annotated[list[str], Field(min_length=1, max_length=DEFAULT_MAX_ITEMS)]
     wait: Annotated[float, Field(ge=0, le=3600)] = 0.0
+
+
+def capped(max_items: int) -> tuple[type[BatchIn], type[LookupIn]]:
+    """BatchIn and LookupIn with their lists capped at OCRQ_API_MAX_BATCH (the schema then
+    states the cap as `maxItems`)."""
+    batch = create_model(
+        "BatchIn",
+        __base__=BatchIn,
+        __doc__=BatchIn.__doc__,
+        jobs=(Annotated[list[JobIn], Field(min_length=1, max_length=max_items)], ...),
+    )
+    lookup = create_model(
+        "LookupIn",
+        __base__=LookupIn,
+        __doc__=LookupIn.__doc__,
+        job_ids=(Annotated[list[str], Field(min_length=1, max_length=max_items)], ...),
+    )
+    return batch, lookup
 
 
 class JobOut(BaseModel):

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Engine, and_, func, select, update
 
 from ocrq.core.db import ocr_documents, ocr_jobs
+from ocrq.core.storable import storable
 from ocrq.core.store import now
 
 FINAL = ("done", "partial", "failed")
@@ -91,7 +92,7 @@ class DocumentStore:
         """A document refused whole (unreadable, encrypted, no pages, too many): its row says
         why. A document already final is left as it was."""
         t = now()
-        values = {"status": "failed", "error": error, "finished_at": t, **fields}
+        values = storable({"status": "failed", "error": error, "finished_at": t, **fields})
         stmt = self._insert(ocr_documents).values(
             id=document_id, task=task, source=source, created_at=t, **values
         )
@@ -129,7 +130,7 @@ class DocumentStore:
             if pending or stored < (doc["pages"] or 0):
                 return None
             rows = [dict(r) for r in conn.execute(_page_rows(document_id)).mappings()]
-            fields = assemble(rows)
+            fields = storable(assemble(rows))  # as all stored text (core/storable.py)
             conn.execute(
                 update(ocr_documents)
                 .where(ocr_documents.c.id == document_id)

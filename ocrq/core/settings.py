@@ -276,7 +276,10 @@ class Settings(BaseSettings):
     openai_api_key: SecretStr | None = None
     openai_version: Literal["1.0", "1.5"] = "1.5"
     openai_concurrency: int = Field(default=16, ge=1, le=4096)  # requests in flight per worker
-    openai_timeout_s: float = Field(default=300.0, gt=0, le=86_400)  # one request
+    # One attempt, from sending the request to the answer's last byte (not per read).
+    openai_timeout_s: float = Field(default=300.0, gt=0, le=86_400)
+    # Largest answer read: a completion of 131,072 tokens, escaped, is a few MB.
+    openai_max_response_bytes: int = Field(default=16 * 2**20, ge=1024, le=2**31)
     # How long connection errors and 5xx answers are retried (with backoff) before the job fails.
     openai_retry_s: float = Field(default=600.0, ge=0, le=86_400)
 

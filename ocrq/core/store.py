@@ -19,6 +19,7 @@ from sqlalchemy import Engine, delete, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ocrq.core.db import ocr_jobs
+from ocrq.core.storable import storable
 
 
 def now() -> dt.datetime:
@@ -328,6 +329,9 @@ class JobStore:
         """
         if fields.get("status") not in FINAL:
             raise ValueError("finish() needs status 'done' or 'failed'")
+        # Text, lines and errors come from engines and exceptions: NUL and lone surrogates in
+        # them would make this UPDATE raise and leave the row `running` (core/storable.py).
+        fields = {k: storable(v) for k, v in fields.items()}
         fields.setdefault("finished_at", now())
         stmt = (
             update(ocr_jobs)

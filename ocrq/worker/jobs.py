@@ -291,16 +291,27 @@ class JobRunner:
             failed = self._fail(request.job_id, source, message, **common)
             return replace(failed, **batch)
         lines = [line.as_json() for line in outcome.result.lines]
-        with metrics.stage_timer("store"):
-            self._db(self.store.finish)(
-                request.job_id,
-                status="done",
-                text=outcome.result.text,
-                lines=lines,
-                error=None,
-                truncated=outcome.result.truncated,
-                **common,
-            )
+        try:
+            with metrics.stage_timer("store"):
+                self._db(self.store.finish)(
+                    request.job_id,
+                    status="done",
+                    text=outcome.result.text,
+                    lines=lines,
+                    error=None,
+                    truncated=outcome.result.truncated,
+                    **common,
+                )
+        except Exception as exc:
+            if _db_unavailable(exc):  # down for the whole retry window: no row can be written
+                raise
+            # A result the row cannot hold (the store cleans text, but a result is the engine's
+            # to shape): the job fails with why, instead of its row staying `running` while its
+            # message is acked.
+            log.exception("job %s: its result could not be stored", request.job_id)
+            message = f"result could not be stored: {type(exc).__name__}: {exc}"[:2000]
+            failed = self._fail(request.job_id, source, message, **common)
+            return replace(failed, **batch)
         self._count("done")
         return JobOutcome(
             request.job_id,

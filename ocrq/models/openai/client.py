@@ -12,15 +12,30 @@ dead), and 408/429 (it asks to be tried later), are retried with exponential bac
 its message stays unacked, so nothing is lost if the worker dies too. Any other 4xx means the
 server refuses this request (an image it cannot take, a prompt too long, a wrong model name):
 that job fails at once with the server's own message, and the worker goes on.
+
+Bounds on a hostile or broken server (issue 31's probe): each attempt has one deadline,
+`timeout_s` from sending to the answer's last byte (httpx's own timeouts are per read, so a
+server dripping a byte every 2 s held a job 219 s); an answer is read in chunks up to
+`max_response_bytes` and refused past it (a 2 GiB answer was read until MemoryError). The
+deadline is asyncio's cancellation, the way httpx documents a total timeout: the requests of a
+worker run as tasks of one event loop on a thread of this client, each in flight independently
+(at most `max_connections`), and a cancelled or refused one closes its connection, so no
+leftover bytes can be read as the next answer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import json
 import logging
 import random
+import threading
 import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -30,6 +45,8 @@ RETRY_STATUS = frozenset({408, 429})
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 ERROR_EXCERPT = 500  # characters of a refusal's body kept in the job's error
+CHUNK = 65536
+T = TypeVar("T")
 
 
 class RequestRefused(RuntimeError):
@@ -38,6 +55,10 @@ class RequestRefused(RuntimeError):
 
 class ServerUnavailable(RuntimeError):
     """The server kept failing (connection, timeout, 5xx) for the whole retry window."""
+
+
+class AnswerTooLarge(RequestRefused):
+    """The answer passed the byte cap: sent again it would be as large, so not retried."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +76,7 @@ def backoff_s(attempt: int, rng: random.Random | None = None) -> float:
 
 
 class ChatClient:
-    """Thread-safe: one httpx.Client (its connection pool sized to the concurrency cap)."""
+    """Thread-safe: callers in any thread; the requests run on this client's own event loop."""
 
     def __init__(
         self,
@@ -65,44 +86,89 @@ class ChatClient:
         timeout_s: float,
         retry_s: float,
         max_connections: int,
-        sleep: Any = time.sleep,
+        max_response_bytes: int = 16 * 2**20,
+        sleep: Callable[[float], Any] | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Compressed answers would make the byte cap count the wire, not the memory.
+        headers["Accept-Encoding"] = "identity"
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self._sleep = sleep
-        self.http = httpx.Client(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=max_connections),
-            trust_env=False,  # the server's URL is the setting's, never a proxy's
+        self.max_response_bytes = max_response_bytes
+        self._sleep = sleep or asyncio.sleep
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="ocrq-openai-http", daemon=True
         )
+        self._thread.start()
+        self._slots = asyncio.Semaphore(max_connections)
+
+        async def make() -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=headers,
+                timeout=httpx.Timeout(timeout_s),
+                limits=httpx.Limits(max_connections=max_connections),
+                trust_env=False,  # the server's URL is the setting's, never a proxy's
+            )
+
+        self.http = self._call(make())
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
-        self.http.close()
+        if self._loop.is_closed():
+            return
+        self._call(self.http.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def models(self, timeout_s: float = 5.0) -> list[str]:
         """The model names the server serves (GET /models); raises when it does not answer."""
-        reply = self.http.get("/models", timeout=timeout_s)
-        reply.raise_for_status()
-        return [m.get("id", "") for m in reply.json().get("data", [])]
+
+        async def ask() -> list[str]:
+            async with asyncio.timeout(timeout_s):
+                status, data = await self._json_of("GET", "/models", None, timeout_s)
+            if status >= 400:
+                raise RuntimeError(f"GET /models: HTTP {status}: {_excerpt(data)}")
+            answer = _parsed(data)
+            listed = answer.get("data", []) if isinstance(answer, dict) else []
+            return [m.get("id", "") for m in listed if isinstance(m, dict)]
+
+        return self._call(ask())
+
+    def submit(self, body: dict[str, Any]) -> Future[Completion]:
+        """`complete(body)` in flight on the client's loop; its future."""
+        return asyncio.run_coroutine_threadsafe(self.acomplete(body), self._loop)
 
     def complete(self, body: dict[str, Any]) -> Completion:
         """POST /chat/completions, retried as the module docstring says."""
+        return self.submit(body).result()
+
+    async def acomplete(self, body: dict[str, Any]) -> Completion:
         started = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
             try:
-                reply = self.http.post("/chat/completions", json=body)
+                async with self._slots:  # the deadline starts once a connection is ours
+                    async with asyncio.timeout(self.timeout_s):
+                        status, data = await self._json_of(
+                            "POST", "/chat/completions", body, self.timeout_s
+                        )
+            except TimeoutError:
+                problem = f"no whole answer within {self.timeout_s:g} s (OCRQ_OPENAI_TIMEOUT_S)"
             except httpx.TransportError as exc:  # refused, reset, timed out
                 problem = f"{type(exc).__name__}: {exc}"
             else:
-                if reply.status_code < 400:
-                    return _completion(reply)
-                problem = f"HTTP {reply.status_code}: {_excerpt(reply)}"
-                if reply.status_code < 500 and reply.status_code not in RETRY_STATUS:
+                if status < 400:
+                    return _completion(data)
+                problem = f"HTTP {status}: {_excerpt(data)}"
+                if status < 500 and status not in RETRY_STATUS:
                     raise RequestRefused(f"server refused the request ({problem})")
             waited = time.monotonic() - started
             pause = backoff_s(attempt)
@@ -112,28 +178,65 @@ class ChatClient:
                     f"(OCRQ_OPENAI_RETRY_S={self.retry_s:g}); last: {problem}"
                 )
             log.warning("%s: %s; retry %d in %.1f s", self.base_url, problem, attempt, pause)
-            self._sleep(pause)
+            slept = self._sleep(pause)
+            if inspect.isawaitable(slept):
+                await slept
+
+    async def _json_of(
+        self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
+    ) -> tuple[int, bytes]:
+        """The status and body of one request, the body read up to the byte cap. The response
+        is closed however this ends; one not read to its end closes its connection with it."""
+        request = self.http.build_request(method, path, json=body, timeout=timeout_s)
+        reply = await self.http.send(request, stream=True)
+        try:
+            declared = reply.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.max_response_bytes:
+                raise AnswerTooLarge(self._too_large(int(declared)))
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in reply.aiter_bytes(CHUNK):
+                size += len(chunk)
+                if size > self.max_response_bytes:
+                    raise AnswerTooLarge(self._too_large(size))
+                chunks.append(chunk)
+            return reply.status_code, b"".join(chunks)
+        finally:
+            await reply.aclose()
+
+    def _too_large(self, size: int) -> str:
+        return (
+            f"server answered with more than {self.max_response_bytes} bytes ({size} seen; "
+            "OCRQ_OPENAI_MAX_RESPONSE_BYTES)"
+        )
 
 
-def _completion(reply: httpx.Response) -> Completion:
+def _parsed(data: bytes) -> Any:
+    return json.loads(data)
+
+
+def _completion(raw: bytes) -> Completion:
     try:
-        data = reply.json()
+        data = _parsed(raw)
         choice = data["choices"][0]
         text = choice["message"]["content"] or ""
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise RequestRefused(f"server answered without a completion: {_excerpt(reply)}") from exc
-    usage = data.get("usage") or {}
-    return Completion(text, choice.get("finish_reason"), int(usage.get("completion_tokens") or 0))
+        if not isinstance(text, str):
+            raise TypeError("content is not text")
+        usage = data.get("usage") or {}
+        tokens = int(usage.get("completion_tokens") or 0)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise RequestRefused(f"server answered without a completion: {_excerpt(raw)}") from exc
+    return Completion(text, choice.get("finish_reason"), tokens)
 
 
-def _excerpt(reply: httpx.Response) -> str:
+def _excerpt(raw: bytes) -> str:
     """The server's error message (OpenAI's {"error": {"message"}} or vLLM's {"message"}),
     else the start of its body."""
     try:
-        data = reply.json()
+        data = _parsed(raw)
         error = data.get("error", data) if isinstance(data, dict) else data
         message = error.get("message") if isinstance(error, dict) else None
         text = str(message or data)
     except ValueError:
-        text = reply.text
+        text = raw[: ERROR_EXCERPT * 4].decode("utf-8", "replace")
     return text[:ERROR_EXCERPT]

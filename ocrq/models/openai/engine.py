@@ -12,10 +12,15 @@ Design notes (the why):
   original image's pixels.
 * Which version the server runs cannot be read from here: OCRQ_OPENAI_VERSION says (1.5 by
   default), and OCRQ_MODEL is the served model's name.
-* Rows of a batch are sent at once, at most OCRQ_OPENAI_CONCURRENCY in flight per worker; the
-  server batches them with other workers' requests. Retries and failures are the client's
-  (ocrq/models/openai/client.py): a server that is away keeps the jobs waiting, unacked; a
-  request it refuses fails that job alone.
+* Rows are sent as they come, at most OCRQ_OPENAI_CONCURRENCY in flight per worker, as tasks
+  of the client's own event loop; the server batches them with other workers' requests. The
+  engine is a streaming one (the batcher's running loop, ocrq/scheduling/streaming.py): each
+  row's job is answered the moment its reply is in, so one slow request holds its own job and
+  nothing else (with static batches, a batch and the batches behind it waited for its slowest
+  request: a dripping server stalled the next jobs 148 s). OCRQ_SCHEDULER=static keeps batches.
+  Retries, deadlines and failures are the client's (ocrq/models/openai/client.py): a server
+  that is away keeps the jobs waiting, unacked; a request it refuses, or one that passes its
+  deadline or byte cap, fails that job alone.
 * The memory planned for is this process's (the images it holds); the model's is the server's.
 """
 
@@ -24,18 +29,20 @@ from __future__ import annotations
 import base64
 import io
 import logging
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from ocrq.core.settings import Settings
-from ocrq.models.base import Engine, OcrResult, PreparedImage
+from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.served import ServedModel
 from ocrq.models.hunyuan.versions import VERSIONS
 from ocrq.models.openai.client import ChatClient, Completion
+from ocrq.models.slots import RunningBudget
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +54,13 @@ class EncodedRequest:
     data_url: str
 
 
-class OpenAIEngine(Engine):
+# The "loop" of a remote engine holds no KV: rows are limited by the images the worker holds
+# (its prefetch cap), so its token pool is set past any row's need.
+UNBOUNDED_TOKENS = 2**40
+IDLE_POLL_S = 0.05
+
+
+class OpenAIEngine(Engine, StreamingEngine):
     name = "openai"
 
     def __init__(self, settings: Settings) -> None:
@@ -55,7 +68,8 @@ class OpenAIEngine(Engine):
         self.served = ServedModel.of_version(settings, VERSIONS[settings.openai_version])
         self.max_pixels = self.served.geometry.max_pixels
         self.client: ChatClient | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        # Rows handed to the running loop: key -> (row, its request or why it was not sent, when)
+        self._flight: dict[str, tuple[PreparedImage, Future[Completion] | Exception, float]] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OpenAIEngine:
@@ -72,8 +86,8 @@ class OpenAIEngine(Engine):
             timeout_s=s.openai_timeout_s,
             retry_s=s.openai_retry_s,
             max_connections=s.openai_concurrency,
+            max_response_bytes=s.openai_max_response_bytes,
         )
-        self._pool = ThreadPoolExecutor(s.openai_concurrency, thread_name_prefix="ocrq-openai")
         try:
             served = self.client.models()
         except Exception as exc:  # a server may come up after its workers: jobs will retry
@@ -93,9 +107,6 @@ class OpenAIEngine(Engine):
         )
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -154,20 +165,90 @@ class OpenAIEngine(Engine):
         }
 
     def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
-        if self._pool is None or self.client is None:
+        if self.client is None:
             raise RuntimeError("OpenAIEngine.load() must run before run()")
-        futures = [self._pool.submit(self._one, item) for item in batch]
-        results: list[OcrResult | Exception] = []
-        for future in futures:
-            try:
-                results.append(future.result())
-            except Exception as exc:  # refused, or the server stayed away: this image fails
-                results.append(exc)
-        return results
+        sent = [self._send(item) for item in batch]
+        return [self._answer(item, reply) for item, reply in zip(batch, sent, strict=True)]
 
-    def _one(self, item: PreparedImage) -> OcrResult | Exception:
+    def _send(self, item: PreparedImage) -> Future[Completion] | Exception:
         assert self.client is not None
-        encoded = item.encoded if isinstance(item.encoded, EncodedRequest) else self.encode(item)
-        reply: Completion = self.client.complete(self.body(item, encoded))
+        try:
+            encoded = item.encoded
+            if not isinstance(encoded, EncodedRequest):
+                encoded = self.encode(item)
+            return self.client.submit(self.body(item, encoded))
+        except Exception as exc:  # an image or task this version refuses: it fails alone
+            return exc
+
+    def _answer(
+        self, item: PreparedImage, sent: Future[Completion] | Exception
+    ) -> OcrResult | Exception:
+        if isinstance(sent, Exception):
+            return sent
+        try:
+            reply = sent.result()
+        except Exception as exc:  # refused, or the server stayed away: this image fails
+            return exc
         gen = self.served.generated(reply.text, [], reply.finish_reason)
         return self.served.result(item, gen)
+
+    # -- the running loop: rows answered one by one -------------------------------------------
+
+    def streams(self) -> bool:
+        return self.settings.scheduler != "static"
+
+    def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
+        """Nothing to allocate: the budget is the host's, for the images in flight."""
+        return RunningBudget(
+            slots=self.settings.openai_concurrency,
+            pool_tokens=UNBOUNDED_TOKENS,
+            prefill_tokens=UNBOUNDED_TOKENS,
+            pool_bytes=budget_bytes,
+            prefill_bytes=0,
+            state_bytes=0,
+            decode_fixed_bytes=0,
+        )
+
+    def submit(self, rows: Sequence[PreparedImage]) -> None:
+        if self.client is None:
+            raise RuntimeError("OpenAIEngine.load() must run before submit()")
+        for row in rows:
+            self._flight[row.key] = (row, self._send(row), time.monotonic())
+
+    def poll(self, timeout_s: float) -> list[Finished]:
+        """Rows whose replies are in (or that were never sent), waiting at most `timeout_s`
+        for the first."""
+        pending = [sent for _, sent, _ in self._flight.values() if isinstance(sent, Future)]
+        if len(pending) == len(self._flight):
+            if pending:
+                wait(pending, timeout_s, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(min(timeout_s, IDLE_POLL_S))
+        finished = []
+        for key, (row, sent, handed) in list(self._flight.items()):
+            if isinstance(sent, Future) and not sent.done():
+                continue
+            del self._flight[key]
+            finished.append(Finished(key, None, self._later(row, sent), handed))
+        return finished
+
+    def _later(
+        self, row: PreparedImage, sent: Future[Completion] | Exception
+    ) -> Callable[[], OcrResult]:
+        """Parsing the reply, for the batcher's finisher thread."""
+
+        def resolve() -> OcrResult:
+            result = self._answer(row, sent)
+            if isinstance(result, Exception):
+                raise result
+            return result
+
+        return resolve
+
+    def reset(self) -> list[str]:
+        keys = list(self._flight)
+        for _, sent, _ in self._flight.values():
+            if isinstance(sent, Future):
+                sent.cancel()
+        self._flight.clear()
+        return keys
