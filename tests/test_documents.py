@@ -203,6 +203,11 @@ def test_text_layer_pdf_tiff_and_upload(
         rows = {r["job_id"]: r for r in wait_documents(client, [by_path, tiff_id, uploaded], 400)}
         via_api = api.get(f"/documents/{uploaded}", headers=auth).json()
         assert api.get(f"/jobs/{uploaded}", headers=auth).json()["document_id"] == uploaded
+        # `GET /jobs` lists a document with its own status and pages (its bare job row read
+        # `done` with no pages as soon as it was split).
+        listed = {r["job_id"]: r for r in api.get("/jobs?limit=200", headers=auth).json()["jobs"]}
+        assert (listed[uploaded]["pages"], listed[uploaded]["pages_final"]) == (3, 3)
+        assert listed[uploaded]["text"] == "\n\n".join("\n".join(page) for page in lines)
     for job_id in (by_path, uploaded):
         doc = rows[job_id]
         assert doc["status"] == "done", doc

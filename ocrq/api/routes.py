@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from ocrq.api import document_status
 from ocrq.api.client import FINAL, Client, Submitted
 from ocrq.api.schemas import (
     Accepted,
@@ -37,7 +38,6 @@ from ocrq.api.schemas import (
 from ocrq.api.uploads import CHUNK, Uploads, UploadTooLarge
 from ocrq.core.contract import canonical_job_id
 from ocrq.core.settings import Settings
-from ocrq.core.store import full_view
 
 RAW_TYPES = ("image/", "application/octet-stream")
 # Body limits of the JSON-only routes, from what their capped lists need (and never above
@@ -276,8 +276,10 @@ def router(settings: Settings, client: Client) -> APIRouter:
             min(limit, settings.api_max_batch),
             after,
         )
+        # A document's own job with its document's status, text and pages (as `ocrq jobs`).
+        rows = await run_in_threadpool(document_status.listed, client.documents, page.rows)
         return {
-            "jobs": [full_view(r) for r in page.rows],
+            "jobs": rows,
             "next_cursor": _encode_cursor(page.next_after) if page.next_after else None,
         }
 
