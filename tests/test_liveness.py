@@ -274,6 +274,7 @@ def test_concurrent_sweeps_resend_each_job_once(database_url: str) -> None:
                     "status": "running",
                     "task": "text",
                     "source": f"/x/{i}.png",
+                    "reference": {"path": f"/x/{i}.png"},
                     "worker": dead,
                     "attempts": 1,
                     "created_at": long_ago,

@@ -18,7 +18,13 @@ from pydantic import (
     model_validator,
 )
 
-from ocrq.core.contract import MAX_PIXELS_RANGE, ImageRef, JobRequest, canonical_job_id
+from ocrq.core.contract import (
+    MAX_PIXELS_RANGE,
+    NAME_REFUSED,
+    ImageRef,
+    JobRequest,
+    canonical_job_id,
+)
 
 MAX_TASK_CHARS = 4000  # as the worker's JobRequest
 MAX_REF_CHARS = 8192  # a path or URL longer than this is not a real reference
@@ -48,6 +54,8 @@ class JobIn(BaseModel):
 
     @model_validator(mode="after")
     def _storable(self) -> JobIn:
+        if self.image.name is not None:
+            raise ValueError(NAME_REFUSED)
         for name in ("path", "url"):
             value = getattr(self.image, name)
             if value and len(value) > MAX_REF_CHARS:
