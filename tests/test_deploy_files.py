@@ -299,6 +299,8 @@ def test_compose_starts_in_order_persists_and_keeps_internals_internal() -> None
         assert "--no-supervise" in worker["command"], name
         assert worker["healthcheck"]["test"][1:3] == ["ocrq", "health"], name
         assert worker["environment"]["OCRQ_METRICS_PORT"], name
+        # The default is loopback: a container's probe and Prometheus come from outside it.
+        assert worker["environment"]["OCRQ_METRICS_ADDRESS"] == "0.0.0.0", name
         assert seconds(worker["stop_grace_period"]) >= 60, name
         assert worker["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     gpu = services["worker-gpu"]["deploy"]["resources"]
@@ -312,7 +314,7 @@ def test_compose_starts_in_order_persists_and_keeps_internals_internal() -> None
 def test_dockerfile_healthcheck_and_dockerignore() -> None:
     text = DOCKERFILE.read_text()
     assert re.search(r"^HEALTHCHECK .*CMD \[\"ocrq\", \"health\"\]$", text, re.M)
-    assert "OCRQ_METRICS_PORT=" in text
+    assert "OCRQ_METRICS_PORT=" in text and "OCRQ_METRICS_ADDRESS=0.0.0.0" in text
     ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines()}
     assert {".venv", ".git", ".env", "bench/results"} <= ignored
     # What the Dockerfile copies is not ignored.
@@ -369,6 +371,7 @@ def test_kubernetes_worker_probes_resources_grace_and_migration_job() -> None:
     assert "--no-supervise" in container["args"]
     assert pod["terminationGracePeriodSeconds"] >= 120
     port = int(env_of(container)["OCRQ_METRICS_PORT"]["value"])
+    assert env_of(container)["OCRQ_METRICS_ADDRESS"]["value"] == "0.0.0.0"  # kubelet, Prometheus
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe, path in (
         ("startupProbe", "/healthz"),

@@ -144,8 +144,9 @@ class Settings(BaseSettings):
     # The worker's /metrics, /healthz and /readyz on this port when set (ocrq/worker/monitor.py),
     # served by the supervisor (across recycles) or, with --no-supervise, the worker itself.
     metrics_port: int | None = Field(default=None, ge=1, le=65_535)
-    # Where they listen: all interfaces, so Prometheus and the kubelet reach a container.
-    metrics_address: str = "0.0.0.0"
+    # Where they listen: loopback, so a bare host shows them to no one else; "0.0.0.0" where
+    # Prometheus or a kubelet must reach a container from outside (the Dockerfile sets it).
+    metrics_address: str = "127.0.0.1"
     # `ocrq worker` only: one worker process per GPU, "all" or indices "0,1" (ocrq/worker/gpus.py).
     gpus: str | None = None
 
