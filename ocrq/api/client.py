@@ -191,7 +191,7 @@ class Client:
     def status(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Rows by job id, in any UUID spelling (`{...}`, `urn:uuid:`, upper case, no dashes)."""
         ids = [_canonical_or_none(j) or j for j in job_ids]
-        rows = self.store.get(ids)
+        rows = self.store.get([j for j in ids if _canonical_or_none(j)])  # no row for others
         shown = document_status.views(self.documents, rows, {j: full_view(rows[j]) for j in rows})
         return [shown.get(j, {"job_id": j, "status": "unknown"}) for j in ids]
 

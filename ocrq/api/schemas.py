@@ -24,6 +24,7 @@ from ocrq.core.contract import (
     ImageRef,
     JobRequest,
     canonical_job_id,
+    require_storable,
 )
 
 MAX_TASK_CHARS = 4000  # as the worker's JobRequest
@@ -105,6 +106,15 @@ class LookupIn(BaseModel):
 
     job_ids: Annotated[list[str], Field(min_length=1)]
     wait: Annotated[float, Field(ge=0, le=3600)] = 0.0
+
+    @field_validator("job_ids")
+    @classmethod
+    def _storable_ids(cls, ids: list[str]) -> list[str]:
+        """An id that is not a UUID has no row and is answered `unknown`, but one with a NUL or
+        a lone surrogate can be neither looked up nor echoed as UTF-8 (both were a 500)."""
+        for job_id in ids:
+            require_storable(job_id, "job id")
+        return ids
 
 
 class JobOut(BaseModel):

@@ -134,7 +134,7 @@ def canonical_job_id(value: object) -> str:
     return str(uuid.UUID(value))
 
 
-def _storable(value: str, what: str) -> str:
+def require_storable(value: str, what: str) -> str:
     """PostgreSQL text holds neither NUL nor a lone surrogate (not UTF-8): refuse them here, so
     the job fails with a clear error instead of its row failing to be written at all."""
     if "\x00" in value:
@@ -177,14 +177,14 @@ class JobRequest(BaseModel):
     @field_validator("task")
     @classmethod
     def _storable_task(cls, value: str) -> str:
-        return _storable(value, "task")
+        return require_storable(value, "task")
 
     @model_validator(mode="after")
     def _storable_image(self) -> JobRequest:
         for key in ("path", "url", "b64", "name"):
             value = getattr(self.image, key)
             if value is not None:
-                _storable(value, f"image.{key}")
+                require_storable(value, f"image.{key}")
         return self
 
     @property
