@@ -133,6 +133,11 @@ class Settings(BaseSettings):
     # estimate). The fault tests run at 20 s to recover quickly; a week is far past any sane
     # setting.
     visibility_timeout_s: int = Field(default=3600, ge=1, le=7 * 86_400)
+    # Furthest ahead a message's ETA (or countdown) may be. A message held for its ETA stays
+    # unacked, so Redis delivers it again every visibility timeout until then (an ETA in 9999
+    # forever): one farther ahead fails its job at once (ocrq/worker/envelope.py). None: the
+    # visibility timeout; at most that.
+    max_eta_s: int | None = Field(default=None, ge=0, le=7 * 86_400)
     # Recycle the worker process after this many images ...
     max_images: int | None = Field(default=10_000, ge=1)
     # ... or when host RSS stays above this ...
@@ -275,7 +280,17 @@ class Settings(BaseSettings):
                 f"OCRQ_STALLED_AFTER_S ({self.stalled_after_s}) must be at least three "
                 f"heartbeats (OCRQ_HEARTBEAT_S={self.heartbeat_s}), or live workers look dead"
             )
+        if self.max_eta_s is not None and self.max_eta_s > self.visibility_timeout_s:
+            raise ValueError(
+                f"OCRQ_MAX_ETA_S ({self.max_eta_s}) must not exceed OCRQ_VISIBILITY_TIMEOUT_S "
+                f"({self.visibility_timeout_s}): a message held longer is delivered again"
+            )
         return self
+
+    @property
+    def eta_bound_s(self) -> int:
+        """How far ahead an ETA may be: OCRQ_MAX_ETA_S, else the visibility timeout."""
+        return self.visibility_timeout_s if self.max_eta_s is None else self.max_eta_s
 
     @field_validator("gpus")
     @classmethod
