@@ -222,6 +222,9 @@ def test_flower_started_as_deployed_requires_basic_auth(broker_url: str, tmp_pat
         # and the container healthcheck's /healthcheck needs none.
         api = httpx.get(f"{base}/api/workers", auth=(user, password), timeout=5)
         healthcheck = httpx.get(f"{base}/healthcheck", timeout=5)
+        # Flower's Prometheus /metrics is served without the login (Flower's own choice, as
+        # docs/deploy.md says): counts by task name, state and worker, never a task's arguments.
+        metrics = httpx.get(f"{base}/metrics", timeout=5)
     finally:
         flower.terminate()
         flower.wait(20)
@@ -229,6 +232,7 @@ def test_flower_started_as_deployed_requires_basic_auth(broker_url: str, tmp_pat
     assert anonymous.status_code == 401 and wrong.status_code == 401
     assert right.status_code == 200
     assert api.status_code == 200 and healthcheck.status_code == 200
+    assert metrics.status_code == 200 and "flower_" in metrics.text
 
 
 # -- start order, persistence, networks, grace, health (issue 15) ---------------------------
