@@ -41,6 +41,7 @@ from sqlalchemy import func, select
 
 from bench.rapid_memory import long_line, long_line_text, text_page, thin, words
 from bench.scoring import cer
+from ocrq.core.contract import NAME_REFUSED
 from ocrq.core.db import get_engine, ocr_jobs
 from ocrq.core.samples import draw_text_image
 from ocrq.core.store import REUSED_ID, JobStore, now
@@ -276,6 +277,10 @@ def check_not_linked(row: dict[str, Any], sent: Sent, run: ProbeRun) -> None:
     assert run.store.get([sent.info["linked"]]) == {}  # the linked job was never sent
 
 
+def check_named(row: dict[str, Any], sent: Sent, run: ProbeRun) -> None:
+    assert row["source"].startswith("b64:") and row["reference"] is None, row
+
+
 def check_spellings(row: dict[str, Any], sent: Sent, run: ProbeRun) -> None:
     """Delivered together, the copies are one job: run once, never taken for dead attempts
     (before: run three times, and the fourth copy failed it as "gave up after 3 attempts")."""
@@ -452,6 +457,10 @@ HOSTILE: list[Case] = [
          "done", "ECHO GOLF 303"),
     Case("b64_urlsafe", lambda c: job({"b64": b64_text("HOTEL INDIA 404", "urlsafe")}),
          "done", "HOTEL INDIA 404"),
+    # A producer's name is not a reference (issue 31): refused, recorded as what it really is.
+    Case("b64_named_as_a_path", lambda c: job({"b64": b64_text("MIKE NOVEMBER 9", "plain"),
+                                                "name": str(c.secret_file)}),
+         "failed", NAME_REFUSED, check_named),
     Case("b64_invalid", lambda c: job({"b64": "@@not base64@@"}), "failed", "invalid base64"),
     Case("b64_data_not_base64", lambda c: job({"b64": "data:image/png,iVBORw0KGgo"}),
          "failed", "invalid base64"),

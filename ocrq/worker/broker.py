@@ -139,10 +139,14 @@ class TolerantChannel(redis.Channel):
                 **payload,
                 "headers": {k: v for k, v in headers.items() if k != REFUSED_HEADER},
             }
-        reason = task_refusal(payload, self.ocrq_max_eta_s, dt.datetime.now(dt.UTC))
+        try:
+            reason = task_refusal(payload, self.ocrq_max_eta_s, dt.datetime.now(dt.UTC))
+            rewritten = refused(payload, reason) if reason is not None else None
+        except Exception as exc:  # checked sound already; never let it reach the event loop
+            _log_rejected(queue, Problem(f"{type(exc).__name__}: {exc}", payload.get("headers")))
+            return None
         if reason is None:
             return payload
-        rewritten = refused(payload, reason)
         if rewritten is None:
             _log_rejected(queue, Problem(reason, payload.get("headers") or payload))
         return rewritten
