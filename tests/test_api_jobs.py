@@ -282,6 +282,7 @@ def test_bad_fields_are_422_never_500(idle_settings: Settings) -> None:
             b'{"image": {"url": "https://example.org/\\u0000"}}',
             b'{"image": {"path": "/a.png"}, "job_id": "not-a-uuid"}',
             b'{"image": {"path": "/a.png"}, "max_pixels": 5}',
+            b'{"image": {"b64": "aGk=", "name": "/srv/other.png"}}',  # a producer's name
         ]
         for body in bodies:
             r = api.post("/jobs", content=body, headers={"Content-Type": "application/json"})

@@ -224,6 +224,9 @@ def test_flower_started_as_deployed_requires_basic_auth(broker_url: str, tmp_pat
         # and the container healthcheck's /healthcheck needs none.
         api = httpx.get(f"{base}/api/workers", auth=(user, password), timeout=5)
         healthcheck = httpx.get(f"{base}/healthcheck", timeout=5)
+        # Flower's Prometheus /metrics is served without the login (Flower's own choice, as
+        # docs/deploy.md says): counts by task name, state and worker, never a task's arguments.
+        metrics = httpx.get(f"{base}/metrics", timeout=5)
     finally:
         flower.terminate()
         flower.wait(20)
@@ -231,6 +234,7 @@ def test_flower_started_as_deployed_requires_basic_auth(broker_url: str, tmp_pat
     assert anonymous.status_code == 401 and wrong.status_code == 401
     assert right.status_code == 200
     assert api.status_code == 200 and healthcheck.status_code == 200
+    assert metrics.status_code == 200 and "flower_" in metrics.text
 
 
 # -- start order, persistence, networks, grace, health (issue 15) ---------------------------
@@ -301,6 +305,8 @@ def test_compose_starts_in_order_persists_and_keeps_internals_internal() -> None
         assert "--no-supervise" in worker["command"], name
         assert worker["healthcheck"]["test"][1:3] == ["ocrq", "health"], name
         assert worker["environment"]["OCRQ_METRICS_PORT"], name
+        # The default is loopback: a container's probe and Prometheus come from outside it.
+        assert worker["environment"]["OCRQ_METRICS_ADDRESS"] == "0.0.0.0", name
         assert seconds(worker["stop_grace_period"]) >= 60, name
         assert worker["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     gpu = services["worker-gpu"]["deploy"]["resources"]
@@ -314,7 +320,7 @@ def test_compose_starts_in_order_persists_and_keeps_internals_internal() -> None
 def test_dockerfile_healthcheck_and_dockerignore() -> None:
     text = DOCKERFILE.read_text()
     assert re.search(r"^HEALTHCHECK .*CMD \[\"ocrq\", \"health\"\]$", text, re.M)
-    assert "OCRQ_METRICS_PORT=" in text
+    assert "OCRQ_METRICS_PORT=" in text and "OCRQ_METRICS_ADDRESS=0.0.0.0" in text
     ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines()}
     assert {".venv", ".git", ".env", "bench/results"} <= ignored
     # What the Dockerfile copies is not ignored.
@@ -371,6 +377,7 @@ def test_kubernetes_worker_probes_resources_grace_and_migration_job() -> None:
     assert "--no-supervise" in container["args"]
     assert pod["terminationGracePeriodSeconds"] >= 120
     port = int(env_of(container)["OCRQ_METRICS_PORT"]["value"])
+    assert env_of(container)["OCRQ_METRICS_ADDRESS"]["value"] == "0.0.0.0"  # kubelet, Prometheus
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe, path in (
         ("startupProbe", "/healthz"),

@@ -8,6 +8,7 @@ only the heartbeat sweep can.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -274,6 +275,7 @@ def test_concurrent_sweeps_resend_each_job_once(database_url: str) -> None:
                     "status": "running",
                     "task": "text",
                     "source": f"/x/{i}.png",
+                    "reference": {"path": f"/x/{i}.png"},
                     "worker": dead,
                     "attempts": 1,
                     "created_at": long_ago,
@@ -364,3 +366,40 @@ def test_a_group_stop_stops_a_worker_once_and_retires_its_row(
     assert text.count("Warm shutdown") == 1, text[-3000:]
     assert "shutdown: heartbeat row of" in text
     assert not names & set(workers_table.heartbeats(store.engine))
+
+
+def test_a_killed_supervisor_takes_its_worker_along(
+    service_env: dict[str, str], database_url: str, tmp_path: Path
+) -> None:
+    """kill -9 of the supervisor (no forwarding possible): its worker process gets SIGTERM from
+    Linux (PR_SET_PDEATHSIG), stops consuming and exits with a warm shutdown, its heartbeat row
+    retired. Before, it went on consuming as an orphan with no metrics and no one to restart
+    it (issue 31)."""
+    budget = Budget(150, "supervisor-kill-9")
+    queue = f"ocr-orphan-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue}
+    store = JobStore(get_engine(database_url))
+    others = set(workers_table.heartbeats(store.engine))
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "2").wait_ready(90)
+    started = re.compile(r"started worker process pid (\d+)")
+    child = 0
+    try:
+        (child,) = (int(pid) for pid in started.findall(worker.text()))
+        names = set(workers_table.heartbeats(store.engine)) - others
+        assert len(names) == 1 and os.getpgid(child) == worker.proc.pid
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait(30)
+        budget.until(
+            "the orphaned worker process to exit",
+            lambda: not Path(f"/proc/{child}").exists()
+            or Path(f"/proc/{child}/stat").read_text().split(") ")[1].startswith("Z"),
+            60,
+            lambda: worker.text()[-2000:],
+        )
+    finally:
+        if child and Path(f"/proc/{child}").exists():
+            os.kill(child, signal.SIGKILL)  # an orphan must not outlive the test
+        worker.stop(timeout=30)
+    text = worker.text()
+    assert text.count("Warm shutdown") == 1, text[-3000:]
+    assert not names & set(workers_table.heartbeats(store.engine))  # retired on the way out

@@ -11,6 +11,7 @@ body came back after every restart.
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from ocrq.core.contract import ImageRef
 from ocrq.core.samples import draw_text_image
 from ocrq.core.settings import Settings
 from ocrq.core.store import REUSED_ID, JobStore
+from ocrq.worker import envelope as envelope_checks
 from tests.conftest import WorkerProcess
 from tests.test_service import _store, _wait_rows
 
@@ -454,3 +456,56 @@ def test_job_timeout_fails_the_job_not_the_batch(
     assert row["width"] and row["sha256"]  # the image was read; the wait was cut
     assert failed_after < 20
     assert done["status"] == "done"
+
+
+# --- send options that must fail the job (issue 31) --------------------------------------------
+
+NOW = dt.datetime(2026, 12, 2, tzinfo=dt.UTC)
+LINK = {"task": "ocrq.recognize", "args": [], "kwargs": {}, "options": {"queue": "ocr"}}
+
+
+def proto2(embed: dict[str, Any], **headers: Any) -> dict[str, Any]:
+    body = json.dumps([[], {"image": {"path": "/a.png"}}, embed])
+    return envelope(body, {**task_headers(), **headers})
+
+
+@pytest.mark.parametrize(
+    ("embed", "eta", "refused"),
+    [
+        ({}, None, False),
+        ({"callbacks": None, "errbacks": None, "chain": None, "chord": None}, None, False),
+        ({}, (NOW + dt.timedelta(seconds=3599)).isoformat(), False),
+        ({}, (NOW + dt.timedelta(seconds=3601)).isoformat(), True),
+        ({}, "9999-01-01T00:00:00", True),  # no zone: taken as UTC
+        ({"callbacks": [LINK]}, None, True),
+        ({"errbacks": [LINK]}, None, True),
+        ({"chain": [LINK]}, None, True),
+        ({"chord": LINK}, None, True),
+    ],
+)
+def test_far_etas_and_links_are_refused(
+    embed: dict[str, Any], eta: str | None, refused: bool
+) -> None:
+    payload = proto2(embed, eta=eta)
+    reason = envelope_checks.task_refusal(payload, 3600, NOW)
+    assert (reason is not None) == refused, reason
+    if reason is None:
+        return
+    rewritten = envelope_checks.refused(payload, reason)
+    assert rewritten is not None
+    assert envelope_checks.message_problem(rewritten, {"ocrq.recognize"}) is None  # still sound
+    headers = rewritten["headers"]
+    assert headers["eta"] is None and headers[envelope_checks.REFUSED_HEADER] == reason
+    _, kwargs, links = json.loads(base64.b64decode(rewritten["body"]))
+    assert kwargs == {"image": {"path": "/a.png"}}  # the job itself travels on
+    assert all(links[key] is None for key in envelope_checks.LINKS)
+    assert envelope_checks.task_refusal(rewritten, 3600, NOW) is None
+
+
+def test_protocol_1_with_links_is_refused_without_a_rewrite() -> None:
+    body = json.dumps({"task": "ocrq.recognize", "id": str(uuid.uuid4()), "args": [],
+                       "kwargs": {}, "callbacks": [LINK]})  # fmt: skip
+    payload = envelope(body, {})
+    reason = envelope_checks.task_refusal(payload, 3600, NOW)
+    assert reason == envelope_checks.LINKS_REFUSED
+    assert envelope_checks.refused(payload, reason) is None  # rejected by the broker instead

@@ -72,6 +72,13 @@ def submit(env: dict[str, str], paths: list[Path]) -> list[str]:
     return [client.submit({"path": str(p)}) for p in paths]
 
 
+def loopback_only(port: int) -> None:
+    """By default the metrics listen on 127.0.0.1 alone (issue 31: they bound 0.0.0.0): another
+    address of this host, 127.0.0.2 here, finds nothing on the port."""
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.2:{port}/healthz", timeout=5)
+
+
 def test_metrics_survive_recycles_and_cover_every_stage(
     service_env: dict[str, str],
     database_url: str,
@@ -92,6 +99,7 @@ def test_metrics_survive_recycles_and_cover_every_stage(
     try:
         assert probe(port, "/healthz") == 200
         wait_for(lambda: probe(port, "/readyz") == 200, 30, "/readyz 200")
+        loopback_only(port)  # the supervisor's server too
         assert health_cli(env) == 0 and health_cli(env, "--live") == 0
         paths = [text_images[k] for k in ("hello", "invoice", "word")] * 3
         ids = submit(env, paths)
@@ -211,6 +219,7 @@ def test_unsupervised_worker_serves_its_own_metrics_and_readiness_follows_the_sc
     db = create_engine(own_database.replace("postgresql://", "postgresql+psycopg://", 1))
     try:
         wait_for(lambda: probe(port, "/readyz") == 200, 30, "/readyz 200")
+        loopback_only(port)
         ids = submit(env, [text_images["hello"], text_images["word"]])
         wait_all(JobStore(get_engine(own_database)), ids, timeout=120)
         wait_for(lambda: total(scrape(port), "ocrq_jobs_total", status="done") == 2, 30, "2 done")

@@ -22,6 +22,7 @@ heartbeats (test_messages, test_liveness). About 30 s here (2 cores).
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import os
 import re
 import threading
@@ -34,15 +35,17 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, Signature
 from PIL import Image
 from sqlalchemy import func, select
 
 from bench.rapid_memory import long_line, long_line_text, text_page, thin, words
 from bench.scoring import cer
+from ocrq.core.contract import NAME_REFUSED
 from ocrq.core.db import get_engine, ocr_jobs
 from ocrq.core.samples import draw_text_image
 from ocrq.core.store import REUSED_ID, JobStore, now
+from ocrq.worker.envelope import LINKS_REFUSED, REFUSED_HEADER
 from tests.badfiles import png_bomb, write_bad_files
 from tests.conftest import FIGURES
 from tests.servers import free_port
@@ -75,7 +78,9 @@ MEMORY_FAILURES = ("MemoryError", "bad_alloc", "Failed to allocate", "std::")
 class Sent:
     """What a case put on the queue, in order, and how to find its outcome."""
 
-    messages: list[tuple[str, Any]]  # ("task", kwargs) via send_task, or ("raw", bytes) LPUSHed
+    # ("task", kwargs) via send_task, ("task", (kwargs, send_task options)), or ("raw", bytes)
+    # LPUSHed
+    messages: list[tuple[str, Any]]
     job_id: str | None = None  # the canonical id its row must have (None: no row expected)
     marker: str | None = None  # what the log line of a rejected message carries
     # The Celery task id it is sent under (else a fresh one): a request whose job id is
@@ -93,6 +98,7 @@ class Ctx:
         self.secret_file.write_bytes(SECRET)
         self.bad = write_bad_files(root / "bad")
         self.race = Race(root, outside)
+        self.queue = ""  # the worker's queue, set by the run
 
     def page(self) -> str:
         """The 39.6 MP page, drawn once for all the jobs that read it."""
@@ -249,6 +255,30 @@ def reused_id(ctx: Ctx) -> Sent:
     messages = [("task", {"image": {"path": p}, "job_id": job_id}) for p in (first, second)]
     texts = {first: "GOLF BRAVO 142", second: "OSCAR PAPA 717"}
     return Sent(messages, job_id, info={"texts": texts})
+
+
+def with_options(text: str, **options: Any) -> Callable[[Ctx], Sent]:
+    """A good image sent with send_task options (eta, countdown, link, chain, headers)."""
+
+    def send(ctx: Ctx) -> Sent:
+        sent = job({"path": ctx.text_file(f"opt-{uuid.uuid4().hex[:6]}", text)})
+        linked = new_id()  # the job a link would enqueue: it must never get a row
+        link = Signature("ocrq.recognize", kwargs={"image": {"path": "/x.png"}, "job_id": linked},
+                         options={"queue": ctx.queue})  # fmt: skip
+        made = {k: (link if v == "LINK" else [link] if v == "LINKS" else v)
+                for k, v in options.items()}  # fmt: skip
+        ((kind, kwargs),) = sent.messages
+        return Sent([(kind, (kwargs, made))], sent.job_id, info={"linked": linked})
+
+    return send
+
+
+def check_not_linked(row: dict[str, Any], sent: Sent, run: ProbeRun) -> None:
+    assert run.store.get([sent.info["linked"]]) == {}  # the linked job was never sent
+
+
+def check_named(row: dict[str, Any], sent: Sent, run: ProbeRun) -> None:
+    assert row["source"].startswith("b64:") and row["reference"] is None, row
 
 
 def check_spellings(row: dict[str, Any], sent: Sent, run: ProbeRun) -> None:
@@ -427,6 +457,10 @@ HOSTILE: list[Case] = [
          "done", "ECHO GOLF 303"),
     Case("b64_urlsafe", lambda c: job({"b64": b64_text("HOTEL INDIA 404", "urlsafe")}),
          "done", "HOTEL INDIA 404"),
+    # A producer's name is not a reference (issue 31): refused, recorded as what it really is.
+    Case("b64_named_as_a_path", lambda c: job({"b64": b64_text("MIKE NOVEMBER 9", "plain"),
+                                                "name": str(c.secret_file)}),
+         "failed", NAME_REFUSED, check_named),
     Case("b64_invalid", lambda c: job({"b64": "@@not base64@@"}), "failed", "invalid base64"),
     Case("b64_data_not_base64", lambda c: job({"b64": "data:image/png,iVBORw0KGgo"}),
          "failed", "invalid base64"),
@@ -448,6 +482,21 @@ HOSTILE: list[Case] = [
     Case("job_id_reused", reused_id, "done", "", check_reused),
     Case("job_id_not_uuid", bad_id("{}"), "rejected", REJECTED_ID),
     Case("job_id_nul", bad_id("{}\x00"), "rejected", REJECTED_ID),
+    # Send options (issue 31): an ETA beyond OCRQ_MAX_ETA_S (the visibility timeout) was held
+    # and delivered again every timeout, forever; links made the worker enqueue more tasks.
+    Case("eta_year_9999", with_options("KILO ONE 1", eta=dt.datetime(9999, 1, 1, tzinfo=dt.UTC)),
+         "failed", "more than OCRQ_MAX_ETA_S"),
+    Case("countdown_far", with_options("KILO TWO 2", countdown=10**8), "failed",
+         "more than OCRQ_MAX_ETA_S"),
+    Case("countdown_near", with_options("KILO THREE 3", countdown=1), "done", "KILO THREE 3"),
+    Case("link_callback", with_options("LIMA ONE 1", link="LINK"), "failed", LINKS_REFUSED,
+         check_not_linked),
+    Case("link_errback", with_options("LIMA TWO 2", link_error="LINK"), "failed",
+         LINKS_REFUSED, check_not_linked),
+    Case("chain", with_options("LIMA THREE 3", chain="LINKS"), "failed", LINKS_REFUSED,
+         check_not_linked),
+    Case("refusal_header_spoofed", with_options("LIMA FOUR 4", headers={REFUSED_HEADER: "no"}),
+         "done", "LIMA FOUR 4"),
     # Malformed kwargs: a failed row each.
     Case("kwargs_image_missing", lambda c: job(None), "failed", INVALID),
     Case("kwargs_image_list", lambda c: job([str(c.secret_file)]), "failed", INVALID),
@@ -561,6 +610,7 @@ def run(
     secret = LoopServer("127.0.0.1", SECRET)
     public = LoopServer(PUBLIC_HOST, PUBLIC)
     ctx = Ctx(root, outside, secret, public)
+    ctx.queue = queue
     worker = CappedWorker(env, base / "ocrq.worker.log", CAP, "--no-supervise", "--concurrency",
     "8")
     r = redis.Redis.from_url(broker_url)
@@ -578,8 +628,9 @@ def run(
                         r.lpush(queue, payload)
                     else:
                         task_id = sent[case.name].task_id or new_id()
-                        app.send_task("ocrq.recognize", kwargs=payload, queue=queue,
-                                      task_id=task_id, producer=producer)  # fmt: skip
+                        kwargs, options = payload if isinstance(payload, tuple) else (payload, {})
+                        app.send_task("ocrq.recognize", kwargs=kwargs, queue=queue,
+                                      task_id=task_id, producer=producer, **options)  # fmt: skip
         ids = [s.job_id for s in sent.values() if s.job_id]
         vm_peak = rss_peak = 0
         deadline = time.monotonic() + 170

@@ -18,6 +18,7 @@ from ocrq.api import document_status
 from ocrq.core import requeue
 from ocrq.core.contract import (
     DEFAULT_QUEUE,
+    NAME_REFUSED,
     TASK_NAME,
     JobRequest,
     canonical_job_id,
@@ -103,7 +104,12 @@ class Client:
         same image and task is not sent again (an idempotent retry); one recorded for another
         image raises JobIdReused and nothing is recorded or sent.
         """
-        news = [NewJob(r.job_id, r.task, r.image.describe(), r.max_pixels) for r in requests]
+        if any(r.image.name is not None for r in requests):
+            raise ValueError(NAME_REFUSED)  # the worker would refuse it: say so now
+        news = [
+            NewJob(r.job_id, r.task, r.image.describe(), r.max_pixels, r.image.reference())
+            for r in requests
+        ]
         existing = self.store.enqueue_many(news)
         unique = list({r.job_id: r for r in requests}.values())
         to_send = [r for r in unique if existing[r.job_id] is None]
@@ -145,7 +151,9 @@ class Client:
         The job table, not the broker, is the record of what was submitted: kombu's Redis
         transport pops a message and marks it unacked in two steps, so a Redis restart between
         them loses that message. A re-sent job that was not lost after all is harmless: the
-        worker's claim finds its row done and skips it. Inline (b64) jobs cannot be re-sent.
+        worker's claim finds its row done and skips it. A job is sent as its row's `reference`
+        says (the image exactly as submitted); one without (inline bytes, a row from before
+        migrations/0006) cannot be rebuilt and is skipped: its own message is its only copy.
         """
         from sqlalchemy import select
 
@@ -158,17 +166,16 @@ class Client:
                 select(
                     ocr_jobs.c.id,
                     ocr_jobs.c.task,
-                    ocr_jobs.c.source,
                     ocr_jobs.c.created_at,
                     ocr_jobs.c.max_pixels,
-                    ocr_jobs.c.page,
-                ).where(ocr_jobs.c.status == "queued")
+                    ocr_jobs.c.reference,
+                ).where(ocr_jobs.c.status == "queued", ocr_jobs.c.reference.is_not(None))
             ).all()
         sent = []
-        for job_id, task, source, created, max_pixels, page in rows:
-            if created.timestamp() > cutoff or source == "b64" or source.startswith("b64:"):
+        for job_id, task, created, max_pixels, reference in rows:
+            if created.timestamp() > cutoff:
                 continue
-            requeue.resend(self.app, self.settings, job_id, task, source, max_pixels, page)
+            requeue.resend(self.app, self.settings, job_id, task, reference, max_pixels)
             sent.append(job_id)
         return sent
 
@@ -184,7 +191,7 @@ class Client:
     def status(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Rows by job id, in any UUID spelling (`{...}`, `urn:uuid:`, upper case, no dashes)."""
         ids = [_canonical_or_none(j) or j for j in job_ids]
-        rows = self.store.get(ids)
+        rows = self.store.get([j for j in ids if _canonical_or_none(j)])  # no row for others
         shown = document_status.views(self.documents, rows, {j: full_view(rows[j]) for j in rows})
         return [shown.get(j, {"job_id": j, "status": "unknown"}) for j in ids]
 

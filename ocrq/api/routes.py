@@ -93,7 +93,7 @@ def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         stamp, job_id = json.loads(raw)
         return dt.datetime.fromisoformat(stamp), canonical_job_id(job_id)
-    except (binascii.Error, ValueError, TypeError, json.JSONDecodeError):
+    except (binascii.Error, ValueError, TypeError, json.JSONDecodeError, RecursionError):
         raise RequestValidationError(
             [
                 {
@@ -209,9 +209,12 @@ def router(settings: Settings, client: Client) -> APIRouter:
         if kind in ("", "application/json") or kind.endswith("+json"):  # as FastAPI
             try:
                 data = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+                # RecursionError: nested deeper than the decoder goes (the probe's 100,000
+                # brackets were a 500); no real job is nested more than three levels.
+                msg = "JSON nested too deeply" if isinstance(exc, RecursionError) else None
                 raise RequestValidationError(
-                    [{"loc": ("body",), "msg": "JSON decode error", "type": "json_invalid"}]
+                    [{"loc": ("body",), "msg": msg or "JSON decode error", "type": "json_invalid"}]
                 ) from None
             job = _job_in(data)
         elif kind == "multipart/form-data":

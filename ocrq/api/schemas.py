@@ -19,7 +19,14 @@ from pydantic import (
     model_validator,
 )
 
-from ocrq.core.contract import MAX_PIXELS_RANGE, ImageRef, JobRequest, canonical_job_id
+from ocrq.core.contract import (
+    MAX_PIXELS_RANGE,
+    NAME_REFUSED,
+    ImageRef,
+    JobRequest,
+    canonical_job_id,
+    require_storable,
+)
 
 MAX_TASK_CHARS = 4000  # as the worker's JobRequest
 MAX_REF_CHARS = 8192  # a path or URL longer than this is not a real reference
@@ -50,6 +57,8 @@ class JobIn(BaseModel):
 
     @model_validator(mode="after")
     def _storable(self) -> JobIn:
+        if self.image.name is not None:
+            raise ValueError(NAME_REFUSED)
         for name in ("path", "url"):
             value = getattr(self.image, name)
             if value and len(value) > MAX_REF_CHARS:
@@ -101,6 +110,15 @@ class LookupIn(BaseModel):
 
     job_ids: Annotated[list[str], Field(min_length=1, max_length=DEFAULT_MAX_ITEMS)]
     wait: Annotated[float, Field(ge=0, le=3600)] = 0.0
+
+    @field_validator("job_ids")
+    @classmethod
+    def _storable_ids(cls, ids: list[str]) -> list[str]:
+        """An id that is not a UUID has no row and is answered `unknown`, but one with a NUL or
+        a lone surrogate can be neither looked up nor echoed as UTF-8 (both were a 500)."""
+        for job_id in ids:
+            require_storable(job_id, "job id")
+        return ids
 
 
 def capped(max_items: int) -> tuple[type[BatchIn], type[LookupIn]]:

@@ -33,6 +33,10 @@ JobStatus = Literal["queued", "running", "done", "failed"]
 PAGE_MARK = "#page="
 MAX_DOCUMENT_PAGE = 1_000_000
 MAX_NAME_CHARS = 8400  # a reference of up to 8192 characters plus a page mark
+NAME_REFUSED = (
+    "image.name is set by ocrq for a document's page jobs only: a producer cannot name a job "
+    "(its row shows the path, the redacted URL or b64:<chars>)"
+)
 
 # Query parameters whose values are secrets in common signed/tokened URLs (S3 and GCS presigned
 # URLs, OAuth access tokens, API keys): masked wherever a URL is shown or stored.
@@ -75,6 +79,9 @@ class ImageRef(BaseModel):
     page: Annotated[int | None, Field(ge=1, le=MAX_DOCUMENT_PAGE)] = None
     # What the job's row calls this image instead of the reference itself: a page of a URL or
     # inline document travels inline as a one-page document, named after its document's page.
+    # Set by ocrq's document splitting only: a worker honours it only for a page row its
+    # document already recorded under that name (NAME_REFUSED otherwise), and the api refuses
+    # it, so no producer can give a job a name that reads like another file's path.
     name: Annotated[str | None, Field(max_length=MAX_NAME_CHARS)] = None
 
     @model_validator(mode="after")
@@ -97,6 +104,22 @@ class ImageRef(BaseModel):
             where = f"b64:{len(self.b64 or '')} chars"
         return where if self.page is None else f"{where}{PAGE_MARK}{self.page}"
 
+    def unnamed(self) -> ImageRef:
+        """The same image without its `name`: what a refused name's row is recorded under."""
+        return self.model_copy(update={"name": None})
+
+    def reference(self) -> dict[str, Any] | None:
+        """The image exactly as submitted, for re-sends from its row (`ocrq requeue`, the stall
+        sweep): the path or the whole URL, credentials included (the row's `reference` column,
+        never shown; `source` is the redacted display), and the page. None for inline bytes: a
+        row holds none, so an inline job's own message is its only copy. Never the `name`:
+        the display name is not a reference."""
+        for key in ("path", "url"):
+            value = getattr(self, key)
+            if value:
+                return {key: value} if self.page is None else {key: value, "page": self.page}
+        return None
+
 
 def canonical_job_id(value: object) -> str:
     """The one spelling of a job id, used for rows, task ids and messages alike.
@@ -111,7 +134,7 @@ def canonical_job_id(value: object) -> str:
     return str(uuid.UUID(value))
 
 
-def _storable(value: str, what: str) -> str:
+def require_storable(value: str, what: str) -> str:
     """PostgreSQL text holds neither NUL nor a lone surrogate (not UTF-8): refuse them here, so
     the job fails with a clear error instead of its row failing to be written at all."""
     if "\x00" in value:
@@ -154,14 +177,14 @@ class JobRequest(BaseModel):
     @field_validator("task")
     @classmethod
     def _storable_task(cls, value: str) -> str:
-        return _storable(value, "task")
+        return require_storable(value, "task")
 
     @model_validator(mode="after")
     def _storable_image(self) -> JobRequest:
         for key in ("path", "url", "b64", "name"):
             value = getattr(self.image, key)
             if value is not None:
-                _storable(value, f"image.{key}")
+                require_storable(value, f"image.{key}")
         return self
 
     @property
@@ -169,19 +192,6 @@ class JobRequest(BaseModel):
         """The free prompt a VLM sees, when the task names none of TASKS; else "" (the engine
         holds the named task's own prompt)."""
         return "" if self.task in TASKS else self.task
-
-
-def resend_image(source: str, page: int | None = None) -> dict[str, object]:
-    """The image reference of a job rebuilt from its row (path or URL; rows hold no inline
-    bytes): a page job's row source ends in its page mark, which becomes `page` again."""
-    mark = f"{PAGE_MARK}{page}"
-    if page is not None and source.endswith(mark):
-        source = source[: -len(mark)]
-    key = "url" if source.startswith(("http://", "https://")) else "path"
-    image: dict[str, object] = {key: source}
-    if page is not None:
-        image["page"] = page
-    return image
 
 
 def job_kwargs(

@@ -30,6 +30,8 @@ metadata = MetaData()
 
 # JSONB on PostgreSQL (queryable, compact), plain JSON on SQLite.
 JsonType = JSON().with_variant(JSONB(), "postgresql")
+# The same, with Python None stored as SQL NULL (not JSON null), so `IS NULL` finds it.
+NullableJson = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 
 ocr_jobs = Table(
     "ocr_jobs",
@@ -57,6 +59,11 @@ ocr_jobs = Table(
     # The splitting job of a document has document_id = its own id and no page.
     Column("document_id", String(36), index=True),
     Column("page", Integer),
+    # The image exactly as submitted, for re-sends (migrations/0006): {"path"|"url": ..,
+    # "page"?: n}, a URL with its credentials (never shown: `source` is the display, redacted,
+    # or a document page's name). NULL for inline images and rows from before 0006: a re-send
+    # never rebuilds those from `source`, which is only a display name.
+    Column("reference", NullableJson),
 )
 
 # One row per document (PDF, multi-page TIFF; migrations/0004). Its pages are the ocr_jobs rows

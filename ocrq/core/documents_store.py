@@ -8,7 +8,7 @@ document final and leaves it. No page counter is kept: a redelivered page would 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Engine, and_, func, select, update
@@ -40,9 +40,11 @@ class DocumentStore:
         sha256: str,
         pages: int,
         page_jobs: Sequence[tuple[str, int, str]],
+        references: Mapping[str, dict[str, Any]] | None = None,
     ) -> list[int]:
         """Record a split document and its page jobs (id, page, source) as queued; return the
-        pages still queued, to be sent. Idempotent: a redelivered split keeps every row."""
+        pages still queued, to be sent. Idempotent: a redelivered split keeps every row.
+        `references`: by page job id, what a re-send of the page names (ocr_jobs.reference)."""
         t = now()
         with self.engine.begin() as conn:
             conn.execute(
@@ -72,6 +74,7 @@ class DocumentStore:
                                 "attempts": 0,
                                 "document_id": document_id,
                                 "page": page,
+                                "reference": (references or {}).get(job_id),
                             }
                             for job_id, page, page_source in page_jobs
                         ]

@@ -5,10 +5,12 @@ worker reaches it without importing the api.
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 
 from ocrq.core import workers_table
-from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, job_kwargs, resend_image
+from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, job_kwargs
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 
@@ -40,7 +42,8 @@ def requeue_stalled(
         # The sweep's row carries no max_pixels: read the jobs' own caps.
         caps = {i: r.get("max_pixels") for i, r in store.get([j.id for j in stalled]).items()}
         for job in stalled:
-            resend(app, settings, job.id, job.task, job.source, caps.get(job.id), job.page)
+            assert job.reference is not None  # flip_stalled returns only rows that have one
+            resend(app, settings, job.id, job.task, job.reference, caps.get(job.id))
             sent.append(job.id)
     finally:  # the broker failed mid-way: leave the rest for the next sweep
         workers_table.unflip(store.engine, [j.id for j in stalled[len(sent) :]])
@@ -53,15 +56,14 @@ def resend(
     settings: Settings,
     job_id: str,
     task: str,
-    source: str,
+    reference: dict[str, Any],
     max_pixels: int | None = None,
-    page: int | None = None,
 ) -> None:
-    """A job's message rebuilt from its row (path or URL; the row holds no inline bytes)."""
-    image = resend_image(source, page)
+    """A job's message rebuilt from its row's `reference`: the path or URL (and page) exactly as
+    submitted, never its display `source` (a redacted URL, a document page's name)."""
     app.send_task(
         TASK_NAME,
-        kwargs=job_kwargs(image, task, job_id, max_pixels),
+        kwargs=job_kwargs(dict(reference), task, job_id, max_pixels),
         queue=settings.queue or DEFAULT_QUEUE,
         task_id=job_id,
     )

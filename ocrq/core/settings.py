@@ -144,6 +144,11 @@ class Settings(BaseSettings):
     # estimate). The fault tests run at 20 s to recover quickly; a week is far past any sane
     # setting.
     visibility_timeout_s: int = Field(default=3600, ge=1, le=7 * 86_400)
+    # Furthest ahead a message's ETA (or countdown) may be. A message held for its ETA stays
+    # unacked, so Redis delivers it again every visibility timeout until then (an ETA in 9999
+    # forever): one farther ahead fails its job at once (ocrq/worker/envelope.py). None: the
+    # visibility timeout; at most that.
+    max_eta_s: int | None = Field(default=None, ge=0, le=7 * 86_400)
     # Recycle the worker process after this many images ...
     max_images: int | None = Field(default=10_000, ge=1)
     # ... or when host RSS stays above this ...
@@ -155,8 +160,9 @@ class Settings(BaseSettings):
     # The worker's /metrics, /healthz and /readyz on this port when set (ocrq/worker/monitor.py),
     # served by the supervisor (across recycles) or, with --no-supervise, the worker itself.
     metrics_port: int | None = Field(default=None, ge=1, le=65_535)
-    # Where they listen: all interfaces, so Prometheus and the kubelet reach a container.
-    metrics_address: str = "0.0.0.0"
+    # Where they listen: loopback, so a bare host shows them to no one else; "0.0.0.0" where
+    # Prometheus or a kubelet must reach a container from outside (the Dockerfile sets it).
+    metrics_address: str = "127.0.0.1"
     # `ocrq worker` only: one worker process per GPU, "all" or indices "0,1" (ocrq/worker/gpus.py).
     gpus: str | None = None
 
@@ -290,7 +296,17 @@ class Settings(BaseSettings):
                 f"OCRQ_STALLED_AFTER_S ({self.stalled_after_s}) must be at least three "
                 f"heartbeats (OCRQ_HEARTBEAT_S={self.heartbeat_s}), or live workers look dead"
             )
+        if self.max_eta_s is not None and self.max_eta_s > self.visibility_timeout_s:
+            raise ValueError(
+                f"OCRQ_MAX_ETA_S ({self.max_eta_s}) must not exceed OCRQ_VISIBILITY_TIMEOUT_S "
+                f"({self.visibility_timeout_s}): a message held longer is delivered again"
+            )
         return self
+
+    @property
+    def eta_bound_s(self) -> int:
+        """How far ahead an ETA may be: OCRQ_MAX_ETA_S, else the visibility timeout."""
+        return self.visibility_timeout_s if self.max_eta_s is None else self.max_eta_s
 
     @field_validator("gpus")
     @classmethod

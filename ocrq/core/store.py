@@ -50,6 +50,7 @@ class NewJob:
     task: str
     source: str
     max_pixels: int | None = None
+    reference: dict[str, Any] | None = None  # ImageRef.reference(): what a re-send sends
 
 
 class JobIdReused(ValueError):
@@ -98,7 +99,14 @@ class JobStore:
         """For embedded SQLite only; the service's schema is Alembic's (`ocrq migrate`)."""
         ocr_jobs.metadata.create_all(self.engine)
 
-    def enqueue(self, job_id: str, task: str, source: str, max_pixels: int | None = None) -> None:
+    def enqueue(
+        self,
+        job_id: str,
+        task: str,
+        source: str,
+        max_pixels: int | None = None,
+        reference: dict[str, Any] | None = None,
+    ) -> None:
         """Record a submitted job as queued; an existing row (any status) is kept."""
         stmt = self._insert(ocr_jobs).values(
             id=job_id,
@@ -106,6 +114,7 @@ class JobStore:
             task=task,
             source=source,
             max_pixels=max_pixels,
+            reference=reference,
             created_at=now(),
             attempts=0,
         )
@@ -140,6 +149,7 @@ class JobStore:
                         "task": j.task,
                         "source": j.source,
                         "max_pixels": j.max_pixels,
+                        "reference": j.reference,
                         "created_at": t,
                         "attempts": 0,
                     }
@@ -217,6 +227,7 @@ class JobStore:
         worker: str,
         max_attempts: int | None = None,
         page: int | None = None,
+        reference: dict[str, Any] | None = None,
     ) -> Claim:
         """Mark the job running (creating its row if the producer did not), unless it must not run.
 
@@ -230,6 +241,8 @@ class JobStore:
         or the stall sweep put it back to `queued` to re-send it), and once `max_attempts` such
         attempts were made the job fails instead of running again, so a poison message costs at
         most `max_attempts` worker deaths, however many copies of its message are about.
+        `reference` (the message's ImageRef.reference()) is recorded when the row has none yet
+        (a bare producer's job), so that a re-send can name the image exactly.
         """
         t = now()
         if self.engine.dialect.update_returning:
@@ -252,6 +265,7 @@ class JobStore:
                         attempts=1,
                         worker=worker,
                         page=page,  # a page job sent by a producer: resendable from its row
+                        reference=reference,
                     )
                     .on_conflict_do_nothing(index_elements=["id"])
                     .returning(ocr_jobs.c.id)
@@ -270,15 +284,11 @@ class JobStore:
                 fields = {"status": "failed", "error": error, "finished_at": t}
                 conn.execute(update(ocr_jobs).where(where).values(**fields))
                 return Claim(run=False, row={**row, **fields}, error=error)
+            running: dict[str, Any] = {"status": "running", "started_at": t, "worker": worker}
+            if row.get("reference") is None and reference is not None:
+                running["reference"] = reference
             conn.execute(
-                update(ocr_jobs)
-                .where(where)
-                .values(
-                    status="running",
-                    attempts=ocr_jobs.c.attempts + 1,
-                    started_at=t,
-                    worker=worker,
-                )
+                update(ocr_jobs).where(where).values(attempts=ocr_jobs.c.attempts + 1, **running)
             )
         return Claim(run=True, created_at=_aware(row["created_at"]))
 

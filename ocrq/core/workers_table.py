@@ -33,6 +33,7 @@ class StalledJob:
     source: str
     worker: str
     page: int | None = None  # a document's page job: resent as that page
+    reference: dict[str, Any] | None = None  # the image as submitted: what the re-send names
 
 
 def _now(engine: Engine) -> Any:
@@ -80,8 +81,9 @@ def flip_stalled(
 
     One UPDATE ... RETURNING: when several workers sweep at once, PostgreSQL re-checks
     `status = 'running'` on a row another sweep has just flipped, so each job is returned to
-    exactly one of them. Inline (b64) jobs cannot be re-sent from their row and are skipped;
-    their message comes back after the visibility timeout.
+    exactly one of them. Jobs without a `reference` (inline images; rows from before
+    migrations/0006) cannot be re-sent from their row and are skipped: their own message comes
+    back after the visibility timeout. `source` is a display name and never rebuilt into one.
     """
     cutoff = _cutoff(engine, stalled_after_s)
     dead = select(ocr_workers.c.name).where(ocr_workers.c.heartbeat_at < cutoff)
@@ -90,11 +92,16 @@ def flip_stalled(
         .where(
             ocr_jobs.c.status == "running",
             ocr_jobs.c.worker.in_(dead),
-            ~ocr_jobs.c.source.startswith("b64"),
+            ocr_jobs.c.reference.is_not(None),
         )
         .values(status="queued")
         .returning(
-            ocr_jobs.c.id, ocr_jobs.c.task, ocr_jobs.c.source, ocr_jobs.c.worker, ocr_jobs.c.page
+            ocr_jobs.c.id,
+            ocr_jobs.c.task,
+            ocr_jobs.c.source,
+            ocr_jobs.c.worker,
+            ocr_jobs.c.page,
+            ocr_jobs.c.reference,
         )
     )
     if exclude is not None:

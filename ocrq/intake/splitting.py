@@ -59,7 +59,11 @@ def split(
     page_jobs = [
         (page_job_id(request.job_id, n), n, f"{source}{PAGE_MARK}{n}") for n in range(1, pages + 1)
     ]
-    to_send = docs.open(request.job_id, request.task, source, sha256, pages, page_jobs)
+    # What a re-send of a page names: the document's own path or URL and the page (an inline
+    # document's pages have none: they cannot be rebuilt from a row).
+    whole = request.image.reference()
+    references = {job_id: {**whole, "page": n} for job_id, n, _ in page_jobs if whole is not None}
+    to_send = docs.open(request.job_id, request.task, source, sha256, pages, page_jobs, references)
     inline = request.image.path is None
     for n in to_send:
         job_id, _, name = page_jobs[n - 1]
@@ -77,8 +81,6 @@ def split(
             }
         else:
             image = {"path": request.image.path, "page": n}
-            if request.image.name:
-                image["name"] = name
         kwargs: dict[str, Any] = {"image": image, "task": request.task, "job_id": job_id}
         if request.max_pixels is not None:
             kwargs["max_pixels"] = request.max_pixels

@@ -23,6 +23,7 @@ error) rejects that message instead of killing the worker.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import logging
 from collections.abc import Callable, Collection
@@ -30,7 +31,15 @@ from typing import Any
 
 from kombu.transport import redis
 
-from ocrq.worker.envelope import Problem, excerpt, message_problem, safe_text
+from ocrq.worker.envelope import (
+    REFUSED_HEADER,
+    Problem,
+    excerpt,
+    message_problem,
+    refused,
+    safe_text,
+    task_refusal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +84,11 @@ class TolerantChannel(redis.Channel):
         *redis.Channel.from_transport_options,
         "ocrq_task_queues",
         "ocrq_task_names",
+        "ocrq_max_eta_s",
     )
     ocrq_task_queues: Collection[str] = ()
     ocrq_task_names: Collection[str] = ()
+    ocrq_max_eta_s: float = float("inf")
     # Whether the current read reached a delivery callback: an exception before that came from
     # decoding the popped item itself.
     _delivering = False
@@ -105,6 +116,10 @@ class TolerantChannel(redis.Channel):
         if problem is not None:
             _log_rejected(queue, problem)
             return None
+        if task_names is not None:
+            payload = self._refusing(queue, payload)
+            if payload is None:
+                return None
         try:
             return deliver(payload)
         except self.connection_errors:
@@ -114,6 +129,27 @@ class TolerantChannel(redis.Channel):
             reason = f"{type(exc).__name__} while the worker took it: {exc}"
             _log_rejected(queue, Problem(reason, payload.get("headers") or payload))
             return None
+
+    def _refusing(self, queue: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """A task message that must fail its job (envelope.task_refusal), rewritten to reach
+        the task at once, without links, carrying why; a protocol 1 one is rejected."""
+        headers = payload.get("headers")
+        if isinstance(headers, dict) and REFUSED_HEADER in headers:  # only ours counts
+            payload = {
+                **payload,
+                "headers": {k: v for k, v in headers.items() if k != REFUSED_HEADER},
+            }
+        try:
+            reason = task_refusal(payload, self.ocrq_max_eta_s, dt.datetime.now(dt.UTC))
+            rewritten = refused(payload, reason) if reason is not None else None
+        except Exception as exc:  # checked sound already; never let it reach the event loop
+            _log_rejected(queue, Problem(f"{type(exc).__name__}: {exc}", payload.get("headers")))
+            return None
+        if reason is None:
+            return payload
+        if rewritten is None:
+            _log_rejected(queue, Problem(reason, payload.get("headers") or payload))
+        return rewritten
 
     def _brpop_read(self, **options: Any) -> Any:
         self._delivering = False

@@ -65,6 +65,8 @@ def make_app(settings: Settings) -> Celery:
             # own unregistered-task handling; the envelope is checked on every queue.
             "ocrq_task_queues": [settings.queue or DEFAULT_QUEUE],
             "ocrq_task_names": [TASK_NAME],
+            # ETAs farther ahead, and callbacks, fail the job instead (envelope.task_refusal).
+            "ocrq_max_eta_s": settings.eta_bound_s,
         },
         task_serializer="json",
         accept_content=["json"],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime as dt
 import json
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -186,6 +187,69 @@ def task_problem(payload: dict[str, Any], task_names: Collection[str]) -> Proble
     if not isinstance(task_id, str) or not task_id:
         return Problem("no task id", headers or data)
     return None
+
+
+# The message header a refused task carries to the task (a producer's own is dropped first).
+REFUSED_HEADER = "ocrq_refused"
+# What Celery runs or sends after a task: each makes the worker enqueue more messages.
+LINKS = ("callbacks", "errbacks", "chain", "chord")
+LINKS_REFUSED = (
+    "the message carries Celery callbacks, errbacks, a chain or a chord (link, link_error, "
+    "chain(), chord()): an ocrq worker enqueues no other task; read results with "
+    "AsyncResult(job_id) or the api"
+)
+
+
+def task_refusal(payload: dict[str, Any], max_eta_s: float, now: dt.datetime) -> str | None:
+    """Why a sound task message must fail its job instead of running: an ETA more than
+    `max_eta_s` ahead (held unacked, Redis would deliver it again every visibility timeout until
+    then), or links that would have the worker send further tasks (more jobs, or any task on any
+    queue, sent with the worker's broker credentials)."""
+    headers = payload.get("headers") or {}
+    if "task" in headers:
+        eta, links = headers.get("eta"), _embed(payload)
+    else:  # protocol 1: everything in the body
+        data = kombu_loads(decoded_body(payload))
+        eta, links = data.get("eta"), data
+    if any(links.get(key) for key in LINKS):
+        return LINKS_REFUSED
+    if eta is not None:
+        when = maybe_iso8601(eta)
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.UTC)
+        ahead = (when - now).total_seconds()
+        if ahead > max_eta_s:
+            return (
+                f"eta {safe_text(eta, 40)} is {ahead:.0f} s ahead, more than OCRQ_MAX_ETA_S "
+                f"({max_eta_s:g} s; by default the visibility timeout): send it nearer its time"
+            )
+    return None
+
+
+def _embed(payload: dict[str, Any]) -> dict[str, Any]:
+    body = decoded_body(payload)
+    data = kombu_loads(body) if body else None
+    return (data[2] or {}) if _is_proto2_body(data) else {}
+
+
+def refused(payload: dict[str, Any], reason: str) -> dict[str, Any] | None:
+    """The message rewritten to run at once with no links, carrying `reason` for the task to
+    fail its job with (its row then says why); None for protocol 1, which is only rejected."""
+    headers = payload.get("headers") or {}
+    if "task" not in headers:
+        return None
+    args, kwargs, embed = kombu_loads(decoded_body(payload))
+    body = json.dumps([args, kwargs, {**(embed or {}), **dict.fromkeys(LINKS)}])
+    encoded = (
+        base64.b64encode(body.encode()).decode("ascii")
+        if payload["properties"].get("body_encoding") == "base64"
+        else body
+    )
+    return {
+        **payload,
+        "body": encoded,
+        "headers": {**headers, "eta": None, REFUSED_HEADER: reason},
+    }
 
 
 def message_problem(payload: Any, task_names: Collection[str] | None) -> Problem | None:

@@ -23,7 +23,7 @@ from tenacity import (
 )
 
 from ocrq.core import metrics
-from ocrq.core.contract import TASKS, JobRequest, canonical_job_id
+from ocrq.core.contract import NAME_REFUSED, TASKS, JobRequest, canonical_job_id
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
@@ -155,6 +155,8 @@ class JobRunner:
         self._in_flight_lock = threading.Lock()
 
     def process(self, request: JobRequest) -> JobOutcome:
+        if request.image.name is not None and not self._db(self._names_a_page)(request):
+            return self._refuse_name(request)
         source = request.image.describe()
         named = (source, request.task)
         with self._in_flight_lock:
@@ -177,6 +179,23 @@ class JobRunner:
                 with self._in_flight_lock:
                     del self._in_flight[request.job_id]
                 running.finished.set()
+
+    def _names_a_page(self, request: JobRequest) -> bool:
+        """Whether the job's `name` is the one its document's split recorded for its page row:
+        only ocrq's own page jobs may name their image (a producer's name was taken for a path
+        by re-sends, and ran the job as another file)."""
+        row = self.store.get([request.job_id]).get(request.job_id)
+        return (
+            row is not None
+            and row.get("document_id") is not None
+            and row.get("source") == request.image.describe()
+        )
+
+    def _refuse_name(self, request: JobRequest) -> JobOutcome:
+        """A producer-named job fails, recorded under what its image really is."""
+        source = request.image.unnamed().describe()
+        self.reject(request.job_id, source, request.task, NAME_REFUSED)
+        return JobOutcome(request.job_id, source, "failed", error=NAME_REFUSED)
 
     def _await_running(self, job_id: str, source: str, running: _Running) -> JobOutcome:
         """A copy of a job running in this process: report its outcome once it is stored.
@@ -209,6 +228,7 @@ class JobRunner:
             self.worker_name,
             max_attempts=self.settings.max_attempts,
             page=request.image.page,
+            reference=request.image.reference(),
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)

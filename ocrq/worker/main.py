@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from ocrq.core import metrics
 from ocrq.core.settings import Settings
-from ocrq.worker import exit_state, runtime
+from ocrq.worker import exit_state, runtime, supervisor
 
 
 def node_name(argv: Sequence[str]) -> str | None:
@@ -91,6 +91,9 @@ def serve_own_metrics(settings: Settings) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
+    if not supervisor.die_with_supervisor():
+        logging.getLogger(__name__).critical("worker not started: its supervisor has exited")
+        return 1
     try:
         settings = Settings()
     except Exception as exc:

@@ -104,7 +104,7 @@ class Monitor:
         return body
 
 
-def serve(monitor: Monitor, port: int, address: str = "0.0.0.0") -> ThreadingHTTPServer:
+def serve(monitor: Monitor, port: int, address: str = "127.0.0.1") -> ThreadingHTTPServer:
     """Start the server in a daemon thread; it lives as long as the process."""
 
     class Handler(BaseHTTPRequestHandler):

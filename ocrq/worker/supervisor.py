@@ -6,7 +6,10 @@ exit state and exit codes are in ocrq/worker/exit_state.py.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -26,6 +29,26 @@ if TYPE_CHECKING:
     from ocrq.core.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# Set in a worker process's environment to its supervisor's pid: see `die_with_supervisor`.
+SUPERVISOR_PID_ENV = "OCRQ_SUPERVISOR_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_supervisor(env: Mapping[str, str] = os.environ) -> bool:
+    """In a worker process a supervisor started: ask Linux for SIGTERM (a warm shutdown) when
+    the supervisor dies, however it dies. A supervisor killed with -9 left its worker consuming,
+    orphaned, with no one serving its metrics or restarting it (issue 31). False when the
+    supervisor is gone already (it died before this ran): the caller exits at once.
+
+    The signal follows the thread that started the process; the supervisor's thread for a
+    worker waits on it for its whole life, so that is the supervisor's life too."""
+    expected = env.get(SUPERVISOR_PID_ENV)
+    if not expected:
+        return True  # started by systemd, Kubernetes, a test: they own its life
+    with contextlib.suppress(Exception):  # not Linux: the orphan case stays as it was
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return os.getppid() == int(expected)
 
 
 @dataclass(frozen=True)
@@ -193,7 +216,8 @@ def supervise(
         while True:
             started = time.monotonic()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "ocrq.worker.main", *child.argv], env=env
+                [sys.executable, "-m", "ocrq.worker.main", *child.argv],
+                env={**env, SUPERVISOR_PID_ENV: str(os.getpid())},
             )
             with lock:
                 running[slot] = proc

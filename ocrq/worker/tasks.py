@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from ocrq.core.contract import TASK_NAME, JobRequest, canonical_job_id, storable_text
 from ocrq.worker.acking import task_returned
-from ocrq.worker.envelope import safe_text
+from ocrq.worker.envelope import REFUSED_HEADER, safe_text
 from ocrq.worker.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,14 @@ def recognize(
     """One job; its result (stored in the result backend when there is one) is the job's
     result dict, so `AsyncResult(job_id).get()` returns what `GET /jobs/{id}` would."""
     task_id = self.request.id
+    # Set by the broker (ocrq/worker/broker.py) for a far ETA or links: the job fails with it.
+    refusal = getattr(self.request, REFUSED_HEADER, None)
     if job_id is None:
         # The job id a producer learns is the task id send_task returned: without a job_id of
         # its own the job takes that, instead of a fresh id nobody knows.
         job_id = task_id
     try:
-        result = _recognize(image, task, job_id, task_id, max_pixels, max_new_tokens)
+        result = _recognize(image, task, job_id, task_id, max_pixels, max_new_tokens, refusal)
     except JobFailed as exc:
         _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
         raise
@@ -85,6 +87,7 @@ def _recognize(
     task_id: Any,
     max_pixels: Any,
     max_new_tokens: Any,
+    refusal: str | None = None,
 ) -> dict[str, Any]:
     try:
         kwargs: dict[str, Any] = {"image": image, "task": task, "job_id": job_id}
@@ -109,6 +112,10 @@ def _recognize(
             job_id, _refused_source(image), storable_text(task, limit=4000), message, task_id
         )
         raise JobFailed(message) from None
+    if refusal is not None:
+        source = request.image.unnamed().describe()
+        get_runtime().runner.reject(request.job_id, source, request.task, refusal, task_id)
+        raise JobFailed(refusal)
     if _usable_id(task_id) and canonical_job_id(task_id) != request.job_id:
         log.warning(
             "job %s came in a task with another id (%s): send task_id=job_id so that "
