@@ -42,7 +42,12 @@ from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
 from ocrq.models.hunyuan.patches import batch_vision_attention  # noqa: E402
-from ocrq.models.hunyuan.vision_attention import fa4_kernel, reference_varlen  # noqa: E402
+from ocrq.models.hunyuan.vision_attention import (  # noqa: E402
+    choose,
+    fa4_kernel,
+    fa4_unusable,
+    reference_varlen,
+)
 
 # Distinct images for the agreement checks (width, height): an A4 page, a square page, a receipt,
 # a wide frame, small odd sizes.
@@ -282,7 +287,8 @@ def markdown(d: dict[str, Any]) -> str:
         f"# Vision attention: FlashAttention-4 vs SDPA ({m['gpu']})", "",
         f"torch {m['torch']}, transformers {m['transformers']}, flash-attn-4 {m.get('fa4')}, "
         f"{m['dtype']}, random weights of the {m['shape']} shape. Command: `{m['command']}`. "
-        f"First FA4 call (JIT compile included): {m.get('first_call_s', 0):.1f} s.", "",
+        f"First FA4 call (JIT compile included): {m.get('first_call_s', 0):.1f} s. "
+        f"`vision_attention=auto` chooses here: {m.get('auto_chooses')}.", "",
         "## Agreement: vision tower features", "",
         "| case | patches | FA4 vs SDPA max abs | rel L2 | SDPA math vs SDPA rel L2 |",
         "|---|---:|---:|---:|---:|",
@@ -354,6 +360,10 @@ def main() -> None:
             kernel = reference_varlen
             d["meta"]["fa4"] = "reference (torch)"
         bench = Bench(args, engine, kernel)
+        head_dim = engine.model.model.vision_tower.layers[0].self_attn.head_dim
+        d["meta"]["auto_chooses"] = choose("auto", args.device, bench.dtype, head_dim)
+        d["meta"]["fa4_unusable_because"] = fa4_unusable(args.device, bench.dtype, head_dim)
+        print(f"auto chooses {d['meta']['auto_chooses']}", flush=True)
         t = time.perf_counter()
         with torch.inference_mode():
             bench.mode("fa4")
