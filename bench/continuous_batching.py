@@ -36,7 +36,9 @@ from bench.common import add_model_args, page_image, random_checkpoint, run_meta
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
+from ocrq.models.hunyuan.patches import batch_vision_attention  # noqa: E402
 from ocrq.models.hunyuan.running import LoopRow, RunningLoop  # noqa: E402
+from ocrq.models.hunyuan.vision_attention import fa4_kernel  # noqa: E402
 from ocrq.models.slots import RunningBudget  # noqa: E402
 
 GiB = 1024**3
@@ -329,6 +331,11 @@ def main() -> None:
     ap.add_argument("--kv-error-steps", type=int, default=64)
     ap.add_argument("--packed-chunks", default="",
                     help='packed prefill passes of these tokens, "chunked", e.g. "4096,16384"')
+    ap.add_argument("--packed-kv-dtype", default="auto", help="the KV pool of the packed runs")
+    ap.add_argument("--vision-attentions", default="",
+                    help='run each packed run under these vision attentions, e.g. "sdpa,fa4" '
+                    "(OCRQ_VISION_ATTENTION; empty: as the engine loaded)")
+    ap.add_argument("--version", choices=("1.0", "1.5"), default="1.0")
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.device, args.dtype = "tiny", "cpu", "float32"
@@ -345,6 +352,8 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     report = Report(args.out, args.stem)
     report.data["meta"] = run_meta(args, "bench/continuous_batching.py")
+    if args.shape == "full":
+        report.data["meta"]["shape"] = f"HunyuanOCR-{args.version}"
 
     def part(name: str, fn: Any) -> Any:
         return run_part(report, started, name, fn)
@@ -358,10 +367,10 @@ def main() -> None:
         "lengths": [[c, n] for c, _, n in jobs],
     }
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = random_checkpoint(Path(tmp), args, version="1.0")
+        ckpt = random_checkpoint(Path(tmp), args, version=args.version)
         settings = Settings(model=str(ckpt), model_subfolder=None, dtype=args.dtype,
                             device=args.device, max_new_tokens=args.max_new_tokens,
-                            max_batch=args.slots)
+                            max_batch=args.slots, vision_attention="sdpa")
         engine = HunyuanEngine(settings, decode="fast")
         engine.load()
         report.data["meta"]["decode_attention"] = engine._decoder.attention
@@ -387,12 +396,24 @@ def main() -> None:
             if found:
                 report.data[name] = found
                 report.write()
+        use_kv_dtype(engine, args.packed_kv_dtype)
+        packed_slots = args.fp8_slots if args.packed_kv_dtype == "fp8" else args.slots
         for chunk in (int(x) for x in args.packed_chunks.split(",") if x):
-            run = part(f"running_chunked_packed_{chunk}", lambda c=chunk: run_loop(
-                torch, engine, jobs, rows, "chunked", args, cuda, packed_chunk=c))
-            if run:
-                report.data["runs"].append(run)
-                report.write()
+            for vision in args.vision_attentions.split(",") if args.vision_attentions else [""]:
+                if vision:
+                    batch_vision_attention(
+                        engine.model, kernel=fa4_kernel() if vision == "fa4" else None)
+                    part(f"warm_up_{vision}", lambda: engine.generate(  # FA4 compiles here
+                        [PreparedImage("w", images["a4"], images["a4"].size)] * 2,
+                        max_new_tokens=4, min_new_tokens=4))
+                run = part(f"running_chunked_packed_{chunk}{vision}", lambda c=chunk: run_loop(
+                    torch, engine, jobs, rows, "chunked", args, cuda, slots=packed_slots,
+                    packed_chunk=c))
+                if run:
+                    run["mode"] += f" vision {vision}" if vision else ""
+                    report.data["runs"].append(run)
+                    report.write()
+        use_kv_dtype(engine, "auto")
         for kv in (x for x in args.kv_dtypes.split(",") if x):
             use_kv_dtype(engine, kv)
             for schedule in (x for x in args.schedules.split(",") if x):

@@ -20,6 +20,9 @@ DecodeMode = Literal["fast", "generate"]
 # The fast loop's decode attention: Triton on CUDA when installed ("auto"), or forced.
 DecodeAttention = Literal["auto", "triton", "torch"]
 KvCacheDtype = Literal["auto", "fp8"]
+# The vision tower's attention: FlashAttention-4 where usable ("auto"), or forced
+# (ocrq/models/hunyuan/vision_attention.py).
+VisionAttention = Literal["auto", "fa4", "sdpa"]
 PreprocessMode = Literal["tensor", "processor"]
 # How rows share the device: whole batches run to their longest row ("static"), or the running
 # loop, where finished rows leave at once and waiting ones take their slots ("continuous",
@@ -231,6 +234,10 @@ class Settings(BaseSettings):
     decode: DecodeMode = "fast"
     # The fast loop's decode attention; "torch" also turns the fused norm/RoPE kernels off.
     decode_attention: DecodeAttention = "auto"
+    # The vision tower's attention: "auto" is FlashAttention-4 (`pip install 'ocrq[fa4]'`) on an
+    # SM80/SM90/SM100 GPU, else SDPA; "fa4" fails to load where it cannot run; "sdpa" is
+    # PyTorch's SDPA (cuDNN on Hopper), one call per run of equal-sized images.
+    vision_attention: VisionAttention = "auto"
     # The running loop's KV pool: "auto" (the model's dtype) or "fp8" (e4m3, no scale: half the
     # bytes a decode step reads and twice the rows a pool holds; ocrq/models/hunyuan/kv_cache.py).
     kv_cache_dtype: KvCacheDtype = "auto"

@@ -77,6 +77,7 @@ from ocrq.models.hunyuan.versions import (
     RepetitionGuard,
     version_of_checkpoint,
 )
+from ocrq.models.hunyuan.vision_attention import choose, fa4_kernel
 from ocrq.models.slots import RunningBudget, capacity_of
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self.running: RunningBudget | None = None
         self._items: dict[str, PreparedImage] = {}  # rows in the loop, by key
         self._failed: list[Finished] = []  # rows that failed before reaching the loop
+        self.vision_attention: str = "sdpa"  # the kernel `load` chose for the vision tower
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HunyuanEngine:
@@ -134,7 +136,10 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         ckpt = load_checkpoint(self.settings)
         model, processor = ckpt.model, ckpt.processor
         isolate_rows(model)
-        batch_vision_attention(model)
+        self.vision_attention = self._vision_kernel(model)
+        batch_vision_attention(
+            model, kernel=fa4_kernel() if self.vision_attention == "fa4" else None
+        )
         s = self.settings
         follow_training(model, rope=s.hunyuan_rope, vit_positions=s.hunyuan_vit_positions)
         self.version = version_of_checkpoint(ckpt.path)
@@ -171,14 +176,15 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
         self.scripted = scripted_lengths(ckpt.path)
         log.info(
-            "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, "
-            "repetition penalty %s, max %d pixels, %s preprocessing, RoPE layout %s, ViT "
-            "positions %s) in %.1f s",
+            "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, %s vision "
+            "attention, repetition penalty %s, max %d pixels, %s preprocessing, RoPE layout %s, "
+            "ViT positions %s) in %.1f s",
             self.version.name,
             ckpt.path,
             ckpt.device,
             ckpt.dtype,
             self.settings.attention,
+            self.vision_attention,
             self.repetition_penalty,
             self.geometry.max_pixels,
             self.settings.preprocess,
@@ -186,6 +192,17 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             self.settings.hunyuan_vit_positions,
             time.perf_counter() - started,
         )
+
+    def _vision_kernel(self, model: Any) -> str:
+        """`Settings.vision_attention` resolved for this model and device ("fa4" or "sdpa");
+        "sdpa" also where the checkpoint loaded with another attention than SDPA, whose own
+        path the patch leaves alone."""
+        tower = model.model.vision_tower
+        if getattr(tower.config, "_attn_implementation", "sdpa") != "sdpa":
+            return "sdpa"
+        attn = tower.layers[0].self_attn
+        param = next(tower.parameters())
+        return choose(self.settings.vision_attention, param.device, param.dtype, attn.head_dim)
 
     def close(self) -> None:
         self._drop_loop()

@@ -9,7 +9,8 @@ only a batch has, that the library's code leaves; both keep the library's own ar
   does not get the output it gets alone.
 * `batch_vision_attention`: the vision tower's sdpa path makes one attention call per image and
   layer (27 x batch calls, ~1 ms of host time each), so a large batch's prefill is host-bound;
-  equal-sized images go through one call instead.
+  equal-sized images go through one call instead; with FlashAttention-4 installed, every image
+  of the pass goes through one varlen call (ocrq/models/hunyuan/vision_attention.py).
 
 The two places where ocrq follows the training code over the library's numerics (the XD-RoPE
 layout, the ViT position interpolation) are installed the same way, by
@@ -22,6 +23,8 @@ another model in the process, or the library's own tests, see the library as it 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from ocrq.models.hunyuan.vision_attention import VarlenKernel, varlen_forward
 
 if TYPE_CHECKING:
     import torch
@@ -80,8 +83,12 @@ def isolate_rows(model: Any) -> None:
     inner.get_rope_index = get_rope_index
 
 
-def batch_vision_attention(model: Any, enabled: bool = True) -> None:
-    """Run the vision tower's attention as one sdpa call per run of equal-sized images.
+def batch_vision_attention(
+    model: Any, enabled: bool = True, kernel: VarlenKernel | None = None
+) -> None:
+    """Run the vision tower's attention as one sdpa call per run of equal-sized images, or,
+    given a varlen `kernel` (FlashAttention-4, ocrq/models/hunyuan/vision_attention.py), as one
+    call per layer over every image of the pass.
 
     transformers' sdpa path loops over the images of a batch, one sdpa call per image and layer
     (27 x batch calls, ~1 ms of host time each), which makes the prefill of a large batch
@@ -91,6 +98,7 @@ def batch_vision_attention(model: Any, enabled: bool = True) -> None:
     the library's method (the bench measures both). Other attention implementations are left as
     they are.
     """
+    import functools
     import types
 
     tower = model.model.vision_tower
@@ -101,7 +109,11 @@ def batch_vision_attention(model: Any, enabled: bool = True) -> None:
         if not enabled:
             attn.__dict__.pop("forward", None)
             continue
-        attn.forward = types.MethodType(_grouped_vision_attention, attn)
+        if kernel is not None:
+            forward = functools.partial(varlen_forward, kernel=kernel)
+            attn.forward = types.MethodType(forward, attn)
+        else:
+            attn.forward = types.MethodType(_grouped_vision_attention, attn)
 
 
 def _grouped_vision_attention(

@@ -1,0 +1,156 @@
+"""Which kernel runs the vision tower's attention, and the one-call varlen path over a pass.
+
+Why: 83% of an A4 page's prefill is the vision tower, and its attention runs on cuDNN through
+SDPA, one call per run of equal-sized images (ocrq/models/hunyuan/patches.py). FlashAttention-4
+(the `flash-attn-4` package: CuTe DSL kernels compiled at first use) has a Hopper forward for
+head size 72 that measured 484 TFLOP/s on one A4 page on the H200 against cuDNN's 353, and a
+varlen form that takes every image of a pass in one call per layer whatever their sizes
+(issue 29). It is optional: a separate install (`ocrq[fa4]`, docs/engines.md says why), NVIDIA
+only, SM80/SM90/SM100 only.
+
+`Settings.vision_attention`:
+
+* "auto": FlashAttention-4 where `choose` finds it usable, else today's SDPA path;
+* "fa4": FlashAttention-4, and loading fails with the reason where it is not usable;
+* "sdpa": today's path (one SDPA call per run of equal-sized images).
+
+`varlen_forward` is the attention forward the "fa4" choice installs on each vision layer. The
+kernel is a parameter so that the packing around it (cumulative lengths on the device, the
+longest image, the (patches, heads, dim) layout) is tested on a CPU with a torch reference in
+the kernel's place (`reference_varlen`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+Kernel = Literal["fa4", "sdpa"]
+# Compute capability majors FlashAttention-4's forward is built for (Ampere, Hopper, Blackwell).
+FA4_MAJORS = (8, 9, 10)
+
+
+class VarlenKernel(Protocol):
+    """Attention over packed sequences: q, k, v (total, heads, dim); int32 cumulative lengths
+    on q's device; the longest sequence; the softmax scale. Returns (total, heads, dim)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor: ...
+
+
+def fa4_unusable(device: Any, dtype: Any, head_dim: int) -> str | None:
+    """Why FlashAttention-4 cannot run the vision tower here, or None where it can."""
+    import torch
+
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return f"it needs an NVIDIA GPU (device {device})"
+    if torch.version.hip is not None:
+        return "it needs CUDA, not ROCm"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FA4_MAJORS:
+        return f"it is built for SM80/SM90/SM100 GPUs, this one is SM{major}{minor}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it runs in float16 or bfloat16, the model is {dtype}"
+    limit = 256 if major == 9 else 128
+    if head_dim % 8 or not 8 <= head_dim <= limit:
+        return f"head size {head_dim} is not one its SM{major}x forward supports"
+    try:
+        fa4_kernel()
+    except ImportError as exc:
+        return f"the flash-attn-4 package is not importable ({exc}); pip install 'ocrq[fa4]'"
+    return None
+
+
+def choose(setting: str, device: Any, dtype: Any, head_dim: int) -> Kernel:
+    """The kernel for `Settings.vision_attention` on this device (see the module doc)."""
+    if setting == "sdpa":
+        return "sdpa"
+    if setting not in ("auto", "fa4"):
+        raise ValueError(f"vision_attention must be auto, fa4 or sdpa, not {setting!r}")
+    reason = fa4_unusable(device, dtype, head_dim)
+    if reason is None:
+        return "fa4"
+    if setting == "fa4":
+        raise RuntimeError(f"vision_attention=fa4, but FlashAttention-4 cannot run: {reason}")
+    return "sdpa"
+
+
+@lru_cache(maxsize=1)
+def fa4_kernel() -> VarlenKernel:
+    """FlashAttention-4's varlen forward as a `VarlenKernel` (imported once: the import pulls in
+    the CuTe DSL compiler). Raises ImportError where the package is missing."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+               max_seqlen: int, scale: float) -> torch.Tensor:
+        out = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=False,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    return kernel
+
+
+def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int, scale: float) -> torch.Tensor:
+    """A `VarlenKernel` in plain torch: each sequence through SDPA over its own rows. It reads
+    the cumulative lengths it is given, so a wrong bound or length fails against it too."""
+    import torch
+    import torch.nn.functional as F
+
+    edges = cu_seqlens.tolist()
+    if max(b - a for a, b in itertools.pairwise(edges)) > max_seqlen:
+        raise ValueError("a sequence is longer than max_seqlen")
+    parts = [
+        F.scaled_dot_product_attention(
+            *(t[lo:hi].transpose(0, 1)[None] for t in (q, k, v)), scale=scale
+        )[0].transpose(0, 1)
+        for lo, hi in itertools.pairwise(edges)
+    ]
+    return torch.cat(parts, dim=0)
+
+
+@lru_cache(maxsize=256)
+def device_bounds(edges: tuple[int, ...], device: str) -> torch.Tensor:
+    """Cumulative lengths (int32) on the device, made once per set of sizes: all 27 layers of a
+    pass, and later passes of the same sizes, reuse them; copied without a sync, since the
+    running loop queues its prefill behind decode steps it must not wait for."""
+    import torch
+
+    from ocrq.models.hunyuan.readback import to_device
+
+    return to_device(list(edges), torch.int32, device)
+
+
+def varlen_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    *,
+    kernel: VarlenKernel,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HunYuanVLVisionAttention.forward with every image of the pass in one varlen call.
+
+    The tower packs a pass's images into one row and hands over their cumulative patch counts
+    (on the host where the engine keeps the image grid there); each image attends over its own
+    patches, as in the library's per-image loop."""
+    batch, seq, _ = hidden_states.shape
+    heads, dim = self.num_heads, self.head_dim
+    if batch != 1:
+        raise ValueError(f"the vision tower packs images into one row, got {batch}")
+    q = self.q_proj(hidden_states).view(seq, heads, dim)
+    k = self.k_proj(hidden_states).view(seq, heads, dim)
+    v = self.v_proj(hidden_states).view(seq, heads, dim)
+    edges = tuple(int(e) for e in cu_seqlens.tolist())
+    if edges[0] != 0 or edges[-1] != seq:
+        raise ValueError(f"cumulative lengths {edges[:3]}...{edges[-1]} do not cover {seq} patches")
+    longest = max(b - a for a, b in itertools.pairwise(edges))
+    out = kernel(q, k, v, device_bounds(edges, str(q.device)), longest, self.scaling)
+    return self.o_proj(out.reshape(1, seq, heads * dim)), None
