@@ -632,3 +632,37 @@ def test_sweep_stops_at_the_oom_point_and_recovers() -> None:
     rec = recommend(sweep.points, 4 * GiB)
     assert rec.setting in (1, 2)
     assert engine.run(rows[:1])[0].text  # the engine still reads after the OOM
+
+
+@pytest.mark.hunyuan
+def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> None:
+    """A generating engine: random weights get the bench's drawn output lengths, the anatomy
+    has a KV cache and, with the running loop, a prefill reserve; vLLM flags are printed."""
+    from ocrq.tuning.probing import draw_page
+
+    folder = tmp_path / "pages"
+    folder.mkdir()
+    for i, (w, h) in enumerate([(240, 64), (200, 96), (160, 160), (96, 200)]):
+        draw_page(w, h, [f"LINE {i}", "TOTAL 9.90"], 16).save(folder / f"p{i}.png")
+    profiles = tmp_path / "profiles"
+    env = {
+        **os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tiny_cache),
+        "OCRQ_PROFILE_DIR": str(profiles), "OCRQ_DEVICE": "cpu", "OCRQ_DTYPE": "float32",
+        "OCRQ_MAX_NEW_TOKENS": "16", "COLUMNS": "160", "OCRQ_SCHEDULER": "continuous",
+    }
+    proc = run_tune(env, "--engine", "hunyuan", "--images", str(folder), "--max-batch", "4",
+                    "--budget-fraction", "0.5", "--max-seconds", "60", timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [path] = sorted(profiles.glob("hunyuan-*.json"))
+    body = json.loads(path.read_text())
+    assert body["sample"]["lengths"] == "random weights: the bench's drawn lengths"
+    tokens = body["sample"]["output_tokens"]
+    assert len(tokens) == 4 and all(1 <= n <= 16 for n in tokens)
+    assert "output lengths (random weights" in proc.stderr
+    terms = {t["term"]: t for t in body["anatomy"]}
+    assert terms["KV cache"]["bytes"] > 0 and "KiB per token" in terms["KV cache"]["how"]
+    assert terms["prefill pass reserve"]["bytes"] > 0
+    knee = body["recommended"]["max_batch"]
+    assert body["running_loop"]["slots"] == knee
+    assert f"for vllm serve: --max-num-seqs {knee} --gpu-memory-utilization 0.50" in proc.stdout
+    assert f"OCRQ_MAX_BATCH={knee}" in proc.stdout

@@ -60,7 +60,7 @@ def batch_line(samples: Sequence[Sample], baseline: int) -> tuple[float, float]:
 
 def anatomy(
     *,
-    before_load: int | None,
+    before_load: int,
     after_load: int,
     baseline: int,
     samples: Sequence[Sample],
@@ -72,11 +72,9 @@ def anatomy(
 ) -> list[Term]:
     """The anatomy table's terms (see the module docstring)."""
     per_batch, per_image = batch_line(samples, baseline)
-    weights = None if before_load is None else float(max(0, after_load - before_load))
     terms = [
-        Term("weights", "no", weights,
-             f"{where} before vs after loading the engine" if weights is not None
-             else "not measured: the counter needs the loaded engine"),
+        Term("weights", "no", float(max(0, after_load - before_load)),
+             f"{where} before vs after loading the engine"),
         Term("framework / fixed", "no", float(max(0, baseline - after_load)),
              f"{where} after a first batch (freed) vs after loading: workspaces and caches "
              "that stay"),

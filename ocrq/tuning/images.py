@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ocrq.core import procfs
 from ocrq.core.settings import Settings
 from ocrq.models.base import Engine, PreparedImage
 from ocrq.models.costs import GiB
@@ -102,14 +103,15 @@ def tune_images(
     sample = load_sample(paths, sample_size)  # before loading: its failure costs nothing
     say(sample.describe())
     engine = create_engine(settings.engine, settings)
-    memory = memory_of(engine)
-    try:
-        before_load: int | None = reading(memory)
-    except Exception:  # a device counter that needs the loaded engine
-        before_load = None
+    host_before = procfs.rss_bytes()
     engine.load()
     try:
+        memory = memory_of(engine)
+        device = memory.fragmentation_bytes() is not None  # None: the engine is in host memory
         after_load = reading(memory)
+        # On a device the allocator counted nothing before the load (a fresh process); on the
+        # host, the RSS before it is the zero.
+        before_load = 0 if device else host_before
         try:
             budget = resolve_budget(engine, budget_gib, budget_fraction)
         except ValueError as exc:
@@ -124,7 +126,6 @@ def tune_images(
         max_batch = settings.max_batch or engine.preferred_max_batch()
         say(f"sweeping max batch {', '.join(map(str, settings_to_try(max_batch)))} within "
             f"{budget / GiB:.2f} GiB and {max_seconds:.0f} s")
-        device = memory.fragmentation_bytes() is not None  # None: the host's memory
         total = planned_images(len(rows), max_batch, device)
         done = 0
 
@@ -155,14 +156,15 @@ def tune_images(
             kv_bytes_per_token=default.per_cache_token_bytes if lengths.tokens else 0.0,
             tokens_per_image=tokens,
             prefill_reserve=None if running is None else int(running["prefill_bytes"]),
-            where="host RSS" if memory.fragmentation_bytes() is None else "device memory",
+            where="device memory (allocator)" if device else "host RSS",
         )
         paste = paste_lines(rec, budget)
         flags = None
         if settings.engine in GENERATING:
             pass_tokens = getattr(engine, "pass_tokens", None)
-            flags = vllm_flags(rec, budget, memory.memory_capacity_bytes(),
-                               pass_tokens() if pass_tokens else 8192)
+            capacity = (budget / budget_fraction if budget_fraction  # the share asked for
+                        else memory.memory_capacity_bytes())
+            flags = vllm_flags(rec, budget, int(capacity), pass_tokens() if pass_tokens else 8192)
         key = engine_key(engine)
         png = profile_path(settings.profile_dir, key).with_suffix(".png")
         plot_sweep(sweep, rec, png, ", ".join(f"{k}={v}" for k, v in key.items() if v))
