@@ -599,6 +599,7 @@ def _tune_images(
                                                   "steady-state images/s per max batch"))
     console.print(anatomy_table(outcome.anatomy, "memory anatomy"))
     typer.echo(rec.describe("max batch"))
+    typer.echo(outcome.versus_default())
     if outcome.sweep.oom_setting is not None:
         typer.echo(f"out of memory at max batch {outcome.sweep.oom_setting} (recovered)")
     if rec.limited_by == "memory":

@@ -520,6 +520,7 @@ def test_tune_images_prints_the_anatomy_the_knee_and_the_lines_to_paste(
     assert "OCRQ_MEMORY_BUDGET_GIB=4.00" in out
     assert f"knee: max batch {rec['max_batch']} makes" in out
     assert "for vllm serve" not in out  # the CPU engine has no vLLM equivalent
+    assert "the default max batch is 32 (not measured here)" in out  # rapid's preference
     # The sweep ran each setting on the whole sample; the knee follows the stated rule from what
     # was measured: the smallest setting within 95% of the best that keeps 15% of the budget.
     ran = [p for p in body["sweep"] if p["status"] == "ok"]

@@ -32,7 +32,12 @@ class Term:
     how: str  # how it was measured, or why it does not apply
 
     def row(self) -> tuple[str, str, str, str]:
-        size = "n/a" if self.bytes is None else f"{self.bytes / MiB:,.1f} MiB"
+        if self.bytes is None:
+            size = "n/a"
+        elif self.bytes < MiB:
+            size = f"{self.bytes / 1024:,.1f} KiB"
+        else:
+            size = f"{self.bytes / MiB:,.1f} MiB"
         return self.name, self.grows, size, self.how
 
 
@@ -74,7 +79,8 @@ def anatomy(
     per_batch, per_image = batch_line(samples, baseline)
     terms = [
         Term("weights", "no", float(max(0, after_load - before_load)),
-             f"{where} before vs after loading the engine"),
+             f"{where} before vs after loading the engine"
+             + ("" if where.startswith("device") else " (with the libraries the load imports)")),
         Term("framework / fixed", "no", float(max(0, baseline - after_load)),
              f"{where} after a first batch (freed) vs after loading: workspaces and caches "
              "that stay"),

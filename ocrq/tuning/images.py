@@ -58,6 +58,20 @@ class ImagesOutcome:
     vllm_flags: str | None  # for a `vllm serve` user of a generating engine
     profile: Path
     plot: Path
+    default_max_batch: int  # what a worker uses without OCRQ_MAX_BATCH or a tuned knee
+
+    def versus_default(self) -> str:
+        """How the knee compares with the engine's default max batch, as measured."""
+        rec, default = self.recommendation, self.default_max_batch
+        if rec.setting == default:
+            return f"the default max batch ({default}) is already at the knee: nothing to change"
+        at = next((p for p in self.sweep.points if p.setting == default and p.ran), None)
+        if at is None:
+            return (f"the default max batch is {default} (not measured here); the knee is "
+                    f"{rec.setting}")
+        ratio = rec.images_per_s / max(at.images_per_s, 1e-9)
+        return (f"the default max batch {default} makes {at.images_per_s:.2f} images/s, the "
+                f"knee {rec.setting} {rec.images_per_s:.2f} ({ratio:.2f}x)")
 
 
 def planned_images(rows: int, max_batch: int, warm_each: bool) -> int:
@@ -194,7 +208,7 @@ def tune_images(
         }
         path = write_profile(settings.profile_dir, key, fitted.model, extra)
         return ImagesOutcome(sample, lengths, sweep, fitted, rec, terms, running, paste, flags,
-                             path, png)
+                             path, png, engine.preferred_max_batch())
     finally:
         engine.close()
 

@@ -48,7 +48,8 @@ class UserSample:
     decoded_bytes_per_image: float  # host RSS growth per decoded image (input buffers)
 
     def describe(self) -> str:
-        sizes = sorted(im.image.size for im in self.images)
+        by_pixels = sorted(self.images, key=lambda s: s.pixels)
+        sizes = [by_pixels[0].image.size, by_pixels[-1].image.size]
         extra = f", {self.duplicates} duplicates dropped" if self.duplicates else ""
         bad = f", {len(self.unreadable)} unreadable skipped" if self.unreadable else ""
         return (
