@@ -596,7 +596,8 @@ def _tune_images(
     console = Console(width=160)
     rec = outcome.recommendation
     console.print(sweep_table(outcome.sweep, rec, f"ocrq tune --images: {settings.engine}, "
-                                                  "steady-state images/s per max batch"))
+                                                  "images/s per max batch"))
+    typer.echo(f"images/s: {outcome.rate}")
     console.print(anatomy_table(outcome.anatomy, "memory anatomy"))
     typer.echo(rec.describe("max batch"))
     typer.echo(outcome.versus_default())
@@ -604,7 +605,11 @@ def _tune_images(
         typer.echo(f"out of memory at max batch {outcome.sweep.oom_setting} (recovered)")
     if rec.limited_by == "memory":
         typer.echo("the knee is where memory stops the batch, not where throughput flattens")
-    typer.echo(fit_summary(outcome.fit))
+    if outcome.fit is not None:
+        typer.echo(fit_summary(outcome.fit))
+    else:
+        typer.echo(f"cost model kept: {outcome.model.source} (the loop's peaks hold its pool; "
+                   "`ocrq tune` without --images fits it)")
     if outcome.running:
         r = outcome.running
         typer.echo(f"running loop at the knee: {r['slots']} slots, a KV pool of "

@@ -510,6 +510,7 @@ def test_tune_images_prints_the_anatomy_the_knee_and_the_lines_to_paste(
     out = proc.stdout
     for column in ("max batch", "images/s", "peak GiB", "budget", "<- knee"):
         assert column in out
+    assert "images/s: steady state: the whole sample once per setting" in out
     for term in ("weights", "framework / fixed", "activations (prefill)", "KV cache",
                  "input / output buffers", "prefill pass reserve"):
         assert term in out
@@ -660,9 +661,16 @@ def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> No
     tokens = body["sample"]["output_tokens"]
     assert len(tokens) == 4 and all(1 <= n <= 16 for n in tokens)
     assert "output lengths (random weights" in proc.stderr
+    # With the running loop (OCRQ_SCHEDULER=continuous) the knob is its slots, run through it.
+    assert body["sweep_rate"].startswith("whole run of the timed rows")
+    ran = [p for p in body["sweep"] if p["status"] == "ok"]
+    assert len(ran) >= 2 and all(p["images"] >= max(4, 2 * p["setting"]) for p in ran)
+    assert "the engine runs the running loop" in proc.stderr
     terms = {t["term"]: t for t in body["anatomy"]}
     assert terms["KV cache"]["bytes"] > 0 and "KiB per token" in terms["KV cache"]["how"]
     assert terms["prefill pass reserve"]["bytes"] > 0
+    assert terms["activations (prefill)"]["bytes"] is None  # the loop's peaks hold its pool
+    assert body["fit"] is None and "cost model kept" in proc.stdout
     knee = body["recommended"]["max_batch"]
     assert body["running_loop"]["slots"] == knee
     assert f"for vllm serve: --max-num-seqs {knee} --gpu-memory-utilization 0.50" in proc.stdout

@@ -22,6 +22,8 @@ from ocrq.models.memory import MemoryProbing
 from ocrq.tuning.calibration import Sample
 
 MiB = 1024**2
+NO_BATCHES = ("not measured: swept through the running loop, whose peaks hold its pool; the "
+              "prefill reserve below holds the activations")
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,13 @@ def reading(memory: MemoryProbing) -> int:
     return memory.peak_memory_bytes()
 
 
-def batch_line(samples: Sequence[Sample], baseline: int) -> tuple[float, float]:
+def batch_line(samples: Sequence[Sample], baseline: int) -> tuple[float | None, float | None]:
     """(bytes per batch, bytes per image) of the peaks above the baseline, by least squares on
     the batch size, both kept >= 0 (the CPU engine's peak is one detection's, whatever the
-    batch: its per-image part may be ~0)."""
+    batch: its per-image part may be ~0); None without static batches (a loop's peaks hold its
+    pool)."""
+    if not samples:
+        return None, None
     n = np.array([len(s.costs) for s in samples], dtype=float)
     y = np.array([s.peak_bytes - baseline for s in samples], dtype=float)
     if len(set(n)) < 2:
@@ -85,9 +90,11 @@ def anatomy(
              f"{where} after a first batch (freed) vs after loading: workspaces and caches "
              "that stay"),
         Term("per-batch workspace", "no", per_batch,
-             "intercept of each batch's peak above that, against the batch size"),
+             "intercept of each batch's peak above that, against the batch size"
+             if per_batch is not None else NO_BATCHES),
         Term("activations (prefill)", "per image", per_image,
-             "slope of each batch's peak against the batch size"),
+             "slope of each batch's peak against the batch size"
+             if per_image is not None else NO_BATCHES),
     ]
     if tokens_per_image is None or kv_bytes_per_token <= 0:
         terms.append(Term("KV cache", "per token", None,

@@ -20,15 +20,16 @@ from typing import Any
 
 from ocrq.core import procfs
 from ocrq.core.settings import Settings
-from ocrq.models.base import Engine, PreparedImage
-from ocrq.models.costs import GiB
+from ocrq.models.base import Engine, PreparedImage, StreamingEngine
+from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.registry import create_engine
 from ocrq.tuning.anatomy import Term, anatomy, reading, to_json
 from ocrq.tuning.calibration import Fit, fit
 from ocrq.tuning.lengths import Lengths, output_lengths
+from ocrq.tuning.loop_sweep import RATE, LoopSetting, loop_rows
 from ocrq.tuning.probing import resolve_budget
-from ocrq.tuning.profiles import engine_key, profile_path, write_profile
+from ocrq.tuning.profiles import body_model, engine_key, profile_path, read_profile, write_profile
 from ocrq.tuning.sample import UserSample, load_sample
 from ocrq.tuning.sweep import (
     FRACTION,
@@ -50,7 +51,8 @@ class ImagesOutcome:
     sample: UserSample
     lengths: Lengths
     sweep: Sweep
-    fit: Fit
+    fit: Fit | None  # None: swept through the running loop, whose peaks hold its pool
+    model: CostModel  # what the profile holds: the fit, else the profile's or engine's own
     recommendation: Recommendation
     anatomy: list[Term]
     running: dict[str, Any] | None
@@ -59,6 +61,7 @@ class ImagesOutcome:
     profile: Path
     plot: Path
     default_max_batch: int  # what a worker uses without OCRQ_MAX_BATCH or a tuned knee
+    rate: str  # how images/s was measured
 
     def versus_default(self) -> str:
         """How the knee compares with the engine's default max batch, as measured."""
@@ -74,8 +77,10 @@ class ImagesOutcome:
                 f"knee {rec.setting} {rec.images_per_s:.2f} ({ratio:.2f}x)")
 
 
-def planned_images(rows: int, max_batch: int, warm_each: bool) -> int:
+def planned_images(rows: int, max_batch: int, warm_each: bool, loop: bool) -> int:
     """Images the sweep runs when every setting runs (the progress bar's total)."""
+    if loop:
+        return 1 + sum(loop_rows(rows, n) + n for n in settings_to_try(max_batch))
     return 1 + sum(-(-rows // n) * n + (n if warm_each else 0) for n in settings_to_try(max_batch))
 
 
@@ -140,7 +145,6 @@ def tune_images(
         max_batch = settings.max_batch or engine.preferred_max_batch()
         say(f"sweeping max batch {', '.join(map(str, settings_to_try(max_batch)))} within "
             f"{budget / GiB:.2f} GiB and {max_seconds:.0f} s")
-        total = planned_images(len(rows), max_batch, device)
         done = 0
 
         def on_batch(_: int, n: int) -> None:
@@ -149,19 +153,36 @@ def tune_images(
             if progress is not None:
                 progress(min(done, total), total)
 
+        default = engine.cost_model()
+        key = engine_key(engine)
+        earlier = read_profile(settings.profile_dir, key)
+        if earlier is not None:  # a fitted model from an earlier tune: the loop is sized by it
+            default = body_model(earlier, profile_path(settings.profile_dir, key))
+        loop = None
+        if isinstance(engine, StreamingEngine) and engine.streams():
+            loop = LoopSetting(engine, default, budget)
+            say("the engine runs the running loop: each setting is its slots, run through it "
+                f"({RATE})")
+        total = planned_images(len(rows), max_batch, device, loop is not None)
         sweep = run_sweep(engine, rows, budget, max_batch=max_batch, deadline=deadline,
-                          warm_each=device, on_batch=on_batch)
+                          warm_each=device, on_batch=on_batch, loop=loop)
         if progress is not None:
             progress(total, total)
         try:
             rec = recommend(sweep.points, budget, fraction=fraction, headroom=headroom)
         except SweepProblem as exc:
             raise SweepProblem(str(exc), sweep) from None
-        default = engine.cost_model()
-        fitted = fit(sweep.samples(), min_fixed_bytes=sweep.baseline_bytes, source="tune",
-                     cache_token_bytes=default.per_cache_token_bytes,
-                     decode_fixed_bytes=default.decode_fixed_bytes)
-        running = loop_plan(engine, fitted.model, budget, rec.setting)
+        rate = RATE if loop is not None else (
+            "steady state: the whole sample once per setting, after the engine's first call"
+            + (" and a warm-up batch of that size" if device else ""))
+        fitted = None
+        model = default
+        if loop is None:
+            fitted = fit(sweep.samples(), min_fixed_bytes=sweep.baseline_bytes, source="tune",
+                         cache_token_bytes=default.per_cache_token_bytes,
+                         decode_fixed_bytes=default.decode_fixed_bytes)
+            model = fitted.model
+        running = loop_plan(engine, model, budget, rec.setting)
         tokens = mean_tokens(engine, rows)
         terms = anatomy(
             before_load=before_load, after_load=after_load, baseline=sweep.baseline_bytes,
@@ -179,7 +200,6 @@ def tune_images(
             capacity = (budget / budget_fraction if budget_fraction  # the share asked for
                         else memory.memory_capacity_bytes())
             flags = vllm_flags(rec, budget, int(capacity), pass_tokens() if pass_tokens else 8192)
-        key = engine_key(engine)
         png = profile_path(settings.profile_dir, key).with_suffix(".png")
         plot_sweep(sweep, rec, png, ", ".join(f"{k}={v}" for k, v in key.items() if v))
         extra = {
@@ -187,9 +207,6 @@ def tune_images(
                 "max_batch": rec.setting, **asdict(rec), "env": paste, "vllm_flags": flags,
             },
             "sweep": sweep_json(sweep),
-            "sweep_rate": "steady state: the whole sample once per setting, after the "
-                          "engine's first call" + (" and a warm-up batch of that size"
-                                                   if device else ""),
             "oom_setting": sweep.oom_setting,
             "anatomy": to_json(terms),
             "sample": {"images": [s.name for s in sample.images], "task": task,
@@ -199,16 +216,18 @@ def tune_images(
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "budget_bytes": budget,
             "baseline_bytes": sweep.baseline_bytes,
-            "fit": {"cover_factor": fitted.cover_factor, "max_rel_error": fitted.max_rel_error,
-                    "samples": fitted.samples},
+            "fit": None if fitted is None else {
+                "cover_factor": fitted.cover_factor, "max_rel_error": fitted.max_rel_error,
+                "samples": fitted.samples},
+            "sweep_rate": rate,
             "seconds": round(time.monotonic() - started, 2),
             "engine_facts": engine.describe(),
             "plot": str(png),
             "probes": [],
         }
-        path = write_profile(settings.profile_dir, key, fitted.model, extra)
-        return ImagesOutcome(sample, lengths, sweep, fitted, rec, terms, running, paste, flags,
-                             path, png, engine.preferred_max_batch())
+        path = write_profile(settings.profile_dir, key, model, extra)
+        return ImagesOutcome(sample, lengths, sweep, fitted, model, rec, terms, running, paste,
+                             flags, path, png, engine.preferred_max_batch(), rate)
     finally:
         engine.close()
 

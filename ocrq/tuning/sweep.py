@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ocrq.models.base import Engine, PreparedImage
 from ocrq.models.costs import GiB, ItemCost
@@ -40,6 +41,15 @@ class SweepProblem(ValueError):
     def __init__(self, message: str, sweep: Sweep | None = None) -> None:
         super().__init__(message)
         self.sweep = sweep
+
+
+class LoopRunner(Protocol):
+    """Runs a setting through a running loop (ocrq/tuning/loop_sweep.py)."""
+
+    def timed(self, rows: int, slots: int) -> int: ...
+
+    def run(self, rows: Sequence[PreparedImage], slots: int, timed: int,
+            on_batch: Callable[[int, int], None] | None) -> SweepPoint: ...
 
 
 @dataclass(frozen=True)
@@ -110,13 +120,16 @@ def run_sweep(
     warm_each: bool = True,
     on_batch: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    loop: LoopRunner | None = None,
 ) -> Sweep:
     """Run the sample at each setting up to `max_batch` (see the module docstring).
 
     `rows` are prepared (`Engine.prepare`), with their task and output length set. `on_batch`
     gets (setting, images just run) after every batch, for a progress bar. `warm_each=False`
     leaves out the warm-up batch of each setting: an engine in host memory captures no graphs
-    per batch shape, and its first call (always left out) warms it up once for all.
+    per batch shape, and its first call (always left out) warms it up once for all. With
+    `loop` (ocrq/tuning/loop_sweep.py) each setting is the running loop's slots, run through
+    the loop; `loop_rows` says how many rows it times.
     """
     if not rows:
         raise SweepProblem("no images to sweep with")
@@ -148,14 +161,20 @@ def run_sweep(
     memory.reset_peak_memory()
     sweep.baseline_bytes = memory.peak_memory_bytes()
     for setting in settings_to_try(max_batch):
-        timed = -(-len(rows) // setting) * setting  # the whole sample, in full batches
-        need = SLACK * per_image_s * (timed + (setting if warm_each else 0))
+        if loop is None:
+            timed = -(-len(rows) // setting) * setting  # the whole sample, in full batches
+        else:
+            timed = loop.timed(len(rows), setting)
+        need = SLACK * per_image_s * (timed + (setting if warm_each or loop else 0))
         if clock() + need > deadline:
             sweep.points.append(
                 SweepPoint(setting, f"skipped: needs ~{need:.0f} s, past --max-seconds")
             )
             break
-        point = run_setting(one, rows, setting, timed, warm_each)
+        if loop is None:
+            point = run_setting(one, rows, setting, timed, warm_each)
+        else:
+            point = loop.run(rows, setting, timed, on_batch)
         sweep.points.append(point)
         if not point.ran:
             break
