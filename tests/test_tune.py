@@ -675,3 +675,28 @@ def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> No
     assert body["running_loop"]["slots"] == knee
     assert f"for vllm serve: --max-num-seqs {knee} --gpu-memory-utilization 0.50" in proc.stdout
     assert f"OCRQ_MAX_BATCH={knee}" in proc.stdout
+
+
+@pytest.mark.hunyuan
+def test_first_pass_counts_the_tokens_each_image_produces(tmp_path: Path) -> None:
+    """A checkpoint without the random mark is taken for trained: a first pass over the sample,
+    capped at OCRQ_MAX_NEW_TOKENS, counts each image's tokens (these weights never end a row,
+    so every row reaches the cap and says so), and the rows then end there."""
+    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan.scripted import RANDOM_MARK
+    from ocrq.tuning.lengths import output_lengths
+    from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    del config[RANDOM_MARK]
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = HunyuanEngine(cpu_settings(str(folder), max_new_tokens=6))
+    engine.load()
+    rows = [item(64, 48, 0), item(96, 64, 1), item(48, 80, 2)]
+    for row in rows:
+        engine.prepare(row)
+    lengths = output_lengths(engine, rows)
+    assert lengths.source == "first pass, capped at 6"
+    assert lengths.tokens == (6, 6, 6)
+    assert [row.max_new_tokens for row in rows] == [6, 6, 6]
