@@ -652,8 +652,8 @@ def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> No
         "OCRQ_PROFILE_DIR": str(profiles), "OCRQ_DEVICE": "cpu", "OCRQ_DTYPE": "float32",
         "OCRQ_MAX_NEW_TOKENS": "16", "COLUMNS": "160", "OCRQ_SCHEDULER": "continuous",
     }
-    proc = run_tune(env, "--engine", "hunyuan", "--images", str(folder), "--max-batch", "4",
-                    "--budget-fraction", "0.5", "--max-seconds", "60", timeout=200)
+    proc = run_tune(env, "--engine", "hunyuan", "--images", str(folder), "--max-batch", "2",
+                    "--budget-fraction", "0.5", "--max-seconds", "90", timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [path] = sorted(profiles.glob("hunyuan-*.json"))
     body = json.loads(path.read_text())
