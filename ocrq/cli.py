@@ -455,6 +455,25 @@ def migrate() -> None:
 @app.command()
 def tune(
     engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
+    images: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="Images like the ones you will OCR (a folder or files; repeat the option): "
+            "sweep the max batch on them and recommend the settings. Without it, tune probes "
+            "drawn pages and fits the cost model only."
+        ),
+    ] = None,
+    task: Annotated[str, typer.Option(help=f"Task the sample runs with ({TASK_HELP})")] = "text",
+    sample_size: Annotated[
+        int, typer.Option(help="Images of --images used at most, spread over their sizes.")
+    ] = 16,
+    knee: Annotated[
+        float, typer.Option(help="The knee: the smallest max batch within this share of the best "
+                            "images/s.")
+    ] = 0.95,
+    headroom: Annotated[
+        float, typer.Option(help="Share of the budget the recommended setting leaves free.")
+    ] = 0.15,
     budget: Annotated[
         float | None, typer.Option(help="GiB the engine may use in all, fixed part included.")
     ] = None,
@@ -462,7 +481,9 @@ def tune(
         float | None,
         typer.Option(help="Share of the device's memory (host memory for rapid); default 0.8."),
     ] = None,
-    max_seconds: Annotated[float, typer.Option(help="Time for all probes together.")] = 90.0,
+    max_seconds: Annotated[
+        float, typer.Option(help="Time for all probes (or the first pass and sweep) together.")
+    ] = 90.0,
     max_batch: Annotated[
         int | None, typer.Option(help="Largest batch probed (default OCRQ_MAX_BATCH).")
     ] = None,
@@ -472,7 +493,8 @@ def tune(
     log_level: Annotated[str, typer.Option(help="Logging level on stderr.")] = "WARNING",
 ) -> None:
     """Probe the device with real batches, fit the memory cost model, write the profile that
-    workers load at start (plus a PNG of throughput and peak memory against batch size)."""
+    workers load at start (plus a PNG of throughput and peak memory against batch size); with
+    --images, find the knee on your images and recommend the settings to paste."""
     from ocrq.tuning.tune import BudgetError, fit_summary, table, tune_engine
 
     _logging(log_level)
@@ -481,7 +503,13 @@ def tune(
     except ImportError:
         err.print("ocrq tune draws its plot with matplotlib: pip install 'ocrq[tune]'")
         raise typer.Exit(2) from None
+    if not 0 < knee <= 1 or not 0 <= headroom < 1:
+        raise typer.BadParameter("--knee must be within (0, 1] and --headroom within [0, 1)")
     settings = _settings(engine=engine, profile_dir=profile_dir, max_batch=max_batch)
+    if images:
+        _tune_images(settings, images, task, sample_size, knee, headroom, budget,
+                     budget_fraction, max_seconds)
+        return
     try:
         outcome = tune_engine(
             settings, budget, budget_fraction, max_seconds=max_seconds, say=err.print
@@ -497,6 +525,67 @@ def tune(
             f"running loop at this budget: {r['slots']} slots, a KV pool of {r['pool_tokens']} "
             f"tokens, prefill passes of {r['prefill_tokens']} tokens"
         )
+    typer.echo(f"profile: {outcome.profile}")
+    typer.echo(f"plot: {outcome.plot}")
+    typer.echo("for the sweet spot on your own images and the settings to paste: --images DIR")
+
+
+def _tune_images(
+    settings: Settings, paths: list[Path], task: str, sample_size: int, knee: float,
+    headroom: float, budget: float | None, budget_fraction: float | None, max_seconds: float,
+) -> None:
+    """`ocrq tune --images`: the sweep with a progress bar, then the tables and the lines to
+    paste; a sample or sweep that cannot support a recommendation exits 2 saying why."""
+    from ocrq.tuning.anatomy import anatomy_table
+    from ocrq.tuning.images import sweep_table, tune_images
+    from ocrq.tuning.sample import SampleProblem
+    from ocrq.tuning.sweep import SweepProblem
+    from ocrq.tuning.tune import BudgetError, fit_summary
+
+    try:
+        with _progress() as progress:
+            bar = progress.add_task(f"sweep ({settings.engine})", total=None)
+            outcome = tune_images(
+                settings, paths, task=task, budget_gib=budget, budget_fraction=budget_fraction,
+                max_seconds=max_seconds, sample_size=sample_size, fraction=knee,
+                headroom=headroom, say=err.print,
+                progress=lambda done, total: progress.update(bar, completed=done, total=total),
+            )
+    except BudgetError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    except (SampleProblem, SweepProblem) as exc:
+        measured = getattr(exc, "sweep", None)
+        if measured is not None:
+            Console(width=160).print(sweep_table(measured, None, "what the sweep measured"))
+        err.print(f"ocrq tune: {exc}")
+        raise typer.Exit(2) from None
+    console = Console(width=160)
+    rec = outcome.recommendation
+    console.print(sweep_table(outcome.sweep, rec, f"ocrq tune --images: {settings.engine}, "
+                                                  "images/s per max batch"))
+    typer.echo(f"images/s: {outcome.rate}")
+    console.print(anatomy_table(outcome.anatomy, "memory anatomy"))
+    typer.echo(rec.describe("max batch"))
+    typer.echo(outcome.versus_default())
+    if outcome.sweep.oom_setting is not None:
+        typer.echo(f"out of memory at max batch {outcome.sweep.oom_setting} (recovered)")
+    if rec.limited_by == "memory":
+        typer.echo("the knee is where memory stops the batch, not where throughput flattens")
+    if outcome.fit is not None:
+        typer.echo(fit_summary(outcome.fit))
+    else:
+        typer.echo(f"cost model kept: {outcome.model.source} (the loop's peaks hold its pool; "
+                   "`ocrq tune` without --images fits it)")
+    if outcome.running:
+        r = outcome.running
+        typer.echo(f"running loop at the knee: {r['slots']} slots, a KV pool of "
+                   f"{r['pool_tokens']} tokens, prefill passes of {r['prefill_tokens']} tokens")
+    typer.echo("settings to paste (a worker started now also reads the max batch from the "
+               "profile):")
+    for line in outcome.paste:
+        typer.echo(f"  {line}")
+    if outcome.vllm_flags:
+        typer.echo(f"for vllm serve: {outcome.vllm_flags}")
     typer.echo(f"profile: {outcome.profile}")
     typer.echo(f"plot: {outcome.plot}")
 

@@ -34,6 +34,7 @@ from ocrq.scheduling.batcher import StaticBatcher as Batcher
 from ocrq.scheduling.vocabulary import BatchConfig
 from ocrq.tuning.calibration import Sample, fit, relative_error
 from ocrq.tuning.profiles import KEY_FIELDS, engine_key, load_profile, profile_path
+from ocrq.tuning.sweep import SweepPoint, SweepProblem, recommend, run_sweep
 from ocrq.worker.runtime import build_runtime
 
 OCRQ = Path(sys.executable).parent / "ocrq"
@@ -431,3 +432,271 @@ def test_oom_recovery_end_to_end_on_the_tiny_model(tiny_cache: Path) -> None:
     assert engine.failed_tensors and not any(engine.alive_at_retry)
     assert all(ref() is None for ref in engine.failed_tensors)
     assert [p.image.size for p in items] == sizes  # no image had to be shrunk
+
+
+# -- `ocrq tune --images`: the sweep, the knee, the recommendation ------------------------------
+
+def point(setting: int, rate: float, peak_gib: float, status: str = "ok") -> SweepPoint:
+    if status != "ok":
+        return SweepPoint(setting, status)
+    return SweepPoint(setting, "ok", images=8, seconds=8 / rate, peak_bytes=int(peak_gib * GiB))
+
+
+def test_knee_is_the_small_batch_when_throughput_falls() -> None:
+    """The issue's CPU figures: receipts/s fell from 2.56 to 0.61 as the batch grew."""
+    falling = [point(1, 2.56, 0.5), point(2, 1.9, 0.6), point(4, 1.2, 0.7), point(8, 0.61, 0.9)]
+    rec = recommend(falling, 4 * GiB)
+    assert (rec.setting, rec.best_setting, rec.limited_by) == (1, 1, "throughput")
+    assert rec.headroom_kept == pytest.approx(1 - 0.5 / 4)
+
+
+def test_knee_is_the_smallest_setting_within_the_fraction_of_the_best() -> None:
+    rising = [point(1, 1.0, 1), point(2, 1.8, 2), point(4, 3.0, 3), point(8, 3.1, 5),
+              point(16, 3.12, 9)]
+    assert recommend(rising, 20 * GiB).setting == 4  # 3.0 >= 0.95 x 3.12
+    assert recommend(rising, 20 * GiB, fraction=0.99).setting == 8
+    # Batch 16 keeps less than 15% of a 10 GiB budget free: the best is taken without it.
+    assert recommend(rising, 10 * GiB).best_setting == 8
+
+
+def test_knee_limited_by_memory_and_the_oom_point() -> None:
+    climbing = [point(1, 1.0, 1), point(2, 2.0, 2), point(4, 4.0, 3.8), point(8, 0, 0, "oom")]
+    rec = recommend(climbing, 4 * GiB)  # batch 4 leaves 5% free, 15% is asked
+    assert (rec.setting, rec.limited_by) == (2, "memory")
+    with pytest.raises(SweepProblem, match="too little to name a knee"):
+        recommend([point(1, 1.0, 1), point(2, 0, 0, "skipped: time")], 4 * GiB)
+    with pytest.raises(SweepProblem, match="raise --budget"):
+        recommend([point(1, 1.0, 3.9), point(2, 2.0, 3.95)], 4 * GiB)
+
+
+def receipt_tops(folder: Path, count: int = 4) -> Path:
+    """The top of real receipts (their header lines), 360 px wide: receipts-like and quick."""
+    from tests.conftest import EVAL_DATA
+
+    paths = sorted((EVAL_DATA / "sroie" / "img").glob("*.jpg"))[:count]
+    if len(paths) < count:
+        pytest.fail(f"receipts not found under {EVAL_DATA}: set OCRQ_EVAL_DATA to the ocr-eval "
+                    "folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        with Image.open(path) as raw:
+            image = raw.convert("RGB")
+        image = image.resize((360, round(image.height * 360 / image.width)))
+        image.crop((0, 0, 360, min(300, image.height))).save(folder / f"{path.stem}.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def images_tune(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, float]:
+    """`ocrq tune --images DIR` on the CPU engine, as a user runs it."""
+    import time
+
+    root = tmp_path_factory.mktemp("images-tune")
+    folder = receipt_tops(root / "receipts")
+    profiles = root / "profiles"
+    env = {**os.environ, "OCRQ_PROFILE_DIR": str(profiles), "COLUMNS": "160"}
+    env.pop("OCRQ_MAX_BATCH", None)
+    t0 = time.monotonic()
+    proc = run_tune(env, "--engine", "rapid", "--images", str(folder), "--max-batch", "4",
+                    "--budget", "4", "--max-seconds", "120", timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return profiles, proc, time.monotonic() - t0
+
+
+def test_tune_images_prints_the_anatomy_the_knee_and_the_lines_to_paste(
+    images_tune: tuple[Path, Any, float],
+) -> None:
+    profiles, proc, _ = images_tune
+    out = proc.stdout
+    for column in ("max batch", "images/s", "peak GiB", "budget", "<- knee"):
+        assert column in out
+    assert "images/s: steady state: the whole sample once per setting" in out
+    for term in ("weights", "framework / fixed", "activations (prefill)", "KV cache",
+                 "input / output buffers", "prefill pass reserve"):
+        assert term in out
+    assert "n/a: this engine generates no tokens" in out  # the CPU engine keeps no KV cache
+    body = json.loads(only_profile(profiles).read_text())
+    rec = body["recommended"]
+    assert f"OCRQ_MAX_BATCH={rec['max_batch']}" in out
+    assert "OCRQ_MEMORY_BUDGET_GIB=4.00" in out
+    assert f"knee: max batch {rec['max_batch']} makes" in out
+    assert "for vllm serve" not in out  # the CPU engine has no vLLM equivalent
+    assert "the default max batch is 32 (not measured here)" in out  # rapid's preference
+    # The sweep ran each setting on the whole sample; the knee follows the stated rule from what
+    # was measured: the smallest setting within 95% of the best that keeps 15% of the budget.
+    ran = [p for p in body["sweep"] if p["status"] == "ok"]
+    assert [p["setting"] for p in ran][:2] == [1, 2] and all(p["images"] == 4 for p in ran)
+    fits = [p for p in ran if p["peak_bytes"] <= 0.85 * body["budget_bytes"]]
+    best = max(p["images_per_s"] for p in fits)
+    assert rec["max_batch"] == min(p["setting"] for p in fits if p["images_per_s"] >= 0.95 * best)
+    if ran[-1]["images_per_s"] < 0.95 * ran[0]["images_per_s"]:  # throughput fell: small batch
+        assert rec["max_batch"] < ran[-1]["setting"]
+    terms = {t["term"]: t for t in body["anatomy"]}
+    assert terms["weights"]["bytes"] > 10 * MiB  # three ONNX models in host memory
+    assert terms["KV cache"]["bytes"] is None and terms["prefill pass reserve"]["bytes"] is None
+    assert body["seconds"] <= 1.5 * 120
+    png = Path(body["plot"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_worker_started_after_tune_uses_the_recommended_max_batch(
+    images_tune: tuple[Path, Any, float], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    profiles, _, _ = images_tune
+    body = json.loads(only_profile(profiles).read_text())
+    knee = body["recommended"]["max_batch"]
+    caplog.set_level(logging.INFO, logger="ocrq.scheduling.engine_side")
+    runtime = build_runtime(Settings(engine="rapid", profile_dir=profiles),
+                            store=sqlite_store(tmp_path))
+    try:
+        assert knee != runtime.engine.preferred_max_batch()  # so the profile is what decided
+        assert runtime.batcher.config.max_items == knee
+        assert f"recommended max batch {knee}" in caplog.text
+    finally:
+        runtime.close()
+    # An explicit OCRQ_MAX_BATCH wins over the profile.
+    runtime = build_runtime(Settings(engine="rapid", profile_dir=profiles, max_batch=7),
+                            store=sqlite_store(tmp_path))
+    try:
+        assert runtime.batcher.config.max_items == 7
+    finally:
+        runtime.close()
+
+
+def test_tune_images_refuses_a_sample_too_small_or_all_alike(tmp_path: Path) -> None:
+    profiles = tmp_path / "profiles"
+    env = {**os.environ, "OCRQ_PROFILE_DIR": str(profiles), "COLUMNS": "160"}
+    folder = receipt_tops(tmp_path / "two", count=2)
+    proc = run_tune(env, "--engine", "rapid", "--images", str(folder), timeout=60)
+    assert proc.returncode == 2
+    assert "too small a sample to tune on: 2 distinct images" in proc.stderr
+    one = next(folder.glob("*.png"))
+    alike = tmp_path / "alike"
+    alike.mkdir()
+    for i in range(5):
+        (alike / f"copy{i}.png").write_bytes(one.read_bytes())
+    proc = run_tune(env, "--engine", "rapid", "--images", str(alike), timeout=60)
+    assert proc.returncode == 2
+    assert "1 distinct images (5 image files, 4 of them copies of another)" in proc.stderr
+    assert not profiles.exists()  # nothing written, and no engine was loaded for it
+
+
+def test_tune_images_honours_max_seconds(tmp_path: Path) -> None:
+    """One second cannot hold the sample even once: tune stops before the first setting, says
+    so with what it measured, and writes no profile."""
+    import time
+
+    folder = receipt_tops(tmp_path / "receipts", count=3)
+    profiles = tmp_path / "profiles"
+    env = {**os.environ, "OCRQ_PROFILE_DIR": str(profiles), "COLUMNS": "160"}
+    t0 = time.monotonic()
+    proc = run_tune(env, "--engine", "rapid", "--images", str(folder), "--max-seconds", "1",
+                    timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "past --max-seconds" in proc.stdout  # the setting it skipped, in the table
+    assert "too little to name a knee" in proc.stderr
+    assert not profiles.exists()
+    assert elapsed < 100  # start-up, the engine's load and one image, not a sweep
+
+
+class OomRapid:
+    """The CPU engine, running out of memory above `limit` images as a device would (host
+    memory cannot be made to run out here without starving the machine)."""
+
+    limit = 2
+
+    def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
+        if len(batch) > self.limit:
+            raise MemoryError(f"out of memory: {len(batch)} > {self.limit}")
+        return super().run(batch)  # type: ignore[misc]
+
+
+def test_sweep_stops_at_the_oom_point_and_recovers() -> None:
+    import time
+
+    from ocrq.models.rapid import RapidEngine
+    from ocrq.tuning.probing import draw_page
+
+    class Engine(OomRapid, RapidEngine):
+        pass
+
+    engine = Engine()
+    engine.load()
+    rows = [PreparedImage(f"r{i}", draw_page(240, 60, [f"TOTAL {i}.50"], 20), (240, 60))
+            for i in range(3)]
+    for row in rows:
+        engine.prepare(row)
+    sweep = run_sweep(engine, rows, 4 * GiB, max_batch=8, deadline=time.monotonic() + 100,
+                      warm_each=False)
+    assert [(p.setting, p.status) for p in sweep.points] == [(1, "ok"), (2, "ok"), (4, "oom")]
+    assert sweep.oom_setting == 4
+    rec = recommend(sweep.points, 4 * GiB)
+    assert rec.setting in (1, 2)
+    assert engine.run(rows[:1])[0].text  # the engine still reads after the OOM
+
+
+@pytest.mark.hunyuan
+def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> None:
+    """A generating engine: random weights get the bench's drawn output lengths, the anatomy
+    has a KV cache and, with the running loop, a prefill reserve; vLLM flags are printed."""
+    from ocrq.tuning.probing import draw_page
+
+    folder = tmp_path / "pages"
+    folder.mkdir()
+    for i, (w, h) in enumerate([(240, 64), (200, 96), (160, 160), (96, 200)]):
+        draw_page(w, h, [f"LINE {i}", "TOTAL 9.90"], 16).save(folder / f"p{i}.png")
+    profiles = tmp_path / "profiles"
+    env = {
+        **os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tiny_cache),
+        "OCRQ_PROFILE_DIR": str(profiles), "OCRQ_DEVICE": "cpu", "OCRQ_DTYPE": "float32",
+        "OCRQ_MAX_NEW_TOKENS": "16", "COLUMNS": "160", "OCRQ_SCHEDULER": "continuous",
+    }
+    proc = run_tune(env, "--engine", "hunyuan", "--images", str(folder), "--max-batch", "2",
+                    "--budget-fraction", "0.5", "--max-seconds", "90", timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [path] = sorted(profiles.glob("hunyuan-*.json"))
+    body = json.loads(path.read_text())
+    assert body["sample"]["lengths"] == "random weights: the bench's drawn lengths"
+    tokens = body["sample"]["output_tokens"]
+    assert len(tokens) == 4 and all(1 <= n <= 16 for n in tokens)
+    assert "output lengths (random weights" in proc.stderr
+    # With the running loop (OCRQ_SCHEDULER=continuous) the knob is its slots, run through it.
+    assert body["sweep_rate"].startswith("whole run of the timed rows")
+    ran = [p for p in body["sweep"] if p["status"] == "ok"]
+    assert len(ran) >= 2 and all(p["images"] >= max(4, 2 * p["setting"]) for p in ran)
+    assert "the engine runs the running loop" in proc.stderr
+    terms = {t["term"]: t for t in body["anatomy"]}
+    assert terms["KV cache"]["bytes"] > 0 and "KiB per token" in terms["KV cache"]["how"]
+    assert terms["prefill pass reserve"]["bytes"] > 0
+    assert terms["activations (prefill)"]["bytes"] is None  # the loop's peaks hold its pool
+    assert body["fit"] is None and "cost model kept" in proc.stdout
+    knee = body["recommended"]["max_batch"]
+    assert body["running_loop"]["slots"] == knee
+    assert f"for vllm serve: --max-num-seqs {knee} --gpu-memory-utilization 0.50" in proc.stdout
+    assert f"OCRQ_MAX_BATCH={knee}" in proc.stdout
+
+
+@pytest.mark.hunyuan
+def test_first_pass_counts_the_tokens_each_image_produces(tmp_path: Path) -> None:
+    """A checkpoint without the random mark is taken for trained: a first pass over the sample,
+    capped at OCRQ_MAX_NEW_TOKENS, counts each image's tokens (these weights never end a row,
+    so every row reaches the cap and says so), and the rows then end there."""
+    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan.scripted import RANDOM_MARK
+    from ocrq.tuning.lengths import output_lengths
+    from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    del config[RANDOM_MARK]
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = HunyuanEngine(cpu_settings(str(folder), max_new_tokens=6))
+    engine.load()
+    rows = [item(64, 48, 0), item(96, 64, 1), item(48, 80, 2)]
+    for row in rows:
+        engine.prepare(row)
+    lengths = output_lengths(engine, rows)
+    assert lengths.source == "first pass, capped at 6"
+    assert lengths.tokens == (6, 6, 6)
+    assert [row.max_new_tokens for row in rows] == [6, 6, 6]

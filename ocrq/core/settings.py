@@ -122,7 +122,8 @@ class Settings(BaseSettings):
     )
 
     # Batching.
-    # Hard cap on images per engine call, whatever the budget allows; None: the engine's own
+    # Hard cap on images per engine call, whatever the budget allows; None: the knee `ocrq tune
+    # --images` wrote into the tuned profile, else the engine's own
     # (`EngineCore.preferred_max_batch`: 256 for HunyuanOCR on a GPU, 32 otherwise).
     max_batch: int | None = Field(default=None, ge=1, le=4096)
     # How long the batcher lingers for more items once one is waiting.

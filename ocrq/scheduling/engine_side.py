@@ -22,9 +22,15 @@ from ocrq.tuning.profiles import ProfileChoice, choose_cost_model
 log = logging.getLogger(__name__)
 
 
-def batch_config(settings: Settings, engine: Engine, model: CostModel | None = None) -> BatchConfig:
+def batch_config(
+    settings: Settings,
+    engine: Engine,
+    model: CostModel | None = None,
+    tuned_max_batch: int | None = None,
+) -> BatchConfig:
     """The budget a batch may use above the fixed part of `model` (a tuned profile's, when the
-    worker found one; else the engine's default)."""
+    worker found one; else the engine's default), and the batch cap: OCRQ_MAX_BATCH, else the
+    knee `ocrq tune --images` recommended in that profile, else the engine's preference."""
     fixed = (model or engine.cost_model()).fixed_bytes
     if settings.memory_budget_gib is not None:
         # Plan to a share of the budget: the allocator's cache and workspaces live in the rest
@@ -40,7 +46,7 @@ def batch_config(settings: Settings, engine: Engine, model: CostModel | None = N
     else:
         budget = memory_of(engine).default_budget_bytes()
     return BatchConfig(
-        max_items=settings.max_batch or engine.preferred_max_batch(),
+        max_items=settings.max_batch or tuned_max_batch or engine.preferred_max_batch(),
         wait_s=settings.batch_wait_ms / 1000,
         budget_bytes=budget,
     )
@@ -70,4 +76,10 @@ def load_engine(settings: Settings) -> EngineSide:
     engine.load()
     choice = choose_cost_model(engine, settings.profile_dir)
     log.info(choice.describe())
-    return EngineSide(engine, batch_config(settings, engine, choice.model), choice)
+    if settings.max_batch is None and choice.max_batch is not None:
+        # The running loop sizes its slots from the engine's settings (`StreamingEngine.open`):
+        # the tuned knee is its slots too. An explicit OCRQ_MAX_BATCH wins over the profile.
+        settings.max_batch = choice.max_batch
+        log.info("max batch %d: the knee of the tuned profile", choice.max_batch)
+    return EngineSide(engine, batch_config(settings, engine, choice.model, choice.max_batch),
+                      choice)

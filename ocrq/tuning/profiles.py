@@ -88,15 +88,30 @@ class ProfileChoice:
     model: CostModel
     path: Path | None  # None: the engine's default
     key: dict[str, str]
+    # The largest batch `ocrq tune --images` recommended (the knee); None: it recommended none.
+    max_batch: int | None = None
 
     def describe(self) -> str:
         if self.path is not None:
-            return f"cost model: profile {self.path}"
+            knee = f", recommended max batch {self.max_batch}" if self.max_batch else ""
+            return f"cost model: profile {self.path}{knee}"
         return f"cost model: default (no profile for {json.dumps(self.key, sort_keys=True)})"
 
 
 def load_profile(profile_dir: Path, key: dict[str, str]) -> CostModel | None:
     """The profile's model for exactly `key`, or None (absent, other key, unreadable)."""
+    body = read_profile(profile_dir, key)
+    return None if body is None else body_model(body, profile_path(profile_dir, key))
+
+
+def recommended_max_batch(body: dict[str, Any]) -> int | None:
+    """The knee `ocrq tune --images` wrote into a profile's body, if it wrote one."""
+    value = (body.get("recommended") or {}).get("max_batch")
+    return int(value) if isinstance(value, int) and value >= 1 else None
+
+
+def read_profile(profile_dir: Path, key: dict[str, str]) -> dict[str, Any] | None:
+    """The profile's body for exactly `key`, or None (absent, other key, unreadable)."""
     path = profile_path(profile_dir, key)
     try:
         body = json.loads(path.read_text())
@@ -108,6 +123,10 @@ def load_profile(profile_dir: Path, key: dict[str, str]) -> CostModel | None:
     if body.get("schema") != SCHEMA or body.get("key") != key:
         log.warning("ignoring profile %s: written for another key or schema", path)
         return None
+    return dict(body)
+
+
+def body_model(body: dict[str, Any], path: Path) -> CostModel:
     m = body["model"]
     return CostModel(
         fixed_bytes=int(m["fixed_bytes"]),
@@ -123,7 +142,8 @@ def load_profile(profile_dir: Path, key: dict[str, str]) -> CostModel | None:
 def choose_cost_model(engine: Engine, profile_dir: Path) -> ProfileChoice:
     """The loaded engine's profile from `profile_dir` when one matches, else its default."""
     key = engine_key(engine)
-    model = load_profile(profile_dir, key)
-    if model is not None:
-        return ProfileChoice(model, Path(model.source), key)
+    body = read_profile(profile_dir, key)
+    if body is not None:
+        path = profile_path(profile_dir, key)
+        return ProfileChoice(body_model(body, path), path, key, recommended_max_batch(body))
     return ProfileChoice(engine.cost_model(), None, key)

@@ -16,7 +16,7 @@ from typing import Any
 
 from ocrq.core.settings import Settings
 from ocrq.models.base import Engine
-from ocrq.models.costs import GiB
+from ocrq.models.costs import CostModel, GiB
 from ocrq.models.registry import create_engine
 from ocrq.tuning.calibration import Fit
 from ocrq.tuning.probing import ProbeResult, TuneReport, resolve_budget, run_probes
@@ -110,13 +110,24 @@ def running_loop(report: TuneReport, engine: Engine) -> dict[str, Any] | None:
     """What the fitted model gives the running loop (continuous batching) at the tuned budget:
     slots, KV pool tokens, the prefill reserve (ocrq/models/slots.py); None for an engine
     without one or a budget that leaves no pool."""
+    if report.fit is None:
+        return None
+    settings = getattr(engine, "settings", None)
+    slots = getattr(settings, "max_batch", None) or engine.preferred_max_batch()
+    return loop_plan(engine, report.fit.model, report.budget_bytes, slots)
+
+
+def loop_plan(
+    engine: Engine, model: CostModel, budget_bytes: int, slots: int
+) -> dict[str, Any] | None:
+    """The running loop's plan (`RunningBudget`) for `slots` within `budget_bytes` (total), or
+    None for an engine without a loop or a budget that leaves no pool."""
     from ocrq.models.base import StreamingEngine
     from ocrq.models.slots import RunningBudget
 
-    if report.fit is None or not isinstance(engine, StreamingEngine) or not engine.streams():
+    if not isinstance(engine, StreamingEngine) or not engine.streams():
         return None
     settings = getattr(engine, "settings", None)
-    model = report.fit.model
     in_loop = getattr(engine, "loop_cost_model", None)  # the pool's own KV dtype
     if in_loop is not None:
         model = in_loop(model)
@@ -124,8 +135,8 @@ def running_loop(report: TuneReport, engine: Engine) -> dict[str, Any] | None:
     try:
         planned = RunningBudget.plan(
             model,
-            report.budget_bytes - model.fixed_bytes,
-            slots=getattr(settings, "max_batch", None) or engine.preferred_max_batch(),
+            budget_bytes - model.fixed_bytes,
+            slots=slots,
             prefill_tokens=(
                 pass_tokens() if pass_tokens else getattr(settings, "prefill_tokens", 16384)
             ),
