@@ -83,6 +83,9 @@ class Claim:
     # When the producer wrote the row (its enqueue time: the queue-wait metric); None when the
     # claim created the row itself.
     created_at: dt.datetime | None = None
+    # An earlier run never finished (its worker died): this one must run alone in its worker
+    # process, and its attempt is counted only then (`count_retry`, ocrq/worker/alone.py).
+    retry: bool = False
 
 
 class JobStore:
@@ -222,11 +225,14 @@ class JobStore:
         One transaction, the row locked: concurrent deliveries of one job see each other's
         claim. A row is one job: a message whose source or task differs from the row's is
         refused, whatever the row's status. A final row (done or failed) is never run again.
-        `attempts` counts claims; a claim that finds the row not final with attempts already made
-        means the previous attempt never finished (its worker died: the row is still `running`,
-        or the stall sweep put it back to `queued` to re-send it), and once `max_attempts` such
-        attempts were made the job fails instead of running again, so a poison message costs at
-        most `max_attempts` worker deaths, however many copies of its message are about.
+        `attempts` counts runs that could have killed their worker: the first run (counted
+        here) and each retry, counted only once it runs alone in its worker process
+        (`count_retry`). A claim that finds the row not final with attempts already made means
+        the previous run never finished (its worker died: the row is still `running`, or the
+        sweep put it back to `queued` to re-send it); once `max_attempts` were made the job
+        fails instead of running again, so a poison message costs at most `max_attempts` worker
+        deaths, however many copies of its message are about, while a neighbour that died
+        waiting for its retry to run alone is not charged.
         """
         t = now()
         locked = select(ocr_jobs).where(ocr_jobs.c.id == job_id).with_for_update()
@@ -263,20 +269,28 @@ class JobStore:
                 fields = {"status": "failed", "error": error, "finished_at": t}
                 conn.execute(update(ocr_jobs).where(where).values(**fields))
                 return Claim(run=False, row={**row, **fields}, error=error)
+            retry = row["attempts"] > 0
+            counted = {} if retry else {"attempts": ocr_jobs.c.attempts + 1}
             conn.execute(
                 update(ocr_jobs)
                 .where(where)
-                .values(
-                    status="running",
-                    attempts=ocr_jobs.c.attempts + 1,
-                    started_at=t,
-                    worker=worker,
-                )
+                .values(status="running", started_at=t, worker=worker, **counted)
             )
         created = row["created_at"]
         if created is not None and created.tzinfo is None:  # SQLite keeps no time zone
             created = created.replace(tzinfo=dt.UTC)
-        return Claim(run=True, created_at=created)
+        return Claim(run=True, created_at=created, retry=retry)
+
+    def count_retry(self, job_id: str) -> bool:
+        """Count a retry's attempt as it starts running alone in its worker process; False when
+        the row turned final meanwhile (another copy of the message ran it)."""
+        stmt = (
+            update(ocr_jobs)
+            .where(ocr_jobs.c.id == job_id, ocr_jobs.c.status.not_in(FINAL))
+            .values(attempts=ocr_jobs.c.attempts + 1, started_at=now())
+        )
+        with self._autocommit.connect() as conn:
+            return conn.execute(stmt).rowcount > 0
 
     def finish(self, job_id: str, **fields: Any) -> bool:
         """Store a final status; never overwrites a final row (an attempt still running when a
