@@ -113,6 +113,10 @@ def test_lost_and_unstarted_messages_recovered_by_a_live_worker(
         assert store.get([eta])[eta]["status"] == "queued"
         ids = [client.submit({"path": str(p)}) for p in make_images(image_root / "lost", 8)]
         lost = lose(r, queue, 3)
+        # Jobs waiting in another queue (another engine's workers): not lost, never touched.
+        other_queue = f"ocr-other-{uuid.uuid4().hex[:6]}"
+        other = Client(settings.model_copy(update={"queue": other_queue}))
+        others = [other.submit({"path": str(p)}) for p in make_images(image_root / "other", 5)]
         rescuer = WorkerProcess(env, tmp_path / "rescuer.log", "--concurrency", "4")
         rescuer.wait_ready(90)
         rows = wait_all(store, [*ids, eta], timeout=150, budget=budget, log=rescuer)
@@ -132,6 +136,8 @@ def test_lost_and_unstarted_messages_recovered_by_a_live_worker(
     assert sum(map(int, found)) == 3, log[-3000:]
     assert all(i in log for i in lost)
     assert not r.hlen(HOLDERS_KEY) and not r.hlen("unacked")  # nothing left held
+    assert sorted(queue_ids(r, other_queue)) == sorted(others)
+    assert {row["status"] for row in store.get(others).values()} == {"queued"}
     assert seconds < 150  # against a visibility timeout of 3600 s
 
 

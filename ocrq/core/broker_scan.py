@@ -8,7 +8,8 @@ restarts without its data loses all of them; their rows stay `queued`. The job t
 record of what was submitted; this module says which of its queued jobs still have a message.
 
 Where a message can be, in kombu's own layout (read through kombu's channel, so key prefixes and
-priority-list names are kombu's): the queue's lists, one per priority step, and the `unacked`
+priority-list names are kombu's): the lists of every queue bound in Redis, one per priority
+step (a job's row does not say which queue it was sent to), and the `unacked`
 hash (delivery tag -> [message, exchange, routing key]) while a worker holds it. ocrq's workers
 also write, for each message they take, `HOLDERS_KEY` (delivery tag -> worker name and job id,
 ocrq/worker/broker.py): a worker killed with messages it had not started leaves them in
@@ -70,9 +71,26 @@ class BrokerView:
     def __init__(self, channel: Any, queue: str) -> None:
         self.channel = channel
         self.client = channel.client
-        self.lists = [channel._q_for_pri(queue, pri) for pri in channel.priority_steps]
+        # Every queue Redis knows of, not only ours: the job table does not say which queue a
+        # job was sent to, and a job waiting in another queue (another engine's workers) must
+        # not look lost.
+        queues = {queue, *self._bound_queues()}
+        self.lists = [
+            channel._q_for_pri(q, pri) for q in sorted(queues) for pri in channel.priority_steps
+        ]
         self.unacked_key = channel.unacked_key
         self.index_key = channel.unacked_index_key
+
+    def _bound_queues(self) -> set[str]:
+        """The queues in kombu's binding tables (one set per exchange, members
+        `routing key<sep>pattern<sep>queue`)."""
+        sep = self.channel.sep
+        found: set[str] = set()
+        for key in self.client.scan_iter(match=self.channel.keyprefix_queue % "*", count=1000):
+            for member in self.client.smembers(key):
+                found.add(_text(member).split(sep)[-1])
+        found.discard("")
+        return found
 
     def held(self) -> list[Held]:
         """Every message in `unacked`, with its holder where a worker recorded one. Entries of

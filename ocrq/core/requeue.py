@@ -15,8 +15,9 @@ visibility timeout (docs/faults.md says which bound holds for each):
 Where the original message still exists it is put back (kombu's own restore: one transaction),
 so the job runs from exactly what was submitted, inline images included; otherwise it is rebuilt
 from the row. A Redis lock lets one sweep run at a time across all workers, so no message is
-put back and rebuilt both. Attempts are not touched here: the claim that takes a re-sent job
-counts it (ocrq/core/store.py).
+put back and rebuilt both, and the workers' sweeps are paced to one per OCRQ_STALLED_SWEEP_S in
+all, whatever the number of workers. Attempts are not touched here: a re-sent job that had run
+before is counted when it runs again, alone (ocrq/core/store.py, ocrq/worker/alone.py).
 """
 
 from __future__ import annotations
@@ -55,9 +56,6 @@ class Recovered:
     orphaned: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.stalled or self.orphaned or self.lost)
-
 
 def producer_app(broker_url: str) -> Celery:
     app = Celery("ocrq-producer", broker=broker_url)
@@ -76,15 +74,23 @@ def recover(
     exclude_worker: str | None = None,
     stalled_after_s: float | None = None,
     lost: bool = True,
+    paced: bool = False,
 ) -> Recovered:
     """One sweep (see the module doc). A live worker's jobs and messages are never touched.
-    Returns nothing when another sweep holds the lock."""
+
+    `paced` (the workers' sweeps): at most one sweep per OCRQ_STALLED_SWEEP_S across all
+    workers, and none while another runs, so the cost does not grow with the worker count.
+    Unpaced (`ocrq requeue`), it waits for a running sweep to end."""
     after = settings.stalled_after_s if stalled_after_s is None else stalled_after_s
-    with broker_view(app, queue_of(settings)) as view:
+    queue = queue_of(settings)
+    with broker_view(app, queue) as view:
         if view is None:  # not Redis: only what the rows alone allow
             return Recovered(stalled=_resend_stalled(store, app, settings, after, exclude_worker))
-        lock = view.client.lock(f"ocrq.sweep:{queue_of(settings)}", timeout=max(after, 5.0))
-        if not lock.acquire(blocking=False):
+        pace_ms = max(1, int(settings.stalled_sweep_s * 1000))
+        if paced and not view.client.set(f"ocrq.swept:{queue}", b"1", nx=True, px=pace_ms):
+            return Recovered()  # another worker swept within the last OCRQ_STALLED_SWEEP_S
+        lock = view.client.lock(f"ocrq.sweep:{queue}", timeout=max(after, 5.0))
+        if not lock.acquire(blocking=not paced, blocking_timeout=max(after, 5.0)):
             return Recovered()
         try:
             put_back = _restore_orphans(view, store, after, exclude_worker)

@@ -170,7 +170,7 @@ def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
         store.engine,
         name,
         settings,
-        sweep=lambda: recover(store, app, settings, exclude_worker=name),
+        sweep=lambda: recover(store, app, settings, exclude_worker=name, paced=True),
     ).start()
 
 
