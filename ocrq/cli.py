@@ -422,13 +422,15 @@ def requeue(
         bool,
         typer.Option(
             "--stalled",
-            help="Instead: send again the running jobs of dead workers (no heartbeat for "
-            "OCRQ_STALLED_AFTER_S); a live worker's jobs are never touched.",
+            help="Instead: send again the jobs of dead workers (no heartbeat for "
+            "OCRQ_STALLED_AFTER_S), running or taken but not started; a live worker's jobs are "
+            "never touched.",
         ),
     ] = False,
 ) -> None:
-    """Send again jobs still queued (never claimed) after --older-than seconds, or with
-    --stalled the running jobs of workers that stopped beating."""
+    """Send again jobs still queued (never claimed) after --older-than seconds whose message
+    Redis no longer holds, or with --stalled the jobs of workers that stopped beating. Workers
+    do both by themselves (docs/faults.md); this is for when none is running."""
     from ocrq.api.client import Client
 
     client = Client(_settings())

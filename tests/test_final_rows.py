@@ -206,3 +206,69 @@ def test_a_job_whose_worker_dies_costs_at_most_max_attempts(
             w.stop(signal.SIGKILL)
     assert row["status"] == "failed", row
     assert row["attempts"] == 2 and "gave up after 2 attempts" in (row["error"] or ""), row
+
+
+def test_a_healthy_neighbour_of_a_poison_job_is_not_failed(
+    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    """A poison job and a healthy one die together (kill -9 with both running). Each comes back
+    as a retry, which runs alone in its worker: the worker is killed again while the poison job
+    runs alone, and the healthy one, waiting its turn or done, is not charged. With
+    OCRQ_MAX_ATTEMPTS=2 the poison job fails after its 2 deaths; the healthy one is done.
+    Before, both ran side by side on the second worker too, and both gave up."""
+    budget = Budget(480, "neighbour")
+    queue = f"ocr-neighbour-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue, "OCRQ_MAX_ATTEMPTS": "2"}
+    store = JobStore(get_engine(database_url))
+    client = Client(
+        Settings(broker_url=env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue)
+    )
+    images = slow_images(image_root / "neighbour", 2, lines=40)
+    workers: list[WorkerProcess] = []
+    try:
+        first = WorkerProcess(env, tmp_path / "w1.log", "--concurrency", "2", "--no-supervise")
+        workers.append(first)
+        first.wait_ready(60)
+        poison, healthy = (client.submit({"path": str(p)}) for p in images)
+        budget.until(
+            "both jobs running on the first worker",
+            lambda: all(running_attempt(store, j, 1) for j in (poison, healthy)),
+            90,
+            lambda: not_final(store, [poison, healthy]) + "\n" + first.text()[-2000:],
+            poll_s=0.05,
+        )
+        first.stop(signal.SIGKILL)  # death 1: both in flight, either may be the cause
+        dead = store.get([healthy])[healthy]["worker"]
+
+        def poison_runs_healthy_taken() -> bool:
+            """The poison job in its second run, the healthy one claimed by this worker too
+            (or done): the moment the second worker dies."""
+            rows = store.get([poison, healthy])
+            taken = rows[healthy]["status"] == "done" or rows[healthy]["worker"] != dead
+            return running_attempt(store, poison, 2) and taken
+
+        second = WorkerProcess(env, tmp_path / "w2.log", "--concurrency", "2", "--no-supervise")
+        workers.append(second)
+        second.wait_ready(60)
+        budget.until(
+            "the poison job running on the second worker (attempt 2), the healthy one taken",
+            poison_runs_healthy_taken,
+            120,
+            lambda: not_final(store, [poison, healthy]) + "\n" + second.text()[-2000:],
+            poll_s=0.05,
+        )
+        second.stop(signal.SIGKILL)  # death 2: the poison job ran alone
+        beside = store.get([healthy])[healthy]
+        rescuer = WorkerProcess(env, tmp_path / "rescuer.log", "--concurrency", "2")
+        workers.append(rescuer)
+        rescuer.wait_ready(60)
+        rows = wait_all(store, [poison, healthy], 120, budget, rescuer)
+    finally:
+        for w in workers:
+            w.stop(signal.SIGKILL)
+    # At the second death the healthy job was done, or waiting with its first death only.
+    assert beside["status"] == "done" or beside["attempts"] == 1, beside
+    assert rows[poison]["status"] == "failed", rows[poison]
+    assert "gave up after 2 attempts" in (rows[poison]["error"] or ""), rows[poison]
+    assert rows[healthy]["status"] == "done" and rows[healthy]["attempts"] == 2, rows[healthy]
+    assert "running it alone" in workers[1].text()

@@ -32,7 +32,10 @@ def test_claim_finish_redelivery(store: JobStore) -> None:
     store.enqueue(job, "text", "/x.png")
     assert store.get([job])[job]["status"] == "queued"
     assert store.claim(job, "text", "/x.png", "w1").run
-    assert store.claim(job, "text", "/x.png", "w2").run  # redelivered before done: run again
+    again = store.claim(job, "text", "/x.png", "w2")  # redelivered before done: run again,
+    assert again.run and again.retry  # alone, and counted only then
+    assert store.get([job])[job]["attempts"] == 1
+    assert store.count_retry(job)
     assert store.get([job])[job]["attempts"] == 2
     assert store.finish(job, status="done", text="first", lines=[{"text": "first"}])
     # A late duplicate (or a failed retry) never overwrites a done row.
@@ -113,7 +116,9 @@ def test_redelivery_cap(store: JobStore) -> None:
     job = str(uuid.uuid4())
     for attempt in range(1, 4):
         claim = store.claim(job, "text", "/p.png", f"w{attempt}", max_attempts=3)
-        assert claim.run and claim.error is None
+        assert claim.run and claim.error is None and claim.retry == (attempt > 1)
+        if claim.retry:  # what the worker does once the retry runs alone
+            assert store.count_retry(job)
         assert store.get([job])[job]["attempts"] == attempt
     claim = store.claim(job, "text", "/p.png", "w4", max_attempts=3)
     assert not claim.run
@@ -140,12 +145,40 @@ def test_a_sweep_requeue_does_not_reset_the_count(store: JobStore) -> None:
     job = str(uuid.uuid4())
     store.enqueue(job, "text", "/q.png")
     for attempt in range(1, 4):
-        assert store.claim(job, "text", "/q.png", f"w{attempt}", max_attempts=3).run
+        claim = store.claim(job, "text", "/q.png", f"w{attempt}", max_attempts=3)
+        assert claim.run
+        if claim.retry:
+            assert store.count_retry(job)
         with store.engine.begin() as conn:  # what workers_table.flip_stalled does
             conn.execute(update(ocr_jobs).where(ocr_jobs.c.id == job).values(status="queued"))
     claim = store.claim(job, "text", "/q.png", "w4", max_attempts=3)
     assert not claim.run and claim.error is not None and "gave up after 3" in claim.error
     assert store.get([job])[job]["status"] == "failed"
+
+
+def test_a_neighbour_that_died_waiting_is_not_charged(store: JobStore) -> None:
+    """Two jobs die with their worker; both come back as retries. The poison one runs alone
+    and dies again (counted); the healthy one, waiting for its turn, dies with it (not
+    counted), and later runs alone and finishes: only the poison job runs out of attempts."""
+    poison, healthy = str(uuid.uuid4()), str(uuid.uuid4())
+    for job in (poison, healthy):
+        store.enqueue(job, "text", f"/{job}.png")
+        assert not store.claim(job, "text", f"/{job}.png", "w1", max_attempts=2).retry
+    for worker in ("w2", "w3"):  # each dies while the poison job runs alone
+        for job in (poison, healthy):
+            claim = store.claim(job, "text", f"/{job}.png", worker, max_attempts=2)
+            if job == poison and worker == "w3":
+                assert not claim.run and "gave up after 2 attempts" in (claim.error or "")
+                continue
+            assert claim.run and claim.retry
+        if worker == "w2":
+            assert store.count_retry(poison)  # it runs alone; w2 dies under it
+    claim = store.claim(healthy, "text", f"/{healthy}.png", "w4", max_attempts=2)
+    assert claim.run and claim.retry and store.count_retry(healthy)
+    assert store.finish(healthy, status="done", text="fine")
+    rows = store.get([poison, healthy])
+    assert (rows[poison]["status"], rows[poison]["attempts"]) == ("failed", 2)
+    assert (rows[healthy]["status"], rows[healthy]["attempts"]) == ("done", 2)
 
 
 def test_reused_job_id_refused(store: JobStore) -> None:
@@ -171,20 +204,23 @@ def test_reused_job_id_refused(store: JobStore) -> None:
 
 
 def test_concurrent_first_claims_make_one_row(database_url: str) -> None:
-    """Duplicate deliveries claiming a new job at once: one row, every claim counted."""
+    """Duplicate deliveries claiming a new job at once: one row, one attempt counted; the later
+    claims are retries, counted only as each runs alone in its worker."""
     from concurrent.futures import ThreadPoolExecutor
 
     store = JobStore(get_engine(database_url))
     job = str(uuid.uuid4())
     with ThreadPoolExecutor(8) as pool:
         claims = list(pool.map(lambda i: store.claim(job, "text", "/c.png", f"w{i}"), range(8)))
-    assert all(c.run for c in claims)
-    assert _count(store, job) == 1 and store.get([job])[job]["attempts"] == 8
+    assert all(c.run for c in claims) and sum(not c.retry for c in claims) == 1
+    assert _count(store, job) == 1 and store.get([job])[job]["attempts"] == 1
 
 
-def test_concurrent_claims_of_a_queued_row_each_count(database_url: str) -> None:
-    """Duplicate deliveries of a job whose row the producer wrote, claiming at once (the
-    one-statement claim): each claim counts, and none past the attempt cap runs."""
+def test_concurrent_claims_of_a_queued_row_make_one_first_run(database_url: str) -> None:
+    """Duplicate deliveries of a job whose row the producer wrote, claiming at once: one takes
+    the one-statement claim (the first run, counted); PostgreSQL re-checks the others against
+    that committed row, so they fall through to the locked claim and are retries, counted only
+    when they run alone (`count_retry`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     store = JobStore(get_engine(database_url))
@@ -192,6 +228,6 @@ def test_concurrent_claims_of_a_queued_row_each_count(database_url: str) -> None
     store.enqueue(job, "text", "/d.png")
     with ThreadPoolExecutor(8) as pool:
         claims = list(pool.map(lambda i: store.claim(job, "text", "/d.png", f"w{i}", 5), range(8)))
-    assert sum(c.run for c in claims) == 5
+    assert all(c.run for c in claims) and sum(not c.retry for c in claims) == 1
     row = store.get([job])[job]
-    assert row["attempts"] == 5 and row["status"] == "failed", row
+    assert row["attempts"] == 1 and row["status"] == "running", row

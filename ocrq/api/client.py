@@ -146,38 +146,16 @@ class Client:
         )
 
     def requeue(self, older_than_s: float) -> list[str]:
-        """Send again every job still `queued` (never claimed by a worker) after `older_than_s`.
+        """Send again every job still `queued` (never claimed by a worker) after `older_than_s`
+        whose message is in neither the queue nor a worker's hands: ocrq/core/requeue.py.
 
         The job table, not the broker, is the record of what was submitted: kombu's Redis
-        transport pops a message and marks it unacked in two steps, so a Redis restart between
-        them loses that message. A re-sent job that was not lost after all is harmless: the
-        worker's claim finds its row done and skips it. A job is sent as its row's `reference`
+        transport pops a message and marks it unacked in two steps, so a worker killed (or a
+        Redis restart) between them loses that message. A job is sent as its row's `reference`
         says (the image exactly as submitted); one without (inline bytes, a row from before
         migrations/0006) cannot be rebuilt and is skipped: its own message is its only copy.
         """
-        from sqlalchemy import select
-
-        from ocrq.core.db import ocr_jobs
-        from ocrq.core.store import now
-
-        cutoff = now().timestamp() - older_than_s
-        with self.store.engine.connect() as conn:
-            rows = conn.execute(
-                select(
-                    ocr_jobs.c.id,
-                    ocr_jobs.c.task,
-                    ocr_jobs.c.created_at,
-                    ocr_jobs.c.max_pixels,
-                    ocr_jobs.c.reference,
-                ).where(ocr_jobs.c.status == "queued", ocr_jobs.c.reference.is_not(None))
-            ).all()
-        sent = []
-        for job_id, task, created, max_pixels, reference in rows:
-            if created.timestamp() > cutoff:
-                continue
-            requeue.resend(self.app, self.settings, job_id, task, reference, max_pixels)
-            sent.append(job_id)
-        return sent
+        return requeue.requeue_queued(self.store, self.app, self.settings, older_than_s)
 
     def requeue_stalled(
         self, stalled_after_s: float | None = None, exclude_worker: str | None = None

@@ -1,24 +1,111 @@
-"""Send jobs again from their rows: the stalled-job sweep, shared by `ocrq requeue --stalled`
-(through ocrq/api/client.py) and each worker's heartbeat (ocrq/worker/heartbeat.py), so that a
-worker reaches it without importing the api.
+"""Send jobs again, from the broker's own copy where it still has one, from their rows where
+not: the recovery sweep, run by every worker's heartbeat thread (ocrq/worker/heartbeat.py) and
+by `ocrq requeue` (through ocrq/api/client.py), so a worker reaches it without the api.
+
+One sweep, three cases, each a single fault that used to wait for a person or for the 1 h
+visibility timeout (docs/faults.md says which bound holds for each):
+
+- stalled: `running` rows of workers whose heartbeat is older than OCRQ_STALLED_AFTER_S;
+- orphaned: messages a dead worker had taken from the queue but not started (their rows are
+  still `queued`); they sit in kombu's `unacked` hash, and ocrq's workers record which
+  messages they hold (ocrq/core/broker_scan.py), so a sweep can give them back;
+- lost: `queued` rows older than OCRQ_STALLED_AFTER_S whose message is nowhere in Redis: taken
+  by a worker killed between kombu's two round trips, or gone with a Redis that came back empty.
+
+Where the original message still exists it is put back (kombu's own restore: one transaction),
+so the job runs from exactly what was submitted, inline images included; otherwise it is rebuilt
+from the row. A Redis lock lets one sweep run at a time across all workers, so no message is
+put back and rebuilt both, and the workers' sweeps are paced to one per OCRQ_STALLED_SWEEP_S in
+all, whatever the number of workers. Attempts are not touched here: a re-sent job that had run
+before is counted when it runs again, alone (ocrq/core/store.py, ocrq/worker/alone.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
+from redis.exceptions import LockError
 
 from ocrq.core import workers_table
+from ocrq.core.broker_scan import BrokerView, broker_view
 from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, job_kwargs
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
+
+log = logging.getLogger(__name__)
+
+# The oldest queued rows a sweep checks for a lost message, and the most queued messages it
+# reads to look for them: bounded work every OCRQ_STALLED_SWEEP_S, whatever the backlog. Behind
+# a deeper backlog a lost message is found once the backlog is shorter than this.
+LOST_CANDIDATES = 1000
+SCAN_LIMIT = 20_000
+# A message is declared lost only when two readings this far apart both miss it: between
+# BRPOP and kombu's unacked write, or while a restore moves it back, a message is briefly in
+# neither place.
+RECHECK_S = 0.5
+
+
+@dataclass
+class Recovered:
+    stalled: list[str] = field(default_factory=list)
+    orphaned: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
 
 
 def producer_app(broker_url: str) -> Celery:
     app = Celery("ocrq-producer", broker=broker_url)
     app.conf.update(task_send_sent_event=True, broker_connection_retry_on_startup=True)
     return app
+
+
+def queue_of(settings: Settings) -> str:
+    return settings.queue or DEFAULT_QUEUE
+
+
+def recover(
+    store: JobStore,
+    app: Celery,
+    settings: Settings,
+    exclude_worker: str | None = None,
+    stalled_after_s: float | None = None,
+    lost: bool = True,
+    paced: bool = False,
+) -> Recovered:
+    """One sweep (see the module doc). A live worker's jobs and messages are never touched.
+
+    `paced` (the workers' sweeps): at most one sweep per OCRQ_STALLED_SWEEP_S across all
+    workers, and none while another runs, so the cost does not grow with the worker count.
+    Unpaced (`ocrq requeue`), it waits for a running sweep to end."""
+    after = settings.stalled_after_s if stalled_after_s is None else stalled_after_s
+    queue = queue_of(settings)
+    with broker_view(app, queue) as view:
+        if view is None:  # not Redis: only what the rows alone allow
+            return Recovered(stalled=_resend_stalled(store, app, settings, after, exclude_worker))
+        pace_ms = max(1, int(settings.stalled_sweep_s * 1000))
+        if paced and not view.client.set(f"ocrq.swept:{queue}", b"1", nx=True, px=pace_ms):
+            return Recovered()  # another worker swept within the last OCRQ_STALLED_SWEEP_S
+        lock = view.client.lock(f"ocrq.sweep:{queue}", timeout=max(after, 5.0))
+        if not lock.acquire(blocking=not paced, blocking_timeout=max(after, 5.0)):
+            return Recovered()
+        try:
+            put_back = _restore_orphans(view, store, after, exclude_worker)
+            done = Recovered()
+            done.stalled = _resend_stalled(
+                store, app, settings, after, exclude_worker, skip=set(put_back)
+            )
+            done.orphaned = [j for j in put_back if j not in set(done.stalled)]
+            if lost:
+                done.lost = _resend_lost(view, store, app, settings, after)
+            return done
+        finally:
+            with contextlib.suppress(LockError):  # it expired mid-sweep; another may run now
+                lock.release()
 
 
 def requeue_stalled(
@@ -28,26 +115,109 @@ def requeue_stalled(
     stalled_after_s: float | None = None,
     exclude_worker: str | None = None,
 ) -> list[str]:
-    """Send again the `running` jobs of workers whose heartbeat is older than
-    `stalled_after_s` (default OCRQ_STALLED_AFTER_S): a worker killed mid-job leaves
-    them running, and its unacked messages would only come back after the visibility
-    timeout. A live worker's jobs are never touched. Each job is flipped to `queued` by
-    one UPDATE, so of several concurrent sweeps exactly one re-sends it; the original
-    message, if it comes back later, finds the row done (or runs it again: one row).
-    """
-    after = settings.stalled_after_s if stalled_after_s is None else stalled_after_s
-    stalled = workers_table.flip_stalled(store.engine, after, exclude=exclude_worker)
+    """`ocrq requeue --stalled`: the jobs of dead workers, running or taken but not started."""
+    found = recover(store, app, settings, exclude_worker, stalled_after_s, lost=False)
+    return found.stalled + found.orphaned
+
+
+def requeue_queued(
+    store: JobStore, app: Celery, settings: Settings, older_than_s: float
+) -> list[str]:
+    """`ocrq requeue`: send again the jobs still `queued` after `older_than_s` whose message is
+    in neither the queue nor a worker's hands (all of the queue is read). A waiting backlog is
+    left alone: copying it doubled the queue and, for a job whose copies met two workers, ran
+    it twice."""
+    rows = workers_table.queued_before(store.engine, older_than_s, None)
+    with broker_view(app, queue_of(settings)) as view:
+        present = _present(view, [r.id for r in rows], None) if view is not None else set()
+    return _resend_rows(store, app, settings, [r for r in rows if r.id not in present])
+
+
+def _restore_orphans(
+    view: BrokerView, store: JobStore, after: float, exclude: str | None
+) -> list[str]:
+    """Put back the messages held by workers that are not alive, taken over `after` s ago."""
+    alive = workers_table.alive(store.engine, after)
+    if exclude is not None:
+        alive.add(exclude)
+    orphans = [h for h in view.held() if h.worker and h.worker not in alive]
+    taken = view.delivered_at([h.tag for h in orphans])
+    cutoff = time.time() - after  # kombu stamps the unacked index with the taker's clock
+    put_back = []
+    for held in orphans:
+        if taken.get(held.tag, cutoff) < cutoff:
+            view.restore(held.tag)
+            if held.job_id:
+                put_back.append(held.job_id)
+    return put_back
+
+
+def _resend_stalled(
+    store: JobStore,
+    app: Celery,
+    settings: Settings,
+    after: float,
+    exclude: str | None,
+    skip: Collection[str] = (),
+) -> list[str]:
+    """Flip the running rows of dead workers to `queued` (one UPDATE: each to one sweeper) and
+    re-send those whose original message was not put back."""
+    stalled = workers_table.flip_stalled(store.engine, after, exclude=exclude)
+    rebuild = [j for j in stalled if j.id not in skip]
+    sent = _resend_rows(store, app, settings, rebuild, unflip=True)
+    workers_table.forget_dead(store.engine, after)
+    return [j.id for j in stalled if j.id in skip] + sent
+
+
+def _resend_lost(
+    view: BrokerView, store: JobStore, app: Celery, settings: Settings, after: float
+) -> list[str]:
+    rows = workers_table.queued_before(store.engine, after, LOST_CANDIDATES)
+    missing = [r.id for r in rows]
+    for reading in range(2):
+        if reading:
+            time.sleep(RECHECK_S)
+        present = _present(view, missing, SCAN_LIMIT)
+        if present is None:
+            return []
+        missing = [i for i in missing if i not in present]
+        if not missing:
+            return []
+    lost = workers_table.still_queued(store.engine, missing)
+    return _resend_rows(store, app, settings, [r for r in rows if r.id in lost])
+
+
+def _present(view: BrokerView, job_ids: list[str], limit: int | None) -> set[str] | None:
+    """The ids among `job_ids` with a message in the queue or in a worker's hands; None when the
+    queue was too long to read whole (`limit`) and some were not seen."""
+    if not job_ids:
+        return set()
+    found, whole = view.queued(job_ids, limit)  # the lists first, then unacked: a message
+    held = {h.job_id for h in view.held()}  # moving from one to the other is seen in unacked
+    found |= held & set(job_ids)
+    if not whole and len(found) < len(set(job_ids)):
+        return None
+    return found
+
+
+def _resend_rows(
+    store: JobStore,
+    app: Celery,
+    settings: Settings,
+    jobs: list[workers_table.StalledJob],
+    unflip: bool = False,
+) -> list[str]:
     sent: list[str] = []
     try:
-        # The sweep's row carries no max_pixels: read the jobs' own caps.
-        caps = {i: r.get("max_pixels") for i, r in store.get([j.id for j in stalled]).items()}
-        for job in stalled:
-            assert job.reference is not None  # flip_stalled returns only rows that have one
+        # The sweep's rows carry no max_pixels: read the jobs' own caps.
+        caps = {i: r.get("max_pixels") for i, r in store.get([j.id for j in jobs]).items()}
+        for job in jobs:
+            assert job.reference is not None  # the row queries return only rows that have one
             resend(app, settings, job.id, job.task, job.reference, caps.get(job.id))
             sent.append(job.id)
     finally:  # the broker failed mid-way: leave the rest for the next sweep
-        workers_table.unflip(store.engine, [j.id for j in stalled[len(sent) :]])
-    workers_table.forget_dead(store.engine, after)
+        if unflip:
+            workers_table.unflip(store.engine, [j.id for j in jobs[len(sent) :]])
     return sent
 
 
@@ -64,6 +234,6 @@ def resend(
     app.send_task(
         TASK_NAME,
         kwargs=job_kwargs(dict(reference), task, job_id, max_pixels),
-        queue=settings.queue or DEFAULT_QUEUE,
+        queue=queue_of(settings),
         task_id=job_id,
     )

@@ -200,8 +200,9 @@ class Settings(BaseSettings):
     api_max_batch: int = Field(default=1000, ge=1, le=100_000)
 
     # Poison messages and stuck jobs (issue 16).
-    # Claims of a job whose previous attempt never finished (its worker died under it) allowed
-    # before the job is failed instead of run again: a message that kills the worker can't loop.
+    # Runs of a job that may kill its worker (its first run, then each retry, which runs alone
+    # in its worker process: docs/faults.md) before the job is failed instead of run again: a
+    # message that kills the worker can't loop.
     max_attempts: int = Field(default=3, ge=1, le=100)
     # Longest a job may take from its claim to its batch's result (a decoded-image slot, the
     # intake, the batch); then it fails with "timed out" and its task thread is free while the

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, delete, select, tuple_, update
+from sqlalchemy import Engine, bindparam, delete, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ocrq.core.db import ocr_jobs
@@ -85,6 +85,9 @@ class Claim:
     # When the producer wrote the row (its enqueue time: the queue-wait metric); None when the
     # claim created the row itself.
     created_at: dt.datetime | None = None
+    # An earlier run never finished (its worker died): this one must run alone in its worker
+    # process, and its attempt is counted only then (`count_retry`, ocrq/worker/alone.py).
+    retry: bool = False
 
 
 class JobStore:
@@ -231,22 +234,25 @@ class JobStore:
     ) -> Claim:
         """Mark the job running (creating its row if the producer did not), unless it must not run.
 
-        The common case (the producer's row, not final, under the cap) is one UPDATE
-        (`_claim_in_one_statement`); the rest is one transaction with the row locked. Either
-        way concurrent deliveries of one job see each other's claim. A row is one job: a
+        The common case (the producer's row, never run, the same source and task) is one
+        UPDATE (`_claim_in_one_statement`); the rest is one transaction with the row locked.
+        Either way concurrent deliveries of one job see each other's claim. A row is one job: a
         message whose source or task differs from the row's is refused, whatever the row's
         status. A final row (done or failed) is never run again.
-        `attempts` counts claims; a claim that finds the row not final with attempts already made
-        means the previous attempt never finished (its worker died: the row is still `running`,
-        or the stall sweep put it back to `queued` to re-send it), and once `max_attempts` such
-        attempts were made the job fails instead of running again, so a poison message costs at
-        most `max_attempts` worker deaths, however many copies of its message are about.
+        `attempts` counts runs that could have killed their worker: the first run (counted
+        here) and each retry, counted only once it runs alone in its worker process
+        (`count_retry`). A claim that finds the row not final with attempts already made means
+        the previous run never finished (its worker died: the row is still `running`, or the
+        sweep put it back to `queued` to re-send it); once `max_attempts` were made the job
+        fails instead of running again, so a poison message costs at most `max_attempts` worker
+        deaths, however many copies of its message are about, while a neighbour that died
+        waiting for its retry to run alone is not charged.
         `reference` (the message's ImageRef.reference()) is recorded when the row has none yet
         (a bare producer's job), so that a re-send can name the image exactly.
         """
         t = now()
         if self.engine.dialect.update_returning:
-            created = self._claim_in_one_statement(job_id, task, source, worker, max_attempts, t)
+            created = self._claim_in_one_statement(job_id, task, source, worker, reference, t)
             if created is not None:
                 return Claim(run=True, created_at=created)
         locked = select(ocr_jobs).where(ocr_jobs.c.id == job_id).with_for_update()
@@ -284,13 +290,14 @@ class JobStore:
                 fields = {"status": "failed", "error": error, "finished_at": t}
                 conn.execute(update(ocr_jobs).where(where).values(**fields))
                 return Claim(run=False, row={**row, **fields}, error=error)
+            retry = row["attempts"] > 0
             running: dict[str, Any] = {"status": "running", "started_at": t, "worker": worker}
+            if not retry:
+                running["attempts"] = ocr_jobs.c.attempts + 1
             if row.get("reference") is None and reference is not None:
                 running["reference"] = reference
-            conn.execute(
-                update(ocr_jobs).where(where).values(attempts=ocr_jobs.c.attempts + 1, **running)
-            )
-        return Claim(run=True, created_at=_aware(row["created_at"]))
+            conn.execute(update(ocr_jobs).where(where).values(**running))
+        return Claim(run=True, created_at=_aware(row["created_at"]), retry=retry)
 
     def _claim_in_one_statement(
         self,
@@ -298,35 +305,55 @@ class JobStore:
         task: str,
         source: str,
         worker: str,
-        max_attempts: int | None,
+        reference: dict[str, Any] | None,
         t: dt.datetime,
     ) -> dt.datetime | None:
-        """The common claim (the producer's row, not final, the same source and task, under the
-        attempt cap) as one autocommit UPDATE ... RETURNING; the row's created_at, or None when
-        the row is missing or any rule says otherwise (claim() then decides, under its lock).
+        """The common claim (the producer's row, not final, never run, the same source and task)
+        as one autocommit UPDATE ... RETURNING; the row's created_at, or None when the row is
+        missing or any rule says otherwise (claim() then decides, under its lock: a retry, a
+        foreign message, a final row, the attempt cap).
 
         Why: the locked transaction is 4 statements (BEGIN, SELECT ... FOR UPDATE, UPDATE,
         COMMIT) on every job, where this is 1 (bench/results/control_plane/ has the figures).
         Concurrent deliveries still serialise on the row: PostgreSQL re-checks the WHERE
-        against the row a concurrent claim committed, so each claim counts, as under the lock.
+        against the row a concurrent claim committed (attempts is no longer 0), so the second
+        one falls through to the locked path and is seen there as a retry.
         """
-        conditions = [
-            ocr_jobs.c.id == job_id,
-            ocr_jobs.c.status.not_in(FINAL),
-            ocr_jobs.c.source == source,
-            ocr_jobs.c.task == task,
-        ]
-        if max_attempts is not None:
-            conditions.append(ocr_jobs.c.attempts < max(max_attempts, 1))
         stmt = (
             update(ocr_jobs)
-            .where(*conditions)
-            .values(status="running", attempts=ocr_jobs.c.attempts + 1, started_at=t, worker=worker)
+            .where(
+                ocr_jobs.c.id == job_id,
+                ocr_jobs.c.status.not_in(FINAL),
+                ocr_jobs.c.source == source,
+                ocr_jobs.c.task == task,
+                ocr_jobs.c.attempts == 0,
+            )
+            .values(
+                status="running",
+                attempts=1,
+                started_at=t,
+                worker=worker,
+                reference=func.coalesce(
+                    ocr_jobs.c.reference,
+                    bindparam("reference", reference, type_=ocr_jobs.c.reference.type),
+                ),
+            )
             .returning(ocr_jobs.c.created_at)
         )
         with self._autocommit.connect() as conn:
             row = conn.execute(stmt).first()
         return None if row is None else _aware(row[0])
+
+    def count_retry(self, job_id: str) -> bool:
+        """Count a retry's attempt as it starts running alone in its worker process; False when
+        the row turned final meanwhile (another copy of the message ran it)."""
+        stmt = (
+            update(ocr_jobs)
+            .where(ocr_jobs.c.id == job_id, ocr_jobs.c.status.not_in(FINAL))
+            .values(attempts=ocr_jobs.c.attempts + 1, started_at=now())
+        )
+        with self._autocommit.connect() as conn:
+            return conn.execute(stmt).rowcount > 0
 
     def finish(self, job_id: str, **fields: Any) -> bool:
         """Store a final status; never overwrites a final row (an attempt still running when a

@@ -139,3 +139,43 @@ def heartbeats(engine: Engine) -> dict[str, dt.datetime]:
     with engine.connect() as conn:
         rows = conn.execute(select(ocr_workers.c.name, ocr_workers.c.heartbeat_at))
         return {name: at for name, at in rows}
+
+
+def alive(engine: Engine, stalled_after_s: float) -> set[str]:
+    """Names of the workers that beat within `stalled_after_s`."""
+    stmt = select(ocr_workers.c.name).where(
+        ocr_workers.c.heartbeat_at >= _cutoff(engine, stalled_after_s)
+    )
+    with engine.connect() as conn:
+        return set(conn.execute(stmt).scalars())
+
+
+def queued_before(engine: Engine, age_s: float, limit: int | None) -> list[StalledJob]:
+    """`queued` rows created more than `age_s` ago, oldest first, that can be re-sent from their
+    row: those with a `reference` (not inline b64 images, nor rows from before it was kept).
+    `worker` is empty: no worker holds them."""
+    stmt = (
+        select(
+            ocr_jobs.c.id, ocr_jobs.c.task, ocr_jobs.c.source, ocr_jobs.c.page, ocr_jobs.c.reference
+        )
+        .where(
+            ocr_jobs.c.status == "queued",
+            ocr_jobs.c.created_at < _cutoff(engine, age_s),
+            ocr_jobs.c.reference.is_not(None),
+        )
+        .order_by(ocr_jobs.c.created_at)
+        .limit(limit)
+    )
+    with engine.connect() as conn:
+        return [
+            StalledJob(i, task, source, "", page, reference)
+            for i, task, source, page, reference in conn.execute(stmt)
+        ]
+
+
+def still_queued(engine: Engine, job_ids: list[str]) -> set[str]:
+    if not job_ids:
+        return set()
+    stmt = select(ocr_jobs.c.id).where(ocr_jobs.c.id.in_(job_ids), ocr_jobs.c.status == "queued")
+    with engine.connect() as conn:
+        return set(conn.execute(stmt).scalars())

@@ -1,7 +1,8 @@
 """A worker process's heartbeat, and its share of the stalled-job sweep, in one daemon thread.
 
 The thread beats every OCRQ_HEARTBEAT_S (one upsert of this process's ocr_workers row) and,
-every OCRQ_STALLED_SWEEP_S, re-sends the running jobs of workers that stopped beating. It
+every OCRQ_STALLED_SWEEP_S, runs the recovery sweep (ocrq/core/requeue.py): the jobs of workers
+that stopped beating, and queued jobs whose message was lost, are sent again. It
 sweeps only after its own beats have succeeded for OCRQ_STALLED_AFTER_S in a row: after a
 database outage every heartbeat is stale, and a worker that swept at once would take live
 workers for dead ones; by then they have all beaten again.
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from sqlalchemy import Engine
 
 from ocrq.core import metrics, workers_table
+from ocrq.core.requeue import Recovered
 from ocrq.core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ class Heartbeat:
         db: Engine,
         name: str,
         settings: Settings,
-        sweep: Callable[[], list[str]] | None = None,
+        sweep: Callable[[], Recovered] | None = None,
     ) -> None:
         self.db = db
         self.name = name
@@ -106,13 +108,19 @@ class Heartbeat:
 
     def _run_sweep(self) -> None:
         try:
-            sent = self._sweep() if self._sweep is not None else []
+            found = self._sweep() if self._sweep is not None else Recovered()
         except Exception as exc:  # the broker or database went away: try at the next sweep
             log.warning("stalled-job sweep failed: %s: %s", type(exc).__name__, exc)
             return
-        if sent:
-            log.warning(
-                "stalled-job sweep: re-sent %d running job(s) of dead workers: %s",
-                len(sent),
-                " ".join(sent[:20]) + (" ..." if len(sent) > 20 else ""),
-            )
+        for ids, what in (
+            (found.stalled, "running job(s) of dead workers"),
+            (found.orphaned, "job(s) dead workers had taken but not started"),
+            (found.lost, "queued job(s) whose message was nowhere in the broker"),
+        ):
+            if ids:
+                log.warning(
+                    "stalled-job sweep: re-sent %d %s: %s",
+                    len(ids),
+                    what,
+                    " ".join(ids[:20]) + (" ..." if len(ids) > 20 else ""),
+                )

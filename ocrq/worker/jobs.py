@@ -30,6 +30,7 @@ from ocrq.core.store import Claim, JobStore, now, public_view
 from ocrq.intake import documents, images, splitting
 from ocrq.models.base import EngineFront, PreparedImage
 from ocrq.scheduling.vocabulary import Batcher
+from ocrq.worker.alone import RetryGate
 from ocrq.worker.envelope import safe_text
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class JobRunner:
         # and, with enough copies, failed a healthy job as "the worker died" (issue 16's probe).
         self._in_flight: dict[str, _Running] = {}
         self._in_flight_lock = threading.Lock()
+        self._gate = RetryGate()
 
     def process(self, request: JobRequest) -> JobOutcome:
         if request.image.name is not None and not self._db(self._names_a_page)(request):
@@ -234,6 +236,20 @@ class JobRunner:
             return self._not_run(request.job_id, source, claim)
         if claim.created_at is not None:  # the producer's row: when the job was enqueued
             metrics.observe_stage("queue_wait", (started - claim.created_at).total_seconds())
+        if not claim.retry:
+            with self._gate.shared():
+                return self._run(request, source, task)
+        with self._gate.alone():  # see ocrq/worker/alone.py
+            if not self._db(self.store.count_retry)(request.job_id):
+                row = self._db(self.store.get)([request.job_id]).get(request.job_id) or {}
+                return JobOutcome.of_row(request.job_id, source, row, "running")
+            log.warning(
+                "job %s: its last run died with its worker; running it alone", request.job_id
+            )
+            return self._run(request, source, task)
+
+    def _run(self, request: JobRequest, source: str, task: str) -> JobOutcome:
+        """A claimed job: fetch, decode, batch, store."""
         # One deadline for the whole wait: a slot for the decoded image, then the batch. The
         # fetch is bounded by the intake's own deadline. Celery's task time limits do not work
         # with the threads pool, so this is the task time limit.

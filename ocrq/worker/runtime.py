@@ -23,6 +23,7 @@ from ocrq.models.memory import memory_of
 from ocrq.scheduling.engine_side import load_engine
 from ocrq.scheduling.recycle import RecyclePolicy, Recycler
 from ocrq.scheduling.vocabulary import Batcher, BatchRecord
+from ocrq.worker.broker import set_holder
 from ocrq.worker.gpus import has_nvidia_gpu
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
@@ -160,7 +161,7 @@ def engine_in_own_process(settings: Settings) -> bool:
 
 def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
     """Beat for worker `name`, and sweep other workers' stalled jobs back to the queue."""
-    from ocrq.core.requeue import producer_app, requeue_stalled  # as `ocrq requeue --stalled`
+    from ocrq.core.requeue import producer_app, recover  # as `ocrq requeue`
 
     app = producer_app(settings.broker_url)
     store = JobStore(engine_for(settings))
@@ -168,7 +169,7 @@ def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
         store.engine,
         name,
         settings,
-        sweep=lambda: requeue_stalled(store, app, settings, exclude_worker=name),
+        sweep=lambda: recover(store, app, settings, exclude_worker=name, paced=True),
     ).start()
 
 
@@ -203,14 +204,21 @@ _lock = threading.Lock()
 _runtime: Runtime | None = None
 _settings: Settings | None = None
 _node: str | None = None
+_name: str | None = None
 
 
 def configure(settings: Settings, node: str | None = None) -> None:
     """The Settings this worker process runs with, read once by its entry point
-    (ocrq/worker/main.py), and its Celery node name; `get_runtime` builds from them."""
-    global _settings, _node
+    (ocrq/worker/main.py), and its Celery node name; `get_runtime` builds from them.
+
+    The process's worker name is fixed here, before Celery consumes anything, so that every
+    message it takes is recorded as held by it (ocrq/worker/broker.py) under the name its
+    heartbeat and rows carry."""
+    global _settings, _node, _name
     _settings = settings
     _node = node
+    _name = unique_worker_name(settings.engine, node)
+    set_holder(_name)
 
 
 def get_runtime(
@@ -222,7 +230,7 @@ def get_runtime(
     with _lock:
         if _runtime is None:
             settings = settings or _settings or Settings()
-            name = unique_worker_name(settings.engine, _node)
+            name = _name or unique_worker_name(settings.engine, _node)
             runtime = build_runtime(settings, worker_name=name, on_recycle=on_recycle)
             runtime.heartbeat = start_heartbeat(settings, name)
             _runtime = runtime

@@ -1,0 +1,169 @@
+"""What the Redis broker still holds, by job id: for the sweep that recovers lost and orphaned
+messages (ocrq/core/requeue.py) and for `ocrq requeue`, which must not copy a waiting message.
+
+Why the broker must be looked at: kombu's Redis transport takes a message in two round trips,
+BRPOP (the message leaves the queue's list) and then a pipeline that records it in the
+`unacked` hash. A worker killed between the two loses the message for good, and a Redis that
+restarts without its data loses all of them; their rows stay `queued`. The job table is the
+record of what was submitted; this module says which of its queued jobs still have a message.
+
+Where a message can be, in kombu's own layout (read through kombu's channel, so key prefixes and
+priority-list names are kombu's): the lists of every queue bound in Redis, one per priority
+step (a job's row does not say which queue it was sent to), and the `unacked`
+hash (delivery tag -> [message, exchange, routing key]) while a worker holds it. ocrq's workers
+also write, for each message they take, `HOLDERS_KEY` (delivery tag -> worker name and job id,
+ocrq/worker/broker.py): a worker killed with messages it had not started leaves them in
+`unacked`, and without an owner on record only the visibility timeout (1 h) brings them back.
+
+Cost, per call: one HSCAN of the holders hash (one short entry per message workers hold, at
+most the sum of their concurrency), the keys of `unacked` (not its values, which may carry
+inline images), and the queue's lists in LRANGE pages, stopping as soon as every wanted id was
+seen, or after `limit` messages. The lists are read from the left (the newest end): producers
+push there and shift what was read onward (read twice, never skipped), while BRPOP takes from the
+other end; read from the right, each pop would shift an unread message into the pages already
+read, and it would look lost.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+
+# Delivery tag -> "worker name<TAB>job id", written by ocrq's workers next to kombu's `unacked`.
+HOLDERS_KEY = "ocrq.unacked_holders"
+PAGE = 500  # messages per LRANGE
+
+
+def holder_entry(worker: str, job_id: str | None) -> str:
+    return f"{worker}\t{job_id or ''}"
+
+
+def message_job_id(raw: bytes | str) -> str | None:
+    """The job id (Celery's task id) of a message as kombu stores it, or None.
+
+    ocrq's producers and Celery's `send_task` write protocol 2, with the id in the headers."""
+    try:
+        payload = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if isinstance(payload, list) and payload:  # an `unacked` entry: [message, exchange, key]
+        payload = payload[0]
+    headers = payload.get("headers") if isinstance(payload, dict) else None
+    job_id = headers.get("id") if isinstance(headers, dict) else None
+    return job_id if isinstance(job_id, str) else None
+
+
+@dataclass(frozen=True)
+class Held:
+    """A message some worker holds (in `unacked`)."""
+
+    tag: str
+    job_id: str | None
+    worker: str | None  # None: taken by a consumer that records no holder
+
+
+class BrokerView:
+    def __init__(self, channel: Any, queue: str) -> None:
+        self.channel = channel
+        self.client = channel.client
+        # Every queue Redis knows of, not only ours: the job table does not say which queue a
+        # job was sent to, and a job waiting in another queue (another engine's workers) must
+        # not look lost.
+        queues = {queue, *self._bound_queues()}
+        self.lists = [
+            channel._q_for_pri(q, pri) for q in sorted(queues) for pri in channel.priority_steps
+        ]
+        self.unacked_key = channel.unacked_key
+        self.index_key = channel.unacked_index_key
+
+    def _bound_queues(self) -> set[str]:
+        """The queues in kombu's binding tables (one set per exchange, members
+        `routing key<sep>pattern<sep>queue`)."""
+        sep = self.channel.sep
+        found: set[str] = set()
+        for key in self.client.scan_iter(match=self.channel.keyprefix_queue % "*", count=1000):
+            for member in self.client.smembers(key):
+                found.add(_text(member).split(sep)[-1])
+        found.discard("")
+        return found
+
+    def held(self) -> list[Held]:
+        """Every message in `unacked`, with its holder where a worker recorded one. Entries of
+        the holders hash whose message is no longer unacked (acked or restored by a consumer
+        that does not clear them) are removed."""
+        holders: dict[str, tuple[str, str | None]] = {}
+        for tag, entry in self.client.hscan_iter(HOLDERS_KEY, count=1000):
+            worker, _, job_id = _text(entry).partition("\t")
+            holders[_text(tag)] = (worker, job_id or None)
+        tags = [_text(t) for t in self.client.hkeys(self.unacked_key)]
+        stale = set(holders) - set(tags)
+        if stale:
+            self.client.hdel(HOLDERS_KEY, *stale)
+        out = []
+        for tag in tags:
+            if tag in holders:
+                worker, job_id = holders[tag]
+                out.append(Held(tag, job_id, worker))
+            else:  # rare (see `worker`): read the message itself for its id
+                raw = self.client.hget(self.unacked_key, tag) or b""
+                out.append(Held(tag, message_job_id(raw), None))
+        return out
+
+    def delivered_at(self, tags: Collection[str]) -> dict[str, float]:
+        """When each message was taken (kombu's unacked index), for those still unacked."""
+        tags = list(tags)
+        pipe = self.client.pipeline()
+        for tag in tags:
+            pipe.zscore(self.index_key, tag)
+        return {t: s for t, s in zip(tags, pipe.execute(), strict=True) if s is not None}
+
+    def queued(self, wanted: Collection[str], limit: int | None) -> tuple[set[str], bool]:
+        """Which of `wanted` have a message in the queue's lists, and whether the lists were
+        read whole (False: `limit` messages were read and some wanted ids were not among them,
+        so their absence proves nothing)."""
+        missing = set(wanted)
+        found: set[str] = set()
+        read = 0
+        for key in self.lists:
+            start = 0
+            while missing:
+                if limit is not None and read >= limit:
+                    return found, False
+                page = self.client.lrange(key, start, start + PAGE - 1)
+                for raw in page:
+                    job_id = message_job_id(raw)
+                    if job_id in missing:
+                        missing.discard(job_id)
+                        found.add(job_id)
+                read += len(page)
+                if len(page) < PAGE:
+                    break
+                start += PAGE
+        return found, True
+
+    def restore(self, tag: str) -> None:
+        """Put a held message back at the head of its queue, as kombu does at a clean shutdown
+        (one transaction: removed from `unacked` and pushed back, or neither)."""
+        self.channel.qos.restore_by_tag(tag, client=self.client)
+        self.client.hdel(HOLDERS_KEY, tag)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@contextmanager
+def broker_view(app: Celery, queue: str) -> Iterator[BrokerView | None]:
+    """The broker of `app` seen through kombu's Redis channel, or None for a broker that is
+    not Redis (nothing can then be checked, and nothing is re-sent on a guess)."""
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        if not hasattr(channel, "unacked_key"):
+            yield None
+            return
+        yield BrokerView(channel, queue)

@@ -1,0 +1,184 @@
+"""Recovery without a person (issue 31, item 3): lost messages, a dead worker's unstarted
+messages, a Redis that came back empty, and `ocrq requeue` beside a live backlog.
+
+Real `ocrq worker` processes, Redis and PostgreSQL. The visibility timeout is 3600 s, so
+Redis's own redelivery explains no recovery here: only the sweep (ocrq/core/requeue.py) can.
+A lost message is made the way kombu loses one: popped from the queue's list (RPOP, what a
+worker's BRPOP does) and never written to `unacked`, as when the worker is killed in between.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from ocrq.api.client import Client
+from ocrq.core.broker_scan import HOLDERS_KEY, message_job_id
+from ocrq.core.contract import TASK_NAME, JobRequest, job_kwargs
+from ocrq.core.db import get_engine
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore, NewJob
+from tests.conftest import BIN, FIGURES, WorkerProcess
+from tests.servers import PrivateRedis
+from tests.test_faults import make_images, not_final, report, wait_all
+from tests.test_liveness import LIVENESS
+from tests.waiting import Budget
+
+
+def queue_ids(r: redis.Redis, queue: str) -> list[str]:
+    return [message_job_id(m) or "?" for m in r.lrange(queue, 0, -1)]
+
+
+def lose(r: redis.Redis, queue: str, n: int) -> list[str]:
+    """Pop `n` messages as a worker's BRPOP does, and drop them: what a kill -9 between kombu's
+    pop and its `unacked` write leaves. Their rows stay `queued`."""
+    return [message_job_id(r.rpop(queue)) or "?" for _ in range(n)]
+
+
+def holders(r: redis.Redis) -> dict[str, str]:
+    return {v.decode().split("\t")[1]: v.decode().split("\t")[0] for v in r.hvals(HOLDERS_KEY)}
+
+
+def test_requeue_resends_only_what_the_broker_lost(
+    service_env: dict[str, str], database_url: str, image_root: Path
+) -> None:
+    """`ocrq requeue --older-than 0` with a backlog of 30 waiting messages and 3 lost ones:
+    it re-sends the 3, and the queue holds 30 messages again, not 57."""
+    queue = f"ocr-requeue-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, "OCRQ_QUEUE": queue}
+    client = Client(
+        Settings(broker_url=env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue)
+    )
+    r = redis.Redis.from_url(env["OCRQ_BROKER_URL"])
+    ids = [client.submit({"path": str(p)}) for p in make_images(image_root / "rq", 30)]
+    assert r.llen(queue) == 30
+    lost = lose(r, queue, 3)
+    assert set(lost) <= set(ids) and r.llen(queue) == 27
+    cli = subprocess.run(
+        [str(BIN / "ocrq"), "requeue", "--older-than", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert "re-sent 3 queued job(s)" in cli.stderr, cli.stderr
+    assert sorted(cli.stdout.split()) == sorted(lost)
+    waiting = queue_ids(r, queue)
+    assert len(waiting) == 30 and sorted(waiting) == sorted(ids)
+    FIGURES.append(f"[requeue-backlog] waiting 27 + lost 3: re-sent {len(cli.stdout.split())}")
+
+
+def test_lost_and_unstarted_messages_recovered_by_a_live_worker(
+    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    """A worker is killed holding a message it had not started (an ETA job, in `unacked`);
+    three other messages are lost outright. A live worker's sweep puts the first back and
+    re-sends the three: every job done once, no person, no visibility timeout."""
+    queue = f"ocr-recover-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue}
+    store = JobStore(get_engine(database_url))
+    settings = Settings(broker_url=env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue)
+    client = Client(settings)
+    r = redis.Redis.from_url(env["OCRQ_BROKER_URL"])
+    # Waits: victim ready 90 + holding 60 + rescuer ready 90 + all final 150.
+    budget = Budget(390, "recover")
+    victim = WorkerProcess(env, tmp_path / "victim.log", "--concurrency", "2", "--no-supervise")
+    rescuer: WorkerProcess | None = None
+    try:
+        victim.wait_ready(90)
+        # A job whose message the victim takes and holds unstarted: its ETA is 40 s away.
+        request = JobRequest.model_validate(
+            {"image": {"path": str(make_images(image_root / "eta", 1)[0])}, "task": "text"}
+        )
+        eta = request.job_id
+        store.enqueue_many([NewJob(eta, "text", request.image.describe(), None)])
+        kwargs = job_kwargs(request.image.model_dump(exclude_none=True), "text", eta, None)
+        client.app.send_task(TASK_NAME, kwargs=kwargs, queue=queue, task_id=eta, countdown=40)
+        budget.until(
+            "the victim holding the ETA job's message",
+            lambda: eta in holders(r),
+            60,
+            lambda: f"holders {holders(r)}\n{victim.text()[-2000:]}",
+        )
+        dead_name = holders(r)[eta]
+        victim.stop(signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert store.get([eta])[eta]["status"] == "queued"
+        ids = [client.submit({"path": str(p)}) for p in make_images(image_root / "lost", 8)]
+        lost = lose(r, queue, 3)
+        # Jobs waiting in another queue (another engine's workers): not lost, never touched.
+        other_queue = f"ocr-other-{uuid.uuid4().hex[:6]}"
+        other = Client(settings.model_copy(update={"queue": other_queue}))
+        others = [other.submit({"path": str(p)}) for p in make_images(image_root / "other", 5)]
+        rescuer = WorkerProcess(env, tmp_path / "rescuer.log", "--concurrency", "4")
+        rescuer.wait_ready(90)
+        rows = wait_all(store, [*ids, eta], timeout=150, budget=budget, log=rescuer)
+        seconds = time.monotonic() - killed_at
+    finally:
+        victim.stop(signal.SIGKILL)
+        if rescuer is not None:
+            rescuer.stop()
+    figures = report("recover", [*ids, eta], rows, store, seconds)
+    log = rescuer.text()
+    assert figures["done"] == 9 and figures["lost"] == 0 and figures["duplicated"] == 0
+    assert all(row["attempts"] == 1 for row in rows.values()), not_final(store, ids)
+    assert rows[eta]["worker"] != dead_name
+    assert "re-sent 1 job(s) dead workers had taken but not started" in log, log[-3000:]
+    # Each lost row is found once it is OCRQ_STALLED_AFTER_S old: by one sweep or a few.
+    found = re.findall(r"re-sent (\d+) queued job\(s\) whose message was nowhere", log)
+    assert sum(map(int, found)) == 3, log[-3000:]
+    assert all(i in log for i in lost)
+    assert not r.hlen(HOLDERS_KEY) and not r.hlen("unacked")  # nothing left held
+    assert sorted(queue_ids(r, other_queue)) == sorted(others)
+    assert {row["status"] for row in store.get(others).values()} == {"queued"}
+    assert seconds < 150  # against a visibility timeout of 3600 s
+
+
+def test_redis_restarted_empty_jobs_finish_by_themselves(
+    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    """Redis restarts without its data under a running worker: the queued jobs' messages are
+    gone, and the worker's sweep re-sends them; `ocrq requeue` is never run."""
+    budget = Budget(400, "redis-empty")
+    private = PrivateRedis(tmp_path, persist=False)
+    private.start()
+    store = JobStore(get_engine(database_url))
+    queue = f"ocr-empty-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, **LIVENESS, "OCRQ_BROKER_URL": private.url, "OCRQ_QUEUE": queue}
+    worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "4")
+    try:
+        worker.wait_ready(90)
+        client = Client(Settings(broker_url=private.url, database_url=database_url, queue=queue))
+        ids = [client.submit({"path": str(p)}) for p in make_images(image_root / "empty", 60, 3)]
+        budget.until(
+            "10 jobs final before the restart",
+            lambda: sum(r["status"] == "done" for r in store.get(ids).values()) >= 10,
+            120,
+            lambda: not_final(store, ids) + worker.text()[-2000:],
+            poll_s=0.1,
+        )
+        private.stop()
+        private.start()  # empty: no append-only file
+        t0 = time.monotonic()
+        waiting = redis.Redis.from_url(private.url).llen(queue)
+        queued = sum(r["status"] == "queued" for r in store.get(ids).values())
+        rows = wait_all(store, ids, timeout=180, budget=budget, log=worker)
+        seconds = time.monotonic() - t0
+    finally:
+        worker.stop()
+        private.stop()
+    figures = report("redis-empty", ids, rows, store, seconds)
+    FIGURES.append(
+        f"[redis-empty] queued rows at the restart {queued} (messages in Redis {waiting}), "
+        f"all done {seconds:.0f} s after it, no person"
+    )
+    assert waiting == 0 and queued > 0
+    assert figures["done"] == len(ids) and figures["lost"] == 0 and figures["duplicated"] == 0
+    assert "whose message was nowhere in the broker" in worker.text()
