@@ -35,7 +35,8 @@ ocr_jobs = Table(
     "ocr_jobs",
     metadata,
     Column("id", String(36), primary_key=True),
-    Column("status", String(16), nullable=False),  # queued | running | done | failed
+    # queued | running | done | failed | cancelled | expired (migrations/0006_deadlines)
+    Column("status", String(16), nullable=False),
     Column("task", Text, nullable=False),
     Column("source", Text, nullable=False),
     Column("sha256", String(64)),
@@ -57,6 +58,9 @@ ocr_jobs = Table(
     # The splitting job of a document has document_id = its own id and no page.
     Column("document_id", String(36), index=True),
     Column("page", Integer),
+    # The job's deadline and its webhook (migrations/0006_deadlines); NULL: none.
+    Column("expires_at", DateTime(timezone=True)),
+    Column("callback_url", Text),
 )
 
 # One row per document (PDF, multi-page TIFF; migrations/0004). Its pages are the ocr_jobs rows

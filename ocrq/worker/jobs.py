@@ -6,6 +6,7 @@ The caller's thread blocks on the batcher's future while the engine works on a w
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from ocrq.intake import documents, images, splitting
 from ocrq.models.base import EngineFront, PreparedImage
 from ocrq.scheduling.vocabulary import Batcher
 from ocrq.worker.envelope import safe_text
+from ocrq.worker.webhooks import Webhooks
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 class JobOutcome:
     job_id: str
     source: str
-    status: str  # done | failed
+    status: str  # done | failed, or the row's cancelled | expired when not run
     text: str | None = None
     lines: list[dict[str, Any]] | None = None
     error: str | None = None
@@ -153,6 +155,7 @@ class JobRunner:
         # and, with enough copies, failed a healthy job as "the worker died" (issue 16's probe).
         self._in_flight: dict[str, _Running] = {}
         self._in_flight_lock = threading.Lock()
+        self._webhooks: Webhooks | None = None  # started by the first job with a callback_url
 
     def process(self, request: JobRequest) -> JobOutcome:
         source = request.image.describe()
@@ -212,6 +215,17 @@ class JobRunner:
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
+        outcome = self._run(request, source, claim, task, started)
+        if claim.callback_url:  # after the row is committed, from the webhooks' own threads
+            if self._webhooks is None:
+                self._webhooks = Webhooks(self.settings)
+            self._webhooks.send(claim.callback_url, outcome.as_json())
+        return outcome
+
+    def _run(
+        self, request: JobRequest, source: str, claim: Claim, task: str, started: dt.datetime
+    ) -> JobOutcome:
+        """A claimed job, from its intake to its stored row."""
         if claim.created_at is not None:  # the producer's row: when the job was enqueued
             metrics.observe_stage("queue_wait", (started - claim.created_at).total_seconds())
         # One deadline for the whole wait: a slot for the decoded image, then the batch. The
@@ -293,7 +307,7 @@ class JobRunner:
         lines = [line.as_json() for line in outcome.result.lines]
         try:
             with metrics.stage_timer("store"):
-                self._db(self.store.finish)(
+                stored = self._db(self.store.finish)(
                     request.job_id,
                     status="done",
                     text=outcome.result.text,
@@ -312,6 +326,8 @@ class JobRunner:
             message = f"result could not be stored: {type(exc).__name__}: {exc}"[:2000]
             failed = self._fail(request.job_id, source, message, **common)
             return replace(failed, **batch)
+        if not stored:  # cancelled while it ran: the result is dropped, the row stands
+            return self._final_row(request.job_id, source)
         self._count("done")
         return JobOutcome(
             request.job_id,
@@ -403,6 +419,15 @@ class JobRunner:
     def _fail(self, job_id: str, source: str, message: str, **fields: Any) -> JobOutcome:
         log.warning("job %s failed: %s", job_id, message)
         with metrics.stage_timer("store"):
-            self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
+            stored = self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
+        if not stored:  # cancelled (or finished by another delivery) meanwhile: the row stands
+            return self._final_row(job_id, source)
         self._count("failed")
         return JobOutcome(job_id, source, "failed", error=message)
+
+    def _final_row(self, job_id: str, source: str) -> JobOutcome:
+        """The outcome a row already final says, when this attempt's could not be stored over
+        it: a job cancelled while it ran reports `cancelled`, not the result it dropped."""
+        row = self._db(self.store.get)([job_id]).get(job_id) or {}
+        log.info("job %s is %s already; this attempt's outcome dropped", job_id, row.get("status"))
+        return self._as_stored(job_id, source, row, "failed")
