@@ -198,9 +198,10 @@ class Settings(BaseSettings):
     # batch runs on. Celery's task time limits do not work with the threads pool.
     job_timeout_s: float = Field(default=900.0, ge=1.0, le=86_400.0)
 
-    # Callbacks (docs/producers.md, Callbacks). Task names a job's Celery `link`/`link_error`
-    # may call (fnmatch patterns, e.g. "myapp.*"); a job whose links name any other task, or
-    # carry a chain or chord, fails without running. Empty: no links at all. Never ocrq's own.
+    # Callbacks and retention (docs/producers.md, docs/operations.md).
+    # A job's Celery `link`/`link_error` may call only tasks matching these fnmatch patterns
+    # (e.g. "myapp.*"), never `ocrq.*` or `celery.*`; a job with any other link, a chain or a
+    # chord fails without running. Empty: no links at all (ocrq/worker/links.py).
     link_tasks: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Webhooks (`callback_url` on a job): the key their HMAC-SHA256 signature is made with;
     # unset, the api refuses callback_url and workers send none. Set it on the api and workers.
