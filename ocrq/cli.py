@@ -116,10 +116,16 @@ def _logging(level: str) -> None:
     )
 
 
+# Final statuses other than done: each makes `submit --wait` and `status` exit 1. partial: a
+# document some of whose pages failed; cancelled and expired: never run (or not stored).
+NOT_DONE = ("failed", "partial", "cancelled", "expired")
+
+
 def _summary(counts: dict[str, int], total: int, seconds: float) -> str:
     """The last line of `run` and `submit --wait`, on stderr."""
     parts = [f"done: {counts.get('done', 0)}", f"failed: {counts.get('failed', 0)}"]
-    pending = total - counts.get("done", 0) - counts.get("failed", 0)
+    parts += [f"{s}: {counts[s]}" for s in NOT_DONE[2:] if counts.get(s)]
+    pending = total - counts.get("done", 0) - sum(counts.get(s, 0) for s in NOT_DONE)
     if pending:
         parts.append(f"not finished: {pending}")
     return ", ".join(parts) + f", total: {total} in {seconds:.1f} s"
@@ -327,11 +333,11 @@ def submit(
         )
     err.print(_summary(counts, len(ids), time.monotonic() - started))
     # partial: a document some of whose pages failed (it is finished, and counts as failed)
-    pending = len(ids) - sum(counts.get(k, 0) for k in ("done", "failed", "partial"))
+    pending = len(ids) - sum(counts.get(k, 0) for k in ("done", *NOT_DONE))
     if pending:
         err.print(f"[yellow]{pending} job(s) not finished within {timeout} s")
         raise typer.Exit(EXIT_PENDING)
-    if counts.get("failed", 0) or counts.get("partial", 0):
+    if any(counts.get(k, 0) for k in NOT_DONE):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -357,7 +363,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
 ) -> None:
     """Show jobs: one id whole (every field, the text), several as a table of one line each.
-    Exit code 4 when an id has no row, else 1 when a job failed."""
+    Exit code 4 when an id has no row, else 1 when a job failed, was cancelled or expired."""
     from ocrq.api.client import Client
 
     rows = Client(_settings()).status(job_ids)
@@ -366,7 +372,7 @@ def status(
         unknown = [r["job_id"] for r in rows if r["status"] == "unknown"]
         err.print(f"[yellow]unknown job id(s):[/] {', '.join(unknown)}")
         raise typer.Exit(EXIT_UNKNOWN)
-    if any(r["status"] == "failed" for r in rows):
+    if any(r["status"] in NOT_DONE for r in rows):
         raise typer.Exit(EXIT_FAILED)
 
 

@@ -268,6 +268,12 @@ def test_cancelled_queued_jobs_never_run(scene: Scene) -> None:
     again = _ocrq(scene.env, "cancel", "--json", ids["kept"])
     assert again.returncode == 1 and json.loads(again.stdout)["status"] == "done"
     assert _ocrq(scene.env, "cancel", str(uuid.uuid4())).returncode == 4
+    status = _ocrq(scene.env, "status", "--json", ids["cancel_a"])
+    assert status.returncode == 1 and json.loads(status.stdout)["status"] == "cancelled"
+    listed = _ocrq(scene.env, "jobs", "--status", "cancelled", "--json", "--limit", "100")
+    assert {ids["cancel_a"], ids["cancel_b"]} <= {
+        json.loads(line)["job_id"] for line in listed.stdout.splitlines()
+    }
 
 
 def test_jobs_past_their_deadline_never_run(scene: Scene) -> None:

@@ -157,6 +157,11 @@ class JobRunner:
         self._in_flight_lock = threading.Lock()
         self._webhooks: Webhooks | None = None  # started by the first job with a callback_url
 
+    def close(self) -> None:
+        """At shutdown, after the batcher: webhooks still retrying give up."""
+        if self._webhooks is not None:
+            self._webhooks.close()
+
     def process(self, request: JobRequest) -> JobOutcome:
         source = request.image.describe()
         named = (source, request.task)
@@ -374,8 +379,12 @@ class JobRunner:
     def _not_run(self, job_id: str, source: str, claim: Claim) -> JobOutcome:
         """A claim that said no: already final, the id taken by another image, or out of tries."""
         row = claim.row or {}
-        if claim.error is None:  # done or failed: the stored outcome stands, this copy is acked
-            log.info("job %s already %s; redelivery ignored", job_id, row.get("status", "done"))
+        if claim.error is None:  # final: the stored outcome stands, this copy is acked
+            status = row.get("status", "done")
+            if status in ("cancelled", "expired"):
+                log.info("job %s is %s: not run (%s)", job_id, status, row.get("error"))
+            else:
+                log.info("job %s already %s; redelivery ignored", job_id, status)
             return self._as_stored(job_id, source, row, "done")
         # Nothing is written: a reused id's row belongs to its first image, and a job out of
         # attempts was failed by the claim itself.

@@ -57,6 +57,7 @@ class Runtime:
             log.info("shutdown: heartbeat row of %s retired", self.heartbeat.name)
         if self.retention is not None:
             self.retention.stop()
+        self.runner.close()
 
 
 FETCH_HEADROOM = 8  # task threads beyond the decoded-image cap: claiming and fetching the next

@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import json
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -27,6 +28,7 @@ from tenacity import (
     Retrying,
     retry_if_exception_type,
     stop_after_attempt,
+    stop_when_event_set,
     wait_exponential,
 )
 
@@ -58,6 +60,9 @@ class Webhooks:
         secret = settings.webhook_secret
         self._secret = secret.get_secret_value().encode() if secret is not None else None
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ocrq-webhook")
+        # Set at shutdown: a backoff sleep ends at once and no further try is made, so a dead
+        # receiver never holds up the worker's exit (the pool's threads are joined at exit).
+        self._closing = threading.Event()
 
     def send(self, url: str, outcome: dict[str, Any]) -> Future[bool] | None:
         """Queue the POST; returns at once (None when no secret is set: nothing is sent)."""
@@ -75,7 +80,9 @@ class Webhooks:
         retrying = Retrying(
             retry=retry_if_exception_type(_Again),
             wait=wait_exponential(multiplier=self.settings.webhook_backoff_s, max=MAX_WAIT_S),
-            stop=stop_after_attempt(self.settings.webhook_attempts),
+            stop=stop_after_attempt(self.settings.webhook_attempts)
+            | stop_when_event_set(self._closing),
+            sleep=self._closing.wait,
         )
         try:
             for attempt in retrying:
@@ -83,10 +90,10 @@ class Webhooks:
                     return self._post_once(url, body, job_id)
         except RetryError:
             log.warning(
-                "webhook for job %s to %s: gave up after %d tries",
+                "webhook for job %s to %s: gave up%s",
                 job_id,
                 redact_url(url),
-                self.settings.webhook_attempts,
+                " (worker stopping)" if self._closing.is_set() else " after every try",
             )
         return False
 
@@ -111,4 +118,6 @@ class Webhooks:
         return True
 
     def close(self) -> None:
+        """Stop retrying and drop webhooks not yet started (the rows remain the record)."""
+        self._closing.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
