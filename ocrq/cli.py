@@ -116,10 +116,16 @@ def _logging(level: str) -> None:
     )
 
 
+# Final statuses other than done: each makes `submit --wait` and `status` exit 1. partial: a
+# document some of whose pages failed; cancelled and expired: never run (or not stored).
+NOT_DONE = ("failed", "partial", "cancelled", "expired")
+
+
 def _summary(counts: dict[str, int], total: int, seconds: float) -> str:
     """The last line of `run` and `submit --wait`, on stderr."""
     parts = [f"done: {counts.get('done', 0)}", f"failed: {counts.get('failed', 0)}"]
-    pending = total - counts.get("done", 0) - counts.get("failed", 0)
+    parts += [f"{s}: {counts[s]}" for s in NOT_DONE[2:] if counts.get(s)]
+    pending = total - counts.get("done", 0) - sum(counts.get(s, 0) for s in NOT_DONE)
     if pending:
         parts.append(f"not finished: {pending}")
     return ", ".join(parts) + f", total: {total} in {seconds:.1f} s"
@@ -327,11 +333,11 @@ def submit(
         )
     err.print(_summary(counts, len(ids), time.monotonic() - started))
     # partial: a document some of whose pages failed (it is finished, and counts as failed)
-    pending = len(ids) - sum(counts.get(k, 0) for k in ("done", "failed", "partial"))
+    pending = len(ids) - sum(counts.get(k, 0) for k in ("done", *NOT_DONE))
     if pending:
         err.print(f"[yellow]{pending} job(s) not finished within {timeout} s")
         raise typer.Exit(EXIT_PENDING)
-    if counts.get("failed", 0) or counts.get("partial", 0):
+    if any(counts.get(k, 0) for k in NOT_DONE):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -357,7 +363,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
 ) -> None:
     """Show jobs: one id whole (every field, the text), several as a table of one line each.
-    Exit code 4 when an id has no row, else 1 when a job failed."""
+    Exit code 4 when an id has no row, else 1 when a job failed, was cancelled or expired."""
     from ocrq.api.client import Client
 
     rows = Client(_settings()).status(job_ids)
@@ -366,7 +372,7 @@ def status(
         unknown = [r["job_id"] for r in rows if r["status"] == "unknown"]
         err.print(f"[yellow]unknown job id(s):[/] {', '.join(unknown)}")
         raise typer.Exit(EXIT_UNKNOWN)
-    if any(r["status"] == "failed" for r in rows):
+    if any(r["status"] in NOT_DONE for r in rows):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -392,7 +398,7 @@ def since_time(value: str, now: dt.datetime | None = None) -> dt.datetime:
 def jobs(
     status: Annotated[
         list[str] | None,
-        typer.Option(help="queued | running | done | failed; repeatable."),
+        typer.Option(help="queued | running | done | failed | cancelled | expired; repeatable."),
     ] = None,
     since: Annotated[
         str | None,
@@ -405,7 +411,7 @@ def jobs(
     from ocrq.api.client import Client
 
     statuses = [s.strip() for item in status or () for s in item.split(",") if s.strip()]
-    bad = sorted(set(statuses) - {"queued", "running", "done", "failed"})
+    bad = sorted(set(statuses) - {"queued", "running", "done", "failed", "cancelled", "expired"})
     if bad:
         raise typer.BadParameter(f"unknown status {bad}", param_hint="--status")
     after = since_time(since) if since else None
@@ -442,6 +448,56 @@ def requeue(
         err.print(f"re-sent {len(sent)} queued job(s)")
     for job_id in sent:
         typer.echo(job_id)
+
+
+@app.command()
+def cancel(
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids.")],
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
+) -> None:
+    """Cancel jobs: a queued one never runs, a running one's result is not stored; its row
+    says `cancelled`. Exit code 4 when an id has no row, else 1 when a job was final already
+    (done, failed or expired: not cancelled)."""
+    from ocrq.api.client import Client
+
+    rows = Client(_settings()).cancel(job_ids)
+    _print_rows(rows, as_json)
+    done = sum(r["cancelled"] for r in rows)
+    err.print(f"cancelled {done} of {len(rows)} job(s)")
+    if any(r["status"] == "unknown" for r in rows):
+        raise typer.Exit(EXIT_UNKNOWN)
+    if any(r["status"] != "cancelled" for r in rows):
+        raise typer.Exit(EXIT_FAILED)
+
+
+def older_than_cutoff(value: str, now: dt.datetime | None = None) -> dt.datetime:
+    """`--older-than`: a duration (90s, 30m, 2h, 30d, 1w) back from now."""
+    match = _DURATION.match(value)
+    if not match:
+        raise typer.BadParameter("a duration such as 30d, 12h or 1w", param_hint="--older-than")
+    now = now or dt.datetime.now(dt.UTC)
+    return now - dt.timedelta(seconds=float(match[1]) * _SECONDS[match[2]])
+
+
+@app.command()
+def prune(
+    older_than: Annotated[
+        str, typer.Option(help="Delete what finished longer ago than this (30d, 12h, 1w).")
+    ],
+) -> None:
+    """Delete final job rows (done, failed, cancelled, expired), finished documents and
+    uploads no row names, older than --older-than; nothing queued or running is touched.
+    OCRQ_RETENTION_DAYS has workers do the same daily (docs/operations.md, Retention)."""
+    from ocrq.core.db import engine_for
+    from ocrq.core.retention import prune as prune_rows
+
+    settings = _settings()
+    cutoff = older_than_cutoff(older_than)
+    pruned = prune_rows(engine_for(settings), cutoff, settings.upload_dir)
+    err.print(
+        f"deleted {pruned.jobs} job(s), {pruned.documents} document(s) and {pruned.uploads} "
+        f"upload(s) finished before {cutoff.isoformat(timespec='seconds')}"
+    )
 
 
 @app.command()

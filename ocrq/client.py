@@ -17,6 +17,7 @@ docs/api.md).
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -27,9 +28,9 @@ import httpx
 
 __all__ = ["FINAL", "Client", "OcrqError"]
 
-# A job's status once it will not change: done, failed, or partial (a document some of whose
-# pages failed). Anything else (queued, running, unknown) is still to wait for.
-FINAL = ("done", "failed", "partial")
+# A job's status once it will not change: done, failed, cancelled, expired, or partial (a
+# document some of whose pages failed). Anything else (queued, running, unknown) is pending.
+FINAL = ("done", "failed", "partial", "cancelled", "expired")
 # The api answers a long poll after at most OCRQ_API_MAX_WAIT_S; each request asks this long.
 POLL_S = 30.0
 MAX_LOOKUP = 500  # ids per lookup request, within the api's default OCRQ_API_MAX_BATCH
@@ -111,15 +112,27 @@ class Client:
         task: str = "text",
         job_id: str | None = None,
         max_pixels: int | None = None,
+        expires_at: dt.datetime | None = None,
+        callback_url: str | None = None,
     ) -> str:
         """Enqueue one job; its id. With `job_id` (a UUID) a retry is idempotent: the same id
-        and image return the job already recorded."""
+        and image return the job already recorded. `expires_at`: not run after it (the job
+        ends `expired`); `callback_url`: POSTed the outcome, signed (docs/api.md)."""
         body: dict[str, Any] = {"image": image_of(image), "task": task}
         if job_id is not None:
             body["job_id"] = job_id
         if max_pixels is not None:
             body["max_pixels"] = max_pixels
+        if expires_at is not None:
+            body["expires_at"] = expires_at.isoformat()
+        if callback_url is not None:
+            body["callback_url"] = callback_url
         return str(self._call("POST", "/jobs", json=body)["job_id"])
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel a job not final yet; its row, now `cancelled`. A final job raises OcrqError
+        409, an unknown id 404."""
+        return dict(self._call("DELETE", f"/jobs/{job_id}"))
 
     def get(self, job_id: str, wait: float = 0.0) -> dict[str, Any]:
         """The job's row (status, text, lines with boxes, error, ...); with `wait`, answered

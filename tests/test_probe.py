@@ -45,7 +45,7 @@ from ocrq.core.contract import NAME_REFUSED
 from ocrq.core.db import get_engine, ocr_jobs
 from ocrq.core.samples import draw_text_image
 from ocrq.core.store import REUSED_ID, JobStore, now
-from ocrq.worker.envelope import LINKS_REFUSED, REFUSED_HEADER
+from ocrq.worker.envelope import REFUSED_HEADER
 from tests.badfiles import png_bomb, write_bad_files
 from tests.conftest import FIGURES
 from tests.servers import free_port
@@ -489,11 +489,11 @@ HOSTILE: list[Case] = [
     Case("countdown_far", with_options("KILO TWO 2", countdown=10**8), "failed",
          "more than OCRQ_MAX_ETA_S"),
     Case("countdown_near", with_options("KILO THREE 3", countdown=1), "done", "KILO THREE 3"),
-    Case("link_callback", with_options("LIMA ONE 1", link="LINK"), "failed", LINKS_REFUSED,
-         check_not_linked),
+    Case("link_callback", with_options("LIMA ONE 1", link="LINK"), "failed",
+         "OCRQ_LINK_TASKS", check_not_linked),
     Case("link_errback", with_options("LIMA TWO 2", link_error="LINK"), "failed",
-         LINKS_REFUSED, check_not_linked),
-    Case("chain", with_options("LIMA THREE 3", chain="LINKS"), "failed", LINKS_REFUSED,
+         "OCRQ_LINK_TASKS", check_not_linked),
+    Case("chain", with_options("LIMA THREE 3", chain="LINKS"), "failed", "runs no workflows",
          check_not_linked),
     Case("refusal_header_spoofed", with_options("LIMA FOUR 4", headers={REFUSED_HEADER: "no"}),
          "done", "LIMA FOUR 4"),

@@ -231,3 +231,36 @@ def test_concurrent_claims_of_a_queued_row_make_one_first_run(database_url: str)
     assert all(c.run for c in claims) and sum(not c.retry for c in claims) == 1
     row = store.get([job])[job]
     assert row["attempts"] == 1 and row["status"] == "running", row
+
+
+def test_cancelled_and_expired_rows_are_never_claimed_nor_overwritten(store: JobStore) -> None:
+    """A copy of a cancelled job's message (a redelivery after its worker was killed -9, a
+    re-send) finds the row final; a job past its row's deadline is expired by its claim."""
+    from ocrq.core.store import NewJob
+
+    running, queued, done = (str(uuid.uuid4()) for _ in range(3))
+    for job in (running, queued, done):
+        store.enqueue(job, "text", "/c.png")
+    assert store.claim(running, "text", "/c.png", "w1").run
+    assert store.claim(done, "text", "/c.png", "w1").run
+    assert store.finish(done, status="done", text="ok")
+    assert sorted(store.cancel([running, queued, done])) == sorted([running, queued])
+    assert not store.finish(running, status="done", text="late")  # the batch's result: dropped
+    for job in (running, queued):
+        claim = store.claim(job, "text", "/c.png", "w2", max_attempts=3)
+        assert not claim.run and claim.error is None and claim.row["status"] == "cancelled"
+        assert store.get([job])[job]["text"] is None
+    assert store.get([done])[done]["status"] == "done"
+
+    late, fresh = str(uuid.uuid4()), str(uuid.uuid4())
+    t = dt.datetime.now(dt.UTC)
+    store.enqueue_many(
+        [
+            NewJob(late, "text", "/e.png", expires_at=t - dt.timedelta(seconds=1)),
+            NewJob(fresh, "text", "/e.png", expires_at=t + dt.timedelta(hours=1)),
+        ]
+    )
+    claim = store.claim(late, "text", "/e.png", "w1")
+    assert not claim.run and claim.row["status"] == "expired" and "deadline" in claim.row["error"]
+    assert store.get([late])[late]["status"] == "expired"
+    assert store.claim(fresh, "text", "/e.png", "w1").run

@@ -18,8 +18,6 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0005"
-# MERGE NOTE: written while 0004 (documents) was on another branch; the lead sets this to
-# "0004" when both are merged, so that the history stays one line.
 down_revision = "0004"
 branch_labels = None
 depends_on = None

@@ -18,8 +18,6 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0006"
-# MERGE NOTE: written on the `probe` branch; if another branch also adds a 0006, the lead
-# renumbers one of them so that the history stays one line.
 down_revision = "0005"
 branch_labels = None
 depends_on = None

@@ -30,7 +30,8 @@ from ocrq.core.requeue import producer_app
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, NewJob, Page, full_view
 
-FINAL = ("done", "failed", "partial")  # partial: a document some of whose pages failed
+# partial: a document some of whose pages failed; cancelled and expired: never run.
+FINAL = ("done", "failed", "partial", "cancelled", "expired")
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +43,15 @@ class Submitted:
     job_id: str
     created: bool
     status: str
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a job asks of its delivery beyond the message's kwargs: a deadline (sent as
+    Celery's `expires`, and recorded so a claim after it refuses the job) and a webhook."""
+
+    expires_at: dt.datetime | None = None
+    callback_url: str | None = None
 
 
 class NotSent(Exception):
@@ -94,7 +104,9 @@ class Client:
             return request.job_id
         return self.submit_many([request])[0].job_id
 
-    def submit_many(self, requests: Sequence[JobRequest]) -> list[Submitted]:
+    def submit_many(
+        self, requests: Sequence[JobRequest], deliveries: Sequence[Delivery] | None = None
+    ) -> list[Submitted]:
         """Record every job as `queued`, then send a message for each new one.
 
         Row first, message second: a worker's claim then always finds the row, and a message
@@ -106,17 +118,27 @@ class Client:
         """
         if any(r.image.name is not None for r in requests):
             raise ValueError(NAME_REFUSED)  # the worker would refuse it: say so now
+        asked = list(deliveries) if deliveries is not None else [Delivery()] * len(requests)
         news = [
-            NewJob(r.job_id, r.task, r.image.describe(), r.max_pixels, r.image.reference())
-            for r in requests
+            NewJob(
+                r.job_id,
+                r.task,
+                r.image.describe(),
+                r.max_pixels,
+                r.image.reference(),
+                d.expires_at,
+                d.callback_url,
+            )
+            for r, d in zip(requests, asked, strict=True)
         ]
         existing = self.store.enqueue_many(news)
+        delivery = {r.job_id: d for r, d in zip(requests, asked, strict=True)}
         unique = list({r.job_id: r for r in requests}.values())
         to_send = [r for r in unique if existing[r.job_id] is None]
         sent: list[str] = []
         try:
             for request in to_send:
-                self._send(request)
+                self._send(request, delivery[request.job_id].expires_at)
                 sent.append(request.job_id)
         except Exception as exc:
             unsent = [r.job_id for r in to_send[len(sent) :]]
@@ -132,7 +154,7 @@ class Client:
             for r in unique
         ]
 
-    def _send(self, request: JobRequest) -> None:
+    def _send(self, request: JobRequest, expires_at: dt.datetime | None = None) -> None:
         self.app.send_task(
             TASK_NAME,
             kwargs=job_kwargs(
@@ -143,7 +165,15 @@ class Client:
             ),
             queue=self.settings.queue or DEFAULT_QUEUE,
             task_id=request.job_id,
+            expires=expires_at,
         )
+
+    def cancel(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """Cancel jobs not final yet (store.cancel says what that does to a running one); each
+        id's row afterwards, with `cancelled` True for the ones cancelled by this call."""
+        ids = [_canonical_or_none(j) or j for j in job_ids]
+        done = set(self.store.cancel([j for j in ids if _canonical_or_none(j)]))
+        return [{**row, "cancelled": row["job_id"] in done} for row in self.status(ids)]
 
     def requeue(self, older_than_s: float) -> list[str]:
         """Send again every job still `queued` (never claimed by a worker) after `older_than_s`

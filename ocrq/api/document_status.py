@@ -15,7 +15,7 @@ from ocrq.core.documents_store import FINAL as DOCUMENT_FINAL
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.store import full_view
 
-JOB_FINAL = ("done", "failed")
+JOB_FINAL = ("done", "failed", "cancelled", "expired")
 
 
 def is_document(row: dict[str, Any]) -> bool:

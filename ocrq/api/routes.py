@@ -25,10 +25,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from ocrq.api import document_status
-from ocrq.api.client import FINAL, Client, Submitted
+from ocrq.api.client import FINAL, Client, Delivery, Submitted
 from ocrq.api.schemas import (
     Accepted,
     BatchAccepted,
+    CancelOut,
     JobIn,
     JobList,
     JobOut,
@@ -122,8 +123,15 @@ def router(settings: Settings, client: Client) -> APIRouter:
     )
 
     async def submit(jobs: list[JobIn]) -> list[Submitted]:
+        if settings.webhook_secret is None and any(job.callback_url for job in jobs):
+            raise HTTPException(
+                422,
+                "callback_url needs OCRQ_WEBHOOK_SECRET set on the api and the workers: "
+                "webhooks are always signed (docs/security.md, Webhooks)",
+            )
         requests = [job.request() for job in jobs]
-        return await run_in_threadpool(client.submit_many, requests)
+        deliveries = [Delivery(job.expires_at, job.callback_url) for job in jobs]
+        return await run_in_threadpool(client.submit_many, requests, deliveries)
 
     async def stored_upload(chunks: Any) -> str:
         if uploads is None:
@@ -315,6 +323,29 @@ def router(settings: Settings, client: Client) -> APIRouter:
         (row,) = await wait_for(request, [key], wait)
         if row["status"] == "unknown":
             raise HTTPException(404, "no such job")
+        return row
+
+    @api.delete(
+        "/jobs/{job_id}",
+        response_model=CancelOut,
+        responses={
+            404: {"description": "no such job"},
+            409: {"description": "the job is final already (done, failed or expired)"},
+        },
+    )
+    async def cancel_job(job_id: str) -> dict[str, Any]:
+        """Cancel a job: queued, it never runs; running, its batch goes on undisturbed and its
+        result is not stored. The row says `cancelled` (final). Cancelling a cancelled job
+        answers its row again (200, `cancelled` false)."""
+        try:
+            key = canonical_job_id(job_id)
+        except ValueError:
+            raise HTTPException(404, "no such job") from None
+        (row,) = await run_in_threadpool(client.cancel, [key])
+        if row["status"] == "unknown":
+            raise HTTPException(404, "no such job")
+        if row["status"] != "cancelled":
+            raise HTTPException(409, f"job {key} is {row['status']} already: not cancelled")
         return row
 
     return api

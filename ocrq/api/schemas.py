@@ -34,7 +34,7 @@ DEFAULT_MAX_ITEMS = 1000  # OCRQ_API_MAX_BATCH's default; `capped` builds the co
 
 Task = Annotated[str, Field(min_length=1, max_length=MAX_TASK_CHARS)]
 MaxPixels = Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])]
-Status = Literal["queued", "running", "done", "failed"]
+Status = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
 # A document (PDF, multi-page TIFF) is shown by its own job id; `partial`: some pages failed.
 JobStatus = Status | Literal["partial"]
 
@@ -49,11 +49,30 @@ class JobIn(BaseModel):
     task: Task = "text"
     job_id: str | None = None
     max_pixels: MaxPixels = None
+    # A deadline: a job not started by then is never run and ends `expired` (Celery's
+    # `expires`). A time without a zone is UTC.
+    expires_at: dt.datetime | None = None
+    # A webhook: POSTed the job's outcome, signed, once its row is final (docs/api.md).
+    callback_url: Annotated[str | None, Field(max_length=MAX_REF_CHARS)] = None
 
     @field_validator("job_id")
     @classmethod
     def _canonical(cls, value: str | None) -> str | None:
         return None if value is None else canonical_job_id(value)
+
+    @field_validator("expires_at")
+    @classmethod
+    def _aware(cls, value: dt.datetime | None) -> dt.datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=dt.UTC)
+        return value
+
+    @field_validator("callback_url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and not value.lower().startswith(("http://", "https://")):
+            raise ValueError("callback_url must be an http or https URL")
+        return value
 
     @model_validator(mode="after")
     def _storable(self) -> JobIn:
@@ -170,6 +189,14 @@ class JobOut(BaseModel):
     pages_final: int | None = None
     pages_failed: int | None = None
     page_results: list[dict[str, Any]] | None = None
+    expires_at: dt.datetime | None = None
+    callback_url: str | None = None
+
+
+class CancelOut(JobOut):
+    """The job's row after DELETE /jobs/{id}: `cancelled` True when this request cancelled it."""
+
+    cancelled: bool = False
 
 
 class JobList(BaseModel):

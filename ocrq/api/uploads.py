@@ -12,7 +12,7 @@ worker an ordinary `{"path": ...}` job; the folder is one of the worker's allowe
 
 Object storage maps onto this as a mounted bucket (s3fs / gcsfuse / a CSI driver) at the same
 path on the api and the workers; docs/api.md says more. Files are never deleted here:
-a bucket lifecycle rule or a cron job removes old ones.
+retention (ocrq/core/retention.py: `ocrq prune`, OCRQ_RETENTION_DAYS) removes old unreferenced ones.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class Uploads:
         partial.chmod(FILE_MODE)
         if final.exists():  # the same bytes again: keep the first copy
             partial.unlink()
+            os.utime(final)  # fresh again: retention keeps an upload younger than its cutoff
         else:
             os.replace(partial, final)
         return final

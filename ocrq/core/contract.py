@@ -28,7 +28,7 @@ TASKS = (
 # A job's optional cap on the pixels the model sees: one 32x32 block up to 4096² (1.5's limit).
 MAX_PIXELS_RANGE = (32 * 32, 4096 * 4096)
 
-JobStatus = Literal["queued", "running", "done", "failed"]
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
 # A page job's row source is its document's source plus this mark and the page number.
 PAGE_MARK = "#page="
 MAX_DOCUMENT_PAGE = 1_000_000

@@ -37,7 +37,8 @@ ocr_jobs = Table(
     "ocr_jobs",
     metadata,
     Column("id", String(36), primary_key=True),
-    Column("status", String(16), nullable=False),  # queued | running | done | failed
+    # queued | running | done | failed | cancelled | expired (migrations/0007_deadlines)
+    Column("status", String(16), nullable=False),
     Column("task", Text, nullable=False),
     Column("source", Text, nullable=False),
     Column("sha256", String(64)),
@@ -64,6 +65,9 @@ ocr_jobs = Table(
     # or a document page's name). NULL for inline images and rows from before 0006: a re-send
     # never rebuilds those from `source`, which is only a display name.
     Column("reference", NullableJson),
+    # The job's deadline and its webhook (migrations/0007); NULL: none.
+    Column("expires_at", DateTime(timezone=True)),
+    Column("callback_url", Text),
 )
 
 # One row per document (PDF, multi-page TIFF; migrations/0004). Its pages are the ocr_jobs rows

@@ -18,7 +18,7 @@ from ocrq.core.storable import storable
 from ocrq.core.store import now
 
 FINAL = ("done", "partial", "failed")
-PAGE_JOB_FINAL = ("done", "failed")
+PAGE_JOB_FINAL = ("done", "failed", "cancelled", "expired")  # a page not done fails it
 PAGE_SEPARATOR = "\n\n"  # the pages' text joined like paragraphs (markdown for `parse`)
 NAMED_FAILURES = 50  # a partial document's error names at most this many failed pages
 
@@ -269,7 +269,7 @@ def document_view(doc: dict[str, Any], pages: list[dict[str, Any]]) -> dict[str,
         "sha256": doc["sha256"],
         "pages": doc["pages"],
         "pages_final": final,
-        "pages_failed": sum(p["status"] == "failed" for p in pages),
+        "pages_failed": sum(p["status"] in PAGE_JOB_FINAL[1:] for p in pages),
         "text": doc["text"],
         "error": doc["error"],
         "page_results": pages,

@@ -209,6 +209,22 @@ class Settings(BaseSettings):
     # batch runs on. Celery's task time limits do not work with the threads pool.
     job_timeout_s: float = Field(default=900.0, ge=1.0, le=86_400.0)
 
+    # Callbacks and retention (docs/producers.md, docs/operations.md).
+    # A job's Celery `link`/`link_error` may call only tasks matching these fnmatch patterns
+    # (e.g. "myapp.*"), never `ocrq.*` or `celery.*`; a job with any other link, a chain or a
+    # chord fails without running. Empty: no links at all (ocrq/worker/links.py).
+    link_tasks: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Webhooks (`callback_url` on a job): the key their HMAC-SHA256 signature is made with;
+    # unset, the api refuses callback_url and workers send none. Set it on the api and workers.
+    webhook_secret: SecretStr | None = None
+    # Tries per webhook (the first included), and the wait before the first retry, doubling
+    # each time (capped at 5 minutes): a receiver down for a few minutes still gets the call.
+    webhook_attempts: int = Field(default=6, ge=1, le=50)
+    webhook_backoff_s: float = Field(default=2.0, gt=0, le=3600)
+    # Retention: a worker deletes final jobs, documents and unreferenced uploads older than
+    # this many days, once a day (one worker at a time); None: kept forever (`ocrq prune`).
+    retention_days: float | None = Field(default=None, gt=0, le=36_500)
+
     # HunyuanOCR. The repository's root holds 1.5 (since July 2026); "v1.0" is the older model.
     # Which version a checkpoint is comes from its config.json (ocrq/models/hunyuan/versions.py).
     model: str = "tencent/HunyuanOCR"
@@ -378,6 +394,13 @@ class Settings(BaseSettings):
         bad = sorted(k for k, v in value.items() if not low <= v <= high)
         if bad:
             raise ValueError(f"OCRQ_TASK_MAX_PIXELS: {bad} outside {low}..{high} pixels")
+        return value
+
+    @field_validator("link_tasks", mode="before")
+    @classmethod
+    def _split_link_tasks(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
         return value
 
     @field_validator("url_allow_networks", mode="before")

@@ -15,9 +15,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, delete, func, select, tuple_, update
+from sqlalchemy import Engine, bindparam, delete, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from ocrq.core.contract import redact_url
 from ocrq.core.db import ocr_jobs
 from ocrq.core.storable import storable
 
@@ -29,7 +30,11 @@ def now() -> dt.datetime:
 # Statuses no claim or finish changes: redeliveries and sweeps copy messages (the sweep re-sends,
 # the unacked original returns after the visibility timeout), and each copy must find the
 # outcome the first one stored.
-FINAL = ("done", "failed")
+FINAL = ("done", "failed", "cancelled", "expired")
+# What a producer may cancel: a job not yet final. A `running` one may already be in an engine
+# batch: that batch finishes, but finish() never stores its result over `cancelled`.
+CANCELLABLE = ("queued", "running")
+CANCELLED = "cancelled by request"
 
 
 REUSED_ID = "job_id already used for a different image"
@@ -51,6 +56,12 @@ class NewJob:
     source: str
     max_pixels: int | None = None
     reference: dict[str, Any] | None = None  # ImageRef.reference(): what a re-send sends
+    expires_at: dt.datetime | None = None  # the job's deadline (Celery's `expires`)
+    callback_url: str | None = None  # the job's webhook
+
+
+def expired_error(expires_at: dt.datetime) -> str:
+    return f"expired: its deadline {expires_at.isoformat()} passed before it ran"
 
 
 class JobIdReused(ValueError):
@@ -88,6 +99,7 @@ class Claim:
     # An earlier run never finished (its worker died): this one must run alone in its worker
     # process, and its attempt is counted only then (`count_retry`, ocrq/worker/alone.py).
     retry: bool = False
+    callback_url: str | None = None  # the job's webhook, posted once its row is final
 
 
 class JobStore:
@@ -153,6 +165,8 @@ class JobStore:
                         "source": j.source,
                         "max_pixels": j.max_pixels,
                         "reference": j.reference,
+                        "expires_at": j.expires_at,
+                        "callback_url": j.callback_url,
                         "created_at": t,
                         "attempts": 0,
                     }
@@ -252,9 +266,9 @@ class JobStore:
         """
         t = now()
         if self.engine.dialect.update_returning:
-            created = self._claim_in_one_statement(job_id, task, source, worker, reference, t)
-            if created is not None:
-                return Claim(run=True, created_at=created)
+            claimed = self._claim_in_one_statement(job_id, task, source, worker, reference, t)
+            if claimed is not None:
+                return Claim(run=True, created_at=claimed[0], callback_url=claimed[1])
         locked = select(ocr_jobs).where(ocr_jobs.c.id == job_id).with_for_update()
         with self.engine.begin() as conn:
             row = conn.execute(locked).mappings().first()
@@ -285,6 +299,11 @@ class JobStore:
             if row["status"] in FINAL:
                 return Claim(run=False, row=row)
             where = ocr_jobs.c.id == job_id
+            expires_at = _aware(row.get("expires_at"))
+            if expires_at is not None and expires_at <= t:  # past its deadline: never run
+                fields = {"status": "expired", "error": expired_error(expires_at), "finished_at": t}
+                conn.execute(update(ocr_jobs).where(where).values(**fields))
+                return Claim(run=False, row={**row, **fields})
             if max_attempts is not None and row["attempts"] >= max(max_attempts, 1):
                 error = gave_up(row["attempts"])
                 fields = {"status": "failed", "error": error, "finished_at": t}
@@ -297,7 +316,12 @@ class JobStore:
             if row.get("reference") is None and reference is not None:
                 running["reference"] = reference
             conn.execute(update(ocr_jobs).where(where).values(**running))
-        return Claim(run=True, created_at=_aware(row["created_at"]), retry=retry)
+        return Claim(
+            run=True,
+            created_at=_aware(row["created_at"]),
+            retry=retry,
+            callback_url=row.get("callback_url"),
+        )
 
     def _claim_in_one_statement(
         self,
@@ -307,11 +331,12 @@ class JobStore:
         worker: str,
         reference: dict[str, Any] | None,
         t: dt.datetime,
-    ) -> dt.datetime | None:
-        """The common claim (the producer's row, not final, never run, the same source and task)
-        as one autocommit UPDATE ... RETURNING; the row's created_at, or None when the row is
-        missing or any rule says otherwise (claim() then decides, under its lock: a retry, a
-        foreign message, a final row, the attempt cap).
+    ) -> tuple[dt.datetime | None, str | None] | None:
+        """The common claim (the producer's row, not final, never run, the same source and task,
+        not past its deadline) as one autocommit UPDATE ... RETURNING; the row's created_at and
+        callback_url, or None when the row is missing or any rule says otherwise (claim() then
+        decides, under its lock: a retry, a foreign message, a final row, the attempt cap, the
+        deadline).
 
         Why: the locked transaction is 4 statements (BEGIN, SELECT ... FOR UPDATE, UPDATE,
         COMMIT) on every job, where this is 1 (bench/results/control_plane/ has the figures).
@@ -327,6 +352,7 @@ class JobStore:
                 ocr_jobs.c.source == source,
                 ocr_jobs.c.task == task,
                 ocr_jobs.c.attempts == 0,
+                or_(ocr_jobs.c.expires_at.is_(None), ocr_jobs.c.expires_at > t),
             )
             .values(
                 status="running",
@@ -338,11 +364,11 @@ class JobStore:
                     bindparam("reference", reference, type_=ocr_jobs.c.reference.type),
                 ),
             )
-            .returning(ocr_jobs.c.created_at)
+            .returning(ocr_jobs.c.created_at, ocr_jobs.c.callback_url)
         )
         with self._autocommit.connect() as conn:
             row = conn.execute(stmt).first()
-        return None if row is None else _aware(row[0])
+        return None if row is None else (_aware(row[0]), row[1])
 
     def count_retry(self, job_id: str) -> bool:
         """Count a retry's attempt as it starts running alone in its worker process; False when
@@ -364,8 +390,8 @@ class JobStore:
         around the one statement were 2 of the worker's 9 database round trips per image job
         (bench/results/control_plane/control_plane_cpu.md has the before and after).
         """
-        if fields.get("status") not in FINAL:
-            raise ValueError("finish() needs status 'done' or 'failed'")
+        if fields.get("status") not in ("done", "failed", "expired"):
+            raise ValueError("finish() needs status 'done', 'failed' or 'expired'")
         # Text, lines and errors come from engines and exceptions: NUL and lone surrogates in
         # them would make this UPDATE raise and leave the row `running` (core/storable.py).
         fields = {k: storable(v) for k, v in fields.items()}
@@ -376,6 +402,42 @@ class JobStore:
             .values(**fields)
         )
         with self._autocommit.connect() as conn:
+            return conn.execute(stmt).rowcount > 0
+
+    def cancel(self, job_ids: Sequence[str]) -> list[str]:
+        """Mark jobs `cancelled` that are not final yet; the ids whose row changed.
+
+        A queued job's message stays in Redis: its claim finds the row final and acks it
+        without running. A running job's batch is not disturbed: its result is dropped, since
+        finish() never writes over a final row.
+        """
+        if not job_ids:
+            return []
+        stmt = (
+            update(ocr_jobs)
+            .where(ocr_jobs.c.id.in_(list(job_ids)), ocr_jobs.c.status.in_(CANCELLABLE))
+            .values(status="cancelled", error=CANCELLED, finished_at=now())
+            .returning(ocr_jobs.c.id)
+        )
+        with self.engine.begin() as conn:
+            return list(conn.execute(stmt).scalars())
+
+    def expire(self, job_id: str, task: str, source: str, expires_at: dt.datetime) -> bool:
+        """Record a job Celery discarded as past its `expires` (it never reached the task):
+        its row, created if the producer wrote none, becomes `expired` unless already final."""
+        t = now()
+        fields = {"status": "expired", "error": expired_error(expires_at), "finished_at": t}
+        with self.engine.begin() as conn:
+            conn.execute(
+                self._insert(ocr_jobs)
+                .values(id=job_id, task=task, source=source, created_at=t, attempts=0, **fields)
+                .on_conflict_do_nothing(index_elements=["id"])
+            )
+            stmt = (
+                update(ocr_jobs)
+                .where(ocr_jobs.c.id == job_id, ocr_jobs.c.status.not_in(FINAL))
+                .values(**fields)
+            )
             return conn.execute(stmt).rowcount > 0
 
     def get(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -436,4 +498,6 @@ def full_view(row: dict[str, Any]) -> dict[str, Any]:
         "finished_at": _iso(row.get("finished_at")),
         "document_id": row.get("document_id"),
         "page": row.get("page"),
+        "expires_at": _iso(row.get("expires_at")),
+        "callback_url": redact_url(row["callback_url"]) if row.get("callback_url") else None,
     }

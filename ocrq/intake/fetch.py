@@ -115,6 +115,51 @@ def fetch(url: str, settings: Settings) -> bytes:
         ) from None
 
 
+def post(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> int:
+    """POST `body` to `url` under the same address policy as a fetch (every address the name
+    resolves to checked, the connection pinned to them, OCRQ_URL_ALLOW_NETWORKS the only way
+    to an internal one); the answer's status. Redirects are not followed: a webhook receiver
+    answers where it was registered. Raises FetchError when refused or unreachable."""
+    deadline = Deadline(settings.url_deadline_s)
+    try:
+        target = _parse(url)
+        host = target.raw_host.decode("ascii")
+        port = target.port or (443 if target.scheme == "https" else 80)
+        addresses = _checked_addresses(host, port, settings, deadline)
+        sent = [
+            (b"Host", target.netloc),
+            (b"Content-Length", str(len(body)).encode()),
+            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
+        ]
+        timeout = settings.url_timeout_s
+        limits = dict.fromkeys(("connect", "read", "write", "pool"), timeout)
+        request_url = httpcore.URL(
+            scheme=target.raw_scheme, host=target.raw_host, port=port, target=target.raw_path
+        )
+        with (
+            httpcore.ConnectionPool(
+                ssl_context=_ssl_context(),
+                network_backend=PinnedBackend(host, addresses, deadline),
+                max_connections=1,
+                retries=0,
+            ) as pool,
+            pool.stream(
+                "POST",
+                request_url,
+                headers=sent,
+                content=body,
+                extensions={"timeout": limits},
+            ) as response,
+        ):
+            return int(response.status)
+    except Exception as exc:
+        shown = redact_url(url)
+        raise FetchError(
+            f"URL not reached (not allowed, unreachable or too slow): {shown}",
+            f"{type(exc).__name__}: {exc}",
+        ) from None
+
+
 def _parse(url: str) -> httpx.URL:
     try:
         target = httpx.URL(url)  # scheme and host come back lower-cased

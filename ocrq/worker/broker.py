@@ -26,7 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from kombu.transport import redis
@@ -111,10 +111,12 @@ class TolerantChannel(redis.Channel):
         "ocrq_task_queues",
         "ocrq_task_names",
         "ocrq_max_eta_s",
+        "ocrq_link_tasks",
     )
     ocrq_task_queues: Collection[str] = ()
     ocrq_task_names: Collection[str] = ()
     ocrq_max_eta_s: float = float("inf")
+    ocrq_link_tasks: Sequence[str] = ()
     # Whether the current read reached a delivery callback: an exception before that came from
     # decoding the popped item itself.
     _delivering = False
@@ -166,7 +168,9 @@ class TolerantChannel(redis.Channel):
                 "headers": {k: v for k, v in headers.items() if k != REFUSED_HEADER},
             }
         try:
-            reason = task_refusal(payload, self.ocrq_max_eta_s, dt.datetime.now(dt.UTC))
+            reason = task_refusal(
+                payload, self.ocrq_max_eta_s, dt.datetime.now(dt.UTC), self.ocrq_link_tasks
+            )
             rewritten = refused(payload, reason) if reason is not None else None
         except Exception as exc:  # checked sound already; never let it reach the event loop
             _log_rejected(queue, Problem(f"{type(exc).__name__}: {exc}", payload.get("headers")))

@@ -65,8 +65,10 @@ def make_app(settings: Settings) -> Celery:
             # own unregistered-task handling; the envelope is checked on every queue.
             "ocrq_task_queues": [settings.queue or DEFAULT_QUEUE],
             "ocrq_task_names": [TASK_NAME],
-            # ETAs farther ahead, and callbacks, fail the job instead (envelope.task_refusal).
+            # ETAs farther ahead, and links to tasks OCRQ_LINK_TASKS does not name, fail the
+            # job instead (envelope.task_refusal, ocrq/worker/links.py).
             "ocrq_max_eta_s": settings.eta_bound_s,
+            "ocrq_link_tasks": list(settings.link_tasks),
         },
         task_serializer="json",
         accept_content=["json"],

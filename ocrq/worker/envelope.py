@@ -18,12 +18,14 @@ import base64
 import binascii
 import datetime as dt
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from celery.utils.time import maybe_iso8601
 from kombu.utils.json import loads as kombu_loads
+
+from ocrq.worker.links import link_refusal
 
 JSON_CONTENT = "application/json"
 
@@ -193,26 +195,27 @@ def task_problem(payload: dict[str, Any], task_names: Collection[str]) -> Proble
 REFUSED_HEADER = "ocrq_refused"
 # What Celery runs or sends after a task: each makes the worker enqueue more messages.
 LINKS = ("callbacks", "errbacks", "chain", "chord")
-LINKS_REFUSED = (
-    "the message carries Celery callbacks, errbacks, a chain or a chord (link, link_error, "
-    "chain(), chord()): an ocrq worker enqueues no other task; read results with "
-    "AsyncResult(job_id) or the api"
-)
 
 
-def task_refusal(payload: dict[str, Any], max_eta_s: float, now: dt.datetime) -> str | None:
+def task_refusal(
+    payload: dict[str, Any],
+    max_eta_s: float,
+    now: dt.datetime,
+    link_tasks: Sequence[str] = (),
+) -> str | None:
     """Why a sound task message must fail its job instead of running: an ETA more than
     `max_eta_s` ahead (held unacked, Redis would deliver it again every visibility timeout until
-    then), or links that would have the worker send further tasks (more jobs, or any task on any
-    queue, sent with the worker's broker credentials)."""
+    then), or links that would have the worker send further tasks other than the producer's own
+    callbacks named by OCRQ_LINK_TASKS (`link_tasks`; ocrq/worker/links.py has the rule)."""
     headers = payload.get("headers") or {}
     if "task" in headers:
         eta, links = headers.get("eta"), _embed(payload)
     else:  # protocol 1: everything in the body
         data = kombu_loads(decoded_body(payload))
         eta, links = data.get("eta"), data
-    if any(links.get(key) for key in LINKS):
-        return LINKS_REFUSED
+    reason = link_refusal(links, link_tasks)
+    if reason is not None:
+        return reason
     if eta is not None:
         when = maybe_iso8601(eta)
         if when.tzinfo is None:

@@ -6,6 +6,7 @@ The caller's thread blocks on the batcher's future while the engine works on a w
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from ocrq.models.base import EngineFront, PreparedImage
 from ocrq.scheduling.vocabulary import Batcher
 from ocrq.worker.alone import RetryGate
 from ocrq.worker.envelope import safe_text
+from ocrq.worker.webhooks import Webhooks
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 class JobOutcome:
     job_id: str
     source: str
-    status: str  # done | failed
+    status: str  # done | failed, or the row's cancelled | expired when not run
     text: str | None = None
     lines: list[dict[str, Any]] | None = None
     error: str | None = None
@@ -155,6 +157,12 @@ class JobRunner:
         self._in_flight: dict[str, _Running] = {}
         self._in_flight_lock = threading.Lock()
         self._gate = RetryGate()
+        self._webhooks: Webhooks | None = None  # started by the first job with a callback_url
+
+    def close(self) -> None:
+        """At shutdown, after the batcher: webhooks still retrying give up."""
+        if self._webhooks is not None:
+            self._webhooks.close()
 
     def process(self, request: JobRequest) -> JobOutcome:
         if request.image.name is not None and not self._db(self._names_a_page)(request):
@@ -234,6 +242,17 @@ class JobRunner:
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
+        outcome = self._run(request, source, claim, task, started)
+        if claim.callback_url:  # after the row is committed, from the webhooks' own threads
+            if self._webhooks is None:
+                self._webhooks = Webhooks(self.settings)
+            self._webhooks.send(claim.callback_url, outcome.as_json())
+        return outcome
+
+    def _run(
+        self, request: JobRequest, source: str, claim: Claim, task: str, started: dt.datetime
+    ) -> JobOutcome:
+        """A claimed job, from its intake to its stored row."""
         if claim.created_at is not None:  # the producer's row: when the job was enqueued
             metrics.observe_stage("queue_wait", (started - claim.created_at).total_seconds())
         if not claim.retry:
@@ -329,7 +348,7 @@ class JobRunner:
         lines = [line.as_json() for line in outcome.result.lines]
         try:
             with metrics.stage_timer("store"):
-                self._db(self.store.finish)(
+                stored = self._db(self.store.finish)(
                     request.job_id,
                     status="done",
                     text=outcome.result.text,
@@ -348,6 +367,8 @@ class JobRunner:
             message = f"result could not be stored: {type(exc).__name__}: {exc}"[:2000]
             failed = self._fail(request.job_id, source, message, **common)
             return replace(failed, **batch)
+        if not stored:  # cancelled while it ran: the result is dropped, the row stands
+            return self._final_row(request.job_id, source)
         self._count("done")
         return JobOutcome(
             request.job_id,
@@ -394,8 +415,12 @@ class JobRunner:
     def _not_run(self, job_id: str, source: str, claim: Claim) -> JobOutcome:
         """A claim that said no: already final, the id taken by another image, or out of tries."""
         row = claim.row or {}
-        if claim.error is None:  # done or failed: the stored outcome stands, this copy is acked
-            log.info("job %s already %s; redelivery ignored", job_id, row.get("status", "done"))
+        if claim.error is None:  # final: the stored outcome stands, this copy is acked
+            status = row.get("status", "done")
+            if status in ("cancelled", "expired"):
+                log.info("job %s is %s: not run (%s)", job_id, status, row.get("error"))
+            else:
+                log.info("job %s already %s; redelivery ignored", job_id, status)
             return self._as_stored(job_id, source, row, "done")
         # Nothing is written: a reused id's row belongs to its first image, and a job out of
         # attempts was failed by the claim itself.
@@ -439,6 +464,15 @@ class JobRunner:
     def _fail(self, job_id: str, source: str, message: str, **fields: Any) -> JobOutcome:
         log.warning("job %s failed: %s", job_id, message)
         with metrics.stage_timer("store"):
-            self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
+            stored = self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
+        if not stored:  # cancelled (or finished by another delivery) meanwhile: the row stands
+            return self._final_row(job_id, source)
         self._count("failed")
         return JobOutcome(job_id, source, "failed", error=message)
+
+    def _final_row(self, job_id: str, source: str) -> JobOutcome:
+        """The outcome a row already final says, when this attempt's could not be stored over
+        it: a job cancelled while it ran reports `cancelled`, not the result it dropped."""
+        row = self._db(self.store.get)([job_id]).get(job_id) or {}
+        log.info("job %s is %s already; this attempt's outcome dropped", job_id, row.get("status"))
+        return self._as_stored(job_id, source, row, "failed")

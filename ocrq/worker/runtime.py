@@ -27,6 +27,7 @@ from ocrq.worker.broker import set_holder
 from ocrq.worker.gpus import has_nvidia_gpu
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
+from ocrq.worker.retention_pass import RetentionPass
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Runtime:
     runner: JobRunner
     recycler: Recycler | None = None
     heartbeat: Heartbeat | None = None
+    retention: RetentionPass | None = None
 
     @property
     def task_threads(self) -> int:
@@ -54,6 +56,9 @@ class Runtime:
         if self.heartbeat is not None:  # after the batcher: no job of ours is running now
             self.heartbeat.stop()
             log.info("shutdown: heartbeat row of %s retired", self.heartbeat.name)
+        if self.retention is not None:
+            self.retention.stop()
+        self.runner.close()
 
 
 FETCH_HEADROOM = 8  # task threads beyond the decoded-image cap: claiming and fetching the next
@@ -233,6 +238,8 @@ def get_runtime(
             name = _name or unique_worker_name(settings.engine, _node)
             runtime = build_runtime(settings, worker_name=name, on_recycle=on_recycle)
             runtime.heartbeat = start_heartbeat(settings, name)
+            if settings.retention_days is not None:
+                runtime.retention = RetentionPass(runtime.runner.store.engine, settings).start()
             _runtime = runtime
         return _runtime
 

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from typing import Any
 
 from celery import Task, shared_task
+from celery.signals import task_revoked
+from celery.utils.time import maybe_iso8601
 from pydantic import ValidationError
 
-from ocrq.core.contract import TASK_NAME, JobRequest, canonical_job_id, storable_text
+from ocrq.core.contract import (
+    TASK_NAME,
+    ImageRef,
+    JobRequest,
+    canonical_job_id,
+    storable_text,
+)
 from ocrq.worker.acking import task_returned
 from ocrq.worker.envelope import REFUSED_HEADER, safe_text
+from ocrq.worker.links import LINK_KEYS, NEVER, link_refusal
 from ocrq.worker.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -56,6 +66,7 @@ def recognize(
         # its own the job takes that, instead of a fresh id nobody knows.
         job_id = task_id
     try:
+        _check_links(self, image, task, job_id, task_id)
         result = _recognize(image, task, job_id, task_id, max_pixels, max_new_tokens, refusal)
     except JobFailed as exc:
         _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
@@ -132,7 +143,7 @@ def _recognize(
         if outcome.batch_id
         else {}
     )
-    if outcome.status == "failed":
+    if outcome.status in ("failed", "cancelled", "expired"):  # link_error is called
         waited = "" if outcome.batch_wait_s is None else f", waited {outcome.batch_wait_s} s"
         raise JobFailed(
             outcome.error if not batch else f"{outcome.error} (batch {outcome.batch_id}{waited})"
@@ -144,6 +155,46 @@ def _recognize(
     if outcome.pages is not None:  # a document's own job: the page jobs it made
         result["pages"] = outcome.pages
     return result
+
+
+def _check_links(self: Task, image: Any, task: Any, job_id: Any, task_id: Any) -> None:
+    """A job whose links break the rule (ocrq/worker/links.py) fails without running, with
+    its links dropped first: not one is called, its errbacks neither."""
+    request = self.request
+    embed = {k: getattr(request, k, None) for k in (*LINK_KEYS, *NEVER)}
+    reason = link_refusal(embed, get_runtime().settings.link_tasks)
+    if reason is None:
+        return
+    for key in embed:
+        setattr(request, key, None)
+    get_runtime().runner.reject(
+        job_id, _refused_source(image), storable_text(str(task), limit=4000), reason, task_id
+    )
+    raise JobFailed(reason)
+
+
+@task_revoked.connect
+def _expired(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+    """Celery discards a message past its `expires` before the task runs (and acks it): the
+    job's row says so, `expired`, instead of staying `queued` for ever."""
+    if not expired or getattr(sender, "name", None) != TASK_NAME or request is None:
+        return
+    kwargs = request.kwargs if isinstance(request.kwargs, dict) else {}
+    try:
+        job_id = canonical_job_id(kwargs.get("job_id") or request.id)
+        image = kwargs.get("image")
+        source = ImageRef.model_validate(image).describe() if image else "unknown"
+    except (ValueError, ValidationError):
+        return  # nothing a row could be written under; Celery logged the discard
+    when = request.expires
+    when = maybe_iso8601(when) if isinstance(when, str) else when
+    if not isinstance(when, dt.datetime):
+        when = dt.datetime.now(dt.UTC)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    task = storable_text(str(kwargs.get("task", "text")), limit=4000)
+    stored = get_runtime().runner.store.expire(job_id, task, storable_text(source), when)
+    log.info("job %s expired before it ran (%s)", job_id, "row updated" if stored else "final")
 
 
 def _usable_id(value: Any) -> bool:

@@ -1,0 +1,106 @@
+"""Retention: delete what is old and finished, never what is in flight.
+
+`ocrq prune --older-than 30d` and, with OCRQ_RETENTION_DAYS set, each worker's daily pass run
+`prune`. Deleted: job rows in a final status (done, failed, cancelled, expired) that finished
+before the cutoff, except page jobs of a document still running (its result is assembled from
+them); document rows final before the cutoff with no page left in flight; and files in
+OCRQ_UPLOAD_DIR older than the cutoff that no remaining row names. Queued and running rows are
+never touched, whatever their age (`ocrq requeue` is for those).
+
+One pass at a time across workers: the daily pass takes a PostgreSQL advisory lock
+(`pg_try_advisory_lock`) and a worker that does not get it skips that day's pass.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import Engine, and_, delete, exists, or_, select, text
+
+from ocrq.core.contract import PAGE_MARK
+from ocrq.core.db import ocr_documents, ocr_jobs
+from ocrq.core.store import FINAL
+from ocrq.core.upload_paths import upload_folder_of
+
+log = logging.getLogger(__name__)
+
+DOCUMENT_FINAL = ("done", "partial", "failed")
+# pg_try_advisory_lock key for the daily pass: any fixed number no other code uses ("ocrq" + 1).
+LOCK_KEY = 0x6F637271_0001
+
+
+@dataclass(frozen=True)
+class Pruned:
+    jobs: int
+    documents: int
+    uploads: int
+
+
+def prune(db: Engine, cutoff: dt.datetime, upload_dir: Path | None = None) -> Pruned:
+    """Delete final rows and unreferenced uploads older than `cutoff` (see the module)."""
+    pages = ocr_jobs.alias("pages")
+    docs_in_flight = select(ocr_documents.c.id).where(ocr_documents.c.status.not_in(DOCUMENT_FINAL))
+    old_jobs = delete(ocr_jobs).where(
+        ocr_jobs.c.status.in_(FINAL),
+        ocr_jobs.c.finished_at < cutoff,
+        or_(ocr_jobs.c.document_id.is_(None), ocr_jobs.c.document_id.not_in(docs_in_flight)),
+    )
+    old_documents = delete(ocr_documents).where(
+        ocr_documents.c.status.in_(DOCUMENT_FINAL),
+        ocr_documents.c.finished_at < cutoff,
+        ~exists().where(
+            and_(pages.c.document_id == ocr_documents.c.id, pages.c.status.not_in(FINAL))
+        ),
+    )
+    with db.begin() as conn:
+        jobs = conn.execute(old_jobs).rowcount
+        documents = conn.execute(old_documents).rowcount
+    uploads = _prune_uploads(db, upload_dir, cutoff) if upload_dir is not None else 0
+    return Pruned(jobs, documents, uploads)
+
+
+def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> int:
+    """Files with an upload's shape under `folder`, older than `cutoff` (mtime: the api
+    touches a file again when the same bytes are uploaded), named by no row."""
+    root = folder  # as the api spells it in the rows it writes (not resolved: a symlinked
+    # folder resolved would match no row, and every upload would look unreferenced)
+    candidates = [
+        p
+        for p in root.glob("??/*")
+        if p.is_file()
+        and upload_folder_of(str(p)) == root
+        and dt.datetime.fromtimestamp(p.stat().st_mtime, dt.UTC) < cutoff
+    ]
+    if not candidates:
+        return 0
+    named = {str(p) for p in candidates}
+    referenced: set[str] = set()
+    with db.connect() as conn:
+        for table in (ocr_jobs, ocr_documents):
+            query = select(table.c.source).where(table.c.source.like(f"{root}/%"))
+            referenced.update(s.split(PAGE_MARK, 1)[0] for s in conn.execute(query).scalars())
+    removed = 0
+    for path in named - referenced:
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def prune_once_locked(db: Engine, cutoff: dt.datetime, upload_dir: Path | None) -> Pruned | None:
+    """`prune`, unless another process holds the retention lock (then None). PostgreSQL only:
+    the advisory lock is per session, held on this connection for the pass."""
+    with db.connect() as conn:
+        if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY}).scalar():
+            return None
+        try:
+            return prune(db, cutoff, upload_dir)
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LOCK_KEY})
+            conn.commit()

@@ -1,0 +1,411 @@
+"""Cancel, deadlines, callbacks and retention (issue 30), through a real worker, Redis,
+PostgreSQL, the api as users start it, a producer's own Celery worker for its link callbacks,
+and a local HTTP server for webhooks and for an image that arrives only when the test says.
+
+What is set up before the worker starts (so nothing depends on timing): jobs cancelled while
+their messages wait in Redis, a job whose Celery `expires` passes before any worker sees it, a
+job re-sent without `expires` whose row's deadline has passed, and rows and uploads backdated
+in SQL for the worker's retention pass at start-up.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import json
+import os
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery, signature
+from sqlalchemy import text
+
+from ocrq.api.client import Client, Delivery
+from ocrq.client import Client as HttpClient
+from ocrq.client import OcrqError
+from ocrq.core.contract import JobRequest
+from ocrq.core.db import get_engine
+from ocrq.core.requeue import resend
+from ocrq.core.settings import Settings
+from ocrq.core.store import JobStore, NewJob, now
+from tests.conftest import BIN, WorkerProcess
+from tests.test_api import Uvicorn
+from tests.waiting import Budget
+
+QUEUE = f"ocr-cancel-{uuid.uuid4().hex[:6]}"
+CALLBACK_QUEUE = f"callbacks-{uuid.uuid4().hex[:6]}"
+SECRET = "whsec-" + uuid.uuid4().hex
+TOKEN = "cancel-token-" + uuid.uuid4().hex
+DAY = dt.timedelta(days=1)
+
+# The producer's own Celery app and worker: the tasks a job's link and link_error call.
+CALLBACK_APP = """
+import json, os
+from celery import Celery
+
+app = Celery("callbacks", broker=os.environ["CB_BROKER"])
+OUT = os.environ["CB_OUT"]
+
+def _write(entry):
+    with open(OUT, "a") as f:
+        f.write(json.dumps(entry) + "\\n")
+
+@app.task(name="cbtest.done")
+def done(result):  # link: the job's result, what AsyncResult(job_id).get() returns
+    _write({"kind": "done", "result": result})
+
+@app.task(name="cbtest.failed")
+def failed(task_id):  # link_error of a task this worker does not know: called with its id
+    _write({"kind": "failed", "task_id": task_id})
+"""
+
+
+@dataclass
+class Hooks:
+    """A local HTTP server: POST /hook answers 500 first, then 200, recording every call;
+    GET /slow.png serves `image` once `gate` is set."""
+
+    image: bytes
+    gate: threading.Event = field(default_factory=threading.Event)
+    calls: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
+    slow_requested: threading.Event = field(default_factory=threading.Event)
+
+    def serve(self) -> ThreadingHTTPServer:
+        hooks = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                hooks.calls.append((dict(self.headers.items()), body))
+                self.send_response(500 if len(hooks.calls) == 1 else 200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                hooks.slow_requested.set()
+                hooks.gate.wait(120)
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(hooks.image)))
+                self.end_headers()
+                self.wfile.write(hooks.image)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+
+@dataclass
+class Scene:
+    env: dict[str, str]
+    client: Client
+    store: JobStore
+    worker: WorkerProcess
+    api: Uvicorn
+    hooks: Hooks
+    hook_url: str
+    ids: dict[str, str]
+    uploads: dict[str, Path]
+    images: dict[str, Path]
+    budget: Budget
+    results: Celery  # the worker's result backend, as a producer reads it
+
+
+def _ocrq(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "ocrq"), *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def _backdate(store: JobStore, job_id: str, status: str, finished: dt.datetime | None) -> None:
+    with store.engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE ocr_jobs SET status = :s, finished_at = :f, created_at = :c WHERE id = :i"
+            ),
+            {"s": status, "f": finished, "c": (finished or now()) - DAY, "i": job_id},
+        )
+
+
+def _upload(folder: Path, age: dt.timedelta) -> Path:
+    digest = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
+    path = folder / digest[:2] / digest
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"not really an image")
+    stamp = (dt.datetime.now(dt.UTC) - age).timestamp()
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def _request(path: Path) -> JobRequest:
+    return JobRequest.model_validate({"image": {"path": str(path)}})
+
+
+@pytest.fixture(scope="module")
+def scene(
+    service_env: dict[str, str],
+    text_images: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Scene]:
+    budget = Budget(360, "cancel and deadlines")
+    tmp = tmp_path_factory.mktemp("cancel")
+    upload_dir = tmp / "uploads"
+    hooks = Hooks(text_images["hello"].read_bytes())
+    server = hooks.serve()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    env = {
+        **{k: v for k, v in service_env.items() if not k.startswith("OCRQ_API_")},
+        "OCRQ_QUEUE": QUEUE,
+        "OCRQ_LINK_TASKS": "cbtest.*",
+        "OCRQ_WEBHOOK_SECRET": SECRET,
+        "OCRQ_WEBHOOK_BACKOFF_S": "0.2",
+        "OCRQ_URL_ALLOW_NETWORKS": "127.0.0.1/32",
+        "OCRQ_RETENTION_DAYS": "30",
+        "OCRQ_UPLOAD_DIR": str(upload_dir),
+        "OCRQ_API_TOKEN": TOKEN,
+    }
+    settings = Settings(
+        broker_url=env["OCRQ_BROKER_URL"], database_url=env["OCRQ_DATABASE_URL"], queue=QUEUE
+    )
+    client = Client(settings)
+    store = JobStore(get_engine(settings.database_url))
+    started = now()
+    ids: dict[str, str] = {}
+
+    # Cancelled while queued: their messages wait in Redis for the worker.
+    sent = client.submit_many([_request(text_images[n]) for n in ("hello", "invoice", "word")])
+    ids["cancel_a"], ids["cancel_b"], ids["kept"] = (s.job_id for s in sent)
+    cancelled = _ocrq(env, "cancel", ids["cancel_a"], ids["cancel_b"])
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert "cancelled 2 of 2" in cancelled.stderr
+
+    # Deadlines: Celery's `expires` passes before a worker sees the message; a far one does
+    # not; a re-send (as `ocrq requeue` makes, no `expires`) of a row whose deadline passed.
+    soon = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
+    (expired,) = client.submit_many([_request(text_images["hello"])], [Delivery(soon)])
+    (far,) = client.submit_many(
+        [_request(text_images["word"])], [Delivery(started + dt.timedelta(hours=1))]
+    )
+    ids["expired"], ids["far"] = expired.job_id, far.job_id
+    resent = str(uuid.uuid4())
+    source = str(text_images["invoice"])
+    past = started - dt.timedelta(seconds=1)
+    store.enqueue_many([NewJob(resent, "text", source, expires_at=past)])
+    resend(client.app, settings, resent, "text", source)
+    ids["resent_expired"] = resent
+
+    # Retention: rows and uploads backdated; only final ones past 30 days may go.
+    uploads = {
+        "old_unreferenced": _upload(upload_dir, 40 * DAY),
+        "old_referenced": _upload(upload_dir, 40 * DAY),
+        "fresh_unreferenced": _upload(upload_dir, dt.timedelta(hours=1)),
+    }
+    for name, status, finished, src in (
+        ("old_done", "done", started - 40 * DAY, "/gone/a.png"),
+        ("old_cancelled", "cancelled", started - 31 * DAY, "/gone/b.png"),
+        ("old_queued", "queued", None, str(uploads["old_referenced"])),
+        ("recent_done", "done", started - 2 * DAY, "/kept/c.png"),
+    ):
+        ids[name] = str(uuid.uuid4())
+        store.enqueue(ids[name], "text", src)
+        _backdate(store, ids[name], status, finished)
+
+    budget.until("the first deadline to pass", lambda: dt.datetime.now(dt.UTC) > soon, 10)
+    worker = WorkerProcess(env, tmp / "ocrq.worker.log", "--concurrency", "4").wait_ready(
+        min(120, budget.left())
+    )
+    api = Uvicorn(env, tmp / "ocrq.api.log").wait_up()
+    try:
+        yield Scene(
+            env, client, store, worker, api, hooks, f"{base}/hook", ids, uploads, text_images,
+            budget, Celery(broker=env["OCRQ_BROKER_URL"], backend=env["OCRQ_BROKER_URL"]),
+        )
+    finally:
+        hooks.gate.set()
+        api.stop()
+        worker.stop()
+        server.shutdown()
+
+
+def _status(scene: Scene, job_id: str) -> str | None:
+    row = scene.store.get([job_id]).get(job_id)
+    return row["status"] if row else None
+
+
+def _row(scene: Scene, job_id: str) -> dict[str, Any]:
+    return scene.store.get([job_id])[job_id]
+
+
+def test_cancelled_queued_jobs_never_run(scene: Scene) -> None:
+    ids = scene.ids
+    scene.budget.until(
+        "the job not cancelled to finish", lambda: _status(scene, ids["kept"]) == "done", 90,
+        scene.worker.text,
+    )
+    # Their messages reached the task, whose claim refused them: Celery has each as failed.
+    results = [scene.results.AsyncResult(ids[k]) for k in ("cancel_a", "cancel_b")]
+    scene.budget.until(
+        "the cancelled jobs' messages to be taken and refused",
+        lambda: all(r.state == "FAILURE" for r in results), 60, scene.worker.text,
+    )
+    for key in ("cancel_a", "cancel_b"):
+        row = _row(scene, ids[key])
+        assert row["status"] == "cancelled"
+        assert row["attempts"] == 0 and row["started_at"] is None and row["text"] is None
+    assert "cancelled by request" in str(results[0].result)
+    # Final already: not cancelled (exit 1); unknown: exit 4.
+    again = _ocrq(scene.env, "cancel", "--json", ids["kept"])
+    assert again.returncode == 1 and json.loads(again.stdout)["status"] == "done"
+    assert _ocrq(scene.env, "cancel", str(uuid.uuid4())).returncode == 4
+    status = _ocrq(scene.env, "status", "--json", ids["cancel_a"])
+    assert status.returncode == 1 and json.loads(status.stdout)["status"] == "cancelled"
+    listed = _ocrq(scene.env, "jobs", "--status", "cancelled", "--json", "--limit", "100")
+    assert {ids["cancel_a"], ids["cancel_b"]} <= {
+        json.loads(line)["job_id"] for line in listed.stdout.splitlines()
+    }
+
+
+def test_jobs_past_their_deadline_never_run(scene: Scene) -> None:
+    ids = scene.ids
+    scene.budget.until(
+        "both past-deadline jobs to be expired and the far one done",
+        lambda: [_status(scene, ids[k]) for k in ("expired", "resent_expired", "far")]
+        == ["expired", "expired", "done"],
+        90, scene.worker.text,
+    )
+    for key in ("expired", "resent_expired"):
+        row = _row(scene, ids[key])
+        assert "deadline" in row["error"] and row["text"] is None and row["started_at"] is None
+    assert scene.results.AsyncResult(ids["expired"]).state == "REVOKED"  # Celery's own
+
+
+def test_api_cancel_of_a_running_job_drops_only_its_result(scene: Scene) -> None:
+    http = HttpClient(f"http://127.0.0.1:{scene.api.port}", TOKEN)
+    slow_url = scene.hook_url.replace("/hook", "/slow.png")
+    slow = http.submit({"url": slow_url})
+    other = http.submit(scene.images["invoice"])
+    scene.budget.until(
+        "the slow job to be running, its image requested",
+        lambda: scene.hooks.slow_requested.is_set() and _status(scene, slow) == "running", 60,
+        scene.worker.text,
+    )
+    row = http.cancel(slow)
+    assert row["status"] == "cancelled" and row["cancelled"] is True
+    scene.hooks.gate.set()  # the image arrives: the job runs on, its result is not stored
+    scene.budget.until(
+        "the slow job's task to end and the other job to finish",
+        lambda: scene.results.AsyncResult(slow).state == "FAILURE"
+        and _status(scene, other) == "done", 60, scene.worker.text,
+    )
+    row = http.get(slow)
+    assert row["status"] == "cancelled" and row["text"] is None
+    assert "INVOICE" in http.get(other)["text"]
+    assert http.cancel(slow)["cancelled"] is False  # cancelled again: its row, 200
+    with pytest.raises(OcrqError) as final:
+        http.cancel(other)
+    assert final.value.status == 409
+    with pytest.raises(OcrqError) as unknown:
+        http.cancel(str(uuid.uuid4()))
+    assert unknown.value.status == 404
+
+
+def test_webhook_is_signed_and_retried_after_a_500(scene: Scene) -> None:
+    http = HttpClient(f"http://127.0.0.1:{scene.api.port}", TOKEN)
+    job = http.submit(scene.images["hello"], callback_url=scene.hook_url)
+    scene.budget.until(
+        "the webhook's first call (500) and its retry", lambda: len(scene.hooks.calls) >= 2, 60,
+        scene.worker.text,
+    )
+    for headers, body in scene.hooks.calls[:2]:
+        stamp, mac = (part.split("=", 1)[1] for part in headers["X-Ocrq-Signature"].split(","))
+        expected = hmac.new(SECRET.encode(), f"{stamp}.".encode() + body, hashlib.sha256)
+        assert hmac.compare_digest(mac, expected.hexdigest())
+        sent = json.loads(body)
+        assert sent["job_id"] == job and sent["status"] == "done" and "HELLO" in sent["text"]
+    assert http.get(job)["callback_url"] == scene.hook_url
+
+
+def test_celery_links_call_the_producers_tasks(scene: Scene, tmp_path: Path) -> None:
+    (tmp_path / "cbtest.py").write_text(CALLBACK_APP)
+    out = tmp_path / "calls.jsonl"
+    out.touch()
+    broker = scene.env["OCRQ_BROKER_URL"]
+    env = {**scene.env, "PYTHONPATH": str(tmp_path), "CB_BROKER": broker, "CB_OUT": str(out)}
+    log = (tmp_path / "callbacks.log").open("w")
+    callbacks = subprocess.Popen(
+        [str(BIN / "celery"), "-A", "cbtest", "worker", "-Q", CALLBACK_QUEUE, "-P", "solo",
+         "--without-gossip", "--without-mingle", "--without-heartbeat"],
+        env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    producer = Celery(broker=broker)  # a bare producer: Celery alone
+    try:
+        done = signature("cbtest.done", queue=CALLBACK_QUEUE)
+        failed = signature("cbtest.failed", queue=CALLBACK_QUEUE)
+        good = producer.send_task(
+            "ocrq.recognize", kwargs={"image": {"path": str(scene.images["hello"])}},
+            queue=QUEUE, link=done, link_error=failed,
+        ).id
+        bad = producer.send_task(
+            "ocrq.recognize", kwargs={"image": {"path": "/no/such/image.png"}},
+            queue=QUEUE, link=done, link_error=failed,
+        ).id
+        refused = producer.send_task(
+            "ocrq.recognize", kwargs={"image": {"path": str(scene.images["word"])}},
+            queue=QUEUE, link=signature("otherapp.anything", queue=CALLBACK_QUEUE),
+        ).id
+
+        def calls() -> list[dict[str, Any]]:
+            return [json.loads(line) for line in out.read_text().splitlines()]
+
+        scene.budget.until(
+            "the link and the link_error to be called", lambda: len(calls()) >= 2, 90,
+            lambda: scene.worker.text()[-3000:] + (tmp_path / "callbacks.log").read_text(),
+        )
+        scene.budget.until(
+            "the job with a link not allowed to fail", lambda: _status(scene, refused), 30
+        )
+    finally:
+        os.killpg(callbacks.pid, 15)
+        callbacks.wait(30)
+        log.close()
+    by_kind = {c["kind"]: c for c in calls()}
+    assert by_kind["done"]["result"]["job_id"] == good
+    assert "HELLO" in by_kind["done"]["result"]["text"]
+    assert by_kind["failed"]["task_id"] == bad
+    row = _row(scene, refused)
+    assert row["status"] == "failed" and "OCRQ_LINK_TASKS" in row["error"]
+    assert row["started_at"] is not None and row["text"] is None  # refused before any intake
+    assert len(calls()) == 2  # nothing was called for it
+
+
+def test_retention_deletes_only_old_final_rows_and_unreferenced_uploads(scene: Scene) -> None:
+    ids, uploads = scene.ids, scene.uploads
+    scene.budget.until(
+        "the worker's retention pass at start-up",
+        lambda: _status(scene, ids["old_done"]) is None, 60, scene.worker.text,
+    )
+    assert _status(scene, ids["old_cancelled"]) is None
+    assert _status(scene, ids["old_queued"]) == "queued"  # in flight: never touched
+    assert _status(scene, ids["recent_done"]) == "done"
+    assert not uploads["old_unreferenced"].exists()
+    assert uploads["old_referenced"].exists() and uploads["fresh_unreferenced"].exists()
+    assert "retention (older than 30 days): deleted" in scene.worker.text()
+
+    # `ocrq prune`: the same rule on demand, any age.
+    assert _ocrq(scene.env, "prune", "--older-than", "1d").returncode == 0
+    assert _status(scene, ids["recent_done"]) is None
+    assert _status(scene, ids["old_queued"]) == "queued"
+    assert uploads["old_referenced"].exists()
+    bad = _ocrq(scene.env, "prune", "--older-than", "soon")
+    assert bad.returncode == 2 and "--older-than" in bad.stderr
