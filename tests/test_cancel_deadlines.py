@@ -201,8 +201,9 @@ def scene(
     resent = str(uuid.uuid4())
     source = str(text_images["invoice"])
     past = started - dt.timedelta(seconds=1)
-    store.enqueue_many([NewJob(resent, "text", source, expires_at=past)])
-    resend(client.app, settings, resent, "text", source)
+    reference = {"path": source}
+    store.enqueue_many([NewJob(resent, "text", source, reference=reference, expires_at=past)])
+    resend(client.app, settings, resent, "text", reference)
     ids["resent_expired"] = resent
 
     # Retention: rows and uploads backdated; only final ones past 30 days may go.

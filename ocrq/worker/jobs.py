@@ -242,17 +242,17 @@ class JobRunner:
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
-        outcome = self._run(request, source, claim, task, started)
+        outcome = self._run_claimed(request, source, claim, task, started)
         if claim.callback_url:  # after the row is committed, from the webhooks' own threads
             if self._webhooks is None:
                 self._webhooks = Webhooks(self.settings)
             self._webhooks.send(claim.callback_url, outcome.as_json())
         return outcome
 
-    def _run(
+    def _run_claimed(
         self, request: JobRequest, source: str, claim: Claim, task: str, started: dt.datetime
     ) -> JobOutcome:
-        """A claimed job, from its intake to its stored row."""
+        """A claimed job: a first run beside the others, a retry alone (ocrq/worker/alone.py)."""
         if claim.created_at is not None:  # the producer's row: when the job was enqueued
             metrics.observe_stage("queue_wait", (started - claim.created_at).total_seconds())
         if not claim.retry:
