@@ -19,7 +19,14 @@ from pydantic import (
     model_validator,
 )
 
-from ocrq.core.contract import MAX_PIXELS_RANGE, ImageRef, JobRequest, canonical_job_id
+from ocrq.core.contract import (
+    BULK,
+    MAX_PIXELS_RANGE,
+    ImageRef,
+    JobRequest,
+    Priority,
+    canonical_job_id,
+)
 
 MAX_TASK_CHARS = 4000  # as the worker's JobRequest
 MAX_REF_CHARS = 8192  # a path or URL longer than this is not a real reference
@@ -42,6 +49,8 @@ class JobIn(BaseModel):
     task: Task = "text"
     job_id: str | None = None
     max_pixels: MaxPixels = None
+    # "interactive": ahead of the bulk backlog (its own broker queue, admitted first).
+    priority: Priority = BULK
 
     @field_validator("job_id")
     @classmethod
@@ -67,6 +76,7 @@ class JobIn(BaseModel):
             "image": self.image,
             "task": self.task,
             "max_pixels": self.max_pixels,
+            "priority": self.priority,
         }
         if self.job_id is not None:
             fields["job_id"] = self.job_id

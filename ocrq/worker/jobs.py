@@ -246,6 +246,7 @@ class JobRunner:
                     prompt=request.prompt,
                     max_pixels=request.max_pixels,
                     max_new_tokens=request.max_new_tokens,
+                    priority=request.priority,
                 )
                 if self.engine.prepares_here:  # else timed in the engine process
                     with metrics.stage_timer("preprocess"):
@@ -280,6 +281,10 @@ class JobRunner:
                 self._release_slot()
         metrics.observe_stage("batch_wait", outcome.waited_s)
         metrics.observe_stage("gpu", outcome.run_s)
+        waited = outcome.waited_s
+        if claim.created_at is not None:  # from the enqueue: the broker's queue included
+            waited = (now() - claim.created_at).total_seconds() - outcome.run_s
+        metrics.observe_lane(request.priority, waited, outcome.run_s)
         batch = {"batch_id": outcome.batch_id or None, "batch_wait_s": round(outcome.waited_s, 4)}
         common = {
             **image_fields,

@@ -8,7 +8,13 @@ from typing import Any
 from celery import Task, shared_task
 from pydantic import ValidationError
 
-from ocrq.core.contract import TASK_NAME, JobRequest, canonical_job_id, storable_text
+from ocrq.core.contract import (
+    TASK_NAME,
+    JobRequest,
+    canonical_job_id,
+    lane_of_queue,
+    storable_text,
+)
 from ocrq.worker.acking import task_returned
 from ocrq.worker.envelope import safe_text
 from ocrq.worker.runtime import get_runtime
@@ -44,6 +50,7 @@ def recognize(
     job_id: str | None = None,
     max_pixels: Any = None,
     max_new_tokens: Any = None,
+    priority: Any = None,
     **_: Any,
 ) -> dict[str, Any]:
     """One job; its result (stored in the result backend when there is one) is the job's
@@ -53,8 +60,10 @@ def recognize(
         # The job id a producer learns is the task id send_task returned: without a job_id of
         # its own the job takes that, instead of a fresh id nobody knows.
         job_id = task_id
+    if priority is None:  # a producer that only chose the queue: the queue names the lane
+        priority = lane_of_queue((self.request.delivery_info or {}).get("routing_key"))
     try:
-        result = _recognize(image, task, job_id, task_id, max_pixels, max_new_tokens)
+        result = _recognize(image, task, job_id, task_id, max_pixels, max_new_tokens, priority)
     except JobFailed as exc:
         _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
         raise
@@ -85,9 +94,12 @@ def _recognize(
     task_id: Any,
     max_pixels: Any,
     max_new_tokens: Any,
+    priority: Any = None,
 ) -> dict[str, Any]:
     try:
         kwargs: dict[str, Any] = {"image": image, "task": task, "job_id": job_id}
+        if priority is not None:
+            kwargs["priority"] = priority
         if max_pixels is not None:
             kwargs["max_pixels"] = max_pixels
         if max_new_tokens is not None:
