@@ -245,7 +245,8 @@ def render(d: dict[str, Any]) -> str:
         "",
         f"Engine `{m['engine']}` on {m['hardware']}; {m['bulk_jobs']} bulk jobs queued at once, "
         f"{m['interactive_jobs']} interactive jobs (word crops and receipts) at "
-        f"{m['rate']}/s; OCRQ_BULK_MAX_WAIT_S={m['bulk_max_wait_s']}.",
+        f"{m['rate']}/s; OCRQ_BULK_MAX_WAIT_S={m['bulk_max_wait_s']}; settings set: "
+        f"{m['settings'] or 'none'}.",
         "",
         "| run | interactive p50 s | p95 s | bulk images/s | done | failed | missing |",
         "|---|---|---|---|---|---|---|",
@@ -285,6 +286,8 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=900)
     ap.add_argument("--runs", nargs="*", default=["alone", "bulk", "mixed"])
     args = ap.parse_args()
+    # Stopped from outside: still stop the worker and the services (the `finally`s below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
     work = (args.work or args.out / "work").resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -339,6 +342,7 @@ def main() -> None:
             "bulk_jobs": len(bulk),
             "interactive_jobs": len(stream),
             "rate": args.rate,
+            "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("OCRQ_")},
             "bulk_max_wait_s": Settings(_env_file=None).bulk_max_wait_s,
             "bulk_workload": workload_summary(bulk),
             "interactive_workload": workload_summary(stream),
