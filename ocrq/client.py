@@ -111,10 +111,14 @@ class Client:
         task: str = "text",
         job_id: str | None = None,
         max_pixels: int | None = None,
+        priority: str | None = None,
     ) -> str:
         """Enqueue one job; its id. With `job_id` (a UUID) a retry is idempotent: the same id
-        and image return the job already recorded."""
+        and image return the job already recorded. `priority="interactive"`: ahead of the bulk
+        backlog (a live app's jobs); the default is "bulk"."""
         body: dict[str, Any] = {"image": image_of(image), "task": task}
+        if priority is not None:
+            body["priority"] = priority
         if job_id is not None:
             body["job_id"] = job_id
         if max_pixels is not None:
