@@ -93,6 +93,19 @@ def test_running_plan_admits_interactive_rows_first_and_fifo(
     _fifo_within_lanes(p, items)
 
 
+@given(rows, st.integers(0, 70))
+@settings(max_examples=200, deadline=None)
+def test_running_plan_hands_over_no_more_rows_than_free_slots(
+    items: list[Waiting], held_rows: int
+) -> None:
+    """Rows the loop cannot seat would queue inside the engine, first in first out, where a
+    later interactive row could not pass them: the plan hands over at most the free slots."""
+    p = plan_running(items, 0, LOOP, lanes=NO_PROMOTION, held_rows=held_rows)
+    unbounded = plan_running(items, 0, LOOP, lanes=NO_PROMOTION)
+    free = max(0, LOOP.slots - held_rows)
+    assert list(p.keys) == list(unbounded.keys[:free])
+
+
 @given(rows, st.integers(1, 64 << 30))
 @settings(max_examples=200, deadline=None)
 def test_without_interactive_rows_the_order_is_unchanged(items: list[Waiting], budget: int) -> None:

@@ -235,6 +235,7 @@ def plan_running(
     estimate_at: EstimateAt | None = None,
     rule: ShrinkRule = ShrinkRule(),
     lanes: LaneRule = LaneRule(),
+    held_rows: int | None = None,
 ) -> Plan:
     """Which waiting items to hand to a running loop (continuous batching) now.
 
@@ -244,6 +245,10 @@ def plan_running(
     never passes one ahead of it, so a long row cannot be starved by short ones); a leader that
     could never fit the loop alone is downscaled or refused as `plan` does. `predicted_bytes`
     is the KV the rows taken add.
+
+    With `held_rows` (rows handed over and not finished), at most the loop's free slots are
+    handed over: a row the loop cannot seat waits in the engine's own first-in-first-out
+    queue, where an interactive row handed over later could not pass it; here it still can.
     """
     if not waiting:
         return Plan((), 0, loop.pool_bytes, ())
@@ -263,7 +268,10 @@ def plan_running(
         return Plan((), 0, loop.pool_bytes, rest, refused=(fate,))
     taken: list[str] = []
     tokens = held_tokens
+    seats = loop.slots - held_rows if held_rows is not None else len(by_age)
     for w in by_age:
+        if len(taken) >= seats:
+            break
         need = capacity_of(w.cost.prompt_tokens, w.cost.new_tokens)
         if tokens + need > loop.pool_tokens or not loop.fits_alone(w.cost, w.cost.new_tokens):
             break

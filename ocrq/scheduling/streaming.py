@@ -164,6 +164,7 @@ class StreamingBatcher:
             downscaler.estimate_at,
             self.config.shrink,
             self.config.lanes,
+            held_rows=len(self._flight),
         )
         rows = []
         idle = not self._flight
