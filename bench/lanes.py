@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,12 @@ class Phase:
                     raise RuntimeError(f"worker did not start:\n{log.read_text()[-3000:]}")
                 time.sleep(0.5)
             started = time.time()
-            for job in bulk:
-                client.submit({"path": job.path}, job.task, job_id=job.job_id)
+            with ThreadPoolExecutor(16) as pool:  # as bench/service_gpu.py's producer
+                list(
+                    pool.map(
+                        lambda j: client.submit({"path": j.path}, j.task, job_id=j.job_id), bulk
+                    )
+                )
             sender = threading.Thread(
                 target=self._send_stream, args=(client, db, bulk, stream, stream_started)
             )
