@@ -106,15 +106,21 @@ def test_running_plan_hands_over_no_more_rows_than_free_slots(
     assert list(p.keys) == list(unbounded.keys[:free])
 
 
-@given(rows, st.integers(1, 64 << 30))
+@given(rows, st.integers(1, 64 << 30), st.floats(0, 5), st.floats(0, 60))
 @settings(max_examples=200, deadline=None)
-def test_without_interactive_rows_the_order_is_unchanged(items: list[Waiting], budget: int) -> None:
-    """All bulk, nothing promoted: the plans are the first-in-first-out ones of before."""
-    bulk = [Waiting(w.key, w.cost, w.seq) for w in items]
-    p = plan(bulk, budget, MODEL, 16)
-    if bulk and p.keys:
-        assert p.keys[0] == min(bulk, key=lambda w: w.seq).key
-    r = plan_running(bulk, 0, LOOP)
+def test_without_interactive_rows_the_plans_are_the_first_in_first_out_ones(
+    items: list[Waiting], budget: int, step_s: float, max_wait_s: float
+) -> None:
+    """All bulk, some of it promoted (older rows waited longer): the plans are those of before
+    lanes existed, i.e. with no promotion at all."""
+    n = len(items)
+    bulk = [Waiting(w.key, w.cost, w.seq, waited_s=(n - w.seq) * step_s) for w in items]
+    rule = LaneRule(bulk_max_wait_s=max_wait_s)
+    assert plan(bulk, budget, MODEL, 16, lanes=rule) == plan(
+        bulk, budget, MODEL, 16, lanes=NO_PROMOTION
+    )
+    r = plan_running(bulk, 0, LOOP, lanes=rule)
+    assert r == plan_running(bulk, 0, LOOP, lanes=NO_PROMOTION)
     assert list(r.keys) == [w.key for w in sorted(bulk, key=lambda w: w.seq)][: len(r.keys)]
 
 

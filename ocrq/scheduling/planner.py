@@ -99,7 +99,7 @@ class Plan:
     budget_bytes: int  # the budget this plan was made under (above the fixed part)
     # Waiting items left for a later batch, in admission order. With fewer keys than max_items, a
     # non-empty `deferred` means the budget, not the count, closed the batch (logs, metrics).
-    deferred: tuple[str, ...]  # in admission order
+    deferred: tuple[str, ...]
     downscale: tuple[Downscale, ...] = ()  # the leader, over budget alone, made smaller
     refused: tuple[Refusal, ...] = ()  # the leader, over budget alone at any size
 
@@ -141,9 +141,15 @@ def plan(
 
     chosen = [leader]
     costs = [leader.cost]
+    # With no interactive item waiting, lanes do not change who joins (the length rule does).
+    mixed = any(w.lane == INTERACTIVE for w in by_age)
     candidates = sorted(
         by_age[1:],
-        key=lambda w: (lanes.rank(w), abs(w.cost.tokens - leader.cost.tokens), w.seq),
+        key=lambda w: (
+            lanes.rank(w) if mixed else 0,
+            abs(w.cost.tokens - leader.cost.tokens),
+            w.seq,
+        ),
     )
     for cand in candidates:
         if len(chosen) >= max_items:
