@@ -303,6 +303,9 @@ def submit(
     from ocrq.api.client import Client, image_ref
     from ocrq.worker.embedded import expand
 
+    if priority not in PRIORITIES:
+        err.print(f"[red]ocrq submit: --priority must be one of {', '.join(PRIORITIES)}")
+        raise typer.Exit(2)
     settings = _settings()
     client = Client(settings)
     refs: list[str] = []
@@ -312,9 +315,6 @@ def submit(
         else:
             refs.extend(str(p) for p in expand([Path(target)]))
     started = time.monotonic()
-    if priority not in PRIORITIES:
-        err.print(f"[red]ocrq submit: --priority must be one of {', '.join(PRIORITIES)}")
-        raise typer.Exit(2)
     ids = [client.submit(image_ref(t), task, priority=priority) for t in refs]
     if not wait:
         for job_id in ids:

@@ -161,3 +161,17 @@ def test_interactive_jobs_pass_the_bulk_backlog_and_bulk_still_finishes(
     finally:
         producer.close()
         worker.stop()
+
+
+def test_submit_refuses_an_unknown_priority(service_env: dict[str, str], tmp_path: Path) -> None:
+    image = tmp_path / "x.png"
+    image.write_bytes(b"not read")
+    done = subprocess.run(
+        [str(BIN / "ocrq"), "submit", "--priority", "urgent", str(image)],
+        env=service_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and "interactive, bulk" in done.stderr, done
