@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ocrq.core.contract import TASKS
+from ocrq.core.contract import PRIORITIES, TASKS
 from ocrq.core.settings import Settings
 from ocrq.models.registry import ENGINES
 
@@ -298,11 +298,20 @@ def submit(
     wait: Annotated[bool, typer.Option("--wait", help="Wait for results and print them.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
     timeout: Annotated[float | None, typer.Option(help="Seconds to wait at most.")] = None,
+    priority: Annotated[
+        str,
+        typer.Option(
+            help="interactive: ahead of the bulk backlog (a live app's jobs); bulk: the default."
+        ),
+    ] = "bulk",
 ) -> None:
     """Enqueue one job per image; print job ids, or with --wait the results."""
     from ocrq.api.client import Client, image_ref
     from ocrq.worker.embedded import expand
 
+    if priority not in PRIORITIES:
+        err.print(f"[red]ocrq submit: --priority must be one of {', '.join(PRIORITIES)}")
+        raise typer.Exit(2)
     settings = _settings()
     client = Client(settings)
     refs: list[str] = []
@@ -312,7 +321,7 @@ def submit(
         else:
             refs.extend(str(p) for p in expand([Path(target)]))
     started = time.monotonic()
-    ids = [client.submit(image_ref(t), task) for t in refs]
+    ids = [client.submit(image_ref(t), task, priority=priority) for t in refs]
     if not wait:
         for job_id in ids:
             typer.echo(json.dumps({"job_id": job_id}) if as_json else job_id)

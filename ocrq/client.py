@@ -114,11 +114,16 @@ class Client:
         max_pixels: int | None = None,
         expires_at: dt.datetime | None = None,
         callback_url: str | None = None,
+        priority: str | None = None,
     ) -> str:
         """Enqueue one job; its id. With `job_id` (a UUID) a retry is idempotent: the same id
         and image return the job already recorded. `expires_at`: not run after it (the job
-        ends `expired`); `callback_url`: POSTed the outcome, signed (docs/api.md)."""
+        ends `expired`); `callback_url`: POSTed the outcome, signed (docs/api.md);
+        `priority="interactive"`: ahead of the bulk backlog (a live app's jobs); the default is
+        "bulk"."""
         body: dict[str, Any] = {"image": image_of(image), "task": task}
+        if priority is not None:
+            body["priority"] = priority
         if job_id is not None:
             body["job_id"] = job_id
         if max_pixels is not None:

@@ -191,3 +191,25 @@ def test_http_client_submit_get_wait(
     with HttpClient(api_url, token="wrong-" + TOKEN) as denied, pytest.raises(OcrqError) as no:
         denied.submit(text_images["hello"])
     assert no.value.status == 401
+
+
+def test_http_client_sends_an_interactive_job(
+    producer_worker: WorkerProcess, api_url: str, text_images: dict[str, Path]
+) -> None:
+    """`priority` through the api (the client and a plain JSON POST) reaches a worker,
+    which consumes the interactive queue beside the bulk one; an unknown lane is a 422."""
+    import httpx
+
+    with HttpClient(api_url, token=TOKEN) as ocr:
+        live = ocr.submit(text_images["word"], priority="interactive")
+        raw = httpx.post(  # what the curl example in docs/producers.md sends
+            f"{api_url}/jobs",
+            json={"image": {"path": str(text_images["hello"])}, "priority": "interactive"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=30,
+        )
+        rows = ocr.wait([live, raw.json().get("job_id", "")], timeout=60)
+        assert [r["status"] for r in rows] == ["done", "done"], (rows, raw.text)
+        with pytest.raises(OcrqError) as refused:
+            ocr.submit(text_images["word"], priority="urgent")
+        assert refused.value.status == 422 and "interactive" in str(refused.value.detail)

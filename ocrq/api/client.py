@@ -17,12 +17,14 @@ from typing import Any
 from ocrq.api import document_status
 from ocrq.core import requeue
 from ocrq.core.contract import (
+    BULK,
     DEFAULT_QUEUE,
     NAME_REFUSED,
     TASK_NAME,
     JobRequest,
     canonical_job_id,
     job_kwargs,
+    queue_for,
 )
 from ocrq.core.db import engine_for
 from ocrq.core.documents_store import DocumentStore
@@ -91,11 +93,18 @@ class Client:
         record: bool = True,
         job_id: str | None = None,
         max_pixels: int | None = None,
+        priority: str = BULK,
     ) -> str:
-        """Enqueue one job; with `record`, its row exists as `queued` before the message."""
+        """Enqueue one job; with `record`, its row exists as `queued` before the message.
+        `priority="interactive"` sends it to the interactive lane, ahead of the bulk backlog."""
         # Validated as the worker will (ValidationError, a ValueError: NUL bytes, lone
         # surrogates...), so nothing is enqueued that could not be stored.
-        fields: dict[str, Any] = {"image": image, "task": task, "max_pixels": max_pixels}
+        fields: dict[str, Any] = {
+            "image": image,
+            "task": task,
+            "max_pixels": max_pixels,
+            "priority": priority,
+        }
         if job_id is not None:
             fields["job_id"] = job_id
         request = JobRequest.model_validate(fields)
@@ -162,8 +171,9 @@ class Client:
                 request.task,
                 request.job_id,
                 request.max_pixels,
+                request.priority,
             ),
-            queue=self.settings.queue or DEFAULT_QUEUE,
+            queue=queue_for(request.priority, self.settings.queue or DEFAULT_QUEUE),
             task_id=request.job_id,
             expires=expires_at,
         )

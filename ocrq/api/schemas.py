@@ -20,10 +20,12 @@ from pydantic import (
 )
 
 from ocrq.core.contract import (
+    BULK,
     MAX_PIXELS_RANGE,
     NAME_REFUSED,
     ImageRef,
     JobRequest,
+    Priority,
     canonical_job_id,
     require_storable,
 )
@@ -54,6 +56,8 @@ class JobIn(BaseModel):
     expires_at: dt.datetime | None = None
     # A webhook: POSTed the job's outcome, signed, once its row is final (docs/api.md).
     callback_url: Annotated[str | None, Field(max_length=MAX_REF_CHARS)] = None
+    # "interactive": ahead of the bulk backlog (its own broker queue, admitted first).
+    priority: Priority = BULK
 
     @field_validator("job_id")
     @classmethod
@@ -95,6 +99,7 @@ class JobIn(BaseModel):
             "image": self.image,
             "task": self.task,
             "max_pixels": self.max_pixels,
+            "priority": self.priority,
         }
         if self.job_id is not None:
             fields["job_id"] = self.job_id

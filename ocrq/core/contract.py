@@ -28,6 +28,14 @@ TASKS = (
 # A job's optional cap on the pixels the model sees: one 32x32 block up to 4096² (1.5's limit).
 MAX_PIXELS_RANGE = (32 * 32, 4096 * 4096)
 
+# A job's lane: interactive jobs go to their own queue (`queue_for`) and are admitted before
+# bulk ones inside the worker (ocrq/scheduling/planner.py `LaneRule`); bulk is the default.
+Priority = Literal["interactive", "bulk"]
+INTERACTIVE: Priority = "interactive"
+BULK: Priority = "bulk"
+PRIORITIES: tuple[Priority, ...] = (INTERACTIVE, BULK)
+INTERACTIVE_SUFFIX = ".interactive"
+
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
 # A page job's row source is its document's source plus this mark and the page number.
 PAGE_MARK = "#page="
@@ -121,6 +129,17 @@ class ImageRef(BaseModel):
         return None
 
 
+def queue_for(priority: str, queue: str = DEFAULT_QUEUE) -> str:
+    """The broker queue of a lane: `ocr.interactive` for interactive jobs, `ocr` for bulk ones
+    (with OCRQ_QUEUE=`q`: `q.interactive` and `q`). Workers consume the interactive queue first."""
+    return f"{queue}{INTERACTIVE_SUFFIX}" if priority == INTERACTIVE else queue
+
+
+def lane_of_queue(queue: object) -> Priority:
+    """The lane a message's queue stands for, when its kwargs name none."""
+    return INTERACTIVE if isinstance(queue, str) and queue.endswith(INTERACTIVE_SUFFIX) else BULK
+
+
 def canonical_job_id(value: object) -> str:
     """The one spelling of a job id, used for rows, task ids and messages alike.
 
@@ -168,6 +187,9 @@ class JobRequest(BaseModel):
     # Optional: the job's own cap on new tokens, within the worker's OCRQ_MAX_NEW_TOKENS (a word
     # crop needs few; the running loop frees its slot when it is reached).
     max_new_tokens: Annotated[int | None, Field(ge=1, le=131_072)] = None
+    # Its lane: "interactive" jobs are admitted before "bulk" ones (FIFO within a lane; a bulk
+    # job is never starved: ocrq/scheduling/planner.py `LaneRule`).
+    priority: Priority = BULK
 
     @field_validator("job_id", mode="before")
     @classmethod
@@ -199,8 +221,10 @@ def job_kwargs(
     task: str = "text",
     job_id: str | None = None,
     max_pixels: int | None = None,
+    priority: str = BULK,
 ) -> dict:
-    """Build send_task kwargs; a producer may equally write this dict by hand."""
+    """Build send_task kwargs; a producer may equally write this dict by hand (send it to
+    `queue_for(priority)`)."""
     kwargs: dict = {
         "image": image,
         "task": task,
@@ -208,4 +232,6 @@ def job_kwargs(
     }
     if max_pixels is not None:
         kwargs["max_pixels"] = max_pixels
+    if priority != BULK:
+        kwargs["priority"] = priority
     return kwargs

@@ -34,6 +34,20 @@ JOBS = Counter("ocrq_jobs_total", "Jobs finished by this worker", ["status", "en
 STAGE_SECONDS = Histogram(
     "ocrq_stage_seconds", "Seconds one job spent in each stage", ["stage"], buckets=STAGE_BUCKETS
 )
+# Per lane (a job's priority, interactive or bulk): how long its jobs waited, from the
+# producer's enqueue to the end of their batch less the engine time, and that engine time.
+LANE_WAIT_SECONDS = Histogram(
+    "ocrq_lane_wait_seconds",
+    "Seconds a job waited from enqueue to its engine time, by lane",
+    ["lane"],
+    buckets=STAGE_BUCKETS,
+)
+LANE_SERVICE_SECONDS = Histogram(
+    "ocrq_lane_service_seconds",
+    "Engine seconds of a job's batch or running-loop row, by lane",
+    ["lane"],
+    buckets=STAGE_BUCKETS,
+)
 BATCHES = Counter("ocrq_batches_total", "Engine batches run")
 BATCH_SIZE = Histogram(
     "ocrq_batch_images", "Images per batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -154,6 +168,11 @@ def engine_progress(busy: bool) -> None:
 
 def observe_stage(stage: str, seconds: float) -> None:
     STAGE_SECONDS.labels(stage).observe(max(0.0, seconds))
+
+
+def observe_lane(lane: str, waited_s: float, service_s: float) -> None:
+    LANE_WAIT_SECONDS.labels(lane).observe(max(0.0, waited_s))
+    LANE_SERVICE_SECONDS.labels(lane).observe(max(0.0, service_s))
 
 
 @contextmanager

@@ -128,6 +128,10 @@ class Settings(BaseSettings):
     max_batch: int | None = Field(default=None, ge=1, le=4096)
     # How long the batcher lingers for more items once one is waiting.
     batch_wait_ms: int = Field(default=50, ge=0, le=60_000)
+    # A bulk image waiting in the worker this long is admitted among the interactive ones, in
+    # arrival order, so an interactive stream never starves the bulk lane (planner.py
+    # `LaneRule`; docs/internals.md). Interactive jobs pass younger bulk ones until then.
+    bulk_max_wait_s: float = Field(default=30.0, ge=0, le=86_400)
     # Total memory the engine may use, fixed part included; None: the engine's default budget.
     memory_budget_gib: float | None = Field(default=None, gt=0, le=65_536)
     # Share of that budget batches are planned to; the rest is the allocator's slack.

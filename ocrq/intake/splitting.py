@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ocrq.core.contract import PAGE_MARK, JobRequest
+from ocrq.core.contract import BULK, PAGE_MARK, JobRequest
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
@@ -84,6 +84,8 @@ def split(
         kwargs: dict[str, Any] = {"image": image, "task": request.task, "job_id": job_id}
         if request.max_pixels is not None:
             kwargs["max_pixels"] = request.max_pixels
+        if request.priority != BULK:  # the pages keep their document's lane
+            kwargs["priority"] = request.priority
         send(request.job_id, kwargs)
     log.info(
         "document %s: %d pages, %d page jobs sent (%s)", request.job_id, pages, len(to_send), source
@@ -96,7 +98,7 @@ def celery_sender(settings: Settings) -> SendPage:
     """Page jobs sent through the broker, as any producer sends a job (task id = job id)."""
     from celery import Celery
 
-    from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME
+    from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, queue_for
 
     app = Celery("ocrq-pages", broker=settings.broker_url)
     app.conf.update(task_send_sent_event=True, broker_connection_retry_on_startup=True)
@@ -105,7 +107,7 @@ def celery_sender(settings: Settings) -> SendPage:
         app.send_task(
             TASK_NAME,
             kwargs=kwargs,
-            queue=settings.queue or DEFAULT_QUEUE,
+            queue=queue_for(kwargs.get("priority", BULK), settings.queue or DEFAULT_QUEUE),
             task_id=kwargs["job_id"],
         )
 

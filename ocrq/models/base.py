@@ -76,6 +76,8 @@ class PreparedImage:
     # The row's own cap on new tokens, at most the engine's (None: the engine's): a generating
     # engine ends the row there as at an end of sequence. Benches draw it per row.
     max_new_tokens: int | None = None
+    # The job's lane ("interactive" or "bulk"): the planner admits interactive rows first.
+    priority: str = "bulk"
     # Engine-private inputs made by `Engine.prepare` in a prefetch thread (a VLM's processor
     # output, say); cleared whenever the image changes, so `run` redoes what is missing.
     encoded: object | None = None

@@ -146,13 +146,15 @@ class StaticBatcher:
         """
         while True:
             downscaler = Downscaler(self.engine, {k: e.row.item for k, e in snapshot.items()})
+            now = time.monotonic()
             decided = plan(
-                [e.row.waiting(k) for k, e in snapshot.items()],
+                [e.waiting(k, now) for k, e in snapshot.items()],
                 self.budget_bytes,
                 self.cost_model,
                 self.config.max_items,
                 downscaler.estimate_at,
                 self.config.shrink,
+                self.config.lanes,
             )
             with self._cond:
                 waiting = self._state.waiting

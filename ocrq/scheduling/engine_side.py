@@ -15,6 +15,7 @@ from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.registry import create_engine
 from ocrq.scheduling.batcher import StaticBatcher
+from ocrq.scheduling.planner import LaneRule
 from ocrq.scheduling.streaming import StreamingBatcher
 from ocrq.scheduling.vocabulary import BatchConfig, Batcher, BatchRecord
 from ocrq.tuning.profiles import ProfileChoice, choose_cost_model
@@ -49,6 +50,7 @@ def batch_config(
         max_items=settings.max_batch or tuned_max_batch or engine.preferred_max_batch(),
         wait_s=settings.batch_wait_ms / 1000,
         budget_bytes=budget,
+        lanes=LaneRule(bulk_max_wait_s=settings.bulk_max_wait_s),
     )
 
 

@@ -2,9 +2,12 @@
 
 The planner decides and returns a frozen Plan; the batcher executes it and never re-decides.
 Rules, in order:
-1. The oldest waiting item always leads the batch, so nothing starves.
-2. The rest are taken by similarity of sequence length to the leader (padding to the longest
-   sequence is paid by every member), ties broken by age.
+0. Items are admitted in lane order (`LaneRule`, `admission_order`): interactive items first,
+   then bulk ones, first in first out within a lane; a bulk item that has waited
+   `bulk_max_wait_s` joins the interactive lane in its arrival order, so bulk never starves.
+1. The first item in that order always leads the batch, so nothing starves.
+2. The rest are taken interactive lane first, then by similarity of sequence length to the
+   leader (padding to the longest sequence is paid by every member), ties broken by age.
 3. An item joins only if the model's predicted bytes for the batch stay within the budget and the
    batch stays within max_items.
 4. If the leader alone is over the budget, the batch is empty and the plan says what becomes of
@@ -24,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ocrq.core.contract import BULK, INTERACTIVE, Priority
 from ocrq.models.costs import CostModel, GiB, ItemCost
 from ocrq.models.slots import RunningBudget, capacity_of
 
@@ -43,6 +47,32 @@ class Waiting:
     cost: ItemCost
     seq: int  # arrival order; lower is older
     pixels: int = 0  # the image's pixels now (w*h); 0: it cannot be downscaled
+    lane: Priority = BULK  # the job's priority (ocrq.core.contract.PRIORITIES)
+    waited_s: float = 0.0  # since it was handed to the batcher, at planning time
+
+
+@dataclass(frozen=True)
+class LaneRule:
+    """Interactive first, and bulk never starves.
+
+    The admission order is (rank, seq): rank 0 for an interactive item and for a bulk item that
+    has waited at least `bulk_max_wait_s`, rank 1 for every other bulk item. A bulk item once
+    promoted stays promoted and is ordered among rank 0 by arrival, so interactive items that
+    arrive after it can never pass it: its wait is at most `bulk_max_wait_s` plus the admission
+    of the rank-0 items older than it, a set that only shrinks (tests/test_lanes.py proves it).
+    Why time and not a count of interactive admissions: the planner stays a pure function of
+    what waits, with no memory of past plans, and an operator reasons in seconds.
+    """
+
+    bulk_max_wait_s: float = 30.0
+
+    def rank(self, w: Waiting) -> int:
+        return 0 if w.lane == INTERACTIVE or w.waited_s >= self.bulk_max_wait_s else 1
+
+
+def admission_order(waiting: Sequence[Waiting], lanes: LaneRule) -> list[Waiting]:
+    """The order in which waiting items may be admitted (see `LaneRule`)."""
+    return sorted(waiting, key=lambda w: (lanes.rank(w), w.seq))
 
 
 @dataclass(frozen=True)
@@ -67,7 +97,7 @@ class Plan:
     keys: tuple[str, ...]  # the batch, leader first
     predicted_bytes: int  # model's batch bytes above the fixed part
     budget_bytes: int  # the budget this plan was made under (above the fixed part)
-    # Waiting items left for a later batch, oldest first. With fewer keys than max_items, a
+    # Waiting items left for a later batch, in admission order. With fewer keys than max_items, a
     # non-empty `deferred` means the budget, not the count, closed the batch (logs, metrics).
     deferred: tuple[str, ...]
     downscale: tuple[Downscale, ...] = ()  # the leader, over budget alone, made smaller
@@ -94,12 +124,13 @@ def plan(
     max_items: int,
     estimate_at: EstimateAt | None = None,
     rule: ShrinkRule = ShrinkRule(),
+    lanes: LaneRule = LaneRule(),
 ) -> Plan:
     if max_items < 1:
         raise ValueError("max_items must be >= 1")
     if not waiting:
         return Plan((), 0, budget_bytes, ())
-    by_age = sorted(waiting, key=lambda w: w.seq)
+    by_age = admission_order(waiting, lanes)
     leader = by_age[0]
     if model.batch_bytes([leader.cost]) > budget_bytes:
         rest = tuple(w.key for w in by_age[1:])
@@ -110,7 +141,16 @@ def plan(
 
     chosen = [leader]
     costs = [leader.cost]
-    candidates = sorted(by_age[1:], key=lambda w: (abs(w.cost.tokens - leader.cost.tokens), w.seq))
+    # With no interactive item waiting, lanes do not change who joins (the length rule does).
+    mixed = any(w.lane == INTERACTIVE for w in by_age)
+    candidates = sorted(
+        by_age[1:],
+        key=lambda w: (
+            lanes.rank(w) if mixed else 0,
+            abs(w.cost.tokens - leader.cost.tokens),
+            w.seq,
+        ),
+    )
     for cand in candidates:
         if len(chosen) >= max_items:
             break
@@ -200,19 +240,25 @@ def plan_running(
     loop: RunningBudget,
     estimate_at: EstimateAt | None = None,
     rule: ShrinkRule = ShrinkRule(),
+    lanes: LaneRule = LaneRule(),
+    held_rows: int | None = None,
 ) -> Plan:
     """Which waiting items to hand to a running loop (continuous batching) now.
 
     The loop holds `loop.pool_tokens` of KV: each row its prompt and new tokens
     (ocrq/models/slots.py `capacity_of`), `held_tokens` of them taken by rows already handed
-    over. Oldest first, stopping at the first that does not fit (a younger row never passes an
-    older one, so a long row cannot be starved by short ones); a leader that could never fit
-    the loop alone is downscaled or refused as `plan` does. `predicted_bytes` is the KV the
-    rows taken add.
+    over. In admission order (`LaneRule`), stopping at the first that does not fit (a row
+    never passes one ahead of it, so a long row cannot be starved by short ones); a leader that
+    could never fit the loop alone is downscaled or refused as `plan` does. `predicted_bytes`
+    is the KV the rows taken add.
+
+    With `held_rows` (rows handed over and not finished), at most the loop's free slots are
+    handed over: a row the loop cannot seat waits in the engine's own first-in-first-out
+    queue, where an interactive row handed over later could not pass it; here it still can.
     """
     if not waiting:
         return Plan((), 0, loop.pool_bytes, ())
-    by_age = sorted(waiting, key=lambda w: w.seq)
+    by_age = admission_order(waiting, lanes)
     leader = by_age[0]
     share = loop.bytes
 
@@ -228,7 +274,10 @@ def plan_running(
         return Plan((), 0, loop.pool_bytes, rest, refused=(fate,))
     taken: list[str] = []
     tokens = held_tokens
+    seats = loop.slots - held_rows if held_rows is not None else len(by_age)
     for w in by_age:
+        if len(taken) >= seats:
+            break
         need = capacity_of(w.cost.prompt_tokens, w.cost.new_tokens)
         if tokens + need > loop.pool_tokens or not loop.fits_alone(w.cost, w.cost.new_tokens):
             break

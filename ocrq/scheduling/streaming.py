@@ -156,20 +156,24 @@ class StreamingBatcher:
         if not snapshot:
             return
         downscaler = Downscaler(self.engine, {k: e.row.item for k, e in snapshot.items()})
+        now = time.monotonic()
         decided = plan_running(
-            [e.row.waiting(k) for k, e in snapshot.items()],
+            [e.waiting(k, now) for k, e in snapshot.items()],
             self._held(),
             self.loop,
             downscaler.estimate_at,
             self.config.shrink,
+            self.config.lanes,
+            held_rows=len(self._flight),
         )
         rows = []
         idle = not self._flight
-        now = time.monotonic()
         with self._cond:
             for shrink in decided.downscale:
                 old = self._waiting[shrink.key]
-                self._waiting[shrink.key] = Entry(old.row.shrunk(shrink, downscaler), old.future)
+                self._waiting[shrink.key] = Entry(
+                    old.row.shrunk(shrink, downscaler), old.future, old.submitted
+                )
                 log_downscale(old.row.item, self._waiting[shrink.key].row.item, "to fit the loop")
             for refusal in decided.refused:
                 entry = self._waiting.pop(refusal.key)

@@ -16,10 +16,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from ocrq.core.contract import BULK, INTERACTIVE
 from ocrq.models.base import OcrResult, PreparedImage
 from ocrq.models.costs import GiB, ItemCost
 from ocrq.scheduling.governor import BudgetGovernor
-from ocrq.scheduling.planner import Downscale, ShrinkRule, Waiting
+from ocrq.scheduling.planner import Downscale, LaneRule, ShrinkRule, Waiting
 
 if TYPE_CHECKING:
     from ocrq.scheduling.downscaling import Downscaler
@@ -33,6 +34,8 @@ class BatchConfig:
     shrink: ShrinkRule = field(
         default_factory=ShrinkRule
     )  # how far an image over the budget alone may be halved
+    # Interactive rows first; a bulk row promoted after OCRQ_BULK_MAX_WAIT_S (planner.py).
+    lanes: LaneRule = field(default_factory=LaneRule)
     # After an OOM the budget drops below the failed batch's prediction, then climbs back by
     # `budget_step` of the configured budget after every `clean_batches_to_raise` clean batches
     # (ocrq/scheduling/governor.py).
@@ -91,9 +94,10 @@ class Row:
     cost: ItemCost
     seq: int
 
-    def waiting(self, key: str) -> Waiting:
+    def waiting(self, key: str, waited_s: float = 0.0) -> Waiting:
         w, h = self.item.image.size
-        return Waiting(key, self.cost, self.seq, pixels=w * h)
+        lane = INTERACTIVE if self.item.priority == INTERACTIVE else BULK
+        return Waiting(key, self.cost, self.seq, pixels=w * h, lane=lane, waited_s=waited_s)
 
     def shrunk(self, to: Downscale, downscaler: Downscaler) -> Row:
         """The same image at the planner's smaller size, at the cost the planner saw."""
@@ -107,6 +111,10 @@ class Entry:
     row: Row
     future: Future[ItemOutcome]
     submitted: float = field(default_factory=time.monotonic)
+
+    def waiting(self, key: str, now: float) -> Waiting:
+        """The row as the planner sees it at `now` (time.monotonic): its lane and its wait."""
+        return self.row.waiting(key, max(0.0, now - self.submitted))
 
 
 @runtime_checkable

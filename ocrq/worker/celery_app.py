@@ -4,6 +4,9 @@
   after its row was committed; a worker that dies mid-batch leaves its messages to redelivery.
 - prefetch multiplier 1 with the threads pool: the worker reserves exactly as many messages as
   it has task threads, which is how many images can be prefetching or waiting for the batcher.
+  It also keeps the lanes apart: a larger multiplier would park bulk messages in the thread
+  pool's own FIFO queue, where an interactive message fetched later waits behind them; with 1,
+  the next free thread takes the next message Redis gives, interactive queue first.
 - visibility_timeout: Redis redelivers an unacked message after this long, so it must exceed
   the worst delivery-to-ack time (queue wait inside the worker + batch time).
 - task events on, so Flower lists every image's task: received, started, succeeded/failed.
@@ -18,7 +21,7 @@ import logging
 
 from celery import Celery, signals
 
-from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME
+from ocrq.core.contract import DEFAULT_QUEUE, INTERACTIVE, TASK_NAME, queue_for
 from ocrq.core.settings import Settings, result_backend_url
 
 log = logging.getLogger(__name__)
@@ -63,7 +66,15 @@ def make_app(settings: Settings) -> Celery:
             # else is rejected with one log line before Celery sees it (ocrq/worker/envelope.py).
             # Not `celery` (OCRQ_CONSUME_DEFAULT_QUEUE): another app's tasks there meet Celery's
             # own unregistered-task handling; the envelope is checked on every queue.
-            "ocrq_task_queues": [settings.queue or DEFAULT_QUEUE],
+            "ocrq_task_queues": [
+                settings.queue or DEFAULT_QUEUE,
+                queue_for(INTERACTIVE, settings.queue or DEFAULT_QUEUE),
+            ],
+            # Poll the queues in the order the worker names them (`--queues`, interactive lane
+            # first: ocrq/worker/queue_depth.py `consumed_queues`), not kombu's default round
+            # robin: one BRPOP over all of them returns the first non-empty one in that order,
+            # so an interactive message never waits behind a bulk one in Redis.
+            "queue_order_strategy": "priority",
             "ocrq_task_names": [TASK_NAME],
             # ETAs farther ahead, and links to tasks OCRQ_LINK_TASKS does not name, fail the
             # job instead (envelope.task_refusal, ocrq/worker/links.py).

@@ -257,7 +257,7 @@ class JobRunner:
             metrics.observe_stage("queue_wait", (started - claim.created_at).total_seconds())
         if not claim.retry:
             with self._gate.shared():
-                return self._run(request, source, task)
+                return self._run(request, source, task, claim.created_at)
         with self._gate.alone():  # see ocrq/worker/alone.py
             if not self._db(self.store.count_retry)(request.job_id):
                 row = self._db(self.store.get)([request.job_id]).get(request.job_id) or {}
@@ -265,9 +265,15 @@ class JobRunner:
             log.warning(
                 "job %s: its last run died with its worker; running it alone", request.job_id
             )
-            return self._run(request, source, task)
+            return self._run(request, source, task, claim.created_at)
 
-    def _run(self, request: JobRequest, source: str, task: str) -> JobOutcome:
+    def _run(
+        self,
+        request: JobRequest,
+        source: str,
+        task: str,
+        enqueued: dt.datetime | None = None,
+    ) -> JobOutcome:
         """A claimed job: fetch, decode, batch, store."""
         # One deadline for the whole wait: a slot for the decoded image, then the batch. The
         # fetch is bounded by the intake's own deadline. Celery's task time limits do not work
@@ -301,6 +307,7 @@ class JobRunner:
                     prompt=request.prompt,
                     max_pixels=request.max_pixels,
                     max_new_tokens=request.max_new_tokens,
+                    priority=request.priority,
                 )
                 if self.engine.prepares_here:  # else timed in the engine process
                     with metrics.stage_timer("preprocess"):
@@ -335,6 +342,10 @@ class JobRunner:
                 self._release_slot()
         metrics.observe_stage("batch_wait", outcome.waited_s)
         metrics.observe_stage("gpu", outcome.run_s)
+        waited = outcome.waited_s
+        if enqueued is not None:  # from the enqueue: the broker's queue included
+            waited = (now() - enqueued).total_seconds() - outcome.run_s
+        metrics.observe_lane(request.priority, waited, outcome.run_s)
         batch = {"batch_id": outcome.batch_id or None, "batch_wait_s": round(outcome.waited_s, 4)}
         common = {
             **image_fields,

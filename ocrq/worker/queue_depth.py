@@ -6,7 +6,8 @@ queue as one list per priority step (`ocr`, then `ocr\\x06\\x163`, ... for prior
 the names come from kombu itself so they cannot drift from what the workers pop.
 
 Served next to the worker's own metrics on OCRQ_METRICS_PORT (ocrq/worker/monitor.py). It is
-the broker's figure, so every worker reports the same number: aggregate with `max()`, not
+the broker's figure (labelled with its lane: `ocr.interactive` is the interactive one), so
+every worker reports the same number: aggregate with `max()`, not
 `sum()`. KEDA reads the same lists itself (deploy/k8s/worker.yaml), which also works while no
 worker runs to export this gauge (scaling from zero).
 """
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ocrq.core.contract import INTERACTIVE, lane_of_queue, queue_for
 from ocrq.core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -30,11 +32,12 @@ TIMEOUT_S = 2.0  # a scrape must answer even when Redis does not
 
 
 def consumed_queues(settings: Settings) -> list[str]:
-    """The queues `ocrq worker` consumes: OCRQ_QUEUE, and Celery's default queue where a bare
-    `send_task` lands (OCRQ_CONSUME_DEFAULT_QUEUE)."""
+    """The queues `ocrq worker` consumes, in the order it polls them: OCRQ_QUEUE's interactive
+    lane first, then OCRQ_QUEUE (bulk), and Celery's default queue where a bare `send_task`
+    lands (OCRQ_CONSUME_DEFAULT_QUEUE)."""
     from celery.app.defaults import DEFAULTS
 
-    queues = [settings.queue]
+    queues = [queue_for(INTERACTIVE, settings.queue), settings.queue]
     default = DEFAULTS["task_default_queue"]
     if settings.consume_default_queue and default not in queues:
         queues.append(default)
@@ -65,7 +68,7 @@ class QueueDepth(Collector):
         family = GaugeMetricFamily(
             "ocrq_queue_depth",
             "Messages waiting in the broker queue (read from Redis at scrape time)",
-            labels=["queue"],
+            labels=["queue", "lane"],
         )
         try:
             depths = self.depths()
@@ -73,11 +76,11 @@ class QueueDepth(Collector):
             log.warning("ocrq_queue_depth: cannot read the queue lengths: %s", exc)
             return
         for queue, depth in depths.items():
-            family.add_metric([queue], depth)
+            family.add_metric([queue, lane_of_queue(queue)], depth)
         yield family
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily("ocrq_queue_depth", "", labels=["queue"])
+        yield GaugeMetricFamily("ocrq_queue_depth", "", labels=["queue", "lane"])
 
 
 def queue_depth_registry(settings: Settings) -> CollectorRegistry | None:

@@ -16,6 +16,7 @@ from ocrq.core.contract import (
     ImageRef,
     JobRequest,
     canonical_job_id,
+    lane_of_queue,
     storable_text,
 )
 from ocrq.worker.acking import task_returned
@@ -54,6 +55,7 @@ def recognize(
     job_id: str | None = None,
     max_pixels: Any = None,
     max_new_tokens: Any = None,
+    priority: Any = None,
     **_: Any,
 ) -> dict[str, Any]:
     """One job; its result (stored in the result backend when there is one) is the job's
@@ -65,9 +67,13 @@ def recognize(
         # The job id a producer learns is the task id send_task returned: without a job_id of
         # its own the job takes that, instead of a fresh id nobody knows.
         job_id = task_id
+    if priority is None:  # a producer that only chose the queue: the queue names the lane
+        priority = lane_of_queue((self.request.delivery_info or {}).get("routing_key"))
     try:
         _check_links(self, image, task, job_id, task_id)
-        result = _recognize(image, task, job_id, task_id, max_pixels, max_new_tokens, refusal)
+        result = _recognize(
+            image, task, job_id, task_id, max_pixels, max_new_tokens, refusal, priority
+        )
     except JobFailed as exc:
         _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
         raise
@@ -99,9 +105,12 @@ def _recognize(
     max_pixels: Any,
     max_new_tokens: Any,
     refusal: str | None = None,
+    priority: Any = None,
 ) -> dict[str, Any]:
     try:
         kwargs: dict[str, Any] = {"image": image, "task": task, "job_id": job_id}
+        if priority is not None:
+            kwargs["priority"] = priority
         if max_pixels is not None:
             kwargs["max_pixels"] = max_pixels
         if max_new_tokens is not None:
