@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ocrq.api import document_status
-from ocrq.core import requeue
+from ocrq.core import batches, requeue, rerun
 from ocrq.core.contract import (
     DEFAULT_QUEUE,
     TASK_NAME,
@@ -80,11 +80,17 @@ class Client:
         record: bool = True,
         job_id: str | None = None,
         max_pixels: int | None = None,
+        batch: str | None = None,
     ) -> str:
         """Enqueue one job; with `record`, its row exists as `queued` before the message."""
         # Validated as the worker will (ValidationError, a ValueError: NUL bytes, lone
         # surrogates...), so nothing is enqueued that could not be stored.
-        fields: dict[str, Any] = {"image": image, "task": task, "max_pixels": max_pixels}
+        fields: dict[str, Any] = {
+            "image": image,
+            "task": task,
+            "max_pixels": max_pixels,
+            "batch": batch,
+        }
         if job_id is not None:
             fields["job_id"] = job_id
         request = JobRequest.model_validate(fields)
@@ -103,7 +109,9 @@ class Client:
         same image and task is not sent again (an idempotent retry); one recorded for another
         image raises JobIdReused and nothing is recorded or sent.
         """
-        news = [NewJob(r.job_id, r.task, r.image.describe(), r.max_pixels) for r in requests]
+        news = [
+            NewJob(r.job_id, r.task, r.image.describe(), r.max_pixels, r.batch) for r in requests
+        ]
         existing = self.store.enqueue_many(news)
         unique = list({r.job_id: r for r in requests}.values())
         to_send = [r for r in unique if existing[r.job_id] is None]
@@ -134,6 +142,8 @@ class Client:
                 request.task,
                 request.job_id,
                 request.max_pixels,
+                request.batch,
+                request.retry,
             ),
             queue=self.settings.queue or DEFAULT_QUEUE,
             task_id=request.job_id,
@@ -162,15 +172,48 @@ class Client:
                     ocr_jobs.c.created_at,
                     ocr_jobs.c.max_pixels,
                     ocr_jobs.c.page,
+                    ocr_jobs.c.batch,
+                    ocr_jobs.c.retries,
                 ).where(ocr_jobs.c.status == "queued")
             ).all()
         sent = []
-        for job_id, task, source, created, max_pixels, page in rows:
+        for job_id, task, source, created, max_pixels, page, batch, retries in rows:
             if created.timestamp() > cutoff or source == "b64" or source.startswith("b64:"):
                 continue
-            requeue.resend(self.app, self.settings, job_id, task, source, max_pixels, page)
+            requeue.resend(
+                self.app, self.settings, job_id, task, source, max_pixels, page, batch, retries
+            )
             sent.append(job_id)
         return sent
+
+    def retry_failed(
+        self, batch: str | None = None, job_ids: Sequence[str] | None = None
+    ) -> list[str]:
+        """Re-run failed jobs (of `batch`, or `job_ids`, or all): their rows go back to
+        `queued` as a new re-run (ocrq/core/rerun.py), then each is sent again. Should the
+        broker fail part-way, the rows not sent stay `queued` and `ocrq requeue` sends them."""
+        ids = None if job_ids is None else [_canonical_or_none(j) or j for j in job_ids]
+        reopened = rerun.reopen_failed(self.store.engine, batch, ids)
+        for job in reopened:
+            requeue.resend(
+                self.app,
+                self.settings,
+                job.id,
+                job.task,
+                job.source,
+                job.max_pixels,
+                job.page,
+                job.batch,
+                job.retries,
+            )
+        return [job.id for job in reopened]
+
+    def batch(self, name: str) -> batches.BatchSummary | None:
+        """The batch's counts, times and ETA (`GET /batches/{id}`); None when unknown."""
+        return batches.summary(self.store.engine, name)
+
+    def known_batches(self, names: Sequence[str]) -> set[str]:
+        return batches.known(self.store.engine, list(names))
 
     def requeue_stalled(
         self, stalled_after_s: float | None = None, exclude_worker: str | None = None
@@ -199,19 +242,29 @@ class Client:
         created_before: dt.datetime | None = None,
         limit: int = 50,
         after: tuple[dt.datetime, str] | None = None,
+        batch: str | None = None,
     ) -> Page:
         """Recent jobs, newest first (`ocrq jobs`, `GET /jobs`)."""
-        return self.store.page(statuses, created_after, created_before, limit, after)
+        return self.store.page(statuses, created_after, created_before, limit, after, batch)
 
     def listing(
         self,
         statuses: Sequence[str] = (),
         created_after: dt.datetime | None = None,
         limit: int = 50,
-    ) -> list[dict[str, Any]]:
-        """Recent jobs as `ocrq jobs` lists them: documents with their status and pages."""
-        page = self.page(statuses, created_after, limit=limit)
-        return document_status.listed(self.documents, page.rows)
+        after: tuple[dt.datetime, str] | None = None,
+        batch: str | None = None,
+    ) -> tuple[list[dict[str, Any]], tuple[dt.datetime, str] | None]:
+        """Recent jobs as `ocrq jobs` lists them (documents with their status and pages), and
+        where the next page starts (None: no more rows)."""
+        page = self.page(statuses, created_after, limit=limit, after=after, batch=batch)
+        return document_status.listed(self.documents, page.rows), page.next_after
+
+    def progress(self, job_ids: Sequence[str]) -> tuple[int, int, int]:
+        """(finished units, all units, finished jobs) of these jobs: a document counts as
+        its pages."""
+        ids = [_canonical_or_none(j) or j for j in job_ids]
+        return document_status.progress(self.documents, ids, self.store.get(ids))
 
     def wait(
         self,

@@ -33,6 +33,7 @@ JobStatus = Literal["queued", "running", "done", "failed"]
 PAGE_MARK = "#page="
 MAX_DOCUMENT_PAGE = 1_000_000
 MAX_NAME_CHARS = 8400  # a reference of up to 8192 characters plus a page mark
+MAX_BATCH_CHARS = 128  # a producer's batch name (ocr_jobs.batch, migrations/0006)
 
 # Query parameters whose values are secrets in common signed/tokened URLs (S3 and GCS presigned
 # URLs, OAuth access tokens, API keys): masked wherever a URL is shown or stored.
@@ -145,6 +146,12 @@ class JobRequest(BaseModel):
     # Optional: the job's own cap on new tokens, within the worker's OCRQ_MAX_NEW_TOKENS (a word
     # crop needs few; the running loop frees its slot when it is reached).
     max_new_tokens: Annotated[int | None, Field(ge=1, le=131_072)] = None
+    # Optional: the producer's own grouping of jobs (`GET /batches/{batch}`, `ocrq wait`,
+    # `ocrq export --batch`). Not `batch_id`, which names the engine batch that ran the job.
+    batch: Annotated[str | None, Field(min_length=1, max_length=MAX_BATCH_CHARS)] = None
+    # The user re-run this message belongs to (`ocrq retry` sends the row's count of re-runs):
+    # a failed row runs again only for a new re-run, never for a late copy of an old message.
+    retry: Annotated[int, Field(ge=0, le=1_000_000)] = 0
 
     @field_validator("job_id", mode="before")
     @classmethod
@@ -155,6 +162,11 @@ class JobRequest(BaseModel):
     @classmethod
     def _storable_task(cls, value: str) -> str:
         return _storable(value, "task")
+
+    @field_validator("batch")
+    @classmethod
+    def _storable_batch(cls, value: str | None) -> str | None:
+        return None if value is None else _storable(value, "batch")
 
     @model_validator(mode="after")
     def _storable_image(self) -> JobRequest:
@@ -189,6 +201,8 @@ def job_kwargs(
     task: str = "text",
     job_id: str | None = None,
     max_pixels: int | None = None,
+    batch: str | None = None,
+    retry: int = 0,
 ) -> dict:
     """Build send_task kwargs; a producer may equally write this dict by hand."""
     kwargs: dict = {
@@ -198,4 +212,8 @@ def job_kwargs(
     }
     if max_pixels is not None:
         kwargs["max_pixels"] = max_pixels
+    if batch is not None:
+        kwargs["batch"] = batch
+    if retry:
+        kwargs["retry"] = retry
     return kwargs

@@ -40,6 +40,7 @@ class DocumentStore:
         sha256: str,
         pages: int,
         page_jobs: Sequence[tuple[str, int, str]],
+        batch: str | None = None,
     ) -> list[int]:
         """Record a split document and its page jobs (id, page, source) as queued; return the
         pages still queued, to be sent. Idempotent: a redelivered split keeps every row."""
@@ -72,6 +73,7 @@ class DocumentStore:
                                 "attempts": 0,
                                 "document_id": document_id,
                                 "page": page,
+                                "batch": batch,
                             }
                             for job_id, page, page_source in page_jobs
                         ]

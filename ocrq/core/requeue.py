@@ -37,10 +37,21 @@ def requeue_stalled(
     stalled = workers_table.flip_stalled(store.engine, after, exclude=exclude_worker)
     sent: list[str] = []
     try:
-        # The sweep's row carries no max_pixels: read the jobs' own caps.
-        caps = {i: r.get("max_pixels") for i, r in store.get([j.id for j in stalled]).items()}
+        # The sweep's row carries no max_pixels, batch or re-run: read the jobs' own.
+        rows = store.get([j.id for j in stalled])
         for job in stalled:
-            resend(app, settings, job.id, job.task, job.source, caps.get(job.id), job.page)
+            row = rows.get(job.id, {})
+            resend(
+                app,
+                settings,
+                job.id,
+                job.task,
+                job.source,
+                row.get("max_pixels"),
+                job.page,
+                row.get("batch"),
+                row.get("retries") or 0,
+            )
             sent.append(job.id)
     finally:  # the broker failed mid-way: leave the rest for the next sweep
         workers_table.unflip(store.engine, [j.id for j in stalled[len(sent) :]])
@@ -56,12 +67,15 @@ def resend(
     source: str,
     max_pixels: int | None = None,
     page: int | None = None,
+    batch: str | None = None,
+    retry: int = 0,
 ) -> None:
-    """A job's message rebuilt from its row (path or URL; the row holds no inline bytes)."""
+    """A job's message rebuilt from its row (path or URL; the row holds no inline bytes),
+    with the row's batch and re-run generation (a lower one would be refused as stale)."""
     image = resend_image(source, page)
     app.send_task(
         TASK_NAME,
-        kwargs=job_kwargs(image, task, job_id, max_pixels),
+        kwargs=job_kwargs(image, task, job_id, max_pixels, batch, retry),
         queue=settings.queue or DEFAULT_QUEUE,
         task_id=job_id,
     )

@@ -4,7 +4,10 @@ Idempotency lives here, in SQL, not in callers: claiming a job creates or locks 
 bumps `attempts`, but a row that is already final (`done` or `failed`) is left untouched and
 reported as such, so a redelivered message neither creates a second row, nor overwrites a
 finished result, nor runs a failed job again: a status a client was told is final never
-changes. A job id names one image and task: another message reusing it is refused, and a job
+changes, except by the user's own explicit re-run (`ocrq retry`, ocrq/core/rerun.py), which
+puts a failed row back to `queued` and counts a new retry generation that only its own message
+carries: a late copy of an older message still finds the job final (or stale) and leaves it.
+A job id names one image and task: another message reusing it is refused, and a job
 whose worker keeps dying under it is failed after `max_attempts` instead of being run again.
 """
 
@@ -50,6 +53,7 @@ class NewJob:
     task: str
     source: str
     max_pixels: int | None = None
+    batch: str | None = None  # the producer's grouping (not batch_id, the engine batch)
 
 
 class JobIdReused(ValueError):
@@ -98,7 +102,14 @@ class JobStore:
         """For embedded SQLite only; the service's schema is Alembic's (`ocrq migrate`)."""
         ocr_jobs.metadata.create_all(self.engine)
 
-    def enqueue(self, job_id: str, task: str, source: str, max_pixels: int | None = None) -> None:
+    def enqueue(
+        self,
+        job_id: str,
+        task: str,
+        source: str,
+        max_pixels: int | None = None,
+        batch: str | None = None,
+    ) -> None:
         """Record a submitted job as queued; an existing row (any status) is kept."""
         stmt = self._insert(ocr_jobs).values(
             id=job_id,
@@ -106,6 +117,7 @@ class JobStore:
             task=task,
             source=source,
             max_pixels=max_pixels,
+            batch=batch,
             created_at=now(),
             attempts=0,
         )
@@ -140,6 +152,7 @@ class JobStore:
                         "task": j.task,
                         "source": j.source,
                         "max_pixels": j.max_pixels,
+                        "batch": j.batch,
                         "created_at": t,
                         "attempts": 0,
                     }
@@ -189,10 +202,13 @@ class JobStore:
         created_before: dt.datetime | None = None,
         limit: int = 50,
         after: tuple[dt.datetime, str] | None = None,
+        batch: str | None = None,
     ) -> Page:
         """Jobs newest first, filtered; `after` is the previous page's `next_after` (keyset
         paging: stable while new jobs arrive, and each page is one index range scan)."""
         stmt = select(ocr_jobs)
+        if batch is not None:
+            stmt = stmt.where(ocr_jobs.c.batch == batch)
         if statuses:
             stmt = stmt.where(ocr_jobs.c.status.in_(list(statuses)))
         if created_after is not None:
@@ -217,6 +233,8 @@ class JobStore:
         worker: str,
         max_attempts: int | None = None,
         page: int | None = None,
+        batch: str | None = None,
+        retry: int = 0,
     ) -> Claim:
         """Mark the job running (creating its row if the producer did not), unless it must not run.
 
@@ -230,10 +248,15 @@ class JobStore:
         or the stall sweep put it back to `queued` to re-send it), and once `max_attempts` such
         attempts were made the job fails instead of running again, so a poison message costs at
         most `max_attempts` worker deaths, however many copies of its message are about.
+        `retry` is the message's re-run generation: a message of an older one than the row's
+        (`retries`, bumped by `ocrq retry`) is a late copy and does not run; the cap counts
+        the attempts since the current re-run began (`retry_attempts`).
         """
         t = now()
         if self.engine.dialect.update_returning:
-            created = self._claim_in_one_statement(job_id, task, source, worker, max_attempts, t)
+            created = self._claim_in_one_statement(
+                job_id, task, source, worker, max_attempts, t, retry
+            )
             if created is not None:
                 return Claim(run=True, created_at=created)
         locked = select(ocr_jobs).where(ocr_jobs.c.id == job_id).with_for_update()
@@ -252,6 +275,8 @@ class JobStore:
                         attempts=1,
                         worker=worker,
                         page=page,  # a page job sent by a producer: resendable from its row
+                        batch=batch,
+                        retries=retry,
                     )
                     .on_conflict_do_nothing(index_elements=["id"])
                     .returning(ocr_jobs.c.id)
@@ -262,11 +287,12 @@ class JobStore:
             row = dict(row)
             if (row["source"], row["task"]) != (source, task):
                 return Claim(run=False, row=row, error=REUSED_ID)
-            if row["status"] in FINAL:
-                return Claim(run=False, row=row)
+            if row["status"] in FINAL or (row.get("retries") or 0) > retry:
+                return Claim(run=False, row=row)  # final, or a copy from an older re-run
             where = ocr_jobs.c.id == job_id
-            if max_attempts is not None and row["attempts"] >= max(max_attempts, 1):
-                error = gave_up(row["attempts"])
+            this_run = row["attempts"] - (row.get("retry_attempts") or 0)
+            if max_attempts is not None and this_run >= max(max_attempts, 1):
+                error = gave_up(this_run)
                 fields = {"status": "failed", "error": error, "finished_at": t}
                 conn.execute(update(ocr_jobs).where(where).values(**fields))
                 return Claim(run=False, row={**row, **fields}, error=error)
@@ -290,6 +316,7 @@ class JobStore:
         worker: str,
         max_attempts: int | None,
         t: dt.datetime,
+        retry: int = 0,
     ) -> dt.datetime | None:
         """The common claim (the producer's row, not final, the same source and task, under the
         attempt cap) as one autocommit UPDATE ... RETURNING; the row's created_at, or None when
@@ -305,9 +332,12 @@ class JobStore:
             ocr_jobs.c.status.not_in(FINAL),
             ocr_jobs.c.source == source,
             ocr_jobs.c.task == task,
+            ocr_jobs.c.retries <= retry,
         ]
         if max_attempts is not None:
-            conditions.append(ocr_jobs.c.attempts < max(max_attempts, 1))
+            conditions.append(
+                ocr_jobs.c.attempts - ocr_jobs.c.retry_attempts < max(max_attempts, 1)
+            )
         stmt = (
             update(ocr_jobs)
             .where(*conditions)
@@ -390,6 +420,8 @@ def full_view(row: dict[str, Any]) -> dict[str, Any]:
         "engine": row.get("engine"),
         "worker": row.get("worker"),
         "attempts": row.get("attempts"),
+        "retries": row.get("retries"),
+        "batch": row.get("batch"),
         "batch_id": row.get("batch_id"),
         "sha256": row.get("sha256"),
         "width": row.get("width"),

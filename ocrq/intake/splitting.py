@@ -59,7 +59,9 @@ def split(
     page_jobs = [
         (page_job_id(request.job_id, n), n, f"{source}{PAGE_MARK}{n}") for n in range(1, pages + 1)
     ]
-    to_send = docs.open(request.job_id, request.task, source, sha256, pages, page_jobs)
+    to_send = docs.open(
+        request.job_id, request.task, source, sha256, pages, page_jobs, batch=request.batch
+    )
     inline = request.image.path is None
     for n in to_send:
         job_id, _, name = page_jobs[n - 1]
@@ -82,6 +84,8 @@ def split(
         kwargs: dict[str, Any] = {"image": image, "task": request.task, "job_id": job_id}
         if request.max_pixels is not None:
             kwargs["max_pixels"] = request.max_pixels
+        if request.batch is not None:  # a document's pages are in its batch
+            kwargs["batch"] = request.batch
         send(request.job_id, kwargs)
     log.info(
         "document %s: %d pages, %d page jobs sent (%s)", request.job_id, pages, len(to_send), source

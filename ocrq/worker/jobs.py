@@ -209,6 +209,8 @@ class JobRunner:
             self.worker_name,
             max_attempts=self.settings.max_attempts,
             page=request.image.page,
+            batch=request.batch,
+            retry=request.retry,
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
