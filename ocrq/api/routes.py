@@ -255,7 +255,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
             batch=name,
         )
 
-    @api.get("/batches/{batch}", response_model=BatchOut, responses={404: {}})
+    @api.get("/batches/{batch:path}", response_model=BatchOut, responses={404: {}})
     async def get_batch(batch: str) -> dict[str, Any]:
         """A batch's jobs counted by status (images and documents' pages), its documents, its
         first and last finish, and an ETA from the batch's own completion rate. Its jobs
