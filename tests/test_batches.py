@@ -69,42 +69,46 @@ def test_batch_wait_export_and_retry(
         shutil.copy(text_images[name], folder / f"{name}.png")
     text_pdf(PAGES, folder / "report.pdf")
     missing = image_root / f"late-{uuid.uuid4().hex[:6]}.png"
+    late_pdf = image_root / f"late-{uuid.uuid4().hex[:6]}.pdf"
     batch = f"nightly-{uuid.uuid4().hex[:6]}"
-    submitted = ocrq(service_env, "submit", "--batch", batch, str(folder), str(missing))
+    submitted = ocrq(
+        service_env, "submit", "--batch", batch, str(folder), str(missing), str(late_pdf)
+    )
     assert submitted.returncode == 0, submitted.stderr
     assert f"batch: {batch}" in submitted.stderr
     ids = submitted.stdout.split()
-    assert len(ids) == 4
+    assert len(ids) == 5
 
     # `ocrq wait BATCH`: a failed job makes it exit 1, once every job is final.
     waited = ocrq(service_env, "wait", batch, "--timeout", "150", "--json")
     assert waited.returncode == 1, waited.stderr
     summary = json.loads(waited.stdout.splitlines()[0])
     assert summary["final"] and summary["batch"] == batch
-    assert summary["jobs"] == {"done": 4, "failed": 1}  # 2 images + 2 pages, the missing file
+    # 2 images + 2 pages; the missing image, and the missing PDF (not known as one yet)
+    assert summary["jobs"] == {"done": 4, "failed": 2}
     assert summary["pages"] == {"done": 2} and summary["documents"] == {"done": 1}
     assert summary["eta_s"] == 0 and summary["first_finished_at"] <= summary["last_finished_at"]
-    assert "done: 4, failed: 1, total: 5" in waited.stderr
+    assert "done: 4, failed: 2, total: 6" in waited.stderr
     # The api says the same.
     answer = api.get(f"/batches/{batch}")
     assert answer.status_code == 200, answer.text
     assert answer.json()["jobs"] == summary["jobs"] and answer.json()["rate_per_s"] > 0
     assert api.get(f"/batches/nope-{uuid.uuid4().hex}").status_code == 404
     listed = api.get("/jobs", params={"batch": batch, "limit": 100}).json()["jobs"]
-    assert len(listed) == 6 and {r["batch"] for r in listed} == {batch}  # + the PDF's own job
+    assert len(listed) == 7 and {r["batch"] for r in listed} == {batch}  # + the PDF's own job
 
     # `ocrq jobs`: a page smaller than the batch says there is more; --all pages through it.
     few = ocrq(service_env, "jobs", "--batch", batch, "--limit", "2", "--json")
     assert len(few.stdout.splitlines()) == 2 and "more jobs match" in few.stderr
     every = ocrq(service_env, "jobs", "--batch", batch, "--all", "--json")
-    assert len(every.stdout.splitlines()) == 6 and "more jobs" not in every.stderr
+    assert len(every.stdout.splitlines()) == 7 and "more jobs" not in every.stderr
 
     # Export in every format.
     out = tmp_path / "out.jsonl"
     exported = ocrq(service_env, "export", "--batch", batch, "--format", "jsonl", "--out", str(out))
     assert exported.returncode == 0, exported.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) == 5 and "exported 5 record(s)" in exported.stderr
+    assert len(records) == 6 and "exported 6 record(s)" in exported.stderr
     by_kind = {(r["kind"], r["page"]): r for r in records}
     assert by_kind[("page", 1)]["text"] == "FIRST PAGE"
     assert by_kind[("page", 2)]["text"] == "SECOND PAGE"
@@ -118,7 +122,7 @@ def test_batch_wait_export_and_retry(
     assert ocrq(service_env, "export", "--batch", batch, "--format", "csv", "--out", str(table))
     with table.open(newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 5 and {r["job_id"] for r in rows} == {r["job_id"] for r in records}
+    assert len(rows) == 6 and {r["job_id"] for r in rows} == {r["job_id"] for r in records}
     assert any(json.loads(r["lines"]) for r in rows)  # the boxes, as JSON in a cell
 
     md = tmp_path / "md"
@@ -127,24 +131,29 @@ def test_batch_wait_export_and_retry(
     assert sorted(p.name for p in md.iterdir()) == ["hello.md", "invoice.md", "report.md"]
     assert (md / "report.md").read_text() == "FIRST PAGE\n\nSECOND PAGE"
     assert (md / "invoice.md").read_text() == "INVOICE 2026\nTOTAL 134.90"
-    assert "1 not done (no file)" in made.stderr
+    assert "2 not done (no file)" in made.stderr
     parquet = ocrq(service_env, "export", "--batch", batch, "--format", "parquet", "--out", "x")
     assert parquet.returncode == 2 and "pyarrow" in parquet.stderr
 
-    # The file appears; the failed job is run again, and counted.
+    # The files appear; the failed jobs are run again, and counted.
     shutil.copy(text_images["word"], missing)
+    text_pdf([["THIRD PAGE"]], late_pdf)
     retried = ocrq(service_env, "retry", "--status", "failed", "--batch", batch)
     assert retried.returncode == 0, retried.stderr
-    (again,) = retried.stdout.split()
-    assert again == ids[-1] and "re-sent 1 failed job(s)" in retried.stderr
+    assert sorted(retried.stdout.split()) == sorted(ids[-2:])
+    assert "re-sent 2 failed job(s)" in retried.stderr
     assert ocrq(service_env, "wait", batch, "--timeout", "150").returncode == 0
-    row = api.get(f"/jobs/{again}").json()
+    row = api.get(f"/jobs/{ids[-2]}").json()
     assert (row["status"], row["text"], row["attempts"], row["retries"]) == (
         "done",
         "STATION",
         2,
         1,
     )
+    document = api.get(f"/jobs/{ids[-1]}").json()  # split on its re-run, into its page
+    assert (document["status"], document["text"], document["pages"]) == ("done", "THIRD PAGE", 1)
+    after = api.get(f"/batches/{batch}").json()
+    assert after["jobs"] == {"done": 6} and after["documents"] == {"done": 2}  # 3 images, 3 pages
     # Nothing failed is left to re-run, through the api too.
     assert api.post("/jobs/retry", json={"batch": batch}).json() == {"job_ids": []}
     assert api.post("/jobs/retry", json={}).status_code == 422
