@@ -617,7 +617,7 @@ def export(
             exporting.rows(engine, batch, created_after),
             fmt,
             out,
-            advance=lambda: progress.advance(bar),
+            advance=lambda n: progress.advance(bar, n),
         )
     skipped = f", {written.skipped} not done (no file)" if written.skipped else ""
     files = f" in {written.files} file(s)" if fmt == "md" else ""

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from celery import Celery
 
+from ocrq.client import Client as OcrqClient
 from ocrq.core import rerun
 from ocrq.core.contract import TASK_NAME
 from ocrq.core.db import get_engine
@@ -176,6 +177,11 @@ def test_api_batches_and_wait_resumes_after_submit_timeout(
     assert ocrq(service_env, "wait", *ids, "--timeout", "150").returncode == 0
     summary = api.get(f"/batches/{batch}").json()
     assert summary["final"] and summary["jobs"] == {"done": 2}
+    with OcrqClient(str(api.base_url), token=TOKEN) as ocr:  # the producers' HTTP client
+        assert ocr.batch(batch)["jobs"] == {"done": 2}
+        assert ocr.retry(batch=batch) == []  # nothing failed
+        one = ocr.submit(str(text_images["word"]), batch=batch)
+        assert ocr.wait([one], timeout=150)[0]["batch"] == batch
     assert {api.get(f"/jobs/{i}").json()["batch"] for i in ids} == {batch}
 
     named = f"resume-{uuid.uuid4().hex[:6]}"

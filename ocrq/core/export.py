@@ -33,6 +33,7 @@ from ocrq.core.documents_store import PAGE_SEPARATOR
 
 FORMATS = ("jsonl", "csv", "md")
 CHUNK_ROWS = 500  # rows per round trip of the server-side cursor
+TICK_ROWS = 100  # the progress callback is told every this many records (and at the end)
 FIELDS = (
     "job_id", "batch", "kind", "document_id", "page", "path", "status", "task", "text",
     "error", "truncated", "attempts", "retries", "engine", "width", "height", "created_at",
@@ -115,29 +116,42 @@ def _iso(value: dt.datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
+def _ticks(records: Iterator[dict[str, Any]], advance: Callable[[int], None]) -> Iterator[Any]:
+    """`records`, telling `advance` how many went by every TICK_ROWS of them: a progress bar
+    redrawn per record cost more than the writing."""
+    n = 0
+    for rec in records:
+        yield rec
+        n += 1
+        if n == TICK_ROWS:
+            advance(n)
+            n = 0
+    if n:
+        advance(n)
+
+
 def write(
     records: Iterator[dict[str, Any]],
     fmt: str,
     out: Path,
-    advance: Callable[[], None] = lambda: None,
+    advance: Callable[[int], None] = lambda n: None,
 ) -> Exported:
-    """Write `records` to `out` (a file; a folder for md)."""
+    """Write `records` to `out` (a file; a folder for md); `advance(n)`: n more written."""
+    records = _ticks(records, advance)
     if fmt == "md":
-        return _write_md(records, out, advance)
+        return _write_md(records, out)
     done = Exported(files=1)
     with out.open("w", encoding="utf-8", newline="") as fh:
         if fmt == "jsonl":
             for rec in records:
                 fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 done.records += 1
-                advance()
         elif fmt == "csv":
             writer = csv.DictWriter(fh, fieldnames=FIELDS)
             writer.writeheader()
             for rec in records:
                 writer.writerow({**rec, "lines": json.dumps(rec["lines"], ensure_ascii=False)})
                 done.records += 1
-                advance()
         else:
             raise ValueError(f"unknown format {fmt!r}: one of {', '.join(FORMATS)}")
     return done
@@ -171,9 +185,7 @@ class _Names:
         return self.folder / f"{name}.md"
 
 
-def _write_md(
-    records: Iterator[dict[str, Any]], folder: Path, advance: Callable[[], None]
-) -> Exported:
+def _write_md(records: Iterator[dict[str, Any]], folder: Path) -> Exported:
     folder.mkdir(parents=True, exist_ok=True)
     names = _Names(folder)
     done = Exported()
@@ -207,7 +219,6 @@ def _write_md(
                 done.files += 1
             else:
                 done.skipped += 1
-            advance()
     finally:
         if fh is not None:
             fh.close()
