@@ -304,8 +304,17 @@ def submit(
             help="interactive: ahead of the bulk backlog (a live app's jobs); bulk: the default."
         ),
     ] = "bulk",
+    batch: Annotated[
+        str | None,
+        typer.Option(
+            help="Name the jobs' batch (`ocrq wait BATCH`, `ocrq export --batch`); "
+            "default: a new UUID, printed on stderr."
+        ),
+    ] = None,
 ) -> None:
     """Enqueue one job per image; print job ids, or with --wait the results."""
+    import uuid
+
     from ocrq.api.client import Client, image_ref
     from ocrq.worker.embedded import expand
 
@@ -314,6 +323,7 @@ def submit(
         raise typer.Exit(2)
     settings = _settings()
     client = Client(settings)
+    batch = batch or str(uuid.uuid4())
     refs: list[str] = []
     for target in targets:
         if target.startswith(("http://", "https://")):
@@ -321,7 +331,8 @@ def submit(
         else:
             refs.extend(str(p) for p in expand([Path(target)]))
     started = time.monotonic()
-    ids = [client.submit(image_ref(t), task, priority=priority) for t in refs]
+    ids = [client.submit(image_ref(t), task, priority=priority, batch=batch) for t in refs]
+    err.print(f"batch: {batch}", highlight=False, soft_wrap=True)
     if not wait:
         for job_id in ids:
             typer.echo(json.dumps({"job_id": job_id}) if as_json else job_id)
@@ -344,7 +355,11 @@ def submit(
     # partial: a document some of whose pages failed (it is finished, and counts as failed)
     pending = len(ids) - sum(counts.get(k, 0) for k in ("done", *NOT_DONE))
     if pending:
-        err.print(f"[yellow]{pending} job(s) not finished within {timeout} s")
+        err.print(
+            f"[yellow]{pending} job(s) not finished within {timeout} s: "
+            f"`ocrq wait {batch}` goes on waiting",
+            soft_wrap=True,
+        )
         raise typer.Exit(EXIT_PENDING)
     if any(counts.get(k, 0) for k in NOT_DONE):
         raise typer.Exit(EXIT_FAILED)
@@ -385,6 +400,7 @@ def status(
         raise typer.Exit(EXIT_FAILED)
 
 
+JOBS_PAGE_MAX = 10_000  # rows per page of `ocrq jobs`; --all pages on past it
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -413,19 +429,46 @@ def jobs(
         str | None,
         typer.Option(help="Created at most this long ago (30m, 2h, 7d) or since an ISO time."),
     ] = None,
-    limit: Annotated[int, typer.Option(min=1, max=10_000, help="Rows at most.")] = 20,
+    limit: Annotated[
+        int, typer.Option(min=1, max=JOBS_PAGE_MAX, help="Rows at most (see --all).")
+    ] = 20,
+    batch: Annotated[str | None, typer.Option(help="Only this batch's jobs.")] = None,
+    every: Annotated[
+        bool,
+        typer.Option(
+            "--all", help="Every matching job, page after page (best with --json: streamed)."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
 ) -> None:
-    """List recent jobs, newest first, one line each (a document with its pages)."""
+    """List recent jobs, newest first, one line each (a document with its pages). When more
+    jobs match than --limit shows, stderr says so: nothing is cut silently."""
     from ocrq.api.client import Client
 
     statuses = [s.strip() for item in status or () for s in item.split(",") if s.strip()]
     bad = sorted(set(statuses) - {"queued", "running", "done", "failed", "cancelled", "expired"})
     if bad:
         raise typer.BadParameter(f"unknown status {bad}", param_hint="--status")
-    after = since_time(since) if since else None
-    rows = Client(_settings()).listing(statuses, created_after=after, limit=limit)
-    _print_rows(rows, as_json)
+    created_after = since_time(since) if since else None
+    client = Client(_settings())
+    after = None
+    shown = 0
+    while True:
+        size = JOBS_PAGE_MAX if every else limit
+        rows, after = client.listing(
+            statuses, created_after=created_after, limit=size, after=after, batch=batch
+        )
+        _print_rows(rows, as_json)
+        shown += len(rows)
+        if after is None:
+            return
+        if not every:
+            err.print(
+                f"[yellow]more jobs match than the {shown} shown:[/] page on with --all "
+                "(or narrow with --since, --status, --batch)",
+                soft_wrap=True,
+            )
+            return
 
 
 @app.command()
@@ -457,6 +500,145 @@ def requeue(
         err.print(f"re-sent {len(sent)} queued job(s)")
     for job_id in sent:
         typer.echo(job_id)
+
+
+@app.command("wait")
+def wait_for(
+    targets: Annotated[list[str], typer.Argument(help="Batch names or job ids.")],
+    timeout: Annotated[float | None, typer.Option(help="Seconds to wait at most.")] = None,
+    poll: Annotated[float, typer.Option(min=0.05, help="Seconds between checks.")] = 0.5,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print each batch's summary and each job's row.")
+    ] = False,
+) -> None:
+    """Wait for batches (`ocrq submit --batch`, or the name `submit` printed) or jobs to
+    finish, with a progress bar: resumes a `submit --wait --timeout` that ran out.
+    Exit code 3 when --timeout passes first, 4 for a name that is neither, 1 when any job
+    failed."""
+    from ocrq.api.client import Client
+
+    client = Client(_settings())
+    names = client.known_batches(targets)
+    ids = [t for t in targets if t not in names]
+    rows = {r["job_id"]: r for r in client.status(ids)} if ids else {}
+    unknown = [j for j, r in rows.items() if r["status"] == "unknown"]
+    if unknown:
+        err.print(f"[red]neither a batch nor a job id:[/] {', '.join(unknown)}", soft_wrap=True)
+        raise typer.Exit(EXIT_UNKNOWN)
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
+    with _progress() as progress:
+        bar = progress.add_task("waiting", total=None)
+        while True:
+            summaries = [client.batch(name) for name in names]
+            done = sum(s.finished for s in summaries if s)
+            total = sum(s.total for s in summaries if s)
+            final = all(s is None or s.final for s in summaries)
+            if ids:
+                units, units_total, jobs_final = client.progress(ids)
+                done, total = done + units, total + units_total
+                final = final and jobs_final == len(ids)
+            etas = [s.eta_s for s in summaries if s and s.eta_s]
+            eta = f" eta {max(etas):.0f} s" if etas else ""
+            progress.update(bar, completed=done, total=total, description=f"waiting{eta}")
+            if final or (deadline is not None and time.monotonic() > deadline):
+                break
+            time.sleep(poll)
+    counts: dict[str, int] = {}
+    for s in summaries:
+        if s is not None:
+            if as_json:
+                typer.echo(json.dumps(s.as_json()))
+            for status, n in s.jobs.items():
+                counts[status] = counts.get(status, 0) + n
+    for row in client.status(ids) if ids else []:
+        if as_json:
+            typer.echo(json.dumps(row, ensure_ascii=False))
+        status = "failed" if row["status"] == "partial" else row["status"]
+        counts[status] = counts.get(status, 0) + 1
+    err.print(_summary(counts, sum(counts.values()), time.monotonic() - started))
+    if not final:
+        err.print(f"[yellow]not finished within {timeout} s")
+        raise typer.Exit(EXIT_PENDING)
+    if counts.get("failed", 0):
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def retry(
+    job_ids: Annotated[
+        list[str] | None, typer.Argument(help="Only these jobs (default: every failed one).")
+    ] = None,
+    status: Annotated[
+        str, typer.Option(help="Which jobs to run again: failed (queued or running: requeue).")
+    ] = "failed",
+    batch: Annotated[str | None, typer.Option(help="Only this batch's jobs.")] = None,
+) -> None:
+    """Run failed jobs again, as a new attempt each (the row's attempts and retries count
+    it); a document with a re-run page is assembled again. Prints the re-sent job ids."""
+    from ocrq.api.client import Client
+
+    if status != "failed":
+        raise typer.BadParameter(
+            "only failed jobs are run again; `ocrq requeue` re-sends queued ones and "
+            "`ocrq requeue --stalled` the running jobs of dead workers",
+            param_hint="--status",
+        )
+    sent = Client(_settings()).retry_failed(batch, job_ids or None)
+    err.print(f"re-sent {len(sent)} failed job(s)")
+    for job_id in sent:
+        typer.echo(job_id)
+
+
+@app.command()
+def export(
+    out: Annotated[
+        Path, typer.Option(help="File to write (jsonl, csv); a folder for md.")
+    ],
+    batch: Annotated[str | None, typer.Option(help="This batch's jobs.")] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Jobs created at most this long ago (30m, 2h, 1d) or since an ISO time."),
+    ] = None,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="jsonl | csv | md (one file per document, pages in order, and per image).",
+        ),
+    ] = "jsonl",
+) -> None:
+    """Write results out, streamed from PostgreSQL, with a progress bar: one record per image
+    and per document page (documents' pages together, in order)."""
+    from ocrq.core import export as exporting
+    from ocrq.core.db import engine_for
+
+    if fmt == "parquet":
+        raise typer.BadParameter(
+            "parquet is not offered (it needs pyarrow, a ~40 MB dependency): export jsonl and "
+            "load it with pandas, DuckDB or Spark",
+            param_hint="--format",
+        )
+    if fmt not in exporting.FORMATS:
+        raise typer.BadParameter(
+            f"one of {', '.join(exporting.FORMATS)}", param_hint="--format"
+        )
+    if batch is None and since is None:
+        raise typer.BadParameter("name --batch or --since (or both)")
+    created_after = since_time(since) if since else None
+    engine = engine_for(_settings())
+    total = exporting.count(engine, batch, created_after)
+    with _progress() as progress:
+        bar = progress.add_task("export", total=total)
+        written = exporting.write(
+            exporting.rows(engine, batch, created_after),
+            fmt,
+            out,
+            advance=lambda n: progress.advance(bar, n),
+        )
+    skipped = f", {written.skipped} not done (no file)" if written.skipped else ""
+    files = f" in {written.files} file(s)" if fmt == "md" else ""
+    err.print(f"exported {written.records} record(s){files}{skipped} to {out}", soft_wrap=True)
 
 
 @app.command()

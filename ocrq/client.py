@@ -115,15 +115,18 @@ class Client:
         expires_at: dt.datetime | None = None,
         callback_url: str | None = None,
         priority: str | None = None,
+        batch: str | None = None,
     ) -> str:
         """Enqueue one job; its id. With `job_id` (a UUID) a retry is idempotent: the same id
         and image return the job already recorded. `expires_at`: not run after it (the job
         ends `expired`); `callback_url`: POSTed the outcome, signed (docs/api.md);
         `priority="interactive"`: ahead of the bulk backlog (a live app's jobs); the default is
-        "bulk"."""
+        "bulk"; `batch`: your name for a group of jobs (`batch()` follows it)."""
         body: dict[str, Any] = {"image": image_of(image), "task": task}
         if priority is not None:
             body["priority"] = priority
+        if batch is not None:
+            body["batch"] = batch
         if job_id is not None:
             body["job_id"] = job_id
         if max_pixels is not None:
@@ -138,6 +141,20 @@ class Client:
         """Cancel a job not final yet; its row, now `cancelled`. A final job raises OcrqError
         409, an unknown id 404."""
         return dict(self._call("DELETE", f"/jobs/{job_id}"))
+
+    def batch(self, name: str) -> dict[str, Any]:
+        """A batch's jobs counted by status, its documents, first and last finish, and
+        `eta_s` from its own completion rate; `final` once every job is. Unknown: 404."""
+        return dict(self._call("GET", f"/batches/{name}"))
+
+    def retry(self, batch: str | None = None, job_ids: Iterable[str] | None = None) -> list[str]:
+        """Run the failed jobs of `batch` (and/or `job_ids`) again; the ids sent again."""
+        body: dict[str, Any] = {}
+        if batch is not None:
+            body["batch"] = batch
+        if job_ids is not None:
+            body["job_ids"] = list(job_ids)
+        return list(self._call("POST", "/jobs/retry", json=body)["job_ids"])
 
     def get(self, job_id: str, wait: float = 0.0) -> dict[str, Any]:
         """The job's row (status, text, lines with boxes, error, ...); with `wait`, answered

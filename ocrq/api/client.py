@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ocrq.api import document_status
-from ocrq.core import requeue
+from ocrq.core import batches, requeue, rerun
 from ocrq.core.contract import (
     BULK,
     DEFAULT_QUEUE,
@@ -94,6 +94,7 @@ class Client:
         job_id: str | None = None,
         max_pixels: int | None = None,
         priority: str = BULK,
+        batch: str | None = None,
     ) -> str:
         """Enqueue one job; with `record`, its row exists as `queued` before the message.
         `priority="interactive"` sends it to the interactive lane, ahead of the bulk backlog."""
@@ -104,6 +105,7 @@ class Client:
             "task": task,
             "max_pixels": max_pixels,
             "priority": priority,
+            "batch": batch,
         }
         if job_id is not None:
             fields["job_id"] = job_id
@@ -134,9 +136,10 @@ class Client:
                 r.task,
                 r.image.describe(),
                 r.max_pixels,
-                r.image.reference(),
-                d.expires_at,
-                d.callback_url,
+                reference=r.image.reference(),
+                expires_at=d.expires_at,
+                callback_url=d.callback_url,
+                batch=r.batch,
             )
             for r, d in zip(requests, asked, strict=True)
         ]
@@ -171,7 +174,9 @@ class Client:
                 request.task,
                 request.job_id,
                 request.max_pixels,
-                request.priority,
+                priority=request.priority,
+                batch=request.batch,
+                retry=request.retry,
             ),
             queue=queue_for(request.priority, self.settings.queue or DEFAULT_QUEUE),
             task_id=request.job_id,
@@ -196,6 +201,34 @@ class Client:
         migrations/0006) cannot be rebuilt and is skipped: its own message is its only copy.
         """
         return requeue.requeue_queued(self.store, self.app, self.settings, older_than_s)
+
+    def retry_failed(
+        self, batch: str | None = None, job_ids: Sequence[str] | None = None
+    ) -> list[str]:
+        """Re-run failed jobs (of `batch`, or `job_ids`, or all): their rows go back to
+        `queued` as a new re-run (ocrq/core/rerun.py), then each is sent again. Should the
+        broker fail part-way, the rows not sent stay `queued` and `ocrq requeue` sends them."""
+        ids = None if job_ids is None else [_canonical_or_none(j) or j for j in job_ids]
+        reopened = rerun.reopen_failed(self.store.engine, batch, ids)
+        for job in reopened:
+            requeue.resend(
+                self.app,
+                self.settings,
+                job.id,
+                job.task,
+                job.reference,
+                job.max_pixels,
+                batch=job.batch,
+                retry=job.retries,
+            )
+        return [job.id for job in reopened]
+
+    def batch(self, name: str) -> batches.BatchSummary | None:
+        """The batch's counts, times and ETA (`GET /batches/{id}`); None when unknown."""
+        return batches.summary(self.store.engine, name)
+
+    def known_batches(self, names: Sequence[str]) -> set[str]:
+        return batches.known(self.store.engine, list(names))
 
     def requeue_stalled(
         self, stalled_after_s: float | None = None, exclude_worker: str | None = None
@@ -224,19 +257,29 @@ class Client:
         created_before: dt.datetime | None = None,
         limit: int = 50,
         after: tuple[dt.datetime, str] | None = None,
+        batch: str | None = None,
     ) -> Page:
         """Recent jobs, newest first (`ocrq jobs`, `GET /jobs`)."""
-        return self.store.page(statuses, created_after, created_before, limit, after)
+        return self.store.page(statuses, created_after, created_before, limit, after, batch)
 
     def listing(
         self,
         statuses: Sequence[str] = (),
         created_after: dt.datetime | None = None,
         limit: int = 50,
-    ) -> list[dict[str, Any]]:
-        """Recent jobs as `ocrq jobs` lists them: documents with their status and pages."""
-        page = self.page(statuses, created_after, limit=limit)
-        return document_status.listed(self.documents, page.rows)
+        after: tuple[dt.datetime, str] | None = None,
+        batch: str | None = None,
+    ) -> tuple[list[dict[str, Any]], tuple[dt.datetime, str] | None]:
+        """Recent jobs as `ocrq jobs` lists them (documents with their status and pages), and
+        where the next page starts (None: no more rows)."""
+        page = self.page(statuses, created_after, limit=limit, after=after, batch=batch)
+        return document_status.listed(self.documents, page.rows), page.next_after
+
+    def progress(self, job_ids: Sequence[str]) -> tuple[int, int, int]:
+        """(finished units, all units, finished jobs) of these jobs: a document counts as
+        its pages."""
+        ids = [_canonical_or_none(j) or j for j in job_ids]
+        return document_status.progress(self.documents, ids, self.store.get(ids))
 
     def wait(
         self,

@@ -18,6 +18,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel
 
 from ocrq.api.client import Client
+from ocrq.core.contract import MAX_BATCH_CHARS
 from ocrq.core.doc_formats import document_kind
 from ocrq.core.settings import Settings
 
@@ -57,6 +58,9 @@ def router(client: Client, settings: Settings) -> APIRouter:
     async def upload_document(
         request: Request,
         task: Annotated[str, Query(min_length=1, max_length=MAX_TASK_CHARS)] = "text",
+        batch: Annotated[
+            str | None, Query(min_length=1, max_length=MAX_BATCH_CHARS, description="its batch")
+        ] = None,
     ) -> dict[str, str]:
         """Upload a PDF or multi-page TIFF as the request body; its pages become page jobs.
         Read the result with `GET /documents/{document_id}` (or `GET /jobs/{job_id}`)."""
@@ -67,10 +71,10 @@ def router(client: Client, settings: Settings) -> APIRouter:
             )
         if document_kind(body[:1024]) is None:
             raise HTTPException(415, "not a PDF or TIFF document")
-        if "\x00" in task:
+        if "\x00" in task or (batch is not None and "\x00" in batch):
             raise HTTPException(422, "NUL characters are not allowed")
         image = {"b64": base64.b64encode(body).decode("ascii")}
-        job_id = client.submit(image, task)
+        job_id = client.submit(image, task, batch=batch)
         return {"job_id": job_id, "document_id": job_id}
 
     @routes.get("/documents/{document_id}", responses={404: {"description": "no such document"}})

@@ -15,6 +15,7 @@ import binascii
 import datetime as dt
 import json
 import time
+import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -29,10 +30,13 @@ from ocrq.api.client import FINAL, Client, Delivery, Submitted
 from ocrq.api.schemas import (
     Accepted,
     BatchAccepted,
+    BatchOut,
     CancelOut,
     JobIn,
     JobList,
     JobOut,
+    Retried,
+    RetryIn,
     Status,
     capped,
 )
@@ -47,7 +51,7 @@ RAW_TYPES = ("image/", "application/octet-stream")
 BATCH_BYTES_PER_JOB = 16 * 1024
 LOOKUP_BYTES_PER_ID = 128
 BODY_SLACK = 4096
-UPLOAD_FIELDS = ("task", "job_id", "max_pixels", "priority")
+UPLOAD_FIELDS = ("task", "job_id", "max_pixels", "priority", "batch")
 
 # POST /jobs takes three bodies; FastAPI can declare only one, so the schema says all three.
 CREATE_BODY = {
@@ -65,6 +69,7 @@ CREATE_BODY = {
                         "job_id": {"type": "string", "format": "uuid"},
                         "max_pixels": {"type": "integer"},
                         "priority": {"type": "string", "enum": ["interactive", "bulk"]},
+                        "batch": {"type": "string"},
                     },
                 }
             },
@@ -209,6 +214,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
         job_id: Annotated[str | None, Query(description="raw image bodies only")] = None,
         max_pixels: Annotated[int | None, Query(description="raw image bodies only")] = None,
         priority: Annotated[str | None, Query(description="raw image bodies only")] = None,
+        batch: Annotated[str | None, Query(description="raw image bodies only")] = None,
     ) -> JSONResponse:
         """Submit one job: a JSON `JobIn`, a multipart upload (`file` plus optional `task`,
         `job_id`, `max_pixels`, `priority` fields) or a raw image body (`Content-Type:
@@ -232,7 +238,13 @@ def router(settings: Settings, client: Client) -> APIRouter:
         elif kind.startswith(RAW_TYPES):
             job = await from_raw(
                 request,
-                {"task": task, "job_id": job_id, "max_pixels": max_pixels, "priority": priority},
+                {
+                    "task": task,
+                    "job_id": job_id,
+                    "max_pixels": max_pixels,
+                    "priority": priority,
+                    "batch": batch,
+                },
             )
         else:
             raise HTTPException(415, "send application/json, multipart/form-data or image/*")
@@ -252,11 +264,34 @@ def router(settings: Settings, client: Client) -> APIRouter:
     async def create_batch(batch: BatchIn) -> BatchAccepted:
         """Submit many jobs in one request (at most OCRQ_API_MAX_BATCH; more is a 422): recorded
         all or none (a reused `job_id` -> 409 and nothing recorded), then sent; duplicate ids of
-        the same job count once."""
-        done = await submit(batch.jobs)
+        the same job count once. Jobs naming no `batch` of their own join the request's
+        `batch`, or one the api makes up and returns (`GET /batches/{batch}`)."""
+        name = batch.batch or str(uuid.uuid4())
+        jobs = [j if j.batch else j.model_copy(update={"batch": name}) for j in batch.jobs]
+        done = await submit(jobs)
         return BatchAccepted(
-            jobs=[Accepted(job_id=d.job_id, created=d.created, status=d.status) for d in done]
+            jobs=[Accepted(job_id=d.job_id, created=d.created, status=d.status) for d in done],
+            batch=name,
         )
+
+    @api.get("/batches/{batch:path}", response_model=BatchOut, responses={404: {}})
+    async def get_batch(batch: str) -> dict[str, Any]:
+        """A batch's jobs counted by status (images and documents' pages), its documents, its
+        first and last finish, and an ETA from the batch's own completion rate. Its jobs
+        themselves: `GET /jobs?batch=...`, paged."""
+        found = await run_in_threadpool(client.batch, batch)
+        if found is None:
+            raise HTTPException(404, "no job names this batch")
+        return found.as_json()
+
+    @api.post("/jobs/retry", response_model=Retried)
+    async def retry_jobs(body: RetryIn) -> dict[str, Any]:
+        """Run failed jobs again (of `batch`, and/or of `job_ids`): each goes back to
+        `queued` as a new attempt (its row's `attempts` and `retries` count it) and is sent
+        again; a document with a re-run page is assembled again. Copies of the old messages
+        still find the job as it is: only the re-run's own message runs it."""
+        sent = await run_in_threadpool(client.retry_failed, body.batch, body.job_ids)
+        return {"job_ids": sent}
 
     async def wait_for(request: Request, ids: list[str], wait_s: float) -> list[dict[str, Any]]:
         """Rows once none is queued or running, or after wait_s (capped): polling the table,
@@ -279,8 +314,10 @@ def router(settings: Settings, client: Client) -> APIRouter:
         created_before: dt.datetime | None = None,
         limit: Annotated[int, Query(ge=1)] = 50,
         cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
+        batch: Annotated[str | None, Query(description="only this batch's jobs")] = None,
     ) -> dict[str, Any]:
-        """Jobs newest first, filtered by status and creation time; page on with `cursor`."""
+        """Jobs newest first, filtered by status, creation time and batch; page on with
+        `cursor` (a `limit` above OCRQ_API_MAX_BATCH gets that many, and a `next_cursor`)."""
         after = _decode_cursor(cursor) if cursor else None
         page = await run_in_threadpool(
             client.page,
@@ -289,6 +326,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
             _utc(created_before),
             min(limit, settings.api_max_batch),
             after,
+            batch,
         )
         # A document's own job with its document's status, text and pages (as `ocrq jobs`).
         rows = await run_in_threadpool(document_status.listed, client.documents, page.rows)

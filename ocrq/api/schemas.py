@@ -21,6 +21,7 @@ from pydantic import (
 
 from ocrq.core.contract import (
     BULK,
+    MAX_BATCH_CHARS,
     MAX_PIXELS_RANGE,
     NAME_REFUSED,
     ImageRef,
@@ -36,6 +37,8 @@ DEFAULT_MAX_ITEMS = 1000  # OCRQ_API_MAX_BATCH's default; `capped` builds the co
 
 Task = Annotated[str, Field(min_length=1, max_length=MAX_TASK_CHARS)]
 MaxPixels = Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])]
+# The producer's grouping of jobs; not `batch_id`, the engine batch that ran a job.
+BatchName = Annotated[str | None, Field(min_length=1, max_length=MAX_BATCH_CHARS)]
 Status = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
 # A document (PDF, multi-page TIFF) is shown by its own job id; `partial`: some pages failed.
 JobStatus = Status | Literal["partial"]
@@ -58,6 +61,7 @@ class JobIn(BaseModel):
     callback_url: Annotated[str | None, Field(max_length=MAX_REF_CHARS)] = None
     # "interactive": ahead of the bulk backlog (its own broker queue, admitted first).
     priority: Priority = BULK
+    batch: BatchName = None
 
     @field_validator("job_id")
     @classmethod
@@ -100,6 +104,7 @@ class JobIn(BaseModel):
             "task": self.task,
             "max_pixels": self.max_pixels,
             "priority": self.priority,
+            "batch": self.batch,
         }
         if self.job_id is not None:
             fields["job_id"] = self.job_id
@@ -114,6 +119,9 @@ class BatchIn(BaseModel):
     # The cap is in the schema so that a longer list fails on its length alone, before any item
     # is validated: checked after the items, a list of a million bad items was a million errors.
     jobs: Annotated[list[JobIn], Field(min_length=1, max_length=DEFAULT_MAX_ITEMS)]
+    # The batch of every job that names none of its own; when absent the api makes one up
+    # (a UUID) and returns it.
+    batch: BatchName = None
 
 
 class Accepted(BaseModel):
@@ -125,6 +133,53 @@ class Accepted(BaseModel):
 
 class BatchAccepted(BaseModel):
     jobs: list[Accepted]
+    batch: str  # `GET /batches/{batch}` follows it
+
+
+class RetryIn(BaseModel):
+    """Which failed jobs to run again: those of `batch`, or those of `job_ids`, or both
+    filters at once. One of them is required (a re-run of every failed job is `ocrq retry`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["failed"] = "failed"
+    batch: BatchName = None
+    job_ids: Annotated[list[str] | None, Field(min_length=1, max_length=DEFAULT_MAX_ITEMS)] = None
+
+    @field_validator("job_ids")
+    @classmethod
+    def _canonical_ids(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else [canonical_job_id(v) for v in value]
+
+    @model_validator(mode="after")
+    def _one_filter(self) -> RetryIn:
+        if self.batch is None and self.job_ids is None:
+            raise ValueError("name a batch or job_ids")
+        return self
+
+
+class Retried(BaseModel):
+    job_ids: list[str]  # the jobs sent again (a failed inline job is never re-run)
+
+
+class BatchOut(BaseModel):
+    """A batch: its units of work (images and documents' pages) by status, its documents,
+    its times, and an ETA from its own measured completion rate."""
+
+    batch: str
+    final: bool
+    total: int
+    finished: int
+    jobs: dict[str, int]
+    images: dict[str, int]
+    pages: dict[str, int]
+    documents: dict[str, int]
+    created_at: dt.datetime | None = None
+    started_at: dt.datetime | None = None
+    first_finished_at: dt.datetime | None = None
+    last_finished_at: dt.datetime | None = None
+    rate_per_s: float | None = None
+    eta_s: float | None = None
 
 
 class LookupIn(BaseModel):
@@ -180,7 +235,9 @@ class JobOut(BaseModel):
     engine: str | None = None
     worker: str | None = None
     attempts: int | None = None
-    batch_id: str | None = None
+    retries: int | None = None  # user re-runs (`ocrq retry`); attempts counts every run
+    batch: str | None = None  # the producer's batch
+    batch_id: str | None = None  # the engine batch that ran it
     sha256: str | None = None
     width: int | None = None
     height: int | None = None

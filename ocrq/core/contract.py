@@ -46,6 +46,8 @@ NAME_REFUSED = (
     "(its row shows the path, the redacted URL or b64:<chars>)"
 )
 
+MAX_BATCH_CHARS = 128  # a producer's batch name (ocr_jobs.batch, migrations/0008)
+
 # Query parameters whose values are secrets in common signed/tokened URLs (S3 and GCS presigned
 # URLs, OAuth access tokens, API keys): masked wherever a URL is shown or stored.
 _SECRET_PARAM = re.compile(r"sig|token|key|secret|passw|pwd|auth|credential|session", re.I)
@@ -190,6 +192,12 @@ class JobRequest(BaseModel):
     # Its lane: "interactive" jobs are admitted before "bulk" ones (FIFO within a lane; a bulk
     # job is never starved: ocrq/scheduling/planner.py `LaneRule`).
     priority: Priority = BULK
+    # Optional: the producer's own grouping of jobs (`GET /batches/{batch}`, `ocrq wait`,
+    # `ocrq export --batch`). Not `batch_id`, which names the engine batch that ran the job.
+    batch: Annotated[str | None, Field(min_length=1, max_length=MAX_BATCH_CHARS)] = None
+    # The user re-run this message belongs to (`ocrq retry` sends the row's count of re-runs):
+    # a failed row runs again only for a new re-run, never for a late copy of an old message.
+    retry: Annotated[int, Field(ge=0, le=1_000_000)] = 0
 
     @field_validator("job_id", mode="before")
     @classmethod
@@ -200,6 +208,11 @@ class JobRequest(BaseModel):
     @classmethod
     def _storable_task(cls, value: str) -> str:
         return require_storable(value, "task")
+
+    @field_validator("batch")
+    @classmethod
+    def _storable_batch(cls, value: str | None) -> str | None:
+        return None if value is None else require_storable(value, "batch")
 
     @model_validator(mode="after")
     def _storable_image(self) -> JobRequest:
@@ -222,6 +235,8 @@ def job_kwargs(
     job_id: str | None = None,
     max_pixels: int | None = None,
     priority: str = BULK,
+    batch: str | None = None,
+    retry: int = 0,
 ) -> dict:
     """Build send_task kwargs; a producer may equally write this dict by hand (send it to
     `queue_for(priority)`)."""
@@ -234,4 +249,8 @@ def job_kwargs(
         kwargs["max_pixels"] = max_pixels
     if priority != BULK:
         kwargs["priority"] = priority
+    if batch is not None:
+        kwargs["batch"] = batch
+    if retry:
+        kwargs["retry"] = retry
     return kwargs

@@ -68,6 +68,12 @@ ocr_jobs = Table(
     # The job's deadline and its webhook (migrations/0007); NULL: none.
     Column("expires_at", DateTime(timezone=True)),
     Column("callback_url", Text),
+    # The producer's grouping of jobs (migrations/0008); `batch_id` above is the engine batch.
+    Column("batch", String(128), index=True),
+    # User re-runs of a failed job (`ocrq retry`): the generation its message carries, and
+    # `attempts` when the last one began (the worker-death cap counts from there).
+    Column("retries", Integer, nullable=False, server_default="0"),
+    Column("retry_attempts", Integer, nullable=False, server_default="0"),
 )
 
 # One row per document (PDF, multi-page TIFF; migrations/0004). Its pages are the ocr_jobs rows

@@ -41,6 +41,7 @@ class DocumentStore:
         pages: int,
         page_jobs: Sequence[tuple[str, int, str]],
         references: Mapping[str, dict[str, Any]] | None = None,
+        batch: str | None = None,
     ) -> list[int]:
         """Record a split document and its page jobs (id, page, source) as queued; return the
         pages still queued, to be sent. Idempotent: a redelivered split keeps every row.
@@ -75,6 +76,7 @@ class DocumentStore:
                                 "document_id": document_id,
                                 "page": page,
                                 "reference": (references or {}).get(job_id),
+                                "batch": batch,
                             }
                             for job_id, page, page_source in page_jobs
                         ]

@@ -209,11 +209,21 @@ def _resend_rows(
 ) -> list[str]:
     sent: list[str] = []
     try:
-        # The sweep's rows carry no max_pixels: read the jobs' own caps.
-        caps = {i: r.get("max_pixels") for i, r in store.get([j.id for j in jobs]).items()}
+        # The sweep's rows carry no max_pixels, batch or re-run: read the jobs' own.
+        rows = store.get([j.id for j in jobs])
         for job in jobs:
             assert job.reference is not None  # the row queries return only rows that have one
-            resend(app, settings, job.id, job.task, job.reference, caps.get(job.id))
+            row = rows.get(job.id, {})
+            resend(
+                app,
+                settings,
+                job.id,
+                job.task,
+                job.reference,
+                row.get("max_pixels"),
+                row.get("batch"),
+                row.get("retries") or 0,
+            )
             sent.append(job.id)
     finally:  # the broker failed mid-way: leave the rest for the next sweep
         if unflip:
@@ -228,12 +238,17 @@ def resend(
     task: str,
     reference: dict[str, Any],
     max_pixels: int | None = None,
+    batch: str | None = None,
+    retry: int = 0,
 ) -> None:
     """A job's message rebuilt from its row's `reference`: the path or URL (and page) exactly as
-    submitted, never its display `source` (a redacted URL, a document page's name)."""
+    submitted, never its display `source` (a redacted URL, a document page's name), with the
+    row's batch and re-run generation (a lower one would be refused as stale)."""
     app.send_task(
         TASK_NAME,
-        kwargs=job_kwargs(dict(reference), task, job_id, max_pixels),
+        kwargs=job_kwargs(
+            dict(reference), task, job_id, max_pixels, batch=batch, retry=retry
+        ),
         queue=queue_of(settings),
         task_id=job_id,
     )

@@ -4,7 +4,10 @@ Idempotency lives here, in SQL, not in callers: claiming a job creates or locks 
 bumps `attempts`, but a row that is already final (`done` or `failed`) is left untouched and
 reported as such, so a redelivered message neither creates a second row, nor overwrites a
 finished result, nor runs a failed job again: a status a client was told is final never
-changes. A job id names one image and task: another message reusing it is refused, and a job
+changes, except by the user's own explicit re-run (`ocrq retry`, ocrq/core/rerun.py), which
+puts a failed row back to `queued` and counts a new retry generation that only its own message
+carries: a late copy of an older message still finds the job final (or stale) and leaves it.
+A job id names one image and task: another message reusing it is refused, and a job
 whose worker keeps dying under it is failed after `max_attempts` instead of being run again.
 """
 
@@ -58,6 +61,7 @@ class NewJob:
     reference: dict[str, Any] | None = None  # ImageRef.reference(): what a re-send sends
     expires_at: dt.datetime | None = None  # the job's deadline (Celery's `expires`)
     callback_url: str | None = None  # the job's webhook
+    batch: str | None = None  # the producer's grouping (not batch_id, the engine batch)
 
 
 def expired_error(expires_at: dt.datetime) -> str:
@@ -121,6 +125,7 @@ class JobStore:
         source: str,
         max_pixels: int | None = None,
         reference: dict[str, Any] | None = None,
+        batch: str | None = None,
     ) -> None:
         """Record a submitted job as queued; an existing row (any status) is kept."""
         stmt = self._insert(ocr_jobs).values(
@@ -130,6 +135,7 @@ class JobStore:
             source=source,
             max_pixels=max_pixels,
             reference=reference,
+            batch=batch,
             created_at=now(),
             attempts=0,
         )
@@ -167,6 +173,7 @@ class JobStore:
                         "reference": j.reference,
                         "expires_at": j.expires_at,
                         "callback_url": j.callback_url,
+                        "batch": j.batch,
                         "created_at": t,
                         "attempts": 0,
                     }
@@ -216,10 +223,13 @@ class JobStore:
         created_before: dt.datetime | None = None,
         limit: int = 50,
         after: tuple[dt.datetime, str] | None = None,
+        batch: str | None = None,
     ) -> Page:
         """Jobs newest first, filtered; `after` is the previous page's `next_after` (keyset
         paging: stable while new jobs arrive, and each page is one index range scan)."""
         stmt = select(ocr_jobs)
+        if batch is not None:
+            stmt = stmt.where(ocr_jobs.c.batch == batch)
         if statuses:
             stmt = stmt.where(ocr_jobs.c.status.in_(list(statuses)))
         if created_after is not None:
@@ -245,6 +255,8 @@ class JobStore:
         max_attempts: int | None = None,
         page: int | None = None,
         reference: dict[str, Any] | None = None,
+        batch: str | None = None,
+        rerun: int = 0,
     ) -> Claim:
         """Mark the job running (creating its row if the producer did not), unless it must not run.
 
@@ -255,18 +267,23 @@ class JobStore:
         status. A final row (done or failed) is never run again.
         `attempts` counts runs that could have killed their worker: the first run (counted
         here) and each retry, counted only once it runs alone in its worker process
-        (`count_retry`). A claim that finds the row not final with attempts already made means
-        the previous run never finished (its worker died: the row is still `running`, or the
-        sweep put it back to `queued` to re-send it); once `max_attempts` were made the job
-        fails instead of running again, so a poison message costs at most `max_attempts` worker
-        deaths, however many copies of its message are about, while a neighbour that died
-        waiting for its retry to run alone is not charged.
+        (`count_retry`). A claim that finds the row not final with attempts already made in
+        this re-run means the previous run never finished (its worker died: the row is still
+        `running`, or the sweep put it back to `queued` to re-send it); once `max_attempts` were
+        made the job fails instead of running again, so a poison message costs at most
+        `max_attempts` worker deaths, however many copies of its message are about, while a
+        neighbour that died waiting for its retry to run alone is not charged.
         `reference` (the message's ImageRef.reference()) is recorded when the row has none yet
         (a bare producer's job), so that a re-send can name the image exactly.
+        `rerun` is the message's user re-run generation: a message of an older one than the
+        row's (`retries`, bumped by `ocrq retry`) is a late copy and does not run; attempts are
+        counted from when the current re-run began (`retry_attempts`).
         """
         t = now()
         if self.engine.dialect.update_returning:
-            claimed = self._claim_in_one_statement(job_id, task, source, worker, reference, t)
+            claimed = self._claim_in_one_statement(
+                job_id, task, source, worker, reference, t, rerun
+            )
             if claimed is not None:
                 return Claim(run=True, created_at=claimed[0], callback_url=claimed[1])
         locked = select(ocr_jobs).where(ocr_jobs.c.id == job_id).with_for_update()
@@ -286,6 +303,8 @@ class JobStore:
                         worker=worker,
                         page=page,  # a page job sent by a producer: resendable from its row
                         reference=reference,
+                        batch=batch,
+                        retries=rerun,
                     )
                     .on_conflict_do_nothing(index_elements=["id"])
                     .returning(ocr_jobs.c.id)
@@ -296,20 +315,21 @@ class JobStore:
             row = dict(row)
             if (row["source"], row["task"]) != (source, task):
                 return Claim(run=False, row=row, error=REUSED_ID)
-            if row["status"] in FINAL:
-                return Claim(run=False, row=row)
+            if row["status"] in FINAL or (row.get("retries") or 0) > rerun:
+                return Claim(run=False, row=row)  # final, or a copy from an older re-run
             where = ocr_jobs.c.id == job_id
             expires_at = _aware(row.get("expires_at"))
             if expires_at is not None and expires_at <= t:  # past its deadline: never run
                 fields = {"status": "expired", "error": expired_error(expires_at), "finished_at": t}
                 conn.execute(update(ocr_jobs).where(where).values(**fields))
                 return Claim(run=False, row={**row, **fields})
-            if max_attempts is not None and row["attempts"] >= max(max_attempts, 1):
-                error = gave_up(row["attempts"])
+            this_run = row["attempts"] - (row.get("retry_attempts") or 0)
+            if max_attempts is not None and this_run >= max(max_attempts, 1):
+                error = gave_up(this_run)
                 fields = {"status": "failed", "error": error, "finished_at": t}
                 conn.execute(update(ocr_jobs).where(where).values(**fields))
                 return Claim(run=False, row={**row, **fields}, error=error)
-            retry = row["attempts"] > 0
+            retry = this_run > 0
             running: dict[str, Any] = {"status": "running", "started_at": t, "worker": worker}
             if not retry:
                 running["attempts"] = ocr_jobs.c.attempts + 1
@@ -331,17 +351,18 @@ class JobStore:
         worker: str,
         reference: dict[str, Any] | None,
         t: dt.datetime,
+        rerun: int = 0,
     ) -> tuple[dt.datetime | None, str | None] | None:
-        """The common claim (the producer's row, not final, never run, the same source and task,
-        not past its deadline) as one autocommit UPDATE ... RETURNING; the row's created_at and
-        callback_url, or None when the row is missing or any rule says otherwise (claim() then
-        decides, under its lock: a retry, a foreign message, a final row, the attempt cap, the
-        deadline).
+        """The common claim (the producer's row, not final, never run in this re-run, the same
+        source and task, not past its deadline, not a late copy of an older re-run) as one
+        autocommit UPDATE ... RETURNING; the row's created_at and callback_url, or None when the
+        row is missing or any rule says otherwise (claim() then decides, under its lock: a
+        retry, a foreign message, a final row, the attempt cap, the deadline).
 
         Why: the locked transaction is 4 statements (BEGIN, SELECT ... FOR UPDATE, UPDATE,
         COMMIT) on every job, where this is 1 (bench/results/control_plane/ has the figures).
         Concurrent deliveries still serialise on the row: PostgreSQL re-checks the WHERE
-        against the row a concurrent claim committed (attempts is no longer 0), so the second
+        against the row a concurrent claim committed (its attempts moved on), so the second
         one falls through to the locked path and is seen there as a retry.
         """
         stmt = (
@@ -351,12 +372,13 @@ class JobStore:
                 ocr_jobs.c.status.not_in(FINAL),
                 ocr_jobs.c.source == source,
                 ocr_jobs.c.task == task,
-                ocr_jobs.c.attempts == 0,
+                ocr_jobs.c.attempts == ocr_jobs.c.retry_attempts,  # not run in this re-run
+                ocr_jobs.c.retries <= rerun,
                 or_(ocr_jobs.c.expires_at.is_(None), ocr_jobs.c.expires_at > t),
             )
             .values(
                 status="running",
-                attempts=1,
+                attempts=ocr_jobs.c.attempts + 1,
                 started_at=t,
                 worker=worker,
                 reference=func.coalesce(
@@ -489,6 +511,8 @@ def full_view(row: dict[str, Any]) -> dict[str, Any]:
         "engine": row.get("engine"),
         "worker": row.get("worker"),
         "attempts": row.get("attempts"),
+        "retries": row.get("retries"),
+        "batch": row.get("batch"),
         "batch_id": row.get("batch_id"),
         "sha256": row.get("sha256"),
         "width": row.get("width"),

@@ -63,7 +63,16 @@ def split(
     # document's pages have none: they cannot be rebuilt from a row).
     whole = request.image.reference()
     references = {job_id: {**whole, "page": n} for job_id, n, _ in page_jobs if whole is not None}
-    to_send = docs.open(request.job_id, request.task, source, sha256, pages, page_jobs, references)
+    to_send = docs.open(
+        request.job_id,
+        request.task,
+        source,
+        sha256,
+        pages,
+        page_jobs,
+        references,
+        batch=request.batch,
+    )
     inline = request.image.path is None
     for n in to_send:
         job_id, _, name = page_jobs[n - 1]
@@ -86,6 +95,8 @@ def split(
             kwargs["max_pixels"] = request.max_pixels
         if request.priority != BULK:  # the pages keep their document's lane
             kwargs["priority"] = request.priority
+        if request.batch is not None:  # a document's pages are in its batch
+            kwargs["batch"] = request.batch
         send(request.job_id, kwargs)
     log.info(
         "document %s: %d pages, %d page jobs sent (%s)", request.job_id, pages, len(to_send), source

@@ -239,6 +239,8 @@ class JobRunner:
             max_attempts=self.settings.max_attempts,
             page=request.image.page,
             reference=request.image.reference(),
+            batch=request.batch,
+            rerun=request.retry,
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)

@@ -56,6 +56,8 @@ def recognize(
     max_pixels: Any = None,
     max_new_tokens: Any = None,
     priority: Any = None,
+    batch: Any = None,
+    retry: Any = None,
     **_: Any,
 ) -> dict[str, Any]:
     """One job; its result (stored in the result backend when there is one) is the job's
@@ -71,8 +73,13 @@ def recognize(
         priority = lane_of_queue((self.request.delivery_info or {}).get("routing_key"))
     try:
         _check_links(self, image, task, job_id, task_id)
+        extra = {
+            k: v
+            for k, v in (("priority", priority), ("batch", batch), ("retry", retry))
+            if v is not None
+        }
         result = _recognize(
-            image, task, job_id, task_id, max_pixels, max_new_tokens, refusal, priority
+            image, task, job_id, task_id, max_pixels, max_new_tokens, extra, refusal
         )
     except JobFailed as exc:
         _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
@@ -104,13 +111,11 @@ def _recognize(
     task_id: Any,
     max_pixels: Any,
     max_new_tokens: Any,
+    extra: dict[str, Any],
     refusal: str | None = None,
-    priority: Any = None,
 ) -> dict[str, Any]:
     try:
-        kwargs: dict[str, Any] = {"image": image, "task": task, "job_id": job_id}
-        if priority is not None:
-            kwargs["priority"] = priority
+        kwargs: dict[str, Any] = {"image": image, "task": task, "job_id": job_id, **extra}
         if max_pixels is not None:
             kwargs["max_pixels"] = max_pixels
         if max_new_tokens is not None:
@@ -161,6 +166,8 @@ def _recognize(
     # The batch right after the job's id, path and status: Flower shows the result's repr cut
     # at 1024 characters (Celery's resultrepr_maxsize), and the text and lines come after.
     result = {**{k: view[k] for k in ("job_id", "path", "status")}, **batch, **view}
+    if request.batch is not None:  # the producer's grouping, as its rows and the api say it
+        result["batch"] = request.batch
     if outcome.pages is not None:  # a document's own job: the page jobs it made
         result["pages"] = outcome.pages
     return result

@@ -1,0 +1,225 @@
+"""`ocrq export`: a batch's (or a time window's) results written out as JSONL, CSV or markdown.
+
+Rows are streamed from PostgreSQL through a server-side cursor (`stream_results`, `yield_per`):
+an export of millions of rows holds one chunk of them in memory, never the whole result.
+One record per unit of work: each image job, each page of a document, and a document's own
+job only when it failed before it had pages (refused whole, or its file missing); a document's
+splitting job that succeeded is plumbing and is left out.
+
+Markdown follows what marker and olmOCR write: one `.md` file per document with its pages in
+order (a failed page leaves an HTML comment saying so in its place), one per image job; jobs
+that did not finish `done` get no file of their own and are counted as skipped.
+
+Parquet is not offered: pyarrow is a ~40 MB wheel the service does not otherwise need, and
+JSONL loads into pandas, DuckDB or Spark as directly.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from sqlalchemy import Engine, and_, func, not_, select
+
+from ocrq.core.contract import PAGE_MARK
+from ocrq.core.db import ocr_jobs
+from ocrq.core.documents_store import PAGE_SEPARATOR
+
+FORMATS = ("jsonl", "csv", "md")
+CHUNK_ROWS = 500  # rows per round trip of the server-side cursor
+TICK_ROWS = 100  # the progress callback is told every this many records (and at the end)
+FIELDS = (
+    "job_id", "batch", "kind", "document_id", "page", "path", "status", "task", "text",
+    "error", "truncated", "attempts", "retries", "engine", "width", "height", "created_at",
+    "finished_at", "lines",
+)  # fmt: skip
+
+
+@dataclass
+class Exported:
+    records: int = 0  # rows read
+    files: int = 0  # files written (md), else 1
+    skipped: int = 0  # md: jobs not done, so without a file
+
+
+def _where(batch: str | None, since: dt.datetime | None) -> list[Any]:
+    split_done = and_(
+        ocr_jobs.c.document_id.is_not_distinct_from(ocr_jobs.c.id),  # NULL for images
+        ocr_jobs.c.page.is_(None),
+        ocr_jobs.c.status == "done",
+    )
+    conditions: list[Any] = [not_(split_done)]
+    if batch is not None:
+        conditions.append(ocr_jobs.c.batch == batch)
+    if since is not None:
+        conditions.append(ocr_jobs.c.created_at >= since)
+    return conditions
+
+
+def count(engine: Engine, batch: str | None, since: dt.datetime | None) -> int:
+    with engine.connect() as conn:
+        stmt = select(func.count()).select_from(ocr_jobs).where(*_where(batch, since))
+        return int(conn.execute(stmt).scalar_one())
+
+
+def rows(engine: Engine, batch: str | None, since: dt.datetime | None) -> Iterator[dict[str, Any]]:
+    """The records, a document's pages together and in order, streamed."""
+    group = func.coalesce(ocr_jobs.c.document_id, ocr_jobs.c.id)
+    stmt = (
+        select(ocr_jobs)
+        .where(*_where(batch, since))
+        .order_by(group, ocr_jobs.c.page.nulls_first(), ocr_jobs.c.id)
+    )
+    with engine.connect() as conn:
+        result = conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(stmt)
+        for row in result.mappings():
+            yield record(dict(row))
+
+
+def record(row: dict[str, Any]) -> dict[str, Any]:
+    if row.get("page") is not None:
+        kind = "page"
+    elif row.get("document_id") == row["id"]:
+        kind = "document"
+    else:
+        kind = "image"
+    return {
+        "job_id": row["id"],
+        "batch": row.get("batch"),
+        "kind": kind,
+        "document_id": row.get("document_id"),
+        "page": row.get("page"),
+        "path": row["source"],
+        "status": row["status"],
+        "task": row["task"],
+        "text": row.get("text"),
+        "error": row.get("error"),
+        "truncated": row.get("truncated"),
+        "attempts": row.get("attempts"),
+        "retries": row.get("retries"),
+        "engine": row.get("engine"),
+        "width": row.get("width"),
+        "height": row.get("height"),
+        "created_at": _iso(row.get("created_at")),
+        "finished_at": _iso(row.get("finished_at")),
+        "lines": row.get("lines") or [],
+    }
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _ticks(records: Iterator[dict[str, Any]], advance: Callable[[int], None]) -> Iterator[Any]:
+    """`records`, telling `advance` how many went by every TICK_ROWS of them: a progress bar
+    redrawn per record cost more than the writing."""
+    n = 0
+    for rec in records:
+        yield rec
+        n += 1
+        if n == TICK_ROWS:
+            advance(n)
+            n = 0
+    if n:
+        advance(n)
+
+
+def write(
+    records: Iterator[dict[str, Any]],
+    fmt: str,
+    out: Path,
+    advance: Callable[[int], None] = lambda n: None,
+) -> Exported:
+    """Write `records` to `out` (a file; a folder for md); `advance(n)`: n more written."""
+    records = _ticks(records, advance)
+    if fmt == "md":
+        return _write_md(records, out)
+    done = Exported(files=1)
+    with out.open("w", encoding="utf-8", newline="") as fh:
+        if fmt == "jsonl":
+            for rec in records:
+                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                done.records += 1
+        elif fmt == "csv":
+            writer = csv.DictWriter(fh, fieldnames=FIELDS)
+            writer.writeheader()
+            for rec in records:
+                writer.writerow({**rec, "lines": json.dumps(rec["lines"], ensure_ascii=False)})
+                done.records += 1
+        else:
+            raise ValueError(f"unknown format {fmt!r}: one of {', '.join(FORMATS)}")
+    return done
+
+
+_UNSAFE = re.compile(r"[^\w.-]+")
+
+
+def stem(source: str) -> str:
+    """A file name from a job's source: its last path segment without extension or page
+    mark, made safe (a URL's query and odd characters become `_`)."""
+    base = source.partition(PAGE_MARK)[0].split("?", 1)[0].rstrip("/")
+    name = base.rsplit("/", 1)[-1] or "job"
+    name = name.rsplit(".", 1)[0] if "." in name[1:] else name
+    return _UNSAFE.sub("_", name)[:100] or "job"
+
+
+class _Names:
+    """`<stem>.md`, or `<stem>-<job id start>.md` once a stem is taken: a batch of
+    `scan.png` files in several folders must not overwrite one another."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.taken: set[str] = set()
+
+    def new(self, source: str, job_id: str) -> Path:
+        name = stem(source)
+        if name in self.taken:
+            name = f"{name}-{job_id[:8]}"
+        self.taken.add(name)
+        return self.folder / f"{name}.md"
+
+
+def _write_md(records: Iterator[dict[str, Any]], folder: Path) -> Exported:
+    folder.mkdir(parents=True, exist_ok=True)
+    names = _Names(folder)
+    done = Exported()
+    document: str | None = None
+    fh: IO[str] | None = None
+    written_pages = 0
+    try:
+        for rec in records:
+            done.records += 1
+            if rec["kind"] == "page":
+                if rec["document_id"] != document:
+                    if fh is not None:
+                        fh.close()
+                    document = rec["document_id"]
+                    fh = names.new(rec["path"], document or rec["job_id"]).open(
+                        "w", encoding="utf-8"
+                    )
+                    done.files += 1
+                    written_pages = 0
+                assert fh is not None
+                if written_pages:
+                    fh.write(PAGE_SEPARATOR)
+                if rec["status"] == "done":
+                    fh.write(rec["text"] or "")
+                else:
+                    why = (rec["error"] or rec["status"]).replace("--", "- -")
+                    fh.write(f"<!-- page {rec['page']} {rec['status']}: {why} -->")
+                written_pages += 1
+            elif rec["status"] == "done":
+                names.new(rec["path"], rec["job_id"]).write_text(rec["text"] or "", "utf-8")
+                done.files += 1
+            else:
+                done.skipped += 1
+    finally:
+        if fh is not None:
+            fh.close()
+    return done
