@@ -204,16 +204,16 @@ def test_a_late_copy_of_an_old_message_does_not_run_a_re_run(
     store = JobStore(get_engine(database_url))
     job_id = str(uuid.uuid4())
     source = str(image_root / "nowhere.png")
-    store.enqueue_many([NewJob(job_id, "text", source, batch="claims")])
+    store.enqueue_many([NewJob(job_id, "text", source, reference={"path": source}, batch="claims")])
     assert store.claim(job_id, "text", source, "w", max_attempts=1).run
     store.finish(job_id, status="failed", error="boom")
     assert not store.claim(job_id, "text", source, "w", max_attempts=1).run  # final
     (reopened,) = rerun.reopen_failed(store.engine, job_ids=[job_id])
     assert reopened.retries == 1 and reopened.batch == "claims"
-    late = store.claim(job_id, "text", source, "w", max_attempts=1, retry=0)
+    late = store.claim(job_id, "text", source, "w", max_attempts=1, rerun=0)
     assert not late.run and late.error is None  # the old generation: not run, nothing written
     # The re-run's message runs it: a new attempt, under a cap that counts from the re-run.
-    assert store.claim(job_id, "text", source, "w", max_attempts=1, retry=1).run
+    assert store.claim(job_id, "text", source, "w", max_attempts=1, rerun=1).run
     row = store.get([job_id])[job_id]
     assert (row["status"], row["attempts"], row["retries"]) == ("running", 2, 1)
     # Through the worker: an old message (no `retry`) for a re-run row leaves it queued.
