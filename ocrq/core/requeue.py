@@ -8,14 +8,20 @@ from __future__ import annotations
 from celery import Celery
 
 from ocrq.core import workers_table
+from ocrq.core.broker_redis import celery_options
 from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, job_kwargs, resend_image
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 
 
-def producer_app(broker_url: str) -> Celery:
-    app = Celery("ocrq-producer", broker=broker_url)
-    app.conf.update(task_send_sent_event=True, broker_connection_retry_on_startup=True)
+def producer_app(settings: Settings) -> Celery:
+    """The Celery app producers send with: the api, `ocrq submit`, the sweep, document pages."""
+    app = Celery("ocrq-producer", broker=settings.broker_url)
+    app.conf.update(
+        task_send_sent_event=True,
+        broker_connection_retry_on_startup=True,
+        **celery_options(settings, None),  # Sentinel's master name (ocrq/core/broker_redis.py)
+    )
     return app
 
 

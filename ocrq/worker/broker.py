@@ -132,4 +132,20 @@ class TolerantRedisTransport(redis.Transport):
     Channel = TolerantChannel
 
 
+class TolerantSentinelChannel(TolerantChannel, redis.SentinelChannel):
+    """The same channel, its connections to whichever Redis the sentinels name master
+    (kombu's SentinelChannel; ocrq/core/broker_redis.py says why Sentinel)."""
+
+    from_transport_options = tuple(
+        dict.fromkeys(
+            (*TolerantChannel.from_transport_options, *redis.SentinelChannel.from_transport_options)
+        )
+    )
+
+
+class TolerantSentinelTransport(redis.SentinelTransport):
+    Channel = TolerantSentinelChannel
+
+
 TRANSPORT = f"{__name__}:TolerantRedisTransport"
+SENTINEL_TRANSPORT = f"{__name__}:TolerantSentinelTransport"

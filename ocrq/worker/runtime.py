@@ -162,7 +162,7 @@ def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
     """Beat for worker `name`, and sweep other workers' stalled jobs back to the queue."""
     from ocrq.core.requeue import producer_app, requeue_stalled  # as `ocrq requeue --stalled`
 
-    app = producer_app(settings.broker_url)
+    app = producer_app(settings)
     store = JobStore(get_engine(settings.database_url))
     return Heartbeat(
         store.engine,
