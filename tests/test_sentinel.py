@@ -210,3 +210,53 @@ def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
     assert "Connected to" in text.split("Connection to broker lost")[-1], text[-3000:]
     assert depth == {"ocr": 0}
     assert results == len(later)  # the result backend (the broker's Redis) followed it too
+
+
+def test_every_client_gets_the_master_name() -> None:
+    """The worker's broker and result backend, and the producers' app, all carry the master
+    name and the sentinels' password (kombu and Celery take them only as transport options)."""
+    from ocrq.core.requeue import producer_app
+    from ocrq.worker.broker import SENTINEL_TRANSPORT
+    from ocrq.worker.celery_app import make_app
+
+    url = "sentinel://:secret@10.0.0.1:26380/2;sentinel://10.0.0.2"
+    settings = Settings(
+        broker_url=url,
+        broker_master_name="ocrq",
+        broker_sentinel_password="s-pass",  # type: ignore[arg-type]
+    )
+    worker = make_app(settings).conf
+    assert worker.broker_transport == SENTINEL_TRANSPORT
+    assert worker.result_backend == url
+    for options in (
+        worker.broker_transport_options,
+        worker.result_backend_transport_options,
+        producer_app(settings).conf.broker_transport_options,
+    ):
+        assert options["master_name"] == "ocrq"
+        assert options["sentinel_kwargs"]["password"] == "s-pass"
+    assert worker.broker_transport_options["visibility_timeout"] == settings.visibility_timeout_s
+
+    from ocrq.core.broker_redis import parse_sentinels
+
+    assert parse_sentinels(url) == (
+        [("10.0.0.1", 26380), ("10.0.0.2", 26379)],
+        {"password": "secret", "db": 2},
+    )
+
+
+def test_sentinel_url_without_master_name_is_refused(service_env: dict[str, str]) -> None:
+    """One line naming the missing setting, and the settings exit code, not a traceback at the
+    first connection."""
+    import subprocess
+
+    from tests.conftest import BIN
+
+    env = {**service_env, "OCRQ_BROKER_URL": "sentinel://127.0.0.1:1"}
+    env.pop("OCRQ_BROKER_MASTER_NAME", None)
+    proc = subprocess.run(
+        [str(BIN / "ocrq"), "worker"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert "set OCRQ_BROKER_MASTER_NAME" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -37,9 +37,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="OCRQ_", extra="ignore", hide_input_in_errors=True)
 
     # The Celery broker (Redis): `redis://[:password@]host:port/db`, or Redis Sentinel for a
-    # broker that survives losing its master: `sentinel://[:password@]host:26379/db;sentinel://
-    # host2:26379;...` (one entry per sentinel; the password and db of the first entry are the
-    # master's), with OCRQ_BROKER_MASTER_NAME. docs/operations.md, "A highly available broker".
+    # broker that survives losing its master, one `;`-separated entry per sentinel:
+    # `sentinel://[:password@]host1:26379/db;sentinel://host2:26379` (the password and db of
+    # the first entry are the master's), with OCRQ_BROKER_MASTER_NAME (docs/operations.md).
     broker_url: str = "redis://localhost:6379/0"
     # With a `sentinel://` broker: the name the sentinels monitor the master under (`sentinel
     # monitor <name> ...` in their config; kombu's `master_name` transport option). Required then.
