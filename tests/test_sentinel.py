@@ -14,6 +14,7 @@ idle sentinels cost nothing on a 2-core machine (they answer a PING a second).
 from __future__ import annotations
 
 import datetime as dt
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -108,6 +109,22 @@ def progress_or_stuck(store: JobStore, ids: list[str], quiet_s: float) -> Callab
     return check
 
 
+def where(settings: Settings, job_ids: list[str]) -> dict[str, str]:
+    """Where each job's message is on the current master: the queue, `unacked` (a worker
+    holds it) or nowhere."""
+    client = broker_client(settings)
+    queued = client.lrange(settings.queue, 0, -1)
+    held = client.hvals("unacked")
+    return {
+        i: "queue"
+        if any(i.encode() in m for m in queued)
+        else "unacked"
+        if any(i.encode() in m for m in held)
+        else "nowhere"
+        for i in job_ids
+    }
+
+
 def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
     service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
 ) -> None:
@@ -168,9 +185,12 @@ def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
             poll_s=0.5,
         )
         if outcome == "stuck":
-            # Messages the failover lost (a pop that reached the replica without its unacked
-            # record, or a write that never did): their rows stay `queued`. On this branch a
-            # person's `ocrq requeue` re-sends them; the figures say so.
+            stuck = [i for i, r in store.get(ids).items() if r["status"] == "queued"]
+            FIGURES.append(f"[sentinel-failover] stuck queued: {where(settings, stuck)}")
+            # Messages the failover lost: a pop that reached the replica without its `unacked`
+            # record (the worker had it in hand when the master died), or a write that never
+            # did. Their rows stay `queued` ("nowhere" above). ocrq's sweep re-sends only
+            # `running` rows; a person's `ocrq requeue` re-sends these, and the figures say so.
             requeued = client.requeue(older_than_s=10)
         rows = wait_all(store, ids, timeout=min(60, budget.left()), budget=budget, log=worker)
         seconds = (dt.datetime.now(dt.UTC) - t0).total_seconds()
@@ -180,6 +200,15 @@ def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
         # The producer follows the new master too: jobs submitted after the failover finish.
         later = [client.submit({"path": str(p)}) for p in make_images(image_root / "ha2", 10)]
         later_rows = wait_all(store, later, timeout=60, budget=budget, log=worker)
+        # The worker still consumes through ocrq's transport: a malformed message pushed onto
+        # the new master is rejected with one line, and the worker lives on.
+        broker_client(settings).lpush("ocr", b"not a message")
+        budget.until(
+            "the malformed message rejected",
+            lambda: "rejected a malformed message" in worker.text() and worker.alive(),
+            30,
+            lambda: worker.text()[-2000:],
+        )
         # ocrq's own reads of Redis reach the new master through the same URL.
         depth = QueueDepth(settings, ["ocr"]).depths()
         results = broker_client(settings).exists(*(f"celery-task-meta-{i}" for i in later))
@@ -200,6 +229,8 @@ def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
         f"{len(requeued)}) done_before_kill={len(done_before)} promoted_s={promoted_s:.1f} "
         f"recovery_s={recovery_s:.1f} seconds={seconds:.1f}"
     )
+    put_back = re.findall(r"reconnected: put back (\d+) message", worker.text())
+    FIGURES.append(f"[sentinel-failover] taken but not started, put back on reconnect: {put_back}")
     text = worker.text()
     assert figures["done"] == len(ids), not_final(store, ids)
     assert figures["lost"] == 0 and figures["duplicated"] == 0

@@ -6,7 +6,10 @@ closes the broken channel, then fails with AttributeError instead of a connectio
 calls that unrecoverable and the worker process dies. Here both are treated as what they are, a
 lost connection: the messages stay in Redis's unacked set (Redis keeps it) and come back after
 the visibility timeout, where a done row makes their redelivery a no-op. The worker meanwhile
-reconnects as it does after any connection error.
+reconnects as it does after any connection error. Messages it had taken but not started (Celery
+drops them with the connection) would wait there too: the reconnected channel puts them back on
+their queue instead (`NotStarted`). The same holds after a Sentinel failover, where the promoted
+replica holds the `unacked` hash (`TolerantSentinelChannel`).
 
 Malformed messages (see ocrq/worker/envelope.py) are rejected here, at the one place that sees every
 message as it leaves Redis and before kombu builds a Message from it: the channel's per-queue
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -47,15 +51,78 @@ class TolerantQoS(redis.QoS):
             )
 
     def restore_unacked(self, client: Any = None) -> None:
+        """kombu puts back, as the channel closes, every message it delivered and that was not
+        acked. When the connection is what broke, that fails: Redis keeps them in its `unacked`
+        hash, where they would wait for the visibility timeout. Those Celery has not started
+        (it forgets them as the connection goes: they "can't be acked anyway") are put back once
+        the worker has reconnected instead (`restore_after_reconnect`); those it is running stay
+        unacked, so their redelivery finds the row done rather than running them twice."""
+        delivered = dict(self._delivered)
         try:
             super().restore_unacked(client)
-        except AttributeError:
-            log.warning(
-                "broker connection gone: %d unacked message(s) stay in Redis and are redelivered "
-                "after the visibility timeout",
-                len(self._delivered),
-            )
+            return
+        except (AttributeError, *self.channel.connection_errors):
             self._delivered.clear()
+        _not_started.defer(delivered)
+
+
+class NotStarted:
+    """Messages this worker process took and Celery dropped unstarted when the broker
+    connection broke, kept until a reconnected channel can put them back on their queue.
+
+    Process-wide: Celery reconnects with a new connection, transport and channel."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tags: dict[str, str | None] = {}  # delivery tag -> job id (Celery's task id)
+
+    def defer(self, delivered: dict[str, Any]) -> None:
+        running = _running_job_ids()
+        later = {tag: _job_id(m) for tag, m in delivered.items() if _job_id(m) not in running}
+        with self._lock:
+            self._tags.update(later)
+        log.warning(
+            "broker connection gone: %d unacked message(s) stay in Redis; %d not started go back "
+            "to the queue once the worker has reconnected, %d being run are redelivered after "
+            "the visibility timeout (their rows will be done)",
+            len(delivered),
+            len(later),
+            len(delivered) - len(later),
+        )
+
+    def restore(self, qos: redis.QoS, client: Any) -> None:
+        """Put each back (kombu's restore: one transaction, a no-op for a tag no longer in
+        `unacked`), except a job Celery runs now. A broker that fails again keeps the rest."""
+        with self._lock:
+            tags = dict(self._tags)
+        if not tags:
+            return
+        running = _running_job_ids()
+        put_back = 0
+        for tag, job_id in tags.items():
+            if job_id is not None and job_id in running:
+                continue
+            qos.restore_by_tag(tag, client=client)
+            put_back += 1
+            with self._lock:
+                self._tags.pop(tag, None)
+        log.warning("reconnected: put back %d message(s) taken but not started", put_back)
+
+
+_not_started = NotStarted()
+
+
+def _job_id(message: Any) -> str | None:
+    headers = getattr(message, "headers", None)
+    job_id = headers.get("id") if isinstance(headers, dict) else None
+    return job_id if isinstance(job_id, str) else None
+
+
+def _running_job_ids() -> set[str]:
+    """The task ids of the requests Celery's pool runs now (its own worker state)."""
+    from celery.worker.state import active_requests
+
+    return {request.id for request in tuple(active_requests)}
 
 
 def _log_rejected(queue: str | None, problem: Problem) -> None:
@@ -86,12 +153,21 @@ class TolerantChannel(redis.Channel):
         self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
     ) -> Any:
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.restore_after_reconnect()
         names = frozenset(self.ocrq_task_names) if queue in self.ocrq_task_queues else None
         deliver = self.connection._callbacks[queue]
         self.connection._callbacks[queue] = functools.partial(
             self._checked_deliver, queue, names, deliver
         )
         return result
+
+    def restore_after_reconnect(self) -> None:
+        """Messages dropped unstarted by the connection that broke (TolerantQoS), put back
+        through this one; kept for the next channel while the broker still fails."""
+        try:
+            _not_started.restore(self.qos, self.client)
+        except self.connection_errors as exc:
+            log.warning("broker still failing; messages to put back kept: %s", exc)
 
     def _checked_deliver(
         self,
@@ -149,3 +225,16 @@ class TolerantSentinelTransport(redis.SentinelTransport):
 
 TRANSPORT = f"{__name__}:TolerantRedisTransport"
 SENTINEL_TRANSPORT = f"{__name__}:TolerantSentinelTransport"
+
+
+def keep_transport_on_reconnect() -> None:
+    """Make the URL schemes name these transports in this (worker) process.
+
+    Celery's `broker_transport` picks them for the first connection only: when a reconnect
+    attempt fails, kombu's failover (`Connection.switch`, also with a single URL) derives the
+    transport from the URL's scheme again, and the worker went on consuming through kombu's own,
+    without the checks and restores above (seen after every Sentinel failover: the sentinels
+    name the dead master for a second or two)."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES.update(redis=TRANSPORT, rediss=TRANSPORT, sentinel=SENTINEL_TRANSPORT)

@@ -81,6 +81,13 @@ def make_app(settings: Settings) -> Celery:
 
 
 
+@signals.worker_init.connect
+def _tolerant_transport_after_reconnects(**_: object) -> None:
+    from ocrq.worker.broker import keep_transport_on_reconnect
+
+    keep_transport_on_reconnect()
+
+
 @signals.worker_ready.connect
 def _load_engine_at_start(**_: object) -> None:
     """Load the model before the first message, so a missing model fails at start-up."""
