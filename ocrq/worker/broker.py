@@ -7,9 +7,10 @@ calls that unrecoverable and the worker process dies. Here both are treated as w
 lost connection: the messages stay in Redis's unacked set (Redis keeps it) and come back after
 the visibility timeout, where a done row makes their redelivery a no-op. The worker meanwhile
 reconnects as it does after any connection error. Messages it had taken but not started (Celery
-drops them with the connection) would wait there too: the reconnected channel puts them back on
-their queue instead (`NotStarted`). The same holds after a Sentinel failover, where the promoted
-replica holds the `unacked` hash (`TolerantSentinelChannel`).
+drops them with the connection), and one it was taking as the connection broke, would wait
+there too: the reconnected channel puts them back on their queue instead (`NotStarted`). The
+same holds after a Sentinel failover, where the promoted replica holds the `unacked` hash
+(`TolerantSentinelChannel`).
 
 Malformed messages (see ocrq/worker/envelope.py) are rejected here, at the one place that sees every
 message as it leaves Redis and before kombu builds a Message from it: the channel's per-queue
@@ -90,6 +91,19 @@ class NotStarted:
             len(delivered) - len(later),
         )
 
+    def defer_taken(self, tag: str, job_id: str | None) -> None:
+        """A message popped while the connection broke, before kombu's `unacked` record came
+        back acknowledged: Redis may hold it there (the write happened, its reply was lost),
+        and no one would put it back before the visibility timeout. Where the write did not
+        happen it is in neither place and its row stays `queued` (`ocrq requeue`)."""
+        with self._lock:
+            self._tags[tag] = job_id
+        log.warning(
+            "broker connection gone while taking message %s: put back once reconnected if "
+            "Redis holds it",
+            tag,
+        )
+
     def restore(self, qos: redis.QoS, client: Any) -> None:
         """Put each back (kombu's restore: one transaction, a no-op for a tag no longer in
         `unacked`), except a job Celery runs now. A broker that fails again keeps the rest."""
@@ -102,8 +116,9 @@ class NotStarted:
         for tag, job_id in tags.items():
             if job_id is not None and job_id in running:
                 continue
-            qos.restore_by_tag(tag, client=client)
-            put_back += 1
+            if client.hexists(qos.unacked_key, tag):  # for the count: restore is a no-op then
+                qos.restore_by_tag(tag, client=client)
+                put_back += 1
             with self._lock:
                 self._tags.pop(tag, None)
         log.warning("reconnected: put back %d message(s) taken but not started", put_back)
@@ -184,6 +199,10 @@ class TolerantChannel(redis.Channel):
         try:
             return deliver(payload)
         except self.connection_errors:
+            tag = (payload.get("properties") or {}).get("delivery_tag")
+            job_id = (payload.get("headers") or {}).get("id")
+            if isinstance(tag, str):
+                _not_started.defer_taken(tag, job_id if isinstance(job_id, str) else None)
             raise
         except Exception as exc:
             self.qos.reject(payload["properties"]["delivery_tag"], requeue=False)
