@@ -188,6 +188,11 @@ def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
         if outcome == "stuck":
             stuck = [i for i, r in store.get(ids).items() if r["status"] == "queued"]
             FIGURES.append(f"[sentinel-failover] stuck queued: {where(settings, stuck)}")
+            marks = ("broker connection gone", "put back", "outside body", *stuck)
+            seen = [
+                line[:300] for line in worker.text().splitlines() if any(m in line for m in marks)
+            ]
+            FIGURES.extend(f"[sentinel-failover]   worker: {line}" for line in seen[:12])
             # Messages the failover lost: a pop that reached the replica without its `unacked`
             # record (the worker had it in hand when the master died), or a write that never
             # did. Their rows stay `queued` ("nowhere" above). ocrq's sweep re-sends only
@@ -236,7 +241,7 @@ def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
         f"seconds={seconds:.1f}"
     )
     put_back = re.findall(r"reconnected: put back (\d+) message", worker.text())
-    FIGURES.append(f"[sentinel-failover] taken but not started, put back on reconnect: {put_back}")
+    FIGURES.append(f"[sentinel-failover] left unacked, put back after reconnecting: {put_back}")
     text = worker.text()
     assert figures["done"] == len(ids), not_final(store, ids)
     assert figures["lost"] == 0 and figures["duplicated"] == 0

@@ -68,34 +68,37 @@ class TolerantQoS(redis.QoS):
 
 
 class NotStarted:
-    """Messages this worker process took and Celery dropped unstarted when the broker
-    connection broke, kept until a reconnected channel can put them back on their queue.
+    """Messages the broken connection left in Redis's `unacked`, kept until a reconnected
+    channel can put them back on their queue, each once its job no longer runs in this process.
 
-    Process-wide: Celery reconnects with a new connection, transport and channel."""
+    Why every one, not only those Celery never started: a task that had started may still end
+    without running its body (its STARTED state goes to the result backend, the broker's Redis,
+    and that write fails with the connection: "Exception raised outside body"), its row left
+    `queued`. Putting back the message of a job that finished costs one delivery that finds its
+    row final; leaving one costs the visibility timeout. Process-wide: Celery reconnects with a
+    new connection, transport and channel."""
+
+    RECHECK_S = 2.0  # how often jobs still running are looked at again
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tags: dict[str, str | None] = {}  # delivery tag -> job id (Celery's task id)
+        self._recheck: threading.Timer | None = None
 
     def defer(self, delivered: dict[str, Any]) -> None:
-        running = _running_job_ids()
-        later = {tag: _job_id(m) for tag, m in delivered.items() if _job_id(m) not in running}
         with self._lock:
-            self._tags.update(later)
+            self._tags.update({tag: _job_id(m) for tag, m in delivered.items()})
         log.warning(
-            "broker connection gone: %d unacked message(s) stay in Redis; %d not started go back "
-            "to the queue once the worker has reconnected, %d being run are redelivered after "
-            "the visibility timeout (their rows will be done)",
+            "broker connection gone: %d unacked message(s) stay in Redis; each goes back to the "
+            "queue once the worker has reconnected and its job no longer runs here",
             len(delivered),
-            len(later),
-            len(delivered) - len(later),
         )
 
     def defer_taken(self, tag: str, job_id: str | None) -> None:
         """A message popped while the connection broke, before kombu's `unacked` record came
-        back acknowledged: Redis may hold it there (the write happened, its reply was lost),
-        and no one would put it back before the visibility timeout. Where the write did not
-        happen it is in neither place and its row stays `queued` (`ocrq requeue`)."""
+        back acknowledged: Redis may hold it there (the write happened, its reply was lost).
+        Where the write did not happen it is in neither place and its row stays `queued`
+        (`ocrq requeue`)."""
         with self._lock:
             self._tags[tag] = job_id
         log.warning(
@@ -105,8 +108,9 @@ class NotStarted:
         )
 
     def restore(self, qos: redis.QoS, client: Any) -> None:
-        """Put each back (kombu's restore: one transaction, a no-op for a tag no longer in
-        `unacked`), except a job Celery runs now. A broker that fails again keeps the rest."""
+        """Put back each message whose job does not run here now (kombu's restore: one
+        transaction; nothing for a tag no longer in `unacked`, e.g. acked). The others are
+        looked at again in RECHECK_S; a broker that fails again keeps them all."""
         with self._lock:
             tags = dict(self._tags)
         if not tags:
@@ -121,7 +125,21 @@ class NotStarted:
                 put_back += 1
             with self._lock:
                 self._tags.pop(tag, None)
-        log.warning("reconnected: put back %d message(s) taken but not started", put_back)
+        if put_back:
+            log.warning("reconnected: put back %d message(s) left unacked", put_back)
+        with self._lock:
+            if self._tags and (self._recheck is None or not self._recheck.is_alive()):
+                self._recheck = threading.Timer(self.RECHECK_S, self._again, (qos, client))
+                self._recheck.daemon = True
+                self._recheck.start()
+
+    def _again(self, qos: redis.QoS, client: Any) -> None:
+        with self._lock:
+            self._recheck = None  # this timer: the next restore may start another
+        try:
+            self.restore(qos, client)
+        except Exception as exc:  # the channel went too: the next reconnect tries again
+            log.warning("messages left unacked kept for the next reconnect: %s", exc)
 
 
 _not_started = NotStarted()
