@@ -50,6 +50,11 @@ class TolerantQoS(redis.QoS):
                 "after the visibility timeout",
                 delivery_tag,
             )
+        except self.channel.connection_errors:
+            # The task is over with it (done, or failed before its body: its STARTED state
+            # goes to the broker's Redis too), but Redis keeps it: put it back once reconnected.
+            # Its redelivery finds a done row final, or runs a job that never started.
+            _not_started.defer_acked(delivery_tag)
 
     def restore_unacked(self, client: Any = None) -> None:
         """kombu puts back, as the channel closes, every message it delivered and that was not
@@ -87,12 +92,19 @@ class NotStarted:
 
     def defer(self, delivered: dict[str, Any]) -> None:
         with self._lock:
-            self._tags.update({tag: _job_id(m) for tag, m in delivered.items()})
+            for tag, message in delivered.items():
+                self._tags.setdefault(tag, _job_id(message))  # an acked one stays unchecked
         log.warning(
             "broker connection gone: %d unacked message(s) stay in Redis; each goes back to the "
             "queue once the worker has reconnected and its job no longer runs here",
             len(delivered),
         )
+
+    def defer_acked(self, tag: str) -> None:
+        """An ack that failed: put back whether or not the job runs (no job id to check)."""
+        with self._lock:
+            self._tags[tag] = None
+        log.warning("broker connection gone: message %s acked, put back once reconnected", tag)
 
     def defer_taken(self, tag: str, job_id: str | None) -> None:
         """A message popped while the connection broke, before kombu's `unacked` record came
