@@ -15,8 +15,12 @@ port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 redis_host=127.0.0.1; redis_port=6379
 pg_host=127.0.0.1; pg_port=5432
 
+# The tests start private servers from the binary too (tests/servers.py), also when a Redis
+# already answers on the port: a master, its replica, and `redis-server --sentinel` (Debian's
+# redis-sentinel package adds only a service unit and a config file to this binary).
+command -v redis-server >/dev/null || apt_install redis-server
+
 if ! port_open "$redis_host" "$redis_port"; then
-  command -v redis-server >/dev/null || apt_install redis-server
   echo "starting redis-server on $redis_port" >&2
   mkdir -p /tmp/ocrq-redis
   redis-server --daemonize yes --bind 127.0.0.1 --port "$redis_port" --save "" \

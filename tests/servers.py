@@ -58,13 +58,22 @@ class PrivateRedis:
     password of its own, a stranger's command is refused; `stop` signals its own process only.
     """
 
-    def __init__(self, folder: Path, persist: bool = True) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        persist: bool = True,
+        password: str | None = None,
+        replica_of: PrivateRedis | None = None,
+    ) -> None:
         """`persist`: an append-only file synced on every write (a restart keeps the queue);
-        off for a session's broker, which is never restarted."""
+        off for a session's broker, which is never restarted. `replica_of`: a replica of that
+        server (its password, which this one then shares, so a promoted replica answers the
+        clients of the master)."""
         self.folder = folder
         self.persist = persist
         self.port = free_port()
-        self.password = uuid.uuid4().hex
+        self.replica_of = replica_of
+        self.password = replica_of.password if replica_of else (password or uuid.uuid4().hex)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -89,6 +98,10 @@ class PrivateRedis:
                 "",
                 "--requirepass",
                 self.password,
+                # a replica's first sync starts at once, not after Redis's default 5 s wait
+                "--repl-diskless-sync-delay",
+                "0",
+                *self._replica_args(),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -104,6 +117,12 @@ class PrivateRedis:
         except redis.RedisError as exc:
             raise RuntimeError(f"port {self.port} is not this test's redis-server: {exc}") from None
 
+    def _replica_args(self) -> list[str]:
+        if self.replica_of is None:
+            return []
+        master = self.replica_of
+        return ["--replicaof", "127.0.0.1", str(master.port), "--masterauth", master.password]
+
     def stop(self) -> None:
         """SIGTERM to its own process (redis-server shuts down cleanly on it, syncing the
         append-only file, which keeps every message), never a command to whatever listens."""
@@ -111,6 +130,88 @@ class PrivateRedis:
             self.proc.terminate()
             self.proc.wait(30)
         _wait_port(self.port, up=False)
+
+    def kill(self) -> None:
+        """SIGKILL to its own process: the host dies, nothing is synced or handed over."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        _wait_port(self.port, up=False)
+
+
+class PrivateSentinel:
+    """A Redis Sentinel of the test's own: `redis-server <config> --sentinel` (the Debian package
+    redis-sentinel adds only a service unit and a config file to the same binary), watching
+    `master` under `name`, on a free loopback port, with a password (as PrivateRedis says why).
+    It rewrites its config file as it learns, so each has a folder of its own."""
+
+    def __init__(
+        self,
+        folder: Path,
+        master: PrivateRedis,
+        name: str,
+        quorum: int,
+        password: str,
+        down_after_ms: int = 1000,
+    ) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.password = password
+        self.master = master
+        self.name = name
+        self.quorum = quorum
+        self.down_after_ms = down_after_ms
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"sentinel://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        config = self.folder / "sentinel.conf"
+        config.write_text(
+            "\n".join(
+                [
+                    f"port {self.port}",
+                    "bind 127.0.0.1",
+                    f"dir {self.folder}",
+                    f"requirepass {self.password}",
+                    # sentinels find each other through the master and talk with this password
+                    f"sentinel sentinel-pass {self.password}",
+                    f"sentinel monitor {self.name} 127.0.0.1 {self.master.port} {self.quorum}",
+                    f"sentinel auth-pass {self.name} {self.master.password}",
+                    f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}",
+                    f"sentinel failover-timeout {self.name} 10000",
+                    f"sentinel parallel-syncs {self.name} 1",
+                    "",
+                ]
+            )
+        )
+        with (self.folder / "sentinel.log").open("wb") as log:
+            self.proc = subprocess.Popen(
+                [shutil.which("redis-server") or "redis-server", str(config), "--sentinel"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        _wait_port(self.port, up=True)
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import redis
+
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=2
+        )
+
+    def log(self) -> str:
+        path = self.folder / "sentinel.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
 
 
 def _pg_bin(name: str) -> str:

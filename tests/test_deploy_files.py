@@ -415,7 +415,8 @@ def test_grafana_dashboard_queries_only_metrics_the_worker_exports() -> None:
     dashboard = json.loads((REPO / "deploy" / "grafana" / "ocrq-dashboard.json").read_text())
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     # The worker's registry, and what /metrics adds at scrape time (ocrq/worker/queue_depth.py).
-    families = [*REGISTRY.collect(), *QueueDepth("redis://127.0.0.1:1/0", ["ocr"]).describe()]
+    depth = QueueDepth(Settings(broker_url="redis://127.0.0.1:1/0"), ["ocr"])
+    families = [*REGISTRY.collect(), *depth.describe()]
     exported = {
         family.name + suffix for family in families for suffix in suffixes.get(family.type, ("",))
     }

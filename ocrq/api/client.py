@@ -77,7 +77,7 @@ def image_ref(target: str) -> dict[str, str]:
 class Client:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.app = producer_app(settings.broker_url)
+        self.app = producer_app(settings)
         self._store: JobStore | None = None
 
     @property

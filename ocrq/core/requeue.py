@@ -33,6 +33,7 @@ from celery import Celery
 from redis.exceptions import LockError
 
 from ocrq.core import workers_table
+from ocrq.core.broker_redis import celery_options
 from ocrq.core.broker_scan import BrokerView, broker_view
 from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, job_kwargs
 from ocrq.core.settings import Settings
@@ -58,9 +59,14 @@ class Recovered:
     lost: list[str] = field(default_factory=list)
 
 
-def producer_app(broker_url: str) -> Celery:
-    app = Celery("ocrq-producer", broker=broker_url)
-    app.conf.update(task_send_sent_event=True, broker_connection_retry_on_startup=True)
+def producer_app(settings: Settings) -> Celery:
+    """The Celery app producers send with: the api, `ocrq submit`, the sweep, document pages."""
+    app = Celery("ocrq-producer", broker=settings.broker_url)
+    app.conf.update(
+        task_send_sent_event=True,
+        broker_connection_retry_on_startup=True,
+        **celery_options(settings, None),  # Sentinel's master name (ocrq/core/broker_redis.py)
+    )
     return app
 
 

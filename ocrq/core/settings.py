@@ -39,8 +39,18 @@ class Settings(BaseSettings):
     # hide_input_in_errors: a bad setting's error must not print the others (tokens, passwords).
     model_config = SettingsConfigDict(env_prefix="OCRQ_", extra="ignore", hide_input_in_errors=True)
 
-    # The Celery broker (Redis).
+    # The Celery broker (Redis): `redis://[:password@]host:port/db`, or Redis Sentinel for a
+    # broker that survives losing its master, one `;`-separated entry per sentinel:
+    # `sentinel://[:password@]host1:26379/db;sentinel://host2:26379` (the password and db of
+    # the first entry are the master's), with OCRQ_BROKER_MASTER_NAME (docs/operations.md).
     broker_url: str = "redis://localhost:6379/0"
+    # With a `sentinel://` broker: the name the sentinels monitor the master under (`sentinel
+    # monitor <name> ...` in their config; kombu's `master_name` transport option). Required then.
+    broker_master_name: str | None = None
+    # With a `sentinel://` broker: the password of the sentinels themselves (their
+    # `requirepass`; kombu's `sentinel_kwargs`), when they have one. The master's password is in
+    # the URL.
+    broker_sentinel_password: SecretStr | None = None
     # The job table's database (`ocrq run` uses --db, a temporary SQLite file by default).
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/ocrq"
     # Off when OCRQ_DATABASE_URL points at PgBouncer in transaction mode (Debian 12's 1.18, or
@@ -319,6 +329,17 @@ class Settings(BaseSettings):
     openai_retry_s: float = Field(default=600.0, ge=0, le=86_400)
 
     @model_validator(mode="after")
+    def _sentinel_master(self) -> Settings:
+        from ocrq.core.broker_redis import is_sentinel
+
+        if is_sentinel(self.broker_url) and not (self.broker_master_name or "").strip():
+            raise ValueError(
+                "OCRQ_BROKER_URL is a sentinel:// URL: set OCRQ_BROKER_MASTER_NAME to the name "
+                "the sentinels monitor the master under (`sentinel monitor <name> ...`)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _liveness_margin(self) -> Settings:
         if self.stalled_after_s < 3 * self.heartbeat_s:
             raise ValueError(
@@ -447,13 +468,15 @@ class Settings(BaseSettings):
 def result_backend_url(settings: Settings) -> str | None:
     """The Celery result backend the worker stores task results in, or None for none.
 
-    "broker" follows the broker when it is Redis (a result is a few KiB kept for
-    OCRQ_RESULT_EXPIRES_S) and means none for other brokers, which hold no results.
+    "broker" follows the broker when it is Redis, through Sentinel too (a result is a few KiB
+    kept for OCRQ_RESULT_EXPIRES_S), and means none for other brokers, which hold no results.
     """
     value = settings.result_backend.strip()
     if value.lower() in ("", "none", "off", "disabled"):
         return None
     if value.lower() == "broker":
+        from ocrq.core.broker_redis import is_redis
+
         url = settings.broker_url
-        return url if url.startswith(("redis://", "rediss://")) else None
+        return url if is_redis(url) else None
     return value

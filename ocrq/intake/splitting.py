@@ -107,12 +107,10 @@ def split(
 
 def celery_sender(settings: Settings) -> SendPage:
     """Page jobs sent through the broker, as any producer sends a job (task id = job id)."""
-    from celery import Celery
-
     from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, queue_for
+    from ocrq.core.requeue import producer_app
 
-    app = Celery("ocrq-pages", broker=settings.broker_url)
-    app.conf.update(task_send_sent_event=True, broker_connection_retry_on_startup=True)
+    app = producer_app(settings)
 
     def send(_document_id: str, kwargs: dict[str, Any]) -> None:
         app.send_task(

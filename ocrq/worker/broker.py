@@ -6,7 +6,11 @@ closes the broken channel, then fails with AttributeError instead of a connectio
 calls that unrecoverable and the worker process dies. Here both are treated as what they are, a
 lost connection: the messages stay in Redis's unacked set (Redis keeps it) and come back after
 the visibility timeout, where a done row makes their redelivery a no-op. The worker meanwhile
-reconnects as it does after any connection error.
+reconnects as it does after any connection error. Messages it had taken but not started (Celery
+drops them with the connection), and one it was taking as the connection broke, would wait
+there too: the reconnected channel puts them back on their queue instead (`NotStarted`). The
+same holds after a Sentinel failover, where the promoted replica holds the `unacked` hash
+(`TolerantSentinelChannel`).
 
 Malformed messages (see ocrq/worker/envelope.py) are rejected here, at the one place that sees every
 message as it leaves Redis and before kombu builds a Message from it: the channel's per-queue
@@ -26,6 +30,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -80,17 +85,124 @@ class TolerantQoS(redis.QoS):
                 "after the visibility timeout",
                 delivery_tag,
             )
+        except self.channel.connection_errors:
+            # The task is over with it (done, or failed before its body: its STARTED state
+            # goes to the broker's Redis too), but Redis keeps it: put it back once reconnected.
+            # Its redelivery finds a done row final, or runs a job that never started.
+            _not_started.defer_acked(delivery_tag)
 
     def restore_unacked(self, client: Any = None) -> None:
+        """kombu puts back, as the channel closes, every message it delivered and that was not
+        acked. When the connection is what broke, that fails: Redis keeps them in its `unacked`
+        hash, where they would wait for the visibility timeout. Those Celery has not started
+        (it forgets them as the connection goes: they "can't be acked anyway") are put back once
+        the worker has reconnected instead (`restore_after_reconnect`); those it is running stay
+        unacked, so their redelivery finds the row done rather than running them twice."""
+        delivered = dict(self._delivered)
         try:
             super().restore_unacked(client)
-        except AttributeError:
-            log.warning(
-                "broker connection gone: %d unacked message(s) stay in Redis and are redelivered "
-                "after the visibility timeout",
-                len(self._delivered),
-            )
+            return
+        except (AttributeError, *self.channel.connection_errors):
             self._delivered.clear()
+        _not_started.defer(delivered)
+
+
+class NotStarted:
+    """Messages the broken connection left in Redis's `unacked`, kept until a reconnected
+    channel can put them back on their queue, each once its job no longer runs in this process.
+
+    Why every one, not only those Celery never started: a task that had started may still end
+    without running its body (its STARTED state goes to the result backend, the broker's Redis,
+    and that write fails with the connection: "Exception raised outside body"), its row left
+    `queued`. Putting back the message of a job that finished costs one delivery that finds its
+    row final; leaving one costs the visibility timeout. Process-wide: Celery reconnects with a
+    new connection, transport and channel."""
+
+    RECHECK_S = 2.0  # how often jobs still running are looked at again
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tags: dict[str, str | None] = {}  # delivery tag -> job id (Celery's task id)
+        self._recheck: threading.Timer | None = None
+
+    def defer(self, delivered: dict[str, Any]) -> None:
+        with self._lock:
+            for tag, message in delivered.items():
+                self._tags.setdefault(tag, _job_id(message))  # an acked one stays unchecked
+        log.warning(
+            "broker connection gone: %d unacked message(s) stay in Redis; each goes back to the "
+            "queue once the worker has reconnected and its job no longer runs here",
+            len(delivered),
+        )
+
+    def defer_acked(self, tag: str) -> None:
+        """An ack that failed: put back whether or not the job runs (no job id to check)."""
+        with self._lock:
+            self._tags[tag] = None
+        log.warning("broker connection gone: message %s acked, put back once reconnected", tag)
+
+    def defer_taken(self, tag: str, job_id: str | None) -> None:
+        """A message popped while the connection broke, before kombu's `unacked` record came
+        back acknowledged: Redis may hold it there (the write happened, its reply was lost).
+        Where the write did not happen it is in neither place and its row stays `queued`
+        (`ocrq requeue`)."""
+        with self._lock:
+            self._tags[tag] = job_id
+        log.warning(
+            "broker connection gone while taking message %s: put back once reconnected if "
+            "Redis holds it",
+            tag,
+        )
+
+    def restore(self, qos: redis.QoS, client: Any) -> None:
+        """Put back each message whose job does not run here now (kombu's restore: one
+        transaction; nothing for a tag no longer in `unacked`, e.g. acked). The others are
+        looked at again in RECHECK_S; a broker that fails again keeps them all."""
+        with self._lock:
+            tags = dict(self._tags)
+        if not tags:
+            return
+        running = _running_job_ids()
+        put_back = 0
+        for tag, job_id in tags.items():
+            if job_id is not None and job_id in running:
+                continue
+            if client.hexists(qos.unacked_key, tag):  # for the count: restore is a no-op then
+                qos.restore_by_tag(tag, client=client)
+                put_back += 1
+            with self._lock:
+                self._tags.pop(tag, None)
+        if put_back:
+            log.warning("reconnected: put back %d message(s) left unacked", put_back)
+        with self._lock:
+            if self._tags and (self._recheck is None or not self._recheck.is_alive()):
+                self._recheck = threading.Timer(self.RECHECK_S, self._again, (qos, client))
+                self._recheck.daemon = True
+                self._recheck.start()
+
+    def _again(self, qos: redis.QoS, client: Any) -> None:
+        with self._lock:
+            self._recheck = None  # this timer: the next restore may start another
+        try:
+            self.restore(qos, client)
+        except Exception as exc:  # the channel went too: the next reconnect tries again
+            log.warning("messages left unacked kept for the next reconnect: %s", exc)
+
+
+_not_started = NotStarted()
+
+
+def _job_id(message: Any) -> str | None:
+    headers = getattr(message, "headers", None)
+    job_id = headers.get("id") if isinstance(headers, dict) else None
+    return job_id if isinstance(job_id, str) else None
+
+
+def _running_job_ids() -> set[str]:
+    """The task ids of the requests Celery's pool runs now (its own worker state)."""
+    from celery.worker.state import active_requests
+
+    return {request.id for request in tuple(active_requests)}
 
 
 def _log_rejected(queue: str | None, problem: Problem) -> None:
@@ -125,12 +237,21 @@ class TolerantChannel(redis.Channel):
         self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
     ) -> Any:
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.restore_after_reconnect()
         names = frozenset(self.ocrq_task_names) if queue in self.ocrq_task_queues else None
         deliver = self.connection._callbacks[queue]
         self.connection._callbacks[queue] = functools.partial(
             self._checked_deliver, queue, names, deliver
         )
         return result
+
+    def restore_after_reconnect(self) -> None:
+        """Messages dropped unstarted by the connection that broke (TolerantQoS), put back
+        through this one; kept for the next channel while the broker still fails."""
+        try:
+            _not_started.restore(self.qos, self.client)
+        except self.connection_errors as exc:
+            log.warning("broker still failing; messages to put back kept: %s", exc)
 
     def _checked_deliver(
         self,
@@ -151,6 +272,10 @@ class TolerantChannel(redis.Channel):
         try:
             return deliver(payload)
         except self.connection_errors:
+            tag = (payload.get("properties") or {}).get("delivery_tag")
+            job_id = (payload.get("headers") or {}).get("id")
+            if isinstance(tag, str):
+                _not_started.defer_taken(tag, job_id if isinstance(job_id, str) else None)
             raise
         except Exception as exc:
             self.qos.reject(payload["properties"]["delivery_tag"], requeue=False)
@@ -198,4 +323,33 @@ class TolerantRedisTransport(redis.Transport):
     Channel = TolerantChannel
 
 
+class TolerantSentinelChannel(TolerantChannel, redis.SentinelChannel):
+    """The same channel, its connections to whichever Redis the sentinels name master
+    (kombu's SentinelChannel; ocrq/core/broker_redis.py says why Sentinel)."""
+
+    from_transport_options = tuple(
+        dict.fromkeys(
+            (*TolerantChannel.from_transport_options, *redis.SentinelChannel.from_transport_options)
+        )
+    )
+
+
+class TolerantSentinelTransport(redis.SentinelTransport):
+    Channel = TolerantSentinelChannel
+
+
 TRANSPORT = f"{__name__}:TolerantRedisTransport"
+SENTINEL_TRANSPORT = f"{__name__}:TolerantSentinelTransport"
+
+
+def keep_transport_on_reconnect() -> None:
+    """Make the URL schemes name these transports in this (worker) process.
+
+    Celery's `broker_transport` picks them for the first connection only: when a reconnect
+    attempt fails, kombu's failover (`Connection.switch`, also with a single URL) derives the
+    transport from the URL's scheme again, and the worker went on consuming through kombu's own,
+    without the checks and restores above (seen after every Sentinel failover: the sentinels
+    name the dead master for a second or two)."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES.update(redis=TRANSPORT, rediss=TRANSPORT, sentinel=SENTINEL_TRANSPORT)

@@ -13,6 +13,8 @@
 - a result backend (the broker's Redis by default, OCRQ_RESULT_BACKEND): the task's result is
   the job's result dict, so a bare Celery producer's `AsyncResult(job_id).get()` returns it.
 - malformed messages are rejected by the transport (ocrq/worker/broker.py), never crash the worker.
+- a `sentinel://` broker URL: the same transport through Redis Sentinel, and the result backend
+  too when it follows the broker (ocrq/core/broker_redis.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 
 from celery import Celery, signals
 
+from ocrq.core.broker_redis import celery_options, is_redis, is_sentinel
 from ocrq.core.contract import DEFAULT_QUEUE, INTERACTIVE, TASK_NAME, queue_for
 from ocrq.core.settings import Settings, result_backend_url
 
@@ -32,11 +35,14 @@ def make_app(settings: Settings) -> Celery:
     app = Celery(
         "ocrq", broker=settings.broker_url, backend=backend, include=["ocrq.worker.tasks"]
     )
-    if settings.broker_url.startswith(("redis://", "rediss://")):
-        from ocrq.worker.broker import TRANSPORT
+    if is_redis(settings.broker_url):
+        from ocrq.worker.broker import SENTINEL_TRANSPORT, TRANSPORT
 
-        # survives a Redis restart (see ocrq/worker/broker.py)
-        app.conf.broker_transport = TRANSPORT
+        # survives a Redis restart (see ocrq/worker/broker.py), and a failover under Sentinel
+        app.conf.broker_transport = (
+            SENTINEL_TRANSPORT if is_sentinel(settings.broker_url) else TRANSPORT
+        )
+    ha = celery_options(settings, backend)  # Sentinel's master name (ocrq/core/broker_redis.py)
     app.conf.update(
         task_default_queue=settings.queue or DEFAULT_QUEUE,
         task_routes={TASK_NAME: {"queue": settings.queue or DEFAULT_QUEUE}},
@@ -80,12 +86,21 @@ def make_app(settings: Settings) -> Celery:
             # job instead (envelope.task_refusal, ocrq/worker/links.py).
             "ocrq_max_eta_s": settings.eta_bound_s,
             "ocrq_link_tasks": list(settings.link_tasks),
+            **ha.get("broker_transport_options", {}),
         },
+        result_backend_transport_options=ha.get("result_backend_transport_options", {}),
         task_serializer="json",
         accept_content=["json"],
     )
     return app
 
+
+
+@signals.worker_init.connect
+def _tolerant_transport_after_reconnects(**_: object) -> None:
+    from ocrq.worker.broker import keep_transport_on_reconnect
+
+    keep_transport_on_reconnect()
 
 
 @signals.worker_ready.connect

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ocrq.core.broker_redis import broker_client, is_redis
 from ocrq.core.contract import INTERACTIVE, lane_of_queue, queue_for
 from ocrq.core.settings import Settings
 
@@ -50,10 +51,10 @@ def priority_lists(queue: str) -> list[str]:
 
 
 class QueueDepth(Collector):
-    def __init__(self, broker_url: str, queues: list[str]) -> None:
+    def __init__(self, settings: Settings, queues: list[str]) -> None:
         self.queues = queues
-        self._client = redis.Redis.from_url(
-            broker_url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S
+        self._client = broker_client(
+            settings, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S
         )
 
     def depths(self) -> dict[str, int]:
@@ -85,8 +86,8 @@ class QueueDepth(Collector):
 
 def queue_depth_registry(settings: Settings) -> CollectorRegistry | None:
     """A registry holding the gauge, or None for a broker that is not Redis."""
-    if not settings.broker_url.startswith(("redis://", "rediss://")):
+    if not is_redis(settings.broker_url):
         return None
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(QueueDepth(settings.broker_url, consumed_queues(settings)))
+    registry.register(QueueDepth(settings, consumed_queues(settings)))
     return registry

@@ -168,7 +168,7 @@ def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
     """Beat for worker `name`, and sweep other workers' stalled jobs back to the queue."""
     from ocrq.core.requeue import producer_app, recover  # as `ocrq requeue`
 
-    app = producer_app(settings.broker_url)
+    app = producer_app(settings)
     store = JobStore(engine_for(settings))
     return Heartbeat(
         store.engine,
