@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ocrq.models.hunyuan.vision_attention import VarlenKernel, varlen_forward
+from ocrq.models.hunyuan.vision_attention import VarlenKernel, packed_qkv, varlen_forward
 
 if TYPE_CHECKING:
     import torch
@@ -127,13 +127,8 @@ def _grouped_vision_attention(
     import torch
     import torch.nn.functional as F
 
-    batch, seq, _ = hidden_states.shape
-    heads, dim = self.num_heads, self.head_dim
-    if batch != 1:
-        raise ValueError(f"the vision tower packs images into one row, got {batch}")
-    q = self.q_proj(hidden_states).view(seq, heads, dim)
-    k = self.k_proj(hidden_states).view(seq, heads, dim)
-    v = self.v_proj(hidden_states).view(seq, heads, dim)
+    q, k, v = packed_qkv(self, hidden_states)
+    seq, heads, dim = q.shape
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outputs = []
     offset = 0

@@ -127,6 +127,21 @@ def device_bounds(edges: tuple[int, ...], device: str) -> torch.Tensor:
     return to_device(list(edges), torch.int32, device)
 
 
+def packed_qkv(
+    attn: Any, hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values of a pass's packed row, each (patches, heads, head_dim): what
+    every vision attention path here starts from (the varlen kernels and the grouped SDPA)."""
+    batch, seq, _ = hidden_states.shape
+    if batch != 1:
+        raise ValueError(f"the vision tower packs images into one row, got {batch}")
+    shape = (seq, attn.num_heads, attn.head_dim)
+    q = attn.q_proj(hidden_states).view(shape)
+    k = attn.k_proj(hidden_states).view(shape)
+    v = attn.v_proj(hidden_states).view(shape)
+    return q, k, v
+
+
 def varlen_forward(
     self: Any,
     hidden_states: torch.Tensor,
@@ -141,13 +156,8 @@ def varlen_forward(
     The tower packs a pass's images into one row and hands over their cumulative patch counts
     (on the host where the engine keeps the image grid there); each image attends over its own
     patches, as in the library's per-image loop."""
-    batch, seq, _ = hidden_states.shape
-    heads, dim = self.num_heads, self.head_dim
-    if batch != 1:
-        raise ValueError(f"the vision tower packs images into one row, got {batch}")
-    q = self.q_proj(hidden_states).view(seq, heads, dim)
-    k = self.k_proj(hidden_states).view(seq, heads, dim)
-    v = self.v_proj(hidden_states).view(seq, heads, dim)
+    q, k, v = packed_qkv(self, hidden_states)
+    seq, heads, dim = q.shape
     edges = tuple(int(e) for e in cu_seqlens.tolist())
     if edges[0] != 0 or edges[-1] != seq:
         raise ValueError(f"cumulative lengths {edges[:3]}...{edges[-1]} do not cover {seq} patches")
