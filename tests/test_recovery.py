@@ -9,14 +9,19 @@ worker's BRPOP does) and never written to `unacked`, as when the worker is kille
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from ocrq.api.client import Client
 from ocrq.core.broker_scan import HOLDERS_KEY, message_job_id
@@ -24,6 +29,7 @@ from ocrq.core.contract import TASK_NAME, JobRequest, job_kwargs
 from ocrq.core.db import get_engine
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, NewJob
+from tests import conftest
 from tests.conftest import BIN, FIGURES, WorkerProcess
 from tests.servers import PrivateRedis
 from tests.test_faults import make_images, not_final, report, wait_all
@@ -45,11 +51,36 @@ def holders(r: redis.Redis) -> dict[str, str]:
     return {v.decode().split("\t")[1]: v.decode().split("\t")[0] for v in r.hvals(HOLDERS_KEY)}
 
 
+@pytest.fixture(scope="module")
+def own_services(
+    service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[dict[str, str], str]]:
+    """A Redis and a migrated database of this module's own. Why: requeue and the sweep look
+    at every `queued` row and every queue, as they do in production; in the session's shared
+    ones, rows and messages other tests left behind would be found and re-sent too, and the
+    counts asserted here would be theirs."""
+    server = PrivateRedis(tmp_path_factory.mktemp("recovery-redis"), persist=False)
+    server.start()
+    name = f"ocrq_test_{uuid.uuid4().hex[:8]}"
+    url = make_url(conftest.TEST_PG).set(database=name).render_as_string(hide_password=False)
+    migrate = {**os.environ, "OCRQ_DATABASE_URL": url}
+    subprocess.run([str(BIN / "ocrq"), "migrate"], env=migrate, check=True, timeout=120)
+    try:
+        yield {**service_env, "OCRQ_BROKER_URL": server.url, "OCRQ_DATABASE_URL": url}, url
+    finally:
+        server.stop()
+        admin = create_engine(conftest.TEST_PG, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
 def test_requeue_resends_only_what_the_broker_lost(
-    service_env: dict[str, str], database_url: str, image_root: Path
+    own_services: tuple[dict[str, str], str], image_root: Path
 ) -> None:
     """`ocrq requeue --older-than 0` with a backlog of 30 waiting messages and 3 lost ones:
     it re-sends the 3, and the queue holds 30 messages again, not 57."""
+    service_env, database_url = own_services
     queue = f"ocr-requeue-{uuid.uuid4().hex[:6]}"
     env = {**service_env, "OCRQ_QUEUE": queue}
     client = Client(
@@ -76,11 +107,12 @@ def test_requeue_resends_only_what_the_broker_lost(
 
 
 def test_lost_and_unstarted_messages_recovered_by_a_live_worker(
-    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+    own_services: tuple[dict[str, str], str], image_root: Path, tmp_path: Path
 ) -> None:
     """A worker is killed holding a message it had not started (an ETA job, in `unacked`);
     three other messages are lost outright. A live worker's sweep puts the first back and
     re-sends the three: every job done once, no person, no visibility timeout."""
+    service_env, database_url = own_services
     queue = f"ocr-recover-{uuid.uuid4().hex[:6]}"
     env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue}
     store = JobStore(get_engine(database_url))
