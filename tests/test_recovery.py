@@ -130,7 +130,9 @@ def test_lost_and_unstarted_messages_recovered_by_a_live_worker(
             {"image": {"path": str(make_images(image_root / "eta", 1)[0])}, "task": "text"}
         )
         eta = request.job_id
-        store.enqueue_many([NewJob(eta, "text", request.image.describe(), None)])
+        # As a producer writes it (ocrq.client): with the reference a re-send is built from.
+        row = NewJob(eta, "text", request.image.describe(), None, request.image.reference())
+        store.enqueue_many([row])
         kwargs = job_kwargs(request.image.model_dump(exclude_none=True), "text", eta, None)
         client.app.send_task(TASK_NAME, kwargs=kwargs, queue=queue, task_id=eta, countdown=40)
         budget.until(
