@@ -74,6 +74,10 @@ ocr_jobs = Table(
     # `attempts` when the last one began (the worker-death cap counts from there).
     Column("retries", Integer, nullable=False, server_default="0"),
     Column("retry_attempts", Integer, nullable=False, server_default="0"),
+    # The job's own output cap and lane (migrations/0009), so a re-send keeps them; NULL: the
+    # worker's default cap, the bulk lane.
+    Column("max_new_tokens", Integer),
+    Column("priority", String(16)),
 )
 
 # One row per document (PDF, multi-page TIFF; migrations/0004). Its pages are the ocr_jobs rows
