@@ -2,8 +2,9 @@
 
 The comments above each field in ocrq/core/settings.py are its documentation: this reads them
 from the source (`tokenize`, so `#` inside strings is never taken for a comment), and the type,
-default and bounds from the class itself. Fields are grouped as the source groups them (a blank
-line starts a group); a group's title is the first phrase of its first comment.
+default and bounds from the class itself. Each field is declared once, in one of the group
+classes `Settings` inherits; fields are grouped as the source groups them (a class, or a blank
+line inside one, starts a group); a group's title is the first phrase of its first comment.
 
     python scripts/settings_doc.py           # rewrite docs/settings.md
     python scripts/settings_doc.py --check   # exit 1 when docs/settings.md is out of date
@@ -66,34 +67,47 @@ def _comments(source: str) -> dict[int, str]:
     return out
 
 
+def _classes(source: str) -> list[ast.ClassDef]:
+    """The classes that declare settings, in source order: the groups `Settings` inherits
+    (ocrq/core/settings.py declares each field once, in its group), and `Settings` itself."""
+    return [
+        n for n in ast.parse(source).body
+        if isinstance(n, ast.ClassDef) and (n.name == "Settings" or n.name.endswith("Settings"))
+    ]
+
+
 def parse(source: str) -> list[Group]:
-    """The Settings fields in source order, grouped by blank lines, with their comments."""
+    """The settings fields in source order, grouped by blank lines (and by class), with their
+    comments."""
     lines = source.splitlines()
     comments = _comments(source)
-    cls = next(
-        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Settings"
-    )
     groups: list[Group] = []
-    prev_end = cls.body[0].lineno - 1
-    for node in cls.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+    for cls in _classes(source):
+        prev_end = cls.body[0].lineno - 1
+        new_class = True
+        for node in cls.body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                prev_end = node.end_lineno or node.lineno
+                continue
+            if node.target.id == "model_config":
+                prev_end = node.end_lineno or node.lineno
+                continue
+            block: list[str] = []
+            n = node.lineno - 1
+            while n > prev_end and n in comments and lines[n - 1].lstrip().startswith("#"):
+                block.insert(0, comments[n])
+                n -= 1
+            # A class's first field, or a blank line above a field or its comment, starts a group.
+            if new_class or (n > prev_end and not lines[n - 1].strip()):
+                groups.append(Group())
+                new_class = False
+            inline = " ".join(
+                comments[i]
+                for i in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+                if i in comments and not lines[i - 1].lstrip().startswith("#")
+            )
+            groups[-1].entries.append(Entry(node.target.id, block, inline))
             prev_end = node.end_lineno or node.lineno
-            continue
-        block: list[str] = []
-        n = node.lineno - 1
-        while n > prev_end and n in comments and lines[n - 1].lstrip().startswith("#"):
-            block.insert(0, comments[n])
-            n -= 1
-        # A blank line (or the class's first field) above the field or its comment starts a group.
-        if not groups or (n > prev_end and not lines[n - 1].strip()):
-            groups.append(Group())
-        inline = " ".join(
-            comments[i]
-            for i in range(node.lineno, (node.end_lineno or node.lineno) + 1)
-            if i in comments and not lines[i - 1].lstrip().startswith("#")
-        )
-        groups[-1].entries.append(Entry(node.target.id, block, inline))
-        prev_end = node.end_lineno or node.lineno
     return groups
 
 

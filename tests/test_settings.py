@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -83,3 +86,105 @@ def test_monitor_serves_metrics_and_probes_from_a_registry() -> None:
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(base + path, timeout=5)
         assert caught.value.code == code
+
+
+# Every OCRQ_* variable of the flat Settings before it was declared as groups (issue 28): its
+# field, default, type and bounds, written from that class. A rename or a changed default shows
+# here as a diff.
+BEFORE_GROUPS = Path(__file__).with_name("settings_env_names.json")
+
+
+def _names_fields_defaults() -> dict[str, dict[str, object]]:
+    prefix = Settings.model_config["env_prefix"]
+    out: dict[str, dict[str, object]] = {}
+    for name, info in Settings.model_fields.items():
+        assert info.alias is None and info.validation_alias is None, name  # env name = field
+        default = info.default_factory() if info.default_factory else info.default  # type: ignore[call-arg]
+        out[(prefix + name).upper()] = {
+            "field": name,
+            "default": json.loads(json.dumps(default, default=str)),
+            "annotation": repr(info.annotation),
+            "metadata": [repr(m) for m in info.metadata],
+        }
+    return out
+
+
+def test_every_ocrq_name_maps_to_the_same_field_and_default_as_before_the_groups() -> None:
+    before = json.loads(BEFORE_GROUPS.read_text(encoding="utf-8"))
+    assert len(before) == 98
+    assert _names_fields_defaults() == before
+
+
+def test_each_field_is_declared_in_exactly_one_group() -> None:
+    """The groups partition Settings: a field declared twice would have two defaults."""
+    from ocrq.core import settings as module
+
+    groups = [
+        cls for cls in vars(module).values()
+        if isinstance(cls, type) and cls.__name__.endswith("Settings") and cls is not Settings
+        and cls.__module__ == module.__name__
+    ]
+    declared: dict[str, str] = {}
+    for cls in groups:
+        for name in inspect.get_annotations(cls):
+            assert name not in declared, f"{name} in {cls.__name__} and {declared[name]}"
+            declared[name] = cls.__name__
+    assert set(declared) == set(Settings.model_fields)
+
+
+@pytest.mark.parametrize(
+    "variable, value, group, expected",
+    [
+        ("OCRQ_MAX_IMAGE_SIDE", "123", "intake", 123),
+        ("OCRQ_BATCH_WAIT_MS", "7", "batching", 7),
+        ("OCRQ_HEARTBEAT_S", "1.5", "delivery", 1.5),
+        ("OCRQ_API_MAX_WAIT_S", "3", "api", 3.0),
+        ("OCRQ_PREFILL_GAP_STEPS", "9", "hunyuan", 9),
+        ("OCRQ_VLLM_MAX_NUM_SEQS", "5", "vllm", 5),
+        ("OCRQ_OPENAI_CONCURRENCY", "4", "openai", 4),
+        ("OCRQ_DATABASE_POOL_SIZE", "3", "service", 3),
+        ("OCRQ_TASK_MAX_PIXELS", "parse=1000000", "hunyuan", {"parse": 1_000_000}),
+    ],
+)
+def test_a_variable_reaches_its_flat_field_and_its_group(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, group: str, expected: object
+) -> None:
+    monkeypatch.setenv(variable, value)
+    field = variable.removeprefix("OCRQ_").lower()
+    settings = Settings()
+    assert getattr(settings, field) == expected
+    assert getattr(getattr(settings, group), field) == expected
+
+
+def test_the_budget_and_the_model_reach_every_engine_group_and_nothing_else_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine's group holds the model, the batch cap and the memory budget (declared once,
+    inherited), never the api's token, the broker or another engine's knobs."""
+    monkeypatch.setenv("OCRQ_MAX_BATCH", "12")
+    monkeypatch.setenv("OCRQ_MODEL", "some/model")
+    settings = Settings(api_token="t0ken", openai_url="http://x/v1")
+    for view in (settings.hunyuan, settings.vllm, settings.openai):
+        assert (view.max_batch, view.model) == (12, "some/model")
+        assert not {"api_token", "broker_url", "webhook_secret"} & set(type(view).model_fields)
+    assert settings.batching.max_batch == 12
+    assert "openai_url" not in type(settings.hunyuan).model_fields
+    assert "prefill_tokens" not in type(settings.openai).model_fields
+
+
+def test_a_view_is_a_copy_of_validated_values() -> None:
+    settings = Settings(max_new_tokens=64)
+    view = settings.hunyuan
+    view.max_new_tokens = 8
+    assert settings.max_new_tokens == 64 and settings.hunyuan.max_new_tokens == 64
+
+
+def test_groups_validate_on_their_own() -> None:
+    """A group built directly (a test, a bench) is checked like Settings."""
+    from ocrq.core.settings import DeliverySettings, HunyuanSettings
+
+    with pytest.raises(ValidationError, match="unknown tasks"):
+        HunyuanSettings(task_max_pixels="nosuchtask=1000000")
+    with pytest.raises(ValidationError, match="three"):
+        DeliverySettings(heartbeat_s=30, stalled_after_s=60)
+    assert HunyuanSettings(max_new_tokens=5).max_new_tokens == 5

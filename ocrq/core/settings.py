@@ -1,7 +1,17 @@
-"""One typed settings object, read from OCRQ_* variables once and passed down.
+"""One typed settings object, read from OCRQ_* variables once and passed down, declared as groups.
 
 Nothing deep in the code reads the environment: tests and embedded mode build a Settings of
 their own and hand it in.
+
+Each field is declared once, in the group it belongs to (IntakeSettings, BatchingSettings,
+DeliverySettings, ApiSettings, and one group per engine: HunyuanSettings, VllmSettings,
+OpenAISettings). `Settings` inherits every group, so it stays flat: one `OCRQ_<FIELD>` variable
+per field, validated once, and `settings.max_batch` works as before. `settings.hunyuan` (and
+`.intake`, `.batching`, ...) is that group's typed view of the validated values: an engine is
+built from its own group only (ocrq/models/registry.py) and cannot read the api's token or the
+broker's URL. Why flat at the root rather than nested models: every OCRQ_* name, every
+`settings.<field>` access and every `Settings(field=...)` in tests and benches keeps working,
+and a field moves between groups without renaming its variable.
 """
 
 from __future__ import annotations
@@ -9,9 +19,9 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # HunyuanOCR's generation loop: ocrq's own (ocrq/models/hunyuan/decode.py) or transformers'
@@ -34,10 +44,12 @@ PrefillSchedule = Literal["alternate", "chunked"]
 # or transformers' HunYuanVL ("transformers"); ocrq/models/hunyuan/fidelity.py says how they differ.
 HunyuanNumerics = Literal["trained", "transformers"]
 
+G = TypeVar("G", bound=BaseModel)
 
-class Settings(BaseSettings):
-    # hide_input_in_errors: a bad setting's error must not print the others (tokens, passwords).
-    model_config = SettingsConfigDict(env_prefix="OCRQ_", extra="ignore", hide_input_in_errors=True)
+
+class ServiceSettings(BaseModel):
+    """Where the service's state lives (broker, database, results) and which engine and queue a
+    worker serves: read by every process."""
 
     # The Celery broker (Redis): `redis://[:password@]host:port/db`, or Redis Sentinel for a
     # broker that survives losing its master, one `;`-separated entry per sentinel:
@@ -81,6 +93,24 @@ class Settings(BaseSettings):
     # hour: ~7.4 KB a job, so at ~30 images/s a GPU keeps ~0.8 GB in Redis (a day would be
     # ~19 GB; bench/results/control_plane/control_plane_cpu.md).
     result_expires_s: int = Field(default=3_600, ge=60, le=90 * 86_400)
+
+    @model_validator(mode="after")
+    def _sentinel_master(self) -> ServiceSettings:
+        from ocrq.core.broker_redis import is_sentinel
+
+        if is_sentinel(self.broker_url) and not (self.broker_master_name or "").strip():
+            raise ValueError(
+                "OCRQ_BROKER_URL is a sentinel:// URL: set OCRQ_BROKER_MASTER_NAME to the name "
+                "the sentinels monitor the master under (`sentinel monitor <name> ...`)"
+            )
+        return self
+
+
+class IntakeSettings(BaseModel):
+    """What a job's image or document may be and where it may come from (ocrq/intake): the
+    security surface, checked before anything is decoded."""
+
+    # Path images.
     # Directories that {"path": ...} images may be read from. Empty: every path is refused, and
     # a worker will not start (nor with `/` among them) unless allow_any_path says so; there is
     # no fallback to the working directory, which is `/` under systemd.
@@ -131,21 +161,68 @@ class Settings(BaseSettings):
         Field(default_factory=list)
     )
 
-    # Batching.
+    @field_validator("allowed_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p for p in value.split(os.pathsep) if p] if value else []
+        return value
+
+    @field_validator("image_formats", mode="before")
+    @classmethod
+    def _split_formats(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list | tuple):
+            formats = [str(f).strip().upper() for f in value if str(f).strip()]
+            from PIL import Image  # only when the setting is given: loading every plugin costs
+
+            Image.init()
+            unknown = [f for f in formats if f not in Image.OPEN]
+            if unknown or not formats:
+                raise ValueError(
+                    f"unknown image formats {unknown}: choose among {', '.join(sorted(Image.OPEN))}"
+                )
+            return formats
+        return value
+
+    @field_validator("url_allow_networks", mode="before")
+    @classmethod
+    def _split_networks(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if isinstance(value, list | tuple):
+            return [ipaddress.ip_network(str(v).strip(), strict=False) for v in value]
+        return value
+
+
+class BudgetSettings(BaseModel):
+    """The batch cap and the memory budget. The batcher plans to them, and an engine that sizes
+    its own loop or pool from them (HunyuanOCR's running loop, vLLM's KV cache) reads them too:
+    every engine's group carries them, declared here once."""
+
+    # Batch cap and memory budget.
     # Hard cap on images per engine call, whatever the budget allows; None: the knee `ocrq tune
     # --images` wrote into the tuned profile, else the engine's own
     # (`EngineCore.preferred_max_batch`: 256 for HunyuanOCR on a GPU, 32 otherwise).
     max_batch: int | None = Field(default=None, ge=1, le=4096)
+    # Total memory the engine may use, fixed part included; None: the engine's default budget.
+    memory_budget_gib: float | None = Field(default=None, gt=0, le=65_536)
+    # Share of that budget batches are planned to; the rest is the allocator's slack.
+    memory_utilization: float = Field(default=0.85, gt=0.1, le=1.0)
+
+
+class BatchingSettings(BudgetSettings):
+    """How the batcher gathers images into batches and how many a worker holds
+    (ocrq/scheduling)."""
+
+    # Batching.
     # How long the batcher lingers for more items once one is waiting.
     batch_wait_ms: int = Field(default=50, ge=0, le=60_000)
     # A bulk image waiting in the worker this long is admitted among the interactive ones, in
     # arrival order, so an interactive stream never starves the bulk lane (planner.py
     # `LaneRule`; docs/internals.md). Interactive jobs pass younger bulk ones until then.
     bulk_max_wait_s: float = Field(default=30.0, ge=0, le=86_400)
-    # Total memory the engine may use, fixed part included; None: the engine's default budget.
-    memory_budget_gib: float | None = Field(default=None, gt=0, le=65_536)
-    # Share of that budget batches are planned to; the rest is the allocator's slack.
-    memory_utilization: float = Field(default=0.85, gt=0.1, le=1.0)
     # Where `ocrq tune` writes cost-model profiles and workers look for theirs at start.
     profile_dir: Path = Path("~/.cache/ocrq/profiles")
     # Celery task threads: images being fetched + waiting for the batcher; None: follow the
@@ -154,6 +231,11 @@ class Settings(BaseSettings):
     # Decoded images held at once (waiting + in the running batch); None: two batches' worth,
     # i.e. the next batch is decoded while the current one runs. max_batch turns prefetch off.
     prefetch_images: int | None = Field(default=None, ge=1, le=100_000)
+
+
+class DeliverySettings(BaseModel):
+    """A worker's side of Celery delivery, its lifecycle (recycling, liveness, its process) and
+    what happens after a job (callbacks, retention)."""
 
     # Delivery and lifecycle.
     # Redis redelivers a message not acked within this many seconds: keep it above the worst
@@ -193,26 +275,6 @@ class Settings(BaseSettings):
     stalled_after_s: float = Field(default=60.0, ge=1.0, le=86_400)
     stalled_sweep_s: float = Field(default=30.0, ge=0.5, le=3600)
 
-    # HTTP api (ocrq/api/http.py). Without a token the api refuses to start, unless
-    # api_allow_no_auth says an authenticating proxy stands in front of it.
-    api_token: SecretStr | None = None
-    api_allow_no_auth: bool = False
-    # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
-    api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
-    # Where the api stores uploaded images (multipart and raw bodies), one file per content
-    # hash. Set it on the api AND every worker, to one folder shared by all (a volume at the same
-    # path): the worker reads it as one more allowed root, no OCRQ_ALLOWED_ROOTS needed for it,
-    # and a worker without it fails an uploaded job with a message naming this setting. None:
-    # the api refuses uploads (415); JSON jobs with a path, url or b64 still work.
-    upload_dir: Path | None = None
-    # /docs, /redoc and /openapi.json (assets served from the fastapi-offline wheel, no CDN):
-    # "token" behind the bearer token like every path, "public" without it, "off" not served.
-    api_docs: Literal["token", "public", "off"] = "token"
-    # Longest a long-poll (GET /jobs/{id}?wait=S, POST /jobs/lookup with wait) is held open.
-    api_max_wait_s: float = Field(default=60.0, ge=0, le=3600)
-    # Most jobs in one batch submit or bulk lookup, and rows in one page of GET /jobs.
-    api_max_batch: int = Field(default=1000, ge=1, le=100_000)
-
     # Poison messages and stuck jobs (issue 16).
     # Runs of a job that may kill its worker (its first run, then each retry, which runs alone
     # in its worker process: docs/faults.md) before the job is failed instead of run again: a
@@ -239,64 +301,7 @@ class Settings(BaseSettings):
     # this many days, once a day (one worker at a time); None: kept forever (`ocrq prune`).
     retention_days: float | None = Field(default=None, gt=0, le=36_500)
 
-    # HunyuanOCR. The repository's root holds 1.5 (since July 2026); "v1.0" is the older model.
-    # Which version a checkpoint is comes from its config.json (ocrq/models/hunyuan/versions.py).
-    model: str = "tencent/HunyuanOCR"
-    model_revision: str | None = None
-    model_subfolder: str | None = None
-    # Tokens generated at most per image; with the prompt it sizes the KV cache.
-    max_new_tokens: int = Field(default=1024, ge=1, le=131_072)
-    # Per-task cap on the pixels the model sees, over the engine's defaults
-    # (ocrq/models/hunyuan/resolution.py), e.g. "parse=2359296,spotting=4194304"; the task names of
-    # ocrq.core.contract.TASKS, or "custom" for free prompts. The model's own limit always applies.
-    task_max_pixels: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
-    # HunyuanOCR's attention implementation; "eager" is refused (13 GiB for one A4 page).
-    attention: str = "sdpa"
-    # HunyuanOCR's XD-RoPE layout for image tokens and its ViT position-table interpolation:
-    # Tencent's training code by default; "transformers" reproduces transformers' (and vLLM's)
-    # outputs. Text tokens and decode steps are the same either way.
-    hunyuan_rope: HunyuanNumerics = "trained"
-    hunyuan_vit_positions: HunyuanNumerics = "trained"
-    # HunyuanOCR's weights and activations: a torch dtype, or "auto" (bfloat16 on CUDA, else
-    # float32). Device "auto": cuda:0 when torch sees CUDA, else the CPU; or e.g. "cuda:1".
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    # Which loop generates: "fast" (ocrq's, CUDA graphs and Triton kernels; same greedy tokens)
-    # or "generate" (transformers'). Part of a tuned profile's key: each holds other memory.
-    decode: DecodeMode = "fast"
-    # The fast loop's decode attention; "torch" also turns the fused norm/RoPE kernels off.
-    decode_attention: DecodeAttention = "auto"
-    # The vision tower's attention: "auto" is FlashAttention-4 (`pip install 'ocrq[fa4]'`) on an
-    # SM80/SM90/SM100 GPU, else SDPA; "fa4" fails to load where it cannot run; "sdpa" is
-    # PyTorch's SDPA (cuDNN on Hopper), one call per run of equal-sized images.
-    vision_attention: VisionAttention = "auto"
-    # The running loop's KV pool: "auto" (the model's dtype) or "fp8" (e4m3, no scale: half the
-    # bytes a decode step reads and twice the rows a pool holds; ocrq/models/hunyuan/kv_cache.py).
-    kv_cache_dtype: KvCacheDtype = "auto"
-    # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
-    # output, GIL released) or "processor" (transformers' processor, for comparison).
-    preprocess: PreprocessMode = "tensor"
-    # Static batches or the running loop (continuous batching; the fast loop only).
-    # "auto": the running loop where its Triton attention runs (CUDA), static batches elsewhere
-    # (on a CPU the loop's torch attention reads the whole KV pool every step: slower).
-    scheduler: Scheduler = "auto"
-    # The running loop: when it prefills ("alternate": one big pass once a quarter of the slots
-    # are free; "chunked": a chunk before every decode step), and how many padded prompt tokens
-    # a pass / a chunk holds (their activations are reserved in the memory budget).
-    prefill_schedule: PrefillSchedule = "chunked"
-    prefill_tokens: int = Field(default=16384, ge=256, le=1_048_576)
-    # 16,384 packed tokens a chunk, a pass at most every 4 decode steps: fewer, fuller passes,
-    # whose host cost is paid per pass (on an H200 1.06x the images/s of 4,096 and every step,
-    # GPU busy 97% instead of 95%: bench/results/service_gpu/service_gpu_reading.md, run 16). Its
-    # reserve is 2.5 GiB of activations instead of 0.6: lower it on a small GPU to keep the KV pool.
-    prefill_chunk_tokens: int = Field(default=16384, ge=256, le=1_048_576)
-    # "chunked": decode steps between prefill passes unless a pass is full or nothing decodes.
-    prefill_gap_steps: int = Field(default=4, ge=1, le=1024)
-    # Prefill passes with their rows packed end to end, no padding: a pass then costs the tokens
-    # it holds (ocrq/models/hunyuan/packed.py). On by default: on an H200 the service's mix made
-    # 1.23x the images/s of padded passes, the GPU busy 99% instead of 82%
-    # (bench/results/service_gpu/service_gpu_reading.md, run 14); false is the padded prefill.
-    prefill_packed: bool = True
+    # Worker process.
     # The worker's GIL switch interval (sys.setswitchinterval), ms; None keeps Python's 5 ms.
     # A shorter one lets the thread that feeds the GPU take the GIL back sooner from the task
     # and preprocessing threads (bench/service_gpu.py compares).
@@ -309,38 +314,8 @@ class Settings(BaseSettings):
     # bench/results/service_gpu/service_gpu_reading.md, runs 10-11); off elsewhere.
     engine_process: bool | None = None
 
-    # vLLM engines (ocrq/models/vllm, ocrq/models/openai; docs/engines.md).
-    # In-process vLLM: sequences in flight and tokens per scheduler step (vLLM's own knobs);
-    # the context a sequence may take (None: the version's largest image + prompt + new tokens).
-    vllm_max_num_seqs: int = Field(default=256, ge=1, le=65_536)
-    vllm_max_num_batched_tokens: int = Field(default=16_384, ge=256, le=1_048_576)
-    vllm_max_model_len: int | None = Field(default=None, ge=64, le=1_048_576)
-    # Remote: an OpenAI-compatible server (`vllm serve` of HunyuanOCR), e.g.
-    # http://gpu-1:8000/v1; the served model's name is OCRQ_MODEL, its version OPENAI_VERSION.
-    openai_url: str | None = None
-    openai_api_key: SecretStr | None = None
-    openai_version: Literal["1.0", "1.5"] = "1.5"
-    openai_concurrency: int = Field(default=16, ge=1, le=4096)  # requests in flight per worker
-    # One attempt, from sending the request to the answer's last byte (not per read).
-    openai_timeout_s: float = Field(default=300.0, gt=0, le=86_400)
-    # Largest answer read: a completion of 131,072 tokens, escaped, is a few MB.
-    openai_max_response_bytes: int = Field(default=16 * 2**20, ge=1024, le=2**31)
-    # How long connection errors and 5xx answers are retried (with backoff) before the job fails.
-    openai_retry_s: float = Field(default=600.0, ge=0, le=86_400)
-
     @model_validator(mode="after")
-    def _sentinel_master(self) -> Settings:
-        from ocrq.core.broker_redis import is_sentinel
-
-        if is_sentinel(self.broker_url) and not (self.broker_master_name or "").strip():
-            raise ValueError(
-                "OCRQ_BROKER_URL is a sentinel:// URL: set OCRQ_BROKER_MASTER_NAME to the name "
-                "the sentinels monitor the master under (`sentinel monitor <name> ...`)"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _liveness_margin(self) -> Settings:
+    def _liveness_margin(self) -> DeliverySettings:
         if self.stalled_after_s < 3 * self.heartbeat_s:
             raise ValueError(
                 f"OCRQ_STALLED_AFTER_S ({self.stalled_after_s}) must be at least three "
@@ -372,30 +347,56 @@ class Settings(BaseSettings):
             raise ValueError(f"OCRQ_GPUS={value!r}: give `all` or distinct indices, e.g. 0,1")
         return ",".join(str(int(v)) for v in ids)
 
-    @field_validator("allowed_roots", mode="before")
-    @classmethod
-    def _split_roots(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [p for p in value.split(os.pathsep) if p] if value else []
-        return value
 
-    @field_validator("image_formats", mode="before")
-    @classmethod
-    def _split_formats(cls, value: object) -> object:
-        if isinstance(value, str):
-            value = value.split(",")
-        if isinstance(value, list | tuple):
-            formats = [str(f).strip().upper() for f in value if str(f).strip()]
-            from PIL import Image  # only when the setting is given: loading every plugin costs
+class ApiSettings(BaseModel):
+    """The HTTP api's (ocrq/api): its auth, its request limits, its upload folder."""
 
-            Image.init()
-            unknown = [f for f in formats if f not in Image.OPEN]
-            if unknown or not formats:
-                raise ValueError(
-                    f"unknown image formats {unknown}: choose among {', '.join(sorted(Image.OPEN))}"
-                )
-            return formats
-        return value
+    # HTTP api (ocrq/api/http.py). Without a token the api refuses to start, unless
+    # api_allow_no_auth says an authenticating proxy stands in front of it.
+    api_token: SecretStr | None = None
+    api_allow_no_auth: bool = False
+    # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
+    api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
+    # Where the api stores uploaded images (multipart and raw bodies), one file per content
+    # hash. Set it on the api AND every worker, to one folder shared by all (a volume at the same
+    # path): the worker reads it as one more allowed root, no OCRQ_ALLOWED_ROOTS needed for it,
+    # and a worker without it fails an uploaded job with a message naming this setting. None:
+    # the api refuses uploads (415); JSON jobs with a path, url or b64 still work.
+    upload_dir: Path | None = None
+    # /docs, /redoc and /openapi.json (assets served from the fastapi-offline wheel, no CDN):
+    # "token" behind the bearer token like every path, "public" without it, "off" not served.
+    api_docs: Literal["token", "public", "off"] = "token"
+    # Longest a long-poll (GET /jobs/{id}?wait=S, POST /jobs/lookup with wait) is held open.
+    api_max_wait_s: float = Field(default=60.0, ge=0, le=3600)
+    # Most jobs in one batch submit or bulk lookup, and rows in one page of GET /jobs.
+    api_max_batch: int = Field(default=1000, ge=1, le=100_000)
+
+
+class ModelSettings(BudgetSettings):
+    """The model an engine serves, the same for each of the HunyuanOCR engines (ocrq's own,
+    in-process vLLM, an OpenAI-compatible server): the base of their groups."""
+
+    # HunyuanOCR, whichever engine serves it. The repository's root holds 1.5 (since July
+    # 2026); "v1.0" is the older model. Which version a checkpoint is comes from its
+    # config.json (ocrq/models/hunyuan/versions.py).
+    model: str = "tencent/HunyuanOCR"
+    model_revision: str | None = None
+    model_subfolder: str | None = None
+    # Tokens generated at most per image; with the prompt it sizes the KV cache.
+    max_new_tokens: int = Field(default=1024, ge=1, le=131_072)
+    # Per-task cap on the pixels the model sees, over the engine's defaults
+    # (ocrq/models/hunyuan/resolution.py), e.g. "parse=2359296,spotting=4194304"; the task names of
+    # ocrq.core.contract.TASKS, or "custom" for free prompts. The model's own limit always applies.
+    task_max_pixels: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
+    # The model's weights and activations (in-process engines): a torch dtype, or "auto"
+    # (bfloat16 on CUDA, else float32). Device "auto": cuda:0 when torch sees CUDA, else the
+    # CPU; or e.g. "cuda:1".
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    # Static batches or the running loop (continuous batching; the fast loop only).
+    # "auto": the running loop where its Triton attention runs (CUDA), static batches elsewhere
+    # (on a CPU the loop's torch attention reads the whole KV pool every step: slower).
+    scheduler: Scheduler = "auto"
 
     @field_validator("task_max_pixels", mode="before")
     @classmethod
@@ -421,21 +422,133 @@ class Settings(BaseSettings):
             raise ValueError(f"OCRQ_TASK_MAX_PIXELS: {bad} outside {low}..{high} pixels")
         return value
 
-    @field_validator("link_tasks", mode="before")
-    @classmethod
-    def _split_link_tasks(cls, value: object) -> object:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        return value
 
-    @field_validator("url_allow_networks", mode="before")
-    @classmethod
-    def _split_networks(cls, value: object) -> object:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()]
-        if isinstance(value, list | tuple):
-            return [ipaddress.ip_network(str(v).strip(), strict=False) for v in value]
-        return value
+class HunyuanSettings(ModelSettings):
+    """OCRQ_ENGINE=hunyuan: ocrq's own HunyuanOCR engine (ocrq/models/hunyuan)."""
+
+    # HunyuanOCR in ocrq's own engine (OCRQ_ENGINE=hunyuan).
+    # HunyuanOCR's attention implementation; "eager" is refused (13 GiB for one A4 page).
+    attention: str = "sdpa"
+    # HunyuanOCR's XD-RoPE layout for image tokens and its ViT position-table interpolation:
+    # Tencent's training code by default; "transformers" reproduces transformers' (and vLLM's)
+    # outputs. Text tokens and decode steps are the same either way.
+    hunyuan_rope: HunyuanNumerics = "trained"
+    hunyuan_vit_positions: HunyuanNumerics = "trained"
+    # Which loop generates: "fast" (ocrq's, CUDA graphs and Triton kernels; same greedy tokens)
+    # or "generate" (transformers'). Part of a tuned profile's key: each holds other memory.
+    decode: DecodeMode = "fast"
+    # The fast loop's decode attention; "torch" also turns the fused norm/RoPE kernels off.
+    decode_attention: DecodeAttention = "auto"
+    # The vision tower's attention: "auto" is FlashAttention-4 (`pip install 'ocrq[fa4]'`) on an
+    # SM80/SM90/SM100 GPU, else SDPA; "fa4" fails to load where it cannot run; "sdpa" is
+    # PyTorch's SDPA (cuDNN on Hopper), one call per run of equal-sized images.
+    vision_attention: VisionAttention = "auto"
+    # The running loop's KV pool: "auto" (the model's dtype) or "fp8" (e4m3, no scale: half the
+    # bytes a decode step reads and twice the rows a pool holds; ocrq/models/hunyuan/kv_cache.py).
+    kv_cache_dtype: KvCacheDtype = "auto"
+    # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
+    # output, GIL released) or "processor" (transformers' processor, for comparison).
+    preprocess: PreprocessMode = "tensor"
+    # The running loop: when it prefills ("alternate": one big pass once a quarter of the slots
+    # are free; "chunked": a chunk before every decode step), and how many padded prompt tokens
+    # a pass / a chunk holds (their activations are reserved in the memory budget).
+    prefill_schedule: PrefillSchedule = "chunked"
+    prefill_tokens: int = Field(default=16384, ge=256, le=1_048_576)
+    # 16,384 packed tokens a chunk, a pass at most every 4 decode steps: fewer, fuller passes,
+    # whose host cost is paid per pass (on an H200 1.06x the images/s of 4,096 and every step,
+    # GPU busy 97% instead of 95%: bench/results/service_gpu/service_gpu_reading.md, run 16). Its
+    # reserve is 2.5 GiB of activations instead of 0.6: lower it on a small GPU to keep the KV pool.
+    prefill_chunk_tokens: int = Field(default=16384, ge=256, le=1_048_576)
+    # "chunked": decode steps between prefill passes unless a pass is full or nothing decodes.
+    prefill_gap_steps: int = Field(default=4, ge=1, le=1024)
+    # Prefill passes with their rows packed end to end, no padding: a pass then costs the tokens
+    # it holds (ocrq/models/hunyuan/packed.py). On by default: on an H200 the service's mix made
+    # 1.23x the images/s of padded passes, the GPU busy 99% instead of 82%
+    # (bench/results/service_gpu/service_gpu_reading.md, run 14); false is the padded prefill.
+    prefill_packed: bool = True
+
+
+class VllmSettings(ModelSettings):
+    """OCRQ_ENGINE=vllm: HunyuanOCR in vLLM, in the worker's process (ocrq/models/vllm)."""
+
+    # vLLM in the worker (OCRQ_ENGINE=vllm; docs/engines.md).
+    # Sequences in flight and tokens per scheduler step (vLLM's own knobs); the context a
+    # sequence may take (None: the version's largest image + prompt + new tokens).
+    vllm_max_num_seqs: int = Field(default=256, ge=1, le=65_536)
+    vllm_max_num_batched_tokens: int = Field(default=16_384, ge=256, le=1_048_576)
+    vllm_max_model_len: int | None = Field(default=None, ge=64, le=1_048_576)
+
+
+class OpenAISettings(ModelSettings):
+    """OCRQ_ENGINE=openai: HunyuanOCR behind an OpenAI-compatible server (ocrq/models/openai)."""
+
+    # Remote HunyuanOCR (OCRQ_ENGINE=openai; docs/engines.md): an OpenAI-compatible server
+    # (`vllm serve` of HunyuanOCR), e.g. http://gpu-1:8000/v1; the served model's name is
+    # OCRQ_MODEL, its version OPENAI_VERSION.
+    openai_url: str | None = None
+    openai_api_key: SecretStr | None = None
+    openai_version: Literal["1.0", "1.5"] = "1.5"
+    openai_concurrency: int = Field(default=16, ge=1, le=4096)  # requests in flight per worker
+    # One attempt, from sending the request to the answer's last byte (not per read).
+    openai_timeout_s: float = Field(default=300.0, gt=0, le=86_400)
+    # Largest answer read: a completion of 131,072 tokens, escaped, is a few MB.
+    openai_max_response_bytes: int = Field(default=16 * 2**20, ge=1024, le=2**31)
+    # How long connection errors and 5xx answers are retried (with backoff) before the job fails.
+    openai_retry_s: float = Field(default=600.0, ge=0, le=86_400)
+
+
+class Settings(
+    ServiceSettings,
+    IntakeSettings,
+    BatchingSettings,
+    DeliverySettings,
+    ApiSettings,
+    HunyuanSettings,
+    VllmSettings,
+    OpenAISettings,
+    BaseSettings,
+):
+    """Every group flat: one OCRQ_* variable per field, read and validated once per process."""
+
+    # hide_input_in_errors: a bad setting's error must not print the others (tokens, passwords).
+    model_config = SettingsConfigDict(env_prefix="OCRQ_", extra="ignore", hide_input_in_errors=True)
+
+    def view(self, group: type[G]) -> G:
+        """`group`'s fields of these (validated) settings, as a model of their own: what a part
+        that needs only that group is given. A copy: changing it changes nothing here."""
+        return group.model_construct(**{name: getattr(self, name) for name in group.model_fields})
+
+    @property
+    def service(self) -> ServiceSettings:
+        return self.view(ServiceSettings)
+
+    @property
+    def intake(self) -> IntakeSettings:
+        return self.view(IntakeSettings)
+
+    @property
+    def batching(self) -> BatchingSettings:
+        return self.view(BatchingSettings)
+
+    @property
+    def delivery(self) -> DeliverySettings:
+        return self.view(DeliverySettings)
+
+    @property
+    def api(self) -> ApiSettings:
+        return self.view(ApiSettings)
+
+    @property
+    def hunyuan(self) -> HunyuanSettings:
+        return self.view(HunyuanSettings)
+
+    @property
+    def vllm(self) -> VllmSettings:
+        return self.view(VllmSettings)
+
+    @property
+    def openai(self) -> OpenAISettings:
+        return self.view(OpenAISettings)
 
     def roots(self) -> list[Path]:
         """Resolved allowed roots; `/` only when none are set and allow_any_path says so. The
