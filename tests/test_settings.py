@@ -188,3 +188,34 @@ def test_groups_validate_on_their_own() -> None:
     with pytest.raises(ValidationError, match="three"):
         DeliverySettings(heartbeat_s=30, stalled_after_s=60)
     assert HunyuanSettings(max_new_tokens=5).max_new_tokens == 5
+
+
+def test_the_registry_gives_each_engine_its_own_group_only() -> None:
+    """An engine built by the registry (as a worker builds it) holds its group, not Settings;
+    a whole Settings handed to an engine directly (tests, benches) is narrowed the same way."""
+    from ocrq.core.settings import HunyuanSettings, OpenAISettings, VllmSettings
+    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.registry import create_engine
+
+    settings = Settings(api_token="t0ken", openai_url="http://x/v1", max_new_tokens=33)
+    for name, group in (("hunyuan", HunyuanSettings), ("vllm", VllmSettings),
+                        ("openai", OpenAISettings)):
+        engine = create_engine(name, settings)
+        own = engine.settings  # type: ignore[attr-defined]
+        assert type(own) is group, name
+        assert own.max_new_tokens == 33 and not hasattr(own, "api_token"), name
+    assert type(HunyuanEngine(settings).settings) is HunyuanSettings
+    assert not hasattr(create_engine("rapid", settings), "settings")
+
+
+def test_the_tuned_knee_reaches_the_engine_group_unless_max_batch_is_set() -> None:
+    """`load_engine` hands a tuned profile's knee to the engine: its group is a copy, so setting
+    it on Settings alone would not size HunyuanOCR's running loop (the slots `open` reads)."""
+    from ocrq.models.hunyuan import HunyuanEngine
+
+    engine = HunyuanEngine(Settings())
+    engine.take_tuned_max_batch(96)
+    assert engine.settings.max_batch == 96
+    fixed = HunyuanEngine(Settings(max_batch=8))
+    fixed.take_tuned_max_batch(96)
+    assert fixed.settings.max_batch == 8  # an explicit OCRQ_MAX_BATCH wins

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, Self, TypeVar
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -44,10 +44,23 @@ PrefillSchedule = Literal["alternate", "chunked"]
 # or transformers' HunYuanVL ("transformers"); ocrq/models/hunyuan/fidelity.py says how they differ.
 HunyuanNumerics = Literal["trained", "transformers"]
 
-G = TypeVar("G", bound=BaseModel)
+G = TypeVar("G", bound="SettingsGroup")
 
 
-class ServiceSettings(BaseModel):
+class SettingsGroup(BaseModel):
+    """A group of settings: declared as fields of its own, inherited by the flat `Settings`."""
+
+    @classmethod
+    def of(cls, settings: SettingsGroup) -> Self:
+        """This group's fields of `settings` (the flat Settings, or any group that holds them),
+        as this group alone: what a part that may see only this group keeps. `settings` itself
+        when it is exactly this group; otherwise a copy of already validated values."""
+        if type(settings) is cls:
+            return settings
+        return cls.model_construct(**{name: getattr(settings, name) for name in cls.model_fields})
+
+
+class ServiceSettings(SettingsGroup):
     """Where the service's state lives (broker, database, results) and which engine and queue a
     worker serves: read by every process."""
 
@@ -106,7 +119,7 @@ class ServiceSettings(BaseModel):
         return self
 
 
-class IntakeSettings(BaseModel):
+class IntakeSettings(SettingsGroup):
     """What a job's image or document may be and where it may come from (ocrq/intake): the
     security surface, checked before anything is decoded."""
 
@@ -196,7 +209,7 @@ class IntakeSettings(BaseModel):
         return value
 
 
-class BudgetSettings(BaseModel):
+class BudgetSettings(SettingsGroup):
     """The batch cap and the memory budget. The batcher plans to them, and an engine that sizes
     its own loop or pool from them (HunyuanOCR's running loop, vLLM's KV cache) reads them too:
     every engine's group carries them, declared here once."""
@@ -233,7 +246,7 @@ class BatchingSettings(BudgetSettings):
     prefetch_images: int | None = Field(default=None, ge=1, le=100_000)
 
 
-class DeliverySettings(BaseModel):
+class DeliverySettings(SettingsGroup):
     """A worker's side of Celery delivery, its lifecycle (recycling, liveness, its process) and
     what happens after a job (callbacks, retention)."""
 
@@ -348,7 +361,7 @@ class DeliverySettings(BaseModel):
         return ",".join(str(int(v)) for v in ids)
 
 
-class ApiSettings(BaseModel):
+class ApiSettings(SettingsGroup):
     """The HTTP api's (ocrq/api): its auth, its request limits, its upload folder."""
 
     # HTTP api (ocrq/api/http.py). Without a token the api refuses to start, unless
@@ -516,7 +529,7 @@ class Settings(
     def view(self, group: type[G]) -> G:
         """`group`'s fields of these (validated) settings, as a model of their own: what a part
         that needs only that group is given. A copy: changing it changes nothing here."""
-        return group.model_construct(**{name: getattr(self, name) for name in group.model_fields})
+        return group.of(self)
 
     @property
     def service(self) -> ServiceSettings:

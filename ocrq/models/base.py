@@ -146,6 +146,12 @@ class EngineCore(ABC):
         """
         return 32
 
+    def take_tuned_max_batch(self, max_batch: int) -> None:  # noqa: B027 - optional hook
+        """The batch knee of the tuned profile the worker chose after `load`, when OCRQ_MAX_BATCH
+        is unset. The batcher gets it in its `BatchConfig`; an engine that sizes something by the
+        batch cap from its own settings group (HunyuanOCR's running-loop slots) takes it here,
+        since its group is a copy the worker's Settings no longer reaches."""
+
     def prepare(self, item: PreparedImage) -> None:  # noqa: B027 - optional hook
         """CPU preprocessing worth doing in the prefetch threads, off the device's critical path.
 

@@ -79,9 +79,11 @@ def load_engine(settings: Settings) -> EngineSide:
     choice = choose_cost_model(engine, settings.profile_dir)
     log.info(choice.describe())
     if settings.max_batch is None and choice.max_batch is not None:
-        # The running loop sizes its slots from the engine's settings (`StreamingEngine.open`):
-        # the tuned knee is its slots too. An explicit OCRQ_MAX_BATCH wins over the profile.
+        # The running loop sizes its slots from the engine's settings group
+        # (`StreamingEngine.open`): the tuned knee is its slots too. An explicit OCRQ_MAX_BATCH
+        # wins over the profile.
         settings.max_batch = choice.max_batch
+        engine.take_tuned_max_batch(choice.max_batch)
         log.info("max batch %d: the knee of the tuned profile", choice.max_batch)
     return EngineSide(engine, batch_config(settings, engine, choice.model, choice.max_batch),
                       choice)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ocrq.core.settings import Settings
+from ocrq.core.settings import HunyuanSettings, ModelSettings
 
 REFUSED_ATTENTION = {"eager"}  # 13.1 GiB for one A4 page on the H200, where sdpa takes ~0.35
 DEFAULT_REPO = "tencent/HunyuanOCR"
@@ -86,9 +86,10 @@ def snapshot_commit(path: Path | None) -> str | None:
     return None
 
 
-def check_settings(settings: Settings) -> None:
-    """Refuse, before anything loads, settings that cannot serve."""
-    if settings.attention in REFUSED_ATTENTION:
+def check_settings(settings: ModelSettings) -> None:
+    """Refuse, before anything loads, settings that cannot serve (the attention is ocrq's own
+    engine's: vLLM picks its own)."""
+    if isinstance(settings, HunyuanSettings) and settings.attention in REFUSED_ATTENTION:
         raise ValueError(
             "OCRQ_ATTENTION=eager is refused: it needs ~13 GiB for one A4 page; "
             "use sdpa (default) or flash_attention_2"
@@ -108,7 +109,7 @@ class Checkpoint:
     dtype: Any  # torch.dtype
 
 
-def load_checkpoint(settings: Settings) -> Checkpoint:
+def load_checkpoint(settings: HunyuanSettings) -> Checkpoint:
     """Resolve, then load the processor and the model onto the configured device."""
     try:
         import torch

@@ -37,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ocrq.core.settings import Settings
+from ocrq.core.settings import HunyuanSettings
 from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.checkpoint import (
@@ -92,9 +92,11 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
     # from the loaded processor).
     max_pixels: int | None = LATEST.max_pixels
 
-    def __init__(self, settings: Settings, *, decode: str | None = None) -> None:
-        """`decode`: "fast" (ocrq/models/hunyuan/decode.py) or "generate" (transformers' loop); by
-        default `settings.decode`. Tests and benches pass it to compare both on one setting."""
+    def __init__(self, settings: HunyuanSettings, *, decode: str | None = None) -> None:
+        """`settings`: this engine's group (a whole Settings is narrowed to it here). `decode`:
+        "fast" (ocrq/models/hunyuan/decode.py) or "generate" (transformers' loop); by default
+        `settings.decode`. Tests and benches pass it to compare both on one setting."""
+        settings = HunyuanSettings.of(settings)
         check_settings(settings)
         self.settings = settings
         self.decode = decode or settings.decode
@@ -126,7 +128,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self.vision_attention: str = "sdpa"  # the kernel `load` chose for the vision tower
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> HunyuanEngine:
+    def from_settings(cls, settings: HunyuanSettings) -> HunyuanEngine:
         return cls(settings)
 
     # -- loading -----------------------------------------------------------------------------
@@ -443,6 +445,11 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         if mode == "auto":
             return self._decoder.attention == "triton"
         return mode == "continuous"
+
+    def take_tuned_max_batch(self, max_batch: int) -> None:
+        """The running loop's slots follow the tuned knee unless OCRQ_MAX_BATCH is set (`open`)."""
+        if self.settings.max_batch is None:
+            self.settings = self.settings.model_copy(update={"max_batch": max_batch})
 
     def state_bytes_per_slot(self) -> int:
         """Device bytes each slot's state holds beside the pool: its output tokens, its

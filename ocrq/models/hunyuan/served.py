@@ -16,7 +16,7 @@ from typing import Any
 
 from PIL import Image
 
-from ocrq.core.settings import Settings
+from ocrq.core.settings import ModelSettings
 from ocrq.models.base import OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.generation import Generated
@@ -40,13 +40,13 @@ class ServedModel:
     checkpoint's processor; without it (the remote engine) prompts are counted roughly and the
     server applies its own chat template."""
 
-    settings: Settings
+    settings: ModelSettings
     version: ModelVersion = LATEST
     geometry: ImageGeometry = LATEST_GEOMETRY
     templates: PromptTemplates | None = None
 
     @classmethod
-    def of_version(cls, settings: Settings, version: ModelVersion) -> ServedModel:
+    def of_version(cls, settings: ModelSettings, version: ModelVersion) -> ServedModel:
         """A model known by its version alone (its released processor's limits)."""
         return cls(settings, version, replace(DEFAULT_GEOMETRY, max_pixels=version.max_pixels))
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from ocrq.core.settings import Settings
+from ocrq.core.settings import OpenAISettings
 from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.served import ServedModel
@@ -63,16 +63,17 @@ IDLE_POLL_S = 0.05
 class OpenAIEngine(Engine, StreamingEngine):
     name = "openai"
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.served = ServedModel.of_version(settings, VERSIONS[settings.openai_version])
+    def __init__(self, settings: OpenAISettings) -> None:
+        """`settings`: this engine's group (a whole Settings is narrowed to it here)."""
+        self.settings = OpenAISettings.of(settings)
+        self.served = ServedModel.of_version(self.settings, VERSIONS[self.settings.openai_version])
         self.max_pixels = self.served.geometry.max_pixels
         self.client: ChatClient | None = None
         # Rows handed to the running loop: key -> (row, its request or why it was not sent, when)
         self._flight: dict[str, tuple[PreparedImage, Future[Completion] | Exception, float]] = {}
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> OpenAIEngine:
+    def from_settings(cls, settings: OpenAISettings) -> OpenAIEngine:
         return cls(settings)
 
     def load(self) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ocrq.core.settings import Settings
+from ocrq.core.settings import VllmSettings
 from ocrq.models.base import Engine, OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.checkpoint import check_settings, resolve_model_dir, snapshot_commit
@@ -63,10 +63,11 @@ class VllmEngine(Engine):
     name = "vllm"
     max_pixels: int | None = LATEST.max_pixels
 
-    def __init__(self, settings: Settings) -> None:
-        check_settings(settings)
-        self.settings = settings
-        self.served = ServedModel.of_version(settings, LATEST)
+    def __init__(self, settings: VllmSettings) -> None:
+        """`settings`: this engine's group (a whole Settings is narrowed to it here)."""
+        self.settings = VllmSettings.of(settings)
+        check_settings(self.settings)
+        self.served = ServedModel.of_version(self.settings, LATEST)
         self.llm: Any = None
         self.tokenizer: Any = None
         self.tokens: SpecialTokens | None = None
@@ -79,7 +80,7 @@ class VllmEngine(Engine):
         self._refusals: tuple[type[BaseException], ...] = (ValueError,)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> VllmEngine:
+    def from_settings(cls, settings: VllmSettings) -> VllmEngine:
         return cls(settings)
 
     # -- loading -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ocrq.core.settings import Settings
+from ocrq.core.settings import BudgetSettings, VllmSettings
 from ocrq.models.costs import GiB
 from ocrq.models.hunyuan.geometry import MAX_ASPECT_RATIO, ImageGeometry
 from ocrq.models.hunyuan.prompts import TEMPLATE_TOKENS
@@ -46,13 +46,15 @@ def longest_image_tokens(geometry: ImageGeometry) -> int:
     return max(geometry.image_tokens(width, height), geometry.image_tokens(side, side))
 
 
-def max_model_len(settings: Settings, geometry: ImageGeometry) -> int:
+def max_model_len(settings: VllmSettings, geometry: ImageGeometry) -> int:
     if settings.vllm_max_model_len is not None:
         return settings.vllm_max_model_len
     return longest_image_tokens(geometry) + PROMPT_ALLOWANCE + settings.max_new_tokens
 
 
-def memory_args(settings: Settings, device: str, device_total_bytes: int | None) -> dict[str, Any]:
+def memory_args(
+    settings: BudgetSettings, device: str, device_total_bytes: int | None
+) -> dict[str, Any]:
     """vLLM's memory arguments for `device` ("cuda" or "cpu"); see the module docstring."""
     budget = settings.memory_budget_gib
     if device == "cpu":
@@ -71,7 +73,7 @@ def memory_args(settings: Settings, device: str, device_total_bytes: int | None)
 
 
 def engine_args(
-    settings: Settings,
+    settings: VllmSettings,
     model_dir: Path,
     geometry: ImageGeometry,
     device: str,
