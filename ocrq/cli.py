@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ocrq.core.contract import PRIORITIES, TASKS
+from ocrq.core.process import setup_process
 from ocrq.core.settings import Settings
 from ocrq.models.registry import ENGINES
 
@@ -161,6 +162,7 @@ def run(
 
     _logging(log_level)
     settings = _settings(engine=engine)
+    setup_process(settings)  # the engine loads in this process
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         err.print(f"[yellow]not found (reported as failed):[/] {', '.join(missing)}")
@@ -755,6 +757,7 @@ def tune(
     if not 0 < knee <= 1 or not 0 <= headroom < 1:
         raise typer.BadParameter("--knee must be within (0, 1] and --headroom within [0, 1)")
     settings = _settings(engine=engine, profile_dir=profile_dir, max_batch=max_batch)
+    setup_process(settings)  # before the engine loads: it measures the allocator's memory
     if images:
         _tune_images(settings, images, task, sample_size, knee, headroom, budget,
                      budget_fraction, max_seconds)

@@ -29,6 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 from ocrq.core import metrics
+from ocrq.core.components import Component, Components
+from ocrq.core.process import setup_process
 from ocrq.core.procfs import rss_bytes
 from ocrq.core.settings import Settings
 from ocrq.engine_process import wire
@@ -49,17 +51,36 @@ def prepare_threads() -> int:
 
 
 class EngineHost:
+    """The engine process's parts, started as components (ocrq/core/components.py): the
+    engine, its batcher, the preprocessing threads; stopped in reverse, and a part that fails to
+    start stops those before it."""
+
     def __init__(self, settings: Settings, conn: Connection) -> None:
         self.conn = conn
         self._send_lock = threading.Lock()
-        self.side: EngineSide = load_engine(settings)
-        self.engine = self.side.engine
-        self.memory = memory_of(self.engine)
+        self.settings = settings
         # Read only for a recycler that watches it: HunyuanOCR's reading empties the CUDA cache,
         # a device sync, and the running loop ends a round every few decode steps.
         self.watch_fragmentation = settings.max_fragmentation_gib is not None
         self._fragmentation: tuple[float, int | None] = (-MEMORY_CHECK_S, None)  # (when, bytes)
-        self.batcher = self.side.start(self._on_batch)  # last: its hook reads the above
+        self.components = Components("engine process")
+        self.components.start([
+            Component("engine", self._start_engine, lambda: self.engine.close()),
+            # After the engine: the batcher's hook reads its memory.
+            Component("batcher", self._start_batcher, lambda: self.batcher.stop()),
+            # Stopped first: every image received reaches the batcher before it stops.
+            Component("prepare threads", self._start_pool, lambda: self._pool.shutdown(wait=True)),
+        ])
+
+    def _start_engine(self) -> None:
+        self.side: EngineSide = load_engine(self.settings)
+        self.engine = self.side.engine
+        self.memory = memory_of(self.engine)
+
+    def _start_batcher(self) -> None:
+        self.batcher = self.side.start(self._on_batch)
+
+    def _start_pool(self) -> None:
         self._pool = ThreadPoolExecutor(prepare_threads(), thread_name_prefix="ocrq-prepare")
 
     def ready(self) -> wire.Ready:
@@ -157,9 +178,7 @@ class EngineHost:
         return value
 
     def _stop(self) -> None:
-        self._pool.shutdown(wait=True)  # every image received reaches the batcher
-        self.batcher.stop()
-        self.engine.close()
+        self.components.stop()  # the prepare threads, the batcher, the engine
         self.send(wire.Stopped())
 
 
@@ -191,8 +210,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
     settings: Settings = conn.recv()
-    if settings.switch_interval_ms is not None:
-        sys.setswitchinterval(settings.switch_interval_ms / 1000)
+    setup_process(settings)
     try:
         host = EngineHost(settings, conn)
     except Exception as exc:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from ocrq.core.process import STATE
 from ocrq.intake import render_wire
 
 log = logging.getLogger(__name__)
@@ -182,17 +183,15 @@ class RenderPool:
                 return
 
 
-_POOL: RenderPool | None = None
-_POOL_LOCK = threading.Lock()
 
 
 def pool(budget: Budget, processes: int) -> RenderPool:
     """The process's pool, made on first use (a worker that never sees a PDF starts none);
     settings that change (tests building their own) get a pool of their own."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or (_POOL.budget, _POOL.processes) != (budget, processes):
-            if _POOL is not None:
-                _POOL.close()
-            _POOL = RenderPool(budget, processes)
-        return _POOL
+    with STATE.render_pool_lock:  # process-wide state: ocrq/core/process.py
+        current: RenderPool | None = STATE.render_pool
+        if current is None or (current.budget, current.processes) != (budget, processes):
+            if current is not None:
+                current.close()
+            current = STATE.render_pool = RenderPool(budget, processes)
+        return current

@@ -7,28 +7,25 @@ this subclass observes the time once the ack went through.
 
 from __future__ import annotations
 
-import threading
 import time
 
 from celery.worker.request import Request
 
 from ocrq.core import metrics
-
-_returned: dict[str, float] = {}
-_lock = threading.Lock()
+from ocrq.core.process import STATE
 
 
 def task_returned(task_id: str | None) -> None:
     if task_id is not None:
-        with _lock:
-            _returned[task_id] = time.perf_counter()
+        with STATE.returned_lock:  # process-wide state: ocrq/core/process.py
+            STATE.returned[task_id] = time.perf_counter()
 
 
 class TimedRequest(Request):  # type: ignore[misc]
     def acknowledge(self) -> None:
         first = not self.acknowledged
         super().acknowledge()
-        with _lock:
-            returned = _returned.pop(self.id, None)
+        with STATE.returned_lock:
+            returned = STATE.returned.pop(self.id, None)
         if first and returned is not None:
             metrics.observe_stage("ack", time.perf_counter() - returned)

@@ -37,6 +37,7 @@ from typing import Any
 from kombu.transport import redis
 
 from ocrq.core.broker_scan import HOLDERS_KEY, holder_entry
+from ocrq.core.process import STATE
 from ocrq.worker.envelope import (
     REFUSED_HEADER,
     Problem,
@@ -49,15 +50,6 @@ from ocrq.worker.envelope import (
 
 log = logging.getLogger(__name__)
 
-# This process's worker name (ocrq/worker/runtime.py sets it before Celery consumes).
-_holder: str | None = None
-
-
-def set_holder(name: str) -> None:
-    global _holder
-    _holder = name
-
-
 class TolerantQoS(redis.QoS):
     def append(self, message: Any, delivery_tag: Any) -> None:
         """Record which worker holds the message (ocrq/core/broker_scan.py), then let kombu
@@ -65,9 +57,10 @@ class TolerantQoS(redis.QoS):
         there; with the holder on record, the sweep of a live worker puts them back once this
         one's heartbeat stops, instead of the visibility timeout. Written first: an entry
         whose message never reached `unacked` is dropped by the next sweep."""
-        if _holder is not None:
+        holder = STATE.worker_name  # set by ocrq/worker/runtime.py before Celery consumes
+        if holder is not None:
             job_id = (message.headers or {}).get("id")
-            entry = holder_entry(_holder, job_id if isinstance(job_id, str) else None)
+            entry = holder_entry(holder, job_id if isinstance(job_id, str) else None)
             with self.channel.conn_or_acquire() as client:
                 client.hset(HOLDERS_KEY, delivery_tag, entry)
         super().append(message, delivery_tag)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ocrq.core import metrics
+from ocrq.core.process import STATE
 from ocrq.scheduling.recycle import RECYCLE_EXIT_CODE
 
 if TYPE_CHECKING:
@@ -36,17 +36,12 @@ log = logging.getLogger(__name__)
 STARTUP_FAILED_EXIT_CODE = 78  # EX_CONFIG: restarting will not help (a missing model, say)
 DATABASE_WAIT_S = 60.0  # how long a starting worker waits for an unreachable database
 
-_exit_code: int | None = None
-_exit_lock = threading.Lock()
-
-
 def _request_exit(code: int, reason: str) -> bool:
     """Ask this worker process for a warm shutdown (SIGTERM is Celery's), remembering why."""
-    global _exit_code
-    with _exit_lock:
-        if _exit_code is not None:
+    with STATE.exit_lock:  # the process's exit state: ocrq/core/process.py
+        if STATE.exit_code is not None:
             return False
-        _exit_code = code
+        STATE.exit_code = code
     log.warning("worker exit requested (%d): %s", code, reason)
     os.kill(os.getpid(), signal.SIGTERM)
     return True
@@ -118,7 +113,7 @@ def run_celery(app: Celery, argv: Sequence[str]) -> int:
         app.worker_main(list(argv))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    return _exit_code if _exit_code is not None else code
+    return STATE.exit_code if STATE.exit_code is not None else code
 
 
 REPEAT_SIGNAL_S = 1.0  # a stop signal again within this long is the same stop, delivered twice

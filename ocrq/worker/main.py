@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from ocrq.core import metrics
+from ocrq.core.process import setup_process
 from ocrq.core.settings import Settings
 from ocrq.worker import exit_state, runtime, supervisor
 
@@ -47,13 +48,8 @@ def run(argv: Sequence[str], settings: Settings) -> int:
                 "worker cannot start: OCRQ_METRICS_PORT=%s: %s", settings.metrics_port, exc
             )
             return exit_state.STARTUP_FAILED_EXIT_CODE
-    # Batches of varying shapes fragment PyTorch's caching allocator: on an H200 a worker held
-    # 32.8 GiB reserved but unallocated beside 104.7 GiB of tensors and hit an out-of-memory
-    # error at a planned 105.9 GiB (bench/results/service_gpu/service_gpu_h200_run1.md). Expandable
-    # segments let freed blocks grow into one another. A value the user set is kept.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if settings.switch_interval_ms is not None:
-        sys.setswitchinterval(settings.switch_interval_ms / 1000)
+    # The CUDA allocator's defaults and the GIL switch interval, before any engine loads.
+    setup_process(settings)
     refused = exit_state.preflight(settings)
     if refused is not None:
         return refused

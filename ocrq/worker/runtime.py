@@ -2,28 +2,30 @@
 
 The Celery app and embedded mode both build a Runtime; it is created after Celery has set up
 its pool, in the process that will run the engine, so CUDA is never initialised before a fork.
+Its parts are components (ocrq/core/components.py), started in the order `build_runtime` lists
+them and stopped in reverse by `Runtime.close`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ocrq.core import metrics
+from ocrq.core.components import Component, Components
 from ocrq.core.db import engine_for
+from ocrq.core.process import STATE
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from ocrq.engine_process.link import EngineLink, RemoteBatcher
 from ocrq.intake.splitting import SendPage
 from ocrq.models.base import EngineFront
-from ocrq.models.costs import GiB
+from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
-from ocrq.scheduling.engine_side import load_engine
+from ocrq.scheduling.engine_side import EngineSide, load_engine
 from ocrq.scheduling.recycle import RecyclePolicy, Recycler
-from ocrq.scheduling.vocabulary import Batcher, BatchRecord
-from ocrq.worker.broker import set_holder
+from ocrq.scheduling.vocabulary import BatchConfig, Batcher, BatchRecord
 from ocrq.worker.gpus import has_nvidia_gpu
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
@@ -41,6 +43,8 @@ class Runtime:
     recycler: Recycler | None = None
     heartbeat: Heartbeat | None = None
     retention: RetentionPass | None = None
+    # What `build_runtime` started, in order; `close` stops them in reverse.
+    components: Components = field(default_factory=lambda: Components("worker"))
 
     @property
     def task_threads(self) -> int:
@@ -48,17 +52,7 @@ class Runtime:
         return task_threads(self.settings, self.runner.prefetch_images)
 
     def close(self) -> None:
-        # Each step logged: a warm shutdown that hangs says where.
-        log.info("shutdown: stopping the batcher (%d rows waiting)", self.batcher.pending())
-        self.batcher.stop()
-        log.info("shutdown: closing the engine")
-        self.engine.close()
-        if self.heartbeat is not None:  # after the batcher: no job of ours is running now
-            self.heartbeat.stop()
-            log.info("shutdown: heartbeat row of %s retired", self.heartbeat.name)
-        if self.retention is not None:
-            self.retention.stop()
-        self.runner.close()
+        self.components.stop()
 
 
 FETCH_HEADROOM = 8  # task threads beyond the decoded-image cap: claiming and fetching the next
@@ -108,53 +102,144 @@ def batch_hooks(
     return on_batch
 
 
+class _Parts:
+    """What the worker's components start, each reading what those before it started: the
+    steps of `build_runtime`, one method pair per component."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: JobStore | None,
+        name: str,
+        on_recycle: Callable[[str], None] | None,
+        send_page: SendPage | None,
+    ) -> None:
+        self.settings, self.store, self.name = settings, store, name
+        self.on_recycle, self.send_page = on_recycle, send_page
+        self.link: EngineLink | None = None
+        self.side: EngineSide | None = None
+        self.engine: EngineFront | None = None
+        self.config: BatchConfig | None = None
+        self.model: CostModel | None = None
+        self.recycler: Recycler | None = None
+        self.batcher: Batcher | None = None
+        self.runner: JobRunner | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.retention: RetentionPass | None = None
+
+    def start_engine(self) -> None:
+        """Load the engine, here or in an engine process (OCRQ_ENGINE_PROCESS)."""
+        settings = self.settings
+        if engine_in_own_process(settings):
+            self.link = link = EngineLink.start(settings)
+            self.engine, self.config, self.model = link.engine, link.config, link.cost_model
+        else:
+            self.side = side = load_engine(settings)
+            self.engine, self.config, self.model = side.engine, side.config, side.choice.model
+        metrics.CONFIGURED_BUDGET_BYTES.set(self.config.budget_bytes)
+        metrics.BUDGET_BYTES.set(self.config.budget_bytes)
+
+    def stop_engine(self) -> None:
+        assert self.engine is not None
+        self.engine.close()
+
+    def start_heartbeat(self) -> None:
+        self.heartbeat = start_heartbeat(self.settings, self.name)
+
+    def stop_heartbeat(self) -> None:
+        assert self.heartbeat is not None
+        self.heartbeat.stop()
+        log.info("shutdown: heartbeat row of %s retired", self.heartbeat.name)
+
+    def start_retention(self) -> None:
+        self.retention = RetentionPass(engine_for(self.settings), self.settings).start()
+
+    def stop_retention(self) -> None:
+        assert self.retention is not None
+        self.retention.stop()
+
+    def start_jobs(self) -> None:
+        """The batcher (with the recycler watching its batches) and the job runner in front of
+        it. One component: the runner's webhooks give up only once the batcher has stopped, and
+        the runner is built on the batcher."""
+        settings, engine, config, model = self.settings, self.engine, self.config, self.model
+        assert engine is not None and config is not None and model is not None
+        if self.link is not None:
+            link = self.link
+            if self.on_recycle is not None:
+                self.recycler = Recycler(
+                    recycle_policy(settings), self.on_recycle, rss=link.rss_bytes,
+                    fragmentation=link.fragmentation_bytes,
+                )
+            link.on_batch = batch_hooks(self.recycler, model.fixed_bytes)
+            self.batcher = link.batcher
+        else:
+            assert self.side is not None
+            if self.on_recycle is not None:  # it watches the loaded engine's memory
+                fragmentation = memory_of(engine).fragmentation_bytes  # type: ignore[arg-type]
+                self.recycler = Recycler(
+                    recycle_policy(settings), self.on_recycle, fragmentation=fragmentation
+                )
+            self.batcher = self.side.start(batch_hooks(self.recycler, model.fixed_bytes))
+        prefetch = settings.prefetch_images or 2 * config.max_items
+        try:
+            store = self.store or JobStore(engine_for(settings))
+            self.runner = JobRunner(
+                settings, engine, self.batcher, store, self.name, prefetch_images=prefetch,
+                send_page=self.send_page,
+            )
+        except BaseException:  # a component that fails leaves nothing of its own running
+            self.batcher.stop()
+            raise
+        log.info(
+            "engine %s loaded%s; batches up to %d images within %.2f GiB above %.2f GiB fixed "
+            "(%s)",
+            engine.name,
+            " in its own process" if isinstance(self.batcher, RemoteBatcher) else "",
+            config.max_items,
+            config.budget_bytes / GiB,
+            model.fixed_bytes / GiB,
+            model.source,
+        )
+
+    def stop_jobs(self) -> None:
+        assert self.batcher is not None
+        log.info("shutdown: stopping the batcher (%d rows waiting)", self.batcher.pending())
+        self.batcher.stop()
+        if self.runner is not None:
+            self.runner.close()
+
+
 def build_runtime(
     settings: Settings,
     store: JobStore | None = None,
     worker_name: str | None = None,
     on_recycle: Callable[[str], None] | None = None,
     send_page: SendPage | None = None,
+    *,
+    liveness: bool = False,
 ) -> Runtime:
-    """Load the engine (here, or in an engine process: OCRQ_ENGINE_PROCESS) and start its
-    batcher; with `on_recycle`, watch for recycling too; `send_page`: where documents' page
+    """Start the runtime's components in order: the engine (here, or in an engine process:
+    OCRQ_ENGINE_PROCESS); with `liveness` (a Celery worker) its heartbeat and, with
+    OCRQ_RETENTION_DAYS, the retention pass; then the batcher and the job runner. `close` stops
+    them in reverse: the batcher first (no job of ours runs after it), the heartbeat after it,
+    the engine last. `on_recycle`: watch for recycling too; `send_page`: where documents' page
     jobs go (default: the broker)."""
-    engine: EngineFront
-    batcher: Batcher
-    recycler = None
-    if engine_in_own_process(settings):
-        link = EngineLink.start(settings)
-        engine, batcher, config, model = link.engine, link.batcher, link.config, link.cost_model
-        if on_recycle is not None:
-            recycler = Recycler(
-                recycle_policy(settings), on_recycle, rss=link.rss_bytes,
-                fragmentation=link.fragmentation_bytes,
-            )
-        link.on_batch = batch_hooks(recycler, model.fixed_bytes)
-    else:
-        side = load_engine(settings)
-        engine, config, model = side.engine, side.config, side.choice.model
-        if on_recycle is not None:  # it watches the loaded engine's memory
-            fragmentation = memory_of(engine).fragmentation_bytes
-            recycler = Recycler(recycle_policy(settings), on_recycle, fragmentation=fragmentation)
-        batcher = side.start(batch_hooks(recycler, model.fixed_bytes))
-    metrics.CONFIGURED_BUDGET_BYTES.set(config.budget_bytes)
-    metrics.BUDGET_BYTES.set(config.budget_bytes)
-    store = store or JobStore(engine_for(settings))
     name = worker_name or unique_worker_name(settings.engine)
-    prefetch = settings.prefetch_images or 2 * config.max_items
-    runner = JobRunner(
-        settings, engine, batcher, store, name, prefetch_images=prefetch, send_page=send_page
+    parts = _Parts(settings, store, name, on_recycle, send_page)
+    order = [Component("engine", parts.start_engine, parts.stop_engine)]
+    if liveness:
+        order.append(Component("heartbeat", parts.start_heartbeat, parts.stop_heartbeat))
+        if settings.retention_days is not None:
+            order.append(Component("retention", parts.start_retention, parts.stop_retention))
+    order.append(Component("jobs", parts.start_jobs, parts.stop_jobs))
+    components = Components("worker")
+    components.start(order)
+    assert parts.engine is not None and parts.batcher is not None and parts.runner is not None
+    return Runtime(
+        settings, parts.engine, parts.batcher, parts.runner, parts.recycler, parts.heartbeat,
+        parts.retention, components,
     )
-    log.info(
-        "engine %s loaded%s; batches up to %d images within %.2f GiB above %.2f GiB fixed (%s)",
-        engine.name,
-        " in its own process" if isinstance(batcher, RemoteBatcher) else "",
-        config.max_items,
-        config.budget_bytes / GiB,
-        model.fixed_bytes / GiB,
-        model.source,
-    )
-    return Runtime(settings, engine, batcher, runner, recycler)
 
 
 def engine_in_own_process(settings: Settings) -> bool:
@@ -205,25 +290,17 @@ def _log_batch(record: BatchRecord) -> None:
     )
 
 
-_lock = threading.Lock()
-_runtime: Runtime | None = None
-_settings: Settings | None = None
-_node: str | None = None
-_name: str | None = None
-
-
 def configure(settings: Settings, node: str | None = None) -> None:
     """The Settings this worker process runs with, read once by its entry point
-    (ocrq/worker/main.py), and its Celery node name; `get_runtime` builds from them.
+    (ocrq/worker/main.py), and its Celery node name; `get_runtime` builds from them. Kept in
+    the process's state (ocrq/core/process.py).
 
     The process's worker name is fixed here, before Celery consumes anything, so that every
     message it takes is recorded as held by it (ocrq/worker/broker.py) under the name its
     heartbeat and rows carry."""
-    global _settings, _node, _name
-    _settings = settings
-    _node = node
-    _name = unique_worker_name(settings.engine, node)
-    set_holder(_name)
+    STATE.settings = settings
+    STATE.node = node
+    STATE.worker_name = unique_worker_name(settings.engine, node)
 
 
 def get_runtime(
@@ -231,22 +308,20 @@ def get_runtime(
 ) -> Runtime:
     """The worker process's runtime, built on first use (worker start-up calls this early),
     with its heartbeat; the name it claims jobs under is unique to this process."""
-    global _runtime
-    with _lock:
-        if _runtime is None:
-            settings = settings or _settings or Settings()
-            name = _name or unique_worker_name(settings.engine, _node)
-            runtime = build_runtime(settings, worker_name=name, on_recycle=on_recycle)
-            runtime.heartbeat = start_heartbeat(settings, name)
-            if settings.retention_days is not None:
-                runtime.retention = RetentionPass(runtime.runner.store.engine, settings).start()
-            _runtime = runtime
-        return _runtime
+    with STATE.runtime_lock:
+        if STATE.runtime is None:
+            settings = settings or STATE.settings or Settings()
+            name = STATE.worker_name or unique_worker_name(settings.engine, STATE.node)
+            STATE.runtime = build_runtime(
+                settings, worker_name=name, on_recycle=on_recycle, liveness=True
+            )
+        runtime: Runtime = STATE.runtime
+        return runtime
 
 
 def shutdown_runtime() -> None:
-    global _runtime
-    with _lock:
-        if _runtime is not None:
-            _runtime.close()
-            _runtime = None
+    with STATE.runtime_lock:
+        if STATE.runtime is not None:
+            runtime: Runtime = STATE.runtime
+            STATE.runtime = None
+            runtime.close()

@@ -8,11 +8,11 @@ ModelNotFound with the exact command that fetches it; the worker stops at start-
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ocrq.core.process import apply_env_defaults
 from ocrq.core.settings import HunyuanSettings, ModelSettings
 
 REFUSED_ATTENTION = {"eager"}  # 13.1 GiB for one A4 page on the H200, where sdpa takes ~0.35
@@ -120,10 +120,10 @@ def load_checkpoint(settings: HunyuanSettings) -> Checkpoint:
             "pip install 'ocrq[hunyuan]'"
         ) from exc
 
-    # Expandable segments let the caching allocator grow blocks in place instead of
-    # stranding reserved-but-unusable memory between batches of different shapes. Read at
-    # the first CUDA allocation, so it must be set before any.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # The entry points set the process's environment defaults first (ocrq/core/process.py);
+    # again here for code that loads an engine without one (tests, benches, a library user):
+    # they are read at the first CUDA allocation, which may be below.
+    apply_env_defaults()
     s = settings
     path = resolve_model_dir(s.model, s.model_revision, s.model_subfolder)
     device = _pick_device(torch, s.device)
