@@ -8,8 +8,10 @@ their functions (`runtime.configure`, `exit_state.request_recycle`, ...): only t
 
 What stays elsewhere, and why: Prometheus metric objects (ocrq/core/metrics.py: the registry is
 the prometheus_client library's own global); the vLLM op library kept alive in
-ocrq/models/vllm/compat.py (vLLM holds a reference to it by registration, not through us);
-module-level constants (tables, limits), which are not state.
+ocrq/models/vllm/compat.py (vLLM holds a reference to it by registration, not through us); the
+URL fetcher's DNS thread pool (ocrq/intake/fetch.py: stateless workers, made at import);
+memoizing caches (`functools.cache`: the database engines, kernel and attention probes), which
+hold answers, not state; the ASGI `app` objects uvicorn imports; module-level constants.
 
 The environment defaults are set by `setup_process`, which every entry point that may run an
 engine calls first (`ocrq worker`'s worker process, the engine process, `ocrq run`, `ocrq
