@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ocrq.core.settings import Settings
+from ocrq.core.settings import BatchingSettings, Settings
 from ocrq.models.base import Engine, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def batch_config(
-    settings: Settings,
+    settings: BatchingSettings,
     engine: Engine,
     model: CostModel | None = None,
     tuned_max_batch: int | None = None,

@@ -16,7 +16,7 @@ from ocrq.core import metrics
 from ocrq.core.components import Component, Components
 from ocrq.core.db import engine_for
 from ocrq.core.process import STATE
-from ocrq.core.settings import Settings
+from ocrq.core.settings import BatchingSettings, DeliverySettings, Settings
 from ocrq.core.store import JobStore
 from ocrq.engine_process.link import EngineLink, RemoteBatcher
 from ocrq.intake.splitting import SendPage
@@ -58,7 +58,7 @@ class Runtime:
 FETCH_HEADROOM = 8  # task threads beyond the decoded-image cap: claiming and fetching the next
 
 
-def task_threads(settings: Settings, prefetch_images: int) -> int:
+def task_threads(settings: BatchingSettings, prefetch_images: int) -> int:
     """Celery task threads for a worker holding `prefetch_images` decoded images at once.
 
     Why from the batch cap rather than a fixed 16: a thread holds its image from the claim to
@@ -72,7 +72,7 @@ def task_threads(settings: Settings, prefetch_images: int) -> int:
     return prefetch_images + FETCH_HEADROOM
 
 
-def recycle_policy(settings: Settings) -> RecyclePolicy:
+def recycle_policy(settings: DeliverySettings) -> RecyclePolicy:
     def gib(value: float | None) -> int | None:
         return None if value is None else int(value * GiB)
 
