@@ -142,6 +142,29 @@ class Settings(BaseSettings):
     # arrival order, so an interactive stream never starves the bulk lane (planner.py
     # `LaneRule`; docs/internals.md). Interactive jobs pass younger bulk ones until then.
     bulk_max_wait_s: float = Field(default=30.0, ge=0, le=86_400)
+    # The interactive lane inside the running loop (ocrq/models/lane_pass.py; docs/internals.md).
+    # Slots added to the loop that only interactive rows take, so one is prefilled in the next
+    # pass however full of bulk rows the loop is; bulk keeps its OCRQ_MAX_BATCH slots. 8: the
+    # H200 run's stream (2/s, ~1 s each alone) had ~2 live at once, 8 takes bursts of 4x that;
+    # a slot's state is ~8 bytes per new token, and the step widens past 256 only while an
+    # interactive row holds a slot above the bulk ones. 0: no reserve.
+    interactive_slots: int = Field(default=8, ge=0, le=1024)
+    # While an interactive row waits or decodes: bulk prompt tokens per prefill pass (the pass's
+    # first bulk row always goes), so what runs between its decode steps stays small. 4,096:
+    # ~3 A4 pages, a quarter of OCRQ_PREFILL_CHUNK_TOKENS. 0: no lane budget.
+    interactive_prefill_tokens: int = Field(default=4096, ge=0, le=1_048_576)
+    # ... and decode steps between passes that admit bulk rows, full or not (interactive rows go
+    # in the next pass regardless). 4: OCRQ_PREFILL_GAP_STEPS's default; together at most
+    # ~1,000 bulk prompt tokens a step while the lane is busy.
+    interactive_prefill_gap_steps: int = Field(default=4, ge=1, le=1024)
+    # ... and at most this many live bulk rows (0: no cap). Off: a cap shortens the step an
+    # interactive row waits for but takes bulk throughput directly; turn it on when the loop's
+    # figures (`lane_decode_s / lane_steps` against an idle loop's step) say the step dominates.
+    interactive_bulk_rows: int = Field(default=0, ge=0, le=4096)
+    # Decode steps a bulk row waits inside the loop before interactive rows stop passing it and
+    # the lane's limits stop holding it (the loop's half of OCRQ_BULK_MAX_WAIT_S). 256: ~2-3 s
+    # of a full loop on an H200.
+    loop_bulk_max_wait_steps: int = Field(default=256, ge=0, le=1_000_000)
     # Total memory the engine may use, fixed part included; None: the engine's default budget.
     memory_budget_gib: float | None = Field(default=None, gt=0, le=65_536)
     # Share of that budget batches are planned to; the rest is the allocator's slack.

@@ -16,12 +16,17 @@ exactly once. What differs:
   GPU's queue full;
 * the planner runs only when something changed (a row arrived, finished or was requeued): with
   hundreds of rows waiting for room it is not free, and it shares the GIL with that thread;
+* every LOOP_LOG_S the loop's running totals (`engine.loop_counts()`: steps, their GPU seconds,
+  prefill passes and tokens, live rows per lane) go to the log as one `running loop totals:`
+  JSON line, so a bench can read a run's step figures from the worker's log
+  (bench/lanes.py `loop_figures`);
 * an out-of-memory error from the loop lowers the budget (the governor), reopens the loop smaller
   and puts the rows in flight back at the front of the queue: no job fails for it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -32,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from ocrq.core import metrics
+from ocrq.core.contract import INTERACTIVE
 from ocrq.models.base import Finished, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
@@ -54,6 +60,7 @@ class _Held(NamedTuple):
 
 
 POLL_S = 0.05  # longest the loop runs before this thread looks at new arrivals
+LOOP_LOG_S = 5.0  # seconds between two `running loop totals:` log lines
 
 
 class StreamingBatcher:
@@ -79,6 +86,7 @@ class StreamingBatcher:
         self._seq = 0
         self._changed = False  # something the planner would see differently since it last ran
         self._loop_counts: dict[str, float] = {}  # the engine's totals at the last count
+        self._loop_logged = 0.0  # time.monotonic() of the last `running loop totals:` line
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="ocrq-finish")
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ocrq-streaming", daemon=True)
@@ -134,6 +142,7 @@ class StreamingBatcher:
             with self._cond:
                 while not self._waiting and not self._flight:
                     if self._stopping:
+                        self._log_loop(force=True)
                         return
                     self._cond.wait(0.5)
             try:
@@ -145,6 +154,19 @@ class StreamingBatcher:
 
     def _held(self) -> int:
         return sum(held.tokens for held in self._flight.values())
+
+    def _held_bulk(self) -> int:
+        """Rows in flight in the bulk lane: they may not take the loop's interactive slots."""
+        return sum(h.entry.row.item.priority != INTERACTIVE for h in self._flight.values())
+
+    def _log_loop(self, force: bool = False) -> None:
+        """The loop's totals as one JSON line, every LOOP_LOG_S (and at the end)."""
+        now = time.monotonic()
+        if not self._loop_counts or (not force and now - self._loop_logged < LOOP_LOG_S):
+            return
+        self._loop_logged = now
+        totals = {k: round(v, 4) for k, v in sorted(self._loop_counts.items())}
+        log.info("running loop totals: %s", json.dumps(totals))
 
     def _hand_over(self) -> None:
         """Plan against the pool beside the rows in flight, apply the plan, submit."""
@@ -165,6 +187,7 @@ class StreamingBatcher:
             self.config.shrink,
             self.config.lanes,
             held_rows=len(self._flight),
+            held_bulk=self._held_bulk(),
         )
         rows = []
         idle = not self._flight
@@ -221,6 +244,7 @@ class StreamingBatcher:
             self._changed = True  # their KV ranges are free
         metrics.engine_progress(busy=bool(self._flight))
         self._loop_counts = metrics.count_loop(self.engine.loop_counts(), self._loop_counts)
+        self._log_loop()
         self.governor = self.governor.after_batch(0)
         record = BatchRecord(
             batch_id,

@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ocrq.core.contract import INTERACTIVE
 from ocrq.core.settings import Settings
 from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
@@ -78,6 +79,7 @@ from ocrq.models.hunyuan.versions import (
     version_of_checkpoint,
 )
 from ocrq.models.hunyuan.vision_attention import choose, fa4_kernel
+from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget, capacity_of
 
 log = logging.getLogger(__name__)
@@ -458,7 +460,8 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         if self.decode != "fast" or self._decoder is None or self.tokens is None:
             raise RuntimeError("the running loop needs a loaded engine on the fast decode path")
         s = self.settings
-        slots = s.max_batch or self.preferred_max_batch()
+        # Bulk rows keep their OCRQ_MAX_BATCH slots; the interactive lane's are on top.
+        slots = (s.max_batch or self.preferred_max_batch()) + s.interactive_slots
         model = self.loop_cost_model(model)
         budget = RunningBudget.plan(
             model,
@@ -467,6 +470,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             prefill_tokens=self.pass_tokens(),
             state_bytes_per_slot=self.state_bytes_per_slot(),
         )
+        budget = replace(budget, reserved_slots=s.interactive_slots)
         # The torch attention also keeps a key mask per slot: a byte per slot and pool token.
         mask_bytes = 0 if self._decoder.attention == "triton" else slots
         per_token = model.per_cache_token_bytes + mask_bytes
@@ -481,8 +485,10 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self.loop = RunningLoop(self._decoder, self.tokens, self.loop_config(budget))
         self.running = budget
         log.info(
-            "running loop: %d slots, KV pool of %d tokens (%.2f GiB), prefill %s up to %d tokens",
+            "running loop: %d slots (%d interactive only), KV pool of %d tokens (%.2f GiB), "
+            "prefill %s up to %d tokens",
             budget.slots,
+            budget.reserved_slots,
             budget.pool_tokens,
             budget.pool_bytes / 2**30,
             s.prefill_schedule,
@@ -525,6 +531,13 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             "guard": self.version.guard,
             "kv_dtype": s.kv_cache_dtype,
             "packed": s.prefill_packed,
+            "lanes": LanePolicy(
+                reserved_slots=budget.reserved_slots,
+                bulk_prefill_tokens=s.interactive_prefill_tokens,
+                bulk_gap=s.interactive_prefill_gap_steps,
+                bulk_rows=s.interactive_bulk_rows,
+                promote_steps=s.loop_bulk_max_wait_steps,
+            ),
         }
         values.update(overrides)
         return LoopConfig(**values)
@@ -547,6 +560,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
                     encoded,
                     self.row_cap(item),
                     eos_at=None if scripted is None else max(scripted, 1) - 1,
+                    interactive=item.priority == INTERACTIVE,
                 )
             )
             self._items[item.key] = item
@@ -615,6 +629,17 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             "wait_seconds": s.wait_s,
             "prefill_cpu_seconds": s.prefill_cpu_s,
             "cpu_seconds": s.cpu_s,
+            "prefill_tokens": s.prefill_tokens,
+            "prefilled_interactive": s.prefilled_interactive,
+            "lane_steps": s.lane_steps,
+            "lane_row_steps": s.lane_row_steps,
+            "interactive_row_steps": s.interactive_row_steps,
+            "kv_token_steps": s.kv_token_steps,
+            "lane_decode_seconds": s.lane_decode_s,
+            "lane_prefill_seconds": s.lane_prefill_s,
+            "lane_prefills": s.lane_prefills,
+            "lane_prefill_tokens": s.lane_prefill_tokens,
+            "bulk_held_passes": s.bulk_held_passes,
         }
 
     def _drop_loop(self) -> None:

@@ -59,7 +59,8 @@ from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
 from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import RepetitionGuard
-from ocrq.models.slots import FULL_PASS, Admission, Candidate, KvPool, admit, capacity_of
+from ocrq.models.lane_pass import LanePolicy, LoopState, Waiter, lane_pass
+from ocrq.models.slots import FULL_PASS, Admission, KvPool, capacity_of
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +85,9 @@ class LoopRow:
     # Bench only (ocrq/models/hunyuan/scripted.py): the token index at which the row takes eos as
     # if the model chose it; None: the model's own choice. Its KV range still holds its cap.
     eos_at: int | None = None
+    interactive: bool = False  # the job's lane (ocrq/models/lane_pass.py)
     # Set by the loop.
+    queued_step: int = 0  # the loop's decode steps when it joined the queue
     slot: int = -1
     start: int = -1
     capacity: int = 0
@@ -129,6 +132,8 @@ class LoopConfig:
     # Prefill passes with the rows packed end to end, no padding (ocrq/models/hunyuan/packed.py):
     # a pass then costs the tokens it holds, not rows x the longest prompt.
     packed: bool = False
+    # The interactive lane (ocrq/models/lane_pass.py): reserved slots, bulk limits while busy.
+    lanes: LanePolicy = field(default_factory=LanePolicy)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -170,6 +175,21 @@ class LoopStats:
     # rather than worked.
     prefill_cpu_s: float = 0.0
     cpu_s: float = 0.0
+    # The lanes (ocrq/models/lane_pass.py). "Busy": an interactive row live or waiting. An
+    # interactive row's token costs (lane_decode_s + lane_prefill_s) / lane_steps: the step over
+    # every live row plus the prefill passes run between its steps; `kv_token_steps` (live KV
+    # tokens summed over steps) over `steps` says how much KV a step reads.
+    prefill_tokens: int = 0  # prompt tokens prefilled
+    prefilled_interactive: int = 0
+    lane_steps: int = 0  # decode steps with an interactive row live
+    lane_row_steps: int = 0  # live rows summed over those steps
+    interactive_row_steps: int = 0  # live interactive rows summed over steps
+    kv_token_steps: int = 0
+    lane_decode_s: float = 0.0  # GPU seconds of the lane's steps (part of decode_s)
+    lane_prefill_s: float = 0.0  # ... of prefill passes run while busy (part of prefill_s)
+    lane_prefills: int = 0
+    lane_prefill_tokens: int = 0
+    bulk_held_passes: int = 0  # passes that held bulk rows back for the lane
 
 
 class RunningLoop:
@@ -233,6 +253,10 @@ class RunningLoop:
         self._since_check = 0
         self._step_no = 0  # decode steps run so far
         self._last_prefill = -(10**9)  # the step of the last prefill pass
+        self._last_bulk_pass = -(10**9)  # ... of the last one that admitted bulk rows
+        self._live_interactive = 0
+        self._waiting_interactive = 0
+        self._kv_base = 0  # sum over live rows of prompt - first_step (live KV, O(1) a step)
         self._caps: list[tuple[int, int, int]] = []  # heap: (step its cap is reached, slot, id)
         # Rows due a repetition check, by phase: rows admitted at steps congruent mod `every`
         # are due at the same steps, so a step looks at its own phase only.
@@ -263,6 +287,8 @@ class RunningLoop:
                     f"row {row.key} needs {row.capacity} KV tokens, over the pool's "
                     f"{self.config.pool_tokens}"
                 )
+            row.queued_step = self._step_no
+            self._waiting_interactive += row.interactive
             self.waiting.append(row)
 
     def run(self, timeout_s: float | None = None) -> list[Done]:
@@ -310,7 +336,10 @@ class RunningLoop:
         """`stats` with the GPU times of every span done so far (all of them with `wait`)."""
         totals = self.clock.collect(wait)
         self.stats.prefill_s = totals.get("prefill", 0.0)
-        self.stats.decode_s = totals.get("decode", 0.0)
+        self.stats.lane_prefill_s = totals.get("prefill_lane", 0.0)
+        self.stats.lane_decode_s = totals.get("decode_lane", 0.0)
+        self.stats.prefill_s += self.stats.lane_prefill_s
+        self.stats.decode_s = totals.get("decode", 0.0) + self.stats.lane_decode_s
         self.stats.wait_s = self.readback.waited_s
         return self.stats
 
@@ -320,6 +349,7 @@ class RunningLoop:
         for slot in list(self.rows):
             self._release(slot)
         self.waiting.clear()
+        self._waiting_interactive = 0
         self.graphs.clear()
         self.readback.drop()
         return rows
@@ -344,39 +374,75 @@ class RunningLoop:
         if not free:
             return
         cfg = self.config
-        if cfg.schedule == "alternate" and self.rows and len(free) * 4 < cfg.slots:
+        urgent = self._waiting_interactive > 0  # an interactive row goes in the next pass
+        if cfg.schedule == "alternate" and self.rows and len(free) * 4 < cfg.slots and not urgent:
             return  # let more slots free up first: one larger prefill pass
-        # No more than the free slots (and one to learn why it stopped): admission never looks
-        # further, and a long queue would make this a loop over every waiting row each step.
-        candidates = [Candidate(r.key, r.prompt_tokens, r.capacity)
-                      for r in itertools.islice(self.waiting, len(free) + 1)]
-        plan = admit(candidates, self.pool, free, cfg.pass_tokens, packed=cfg.packed)
+        plan = self._plan(free)
         if not plan.placements:
             return
         soon = self._step_no - self._last_prefill < cfg.prefill_gap
-        if cfg.schedule == "chunked" and self.rows and soon and plan.blocked != FULL_PASS:
+        if (cfg.schedule == "chunked" and self.rows and soon and plan.blocked != FULL_PASS
+                and not urgent):
             return  # not full yet, and the GPU has rows to decode meanwhile
         self._prefill(plan)
         self._last_prefill = self._step_no
 
-    def _prefill(self, plan: Admission) -> None:
-        with self.clock.span("prefill"):
-            self._prefill_rows(plan)
-        self.stats.prefills += 1
-        self.stats.prefilled_rows += len(plan.placements)
+    def _plan(self, free: list[int]) -> Admission:
+        """The next pass by the lanes' rule (ocrq/models/lane_pass.py). With no interactive row
+        waiting, no more than the free slots (and one to learn why it stopped) are looked at:
+        admission never looks further, and a long queue would make this a loop over every
+        waiting row each step; with one waiting, the whole queue (the batcher hands over at most
+        the loop's slots)."""
+        cfg = self.config
+        queue = (self.waiting if self._waiting_interactive
+                 else itertools.islice(self.waiting, len(free) + 1))
+        waiting = [Waiter(r.key, r.prompt_tokens, r.capacity, r.interactive, r.queued_step)
+                   for r in queue]
+        live = len(self.rows)
+        state = LoopState(cfg.slots, tuple(free), live - self._live_interactive,
+                          self._live_interactive, self._step_no, self._last_bulk_pass)
+        decided = lane_pass(waiting, self.pool, state, cfg.pass_tokens, cfg.lanes,
+                            packed=cfg.packed)
+        self.stats.bulk_held_passes += decided.held and bool(decided.placements)
+        return decided.admission
 
-    def _prefill_rows(self, plan: Admission) -> None:
+    def _prefill(self, plan: Admission) -> None:
+        busy = bool(self._live_interactive or self._waiting_interactive)
+        with self.clock.span("prefill_lane" if busy else "prefill"):
+            rows = self._prefill_rows(plan)
+        stats, tokens = self.stats, sum(r.prompt_tokens for r in rows)
+        stats.prefills += 1
+        stats.prefilled_rows += len(rows)
+        stats.prefill_tokens += tokens
+        stats.prefilled_interactive += sum(r.interactive for r in rows)
+        if busy:
+            stats.lane_prefills += 1
+            stats.lane_prefill_tokens += tokens
+        if not all(r.interactive for r in rows):
+            self._last_bulk_pass = self._step_no
+
+    def _take_waiting(self, keys: list[str]) -> list[LoopRow]:
+        """The rows of `keys` out of the queue, in that order: a pass may take interactive rows
+        from behind bulk ones."""
+        if all(r.key == k for r, k in zip(self.waiting, keys, strict=False)):  # the oldest
+            rows = [self.waiting.popleft() for _ in keys]
+        else:
+            wanted = set(keys)
+            by_key = {r.key: r for r in self.waiting if r.key in wanted}
+            self.waiting = deque(r for r in self.waiting if r.key not in wanted)
+            rows = [by_key[k] for k in keys]
+        self._waiting_interactive -= sum(r.interactive for r in rows)
+        return rows
+
+    def _prefill_rows(self, plan: Admission) -> list[LoopRow]:
         """Everything here is queued without a host sync (to_device, index lists built on the
         host): a sync would empty the queue of decode steps behind which it runs."""
         import torch
 
-        rows: list[LoopRow] = []
-        for placement in plan.placements:
-            row = self.waiting.popleft()
-            assert row.key == placement.key
+        rows = self._take_waiting([p.key for p in plan.placements])
+        for placement, row in zip(plan.placements, rows, strict=True):
             row.slot, row.start, row.first_step = placement.slot, placement.start, self._step_no
             row.admitted_at = time.monotonic()
-            rows.append(row)
         self.pool = plan.pool
         lengths = [r.prompt_tokens for r in rows]
         if self.config.packed:
@@ -409,6 +475,7 @@ class RunningLoop:
         for r in rows:
             self._enter(r)
         self._choose(first_logits, slots, rows)
+        return rows
 
     def _store_prompt(self, prompt_kv: list[Any], rows: list[LoopRow], tokens: Any) -> None:
         """Each layer's prompt keys and values into the rows' ranges of the pool, freeing the
@@ -495,6 +562,8 @@ class RunningLoop:
     def _enter(self, row: LoopRow) -> None:
         """The host's books for a row now in its slot: when its cap is reached, its guard phase."""
         self.rows[row.slot] = row
+        self._live_interactive += row.interactive
+        self._kv_base += row.prompt_tokens - row.first_step
         heapq.heappush(
             self._caps, (row.first_step + row.max_new_tokens - 1, row.slot, id(row))
         )
@@ -593,17 +662,25 @@ class RunningLoop:
         self._guard()
         k = self._bucket()
         graphed = self.decoder.use_graph and self.decoder.is_cuda and not self.config.keep_logits
+        lane = self._live_interactive > 0
+        span = "decode_lane" if lane else "decode"
         if graphed and k in self.graphs:
-            with self.clock.span("decode"):
+            with self.clock.span(span):
                 self.graphs[k].replay()
         else:
-            with self.clock.span("decode"):
+            with self.clock.span(span):
                 self._step(k)
             if graphed:
                 self._capture(k)
-        self.stats.steps += 1
-        self.stats.slot_steps += k
-        self.stats.row_steps += len(self.rows)
+        stats, live = self.stats, len(self.rows)
+        stats.steps += 1
+        stats.slot_steps += k
+        stats.row_steps += live
+        stats.kv_token_steps += self._kv_base + live * self._step_no
+        stats.interactive_row_steps += self._live_interactive
+        if lane:
+            stats.lane_steps += 1
+            stats.lane_row_steps += live
         self._step_no += 1
         self._since_check += 1
 
@@ -755,6 +832,8 @@ class RunningLoop:
 
     def _release(self, slot: int) -> None:
         row = self.rows.pop(slot)
+        self._live_interactive -= row.interactive
+        self._kv_base -= row.prompt_tokens - row.first_step
         if self._finder is not None:
             self._phases.get((row.first_step - 1) % self._finder.guard.every, set()).discard(slot)
         self.pool = self.pool.give(row.start, row.capacity)
