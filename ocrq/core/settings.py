@@ -150,16 +150,20 @@ class Settings(BaseSettings):
     # interactive row holds a slot above the bulk ones. 0: no reserve.
     interactive_slots: int = Field(default=8, ge=0, le=1024)
     # While an interactive row waits or decodes: bulk prompt tokens per prefill pass (the pass's
-    # first bulk row always goes), so what runs between its decode steps stays small. 4,096:
-    # ~3 A4 pages, a quarter of OCRQ_PREFILL_CHUNK_TOKENS. 0: no lane budget.
+    # first bulk row always goes), so no pass between its decode steps is long. 4,096: ~3 A4
+    # pages, a quarter of OCRQ_PREFILL_CHUNK_TOKENS, whose passes of A4 pages took ~55 ms on the
+    # H200 beside decode steps of a few ms. 0: no lane budget.
     interactive_prefill_tokens: int = Field(default=4096, ge=0, le=1_048_576)
-    # ... and decode steps between passes that admit bulk rows, full or not (interactive rows go
-    # in the next pass regardless). 4: OCRQ_PREFILL_GAP_STEPS's default; together at most
-    # ~1,000 bulk prompt tokens a step while the lane is busy.
+    # While an interactive row waits or decodes: decode steps between passes that admit bulk
+    # rows, full or not (interactive rows go in the next pass regardless). 4: as
+    # OCRQ_PREFILL_GAP_STEPS; with the budget above, at most ~1,000 bulk prompt tokens a step
+    # on average while the lane is busy (no cap outside it).
     interactive_prefill_gap_steps: int = Field(default=4, ge=1, le=1024)
-    # ... and at most this many live bulk rows (0: no cap). Off: a cap shortens the step an
-    # interactive row waits for but takes bulk throughput directly; turn it on when the loop's
-    # figures (`lane_decode_s / lane_steps` against an idle loop's step) say the step dominates.
+    # While an interactive row waits or decodes: at most this many live bulk rows (0: no cap).
+    # Off: a cap shortens every step an interactive row waits for, but takes bulk throughput
+    # directly; set it when the loop's figures (ocrq_loop_lane_decode_seconds /
+    # ocrq_loop_lane_steps against an idle loop's step time) say the step, not the prefill
+    # passes, is what an interactive row waits for.
     interactive_bulk_rows: int = Field(default=0, ge=0, le=4096)
     # Decode steps a bulk row waits inside the loop before interactive rows stop passing it and
     # the lane's limits stop holding it (the loop's half of OCRQ_BULK_MAX_WAIT_S). 256: ~2-3 s
