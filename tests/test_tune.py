@@ -636,6 +636,31 @@ def test_sweep_stops_at_the_oom_point_and_recovers() -> None:
     assert engine.run(rows[:1])[0].text  # the engine still reads after the OOM
 
 
+def test_a_setting_running_past_the_deadline_is_cut_there() -> None:
+    """The prediction passed (it comes from one warm image) but the sample took longer: the
+    setting stops at the deadline, between batches, and says how far it got; nothing after it
+    runs. On an H200 the cold first call's time once predicted 191 s for a setting that ran in
+    ~20 s, and tune measured nothing."""
+    from ocrq.models.rapid import RapidEngine
+    from ocrq.tuning.probing import draw_page
+
+    engine = RapidEngine()
+    engine.load()
+    rows = [PreparedImage(f"r{i}", draw_page(240, 60, [f"TOTAL {i}.50"], 20), (240, 60))
+            for i in range(3)]
+    for row in rows:
+        engine.prepare(row)
+    calls = iter(range(1000))
+    # started, the pre-check of setting 1, its first batch: in time; its second: past it.
+    sweep = run_sweep(engine, rows, 4 * GiB, max_batch=8, deadline=100.0, warm_each=False,
+                      clock=lambda: 0.0 if next(calls) < 3 else 1e9)
+    assert [(p.setting, p.status) for p in sweep.points] == [
+        (1, "skipped: past --max-seconds after 1 of 3 images")
+    ]
+    with pytest.raises(SweepProblem, match="too little to name a knee"):
+        recommend(sweep.points, 4 * GiB)
+
+
 @pytest.mark.hunyuan
 def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> None:
     """A generating engine: random weights get the bench's drawn output lengths, the anatomy

@@ -9,7 +9,12 @@ running loop is saturated) needs a loop fed from a queue; a static batch is satu
 construction, so its steady-state rate is the same quantity.
 
 The sweep is bounded: each setting's time is predicted from the last one's seconds per image
-(with SLACK) and skipped past the deadline; an out-of-memory error ends the sweep at that
+(with SLACK; the first from a warm call of one image, since the engine's cold first call pays
+for allocations and, on a GPU, graph captures and kernel compiles, and a setting predicted from
+it was skipped on an H200 that would have run it in a tenth of the time) and skipped past the
+deadline; a setting that runs past the deadline anyway (a prediction from one image cannot know
+the sample's longest rows) is cut there and reported as skipped, so tune never outlives
+--max-seconds by more than one batch; an out-of-memory error ends the sweep at that
 setting (caught and recovered, as the batcher does: `catch_oom`), and so does a peak over the
 budget, since larger batches only take more.
 
@@ -49,7 +54,7 @@ class LoopRunner(Protocol):
     def timed(self, rows: int, slots: int) -> int: ...
 
     def run(self, rows: Sequence[PreparedImage], slots: int, timed: int,
-            on_batch: Callable[[int, int], None] | None) -> SweepPoint: ...
+            on_batch: Callable[[int, int], None] | None, deadline: float) -> SweepPoint: ...
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,10 @@ def run_sweep(
     first = one(copies(rows, 1, "warm"), 1)
     if isinstance(first, OutOfMemory):
         raise SweepProblem(f"one image does not fit: {first.message}")
-    per_image_s = first[0]
+    warm = one(copies(rows, 1, "warm1"), 1)  # the first estimate, from a warm engine
+    if isinstance(warm, OutOfMemory):
+        raise SweepProblem(f"one image does not fit: {warm.message}")
+    per_image_s = warm[0]
     memory.release_memory()
     memory.reset_peak_memory()
     sweep.baseline_bytes = memory.peak_memory_bytes()
@@ -172,9 +180,9 @@ def run_sweep(
             )
             break
         if loop is None:
-            point = run_setting(one, rows, setting, timed, warm_each)
+            point = run_setting(one, rows, setting, timed, warm_each, deadline, clock)
         else:
-            point = loop.run(rows, setting, timed, on_batch)
+            point = loop.run(rows, setting, timed, on_batch, deadline)
         sweep.points.append(point)
         if not point.ran:
             break
@@ -195,9 +203,11 @@ def run_setting(
     setting: int,
     timed: int,
     warm_each: bool,
+    deadline: float = float("inf"),
+    clock: Callable[[], float] = time.monotonic,
 ) -> SweepPoint:
     """A warm-up batch of `setting` rows (with `warm_each`), then `timed` rows in batches of
-    `setting`."""
+    `setting`; cut (reported skipped) when a batch would start past `deadline`."""
     samples: list[Sample] = []
     if warm_each:
         warm = one(copies(rows, setting, f"w{setting}"), setting)
@@ -207,6 +217,8 @@ def run_setting(
     seconds = 0.0
     items = copies(rows, timed, f"b{setting}")
     for start in range(0, timed, setting):
+        if clock() > deadline:
+            return SweepPoint(setting, past_deadline(start, timed), batches=tuple(samples))
         ran = one(items[start : start + setting], setting)
         if isinstance(ran, OutOfMemory):
             return SweepPoint(setting, "oom", batches=tuple(samples))
@@ -214,6 +226,12 @@ def run_setting(
         samples.append(ran[1])
     peak = max(s.peak_bytes for s in samples)
     return SweepPoint(setting, "ok", timed, seconds, peak, tuple(samples))
+
+
+def past_deadline(done: int, timed: int) -> str:
+    """The status of a setting cut at the deadline (its partial rate is not comparable: the
+    rows it ran are not the whole sample)."""
+    return f"skipped: past --max-seconds after {done} of {timed} images"
 
 
 @dataclass(frozen=True)
