@@ -469,6 +469,23 @@ def test_knee_limited_by_memory_and_the_oom_point() -> None:
         recommend([point(1, 1.0, 3.9), point(2, 2.0, 3.95)], 4 * GiB)
 
 
+def test_a_running_loops_pool_is_not_taken_for_what_its_rows_need() -> None:
+    """The H200 sweep of the evaluation images (bench/results/tune_gpu/tune_eval.md): from 64
+    slots on, the loop's pool filled 96% of the budget. Read as the rows' need, that left no
+    headroom and the knee fell to 32 slots at 0.45x the best rate; the loop's peak is its pool,
+    so every setting that ran within the budget counts."""
+    h200 = [point(1, 3.41, 4.2), point(2, 3.43, 5.9), point(4, 6.77, 9.7), point(8, 5.52, 16.0),
+            point(16, 9.56, 30.5), point(32, 16.10, 58.1), point(64, 23.27, 106.9),
+            point(128, 30.87, 107.0), point(256, 35.55, 107.0)]
+    budget = int(111.84 * GiB)
+    assert recommend(h200, budget).setting == 32  # the rule for static batches
+    rec = recommend(h200, budget, pooled=True)
+    assert (rec.setting, rec.best_setting, rec.limited_by) == (256, 256, "throughput")
+    assert "sizes its KV pool to the budget" in rec.describe("max batch")
+    over = [*h200[:-1], point(256, 0, 0, "oom")]  # a loop that did not open is still refused
+    assert recommend(over, budget, pooled=True).setting == 128
+
+
 def receipt_tops(folder: Path, count: int = 4) -> Path:
     """The top of real receipts (their header lines), 360 px wide: receipts-like and quick."""
     from tests.conftest import EVAL_DATA

@@ -247,16 +247,21 @@ class Recommendation:
     headroom: float  # required share of the budget left free
     headroom_kept: float  # share of the budget the recommended setting's peak leaves free
     limited_by: str  # "throughput": a larger batch gains under (1 - fraction); "memory"
+    pooled: bool = False  # a running loop's sweep: its peaks hold a pool sized to the budget
 
     def describe(self, knob: str = "batch") -> str:
         gain = (
             f"the best, {knob} {self.best_setting}, makes {self.best_images_per_s:.2f} images/s"
         )
+        if self.pooled:
+            kept = (f"peak {self.peak_bytes / GiB:.2f} GiB: the running loop sizes its KV pool "
+                    "to the budget, so the headroom is what the budget leaves of the device")
+        else:
+            kept = (f"peak {self.peak_bytes / GiB:.2f} GiB, keeping {self.headroom_kept:.0%} of "
+                    f"the budget free (at least {self.headroom:.0%} asked)")
         return (
             f"knee: {knob} {self.setting} makes {self.images_per_s:.2f} images/s "
-            f"({self.images_per_s / self.best_images_per_s:.0%} of the best; {gain}), "
-            f"peak {self.peak_bytes / GiB:.2f} GiB, keeping {self.headroom_kept:.0%} of the "
-            f"budget free (at least {self.headroom:.0%} asked)"
+            f"({self.images_per_s / self.best_images_per_s:.0%} of the best; {gain}), {kept}"
         )
 
 
@@ -266,16 +271,24 @@ def recommend(
     *,
     fraction: float = FRACTION,
     headroom: float = HEADROOM,
+    pooled: bool = False,
 ) -> Recommendation:
     """The smallest setting within `fraction` of the best rate among those that leave
-    `headroom` of the budget free (pure; SweepProblem when fewer than two settings ran)."""
+    `headroom` of the budget free (pure; SweepProblem when fewer than two settings ran).
+
+    `pooled`: the points ran through a running loop, which takes the budget for its KV pool
+    whatever the slots (a peak near the budget is the pool, not what the rows need), so a
+    setting fits when it ran within the budget; the headroom is then the budget's own share of
+    the device (--budget-fraction). Without this, an H200 sweep excluded 64-256 slots (pool
+    peaks at 96% of the budget) and recommended 32, which ran the service at 0.67x the default.
+    """
     ran = [p for p in points if p.ran and p.peak_bytes is not None]
     if len(ran) < 2:
         raise SweepProblem(
             f"only {len(ran)} setting(s) measured: too little to name a knee (give more "
             "--max-seconds, or a smaller sample)"
         )
-    limit = (1.0 - headroom) * budget_bytes
+    limit = budget_bytes if pooled else (1.0 - headroom) * budget_bytes
     fits = [p for p in ran if p.peak_bytes is not None and p.peak_bytes <= limit]
     if not fits:
         smallest = min(ran, key=lambda p: p.setting)
@@ -295,5 +308,5 @@ def recommend(
     assert knee.peak_bytes is not None
     return Recommendation(
         knee.setting, knee.images_per_s, knee.peak_bytes, best.setting, best.images_per_s,
-        fraction, headroom, 1.0 - knee.peak_bytes / budget_bytes, limited,
+        fraction, headroom, 1.0 - knee.peak_bytes / budget_bytes, limited, pooled,
     )
