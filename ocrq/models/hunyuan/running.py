@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ocrq.models.hunyuan.hooks import DecodeHooks, ForcedEos
 from ocrq.models.hunyuan.inputs import EncodedImage, collate, host_layout
 from ocrq.models.hunyuan.kv_cache import is_fp8, kv_dtype, store
 from ocrq.models.hunyuan.packed import pack, prefill_packed
@@ -81,10 +82,10 @@ class LoopRow:
     encoded: EncodedImage
     max_new_tokens: int
     min_new_tokens: int = 0  # eos banned before this many tokens (benches force lengths)
-    # Bench only (ocrq/models/hunyuan/scripted.py): the token index at which the row takes eos as
-    # if the model chose it; None: the model's own choice. Its KV range still holds its cap.
-    eos_at: int | None = None
     # Set by the loop.
+    # The loop's hooks' token index at which the row takes eos (ocrq/models/hunyuan/hooks.py);
+    # None: the model's own choice (always, without hooks).
+    eos_at: int | None = None
     slot: int = -1
     start: int = -1
     capacity: int = 0
@@ -176,11 +177,18 @@ class RunningLoop:
     """Slots, a KV pool and the rows in them, for one loaded model on one device."""
 
     def __init__(
-        self, decoder: HunyuanDecoder, tokens: SpecialTokens, config: LoopConfig
+        self,
+        decoder: HunyuanDecoder,
+        tokens: SpecialTokens,
+        config: LoopConfig,
+        hooks: DecodeHooks | None = None,
     ) -> None:
+        """`hooks`: a bench's (ocrq/models/hunyuan/hooks.py); None, the service's, leaves the
+        step as the model makes it."""
         import torch
 
         self.decoder = decoder
+        self.hooks = hooks
         self.text = decoder.text
         self.tokens = tokens
         self.config = config
@@ -219,11 +227,11 @@ class RunningLoop:
         self.count = torch.zeros(s, dtype=long, device=dev)
         self.cap = torch.ones(s, dtype=long, device=dev)
         self.min_new = torch.zeros(s, dtype=long, device=dev)
-        self.eos_at = torch.full((s,), n + 1, dtype=long, device=dev)  # past any token: none
         self.finished = torch.ones(s, dtype=torch.bool, device=dev)
         self.stopped = torch.zeros(s, dtype=long, device=dev)
         self.out = torch.full((s, n), tokens.pad, dtype=long, device=dev)
         self.eos = torch.tensor(tokens.eos_list, dtype=long, device=dev)
+        self.forced = ForcedEos(s, n + 1, self.eos) if hooks is not None else None
         vocab = int(text.lm_head.weight.shape[0])
         self.seen = (
             torch.zeros(s, vocab, dtype=torch.bool, device=dev) if config.penalty != 1.0 else None
@@ -258,6 +266,7 @@ class RunningLoop:
                     f"1..{self.config.max_new_tokens}"
                 )
             row.capacity = capacity_of(row.prompt_tokens, row.max_new_tokens)
+            row.eos_at = self.hooks.eos_at(row.key) if self.hooks is not None else None
             if row.capacity > self.config.pool_tokens:
                 raise ValueError(
                     f"row {row.key} needs {row.capacity} KV tokens, over the pool's "
@@ -399,8 +408,8 @@ class RunningLoop:
         self.min_new.index_copy_(
             0, slots, to_device([r.min_new_tokens for r in rows], long, dev)
         )
-        eos_at = [self.out.shape[1] + 1 if r.eos_at is None else r.eos_at for r in rows]
-        self.eos_at.index_copy_(0, slots, to_device(eos_at, long, dev))
+        if self.forced is not None:
+            self.forced.admit(slots, [r.eos_at for r in rows])
         self.finished.index_fill_(0, slots, False)
         self.stopped.index_fill_(0, slots, 0)
         self.out.index_fill_(0, slots, self.tokens.pad)
@@ -533,11 +542,10 @@ class RunningLoop:
 
     def _choose(self, logits: torch.Tensor, slots: torch.Tensor, rows: list[LoopRow]) -> None:
         """The first token of freshly prefilled rows (at `slots`), as the static loop's."""
-        import torch
-
         scores = self._scores(logits, slots)
         nxt = scores.argmax(-1)
-        nxt = torch.where(self.eos_at[slots] == 0, self.eos[0].expand_as(nxt), nxt)  # bench only
+        if self.forced is not None:
+            nxt = self.forced.first(nxt, slots)
         if self.config.keep_logits:
             for i, r in enumerate(rows):
                 r.logits = [logits[i].float().cpu()]
@@ -644,7 +652,8 @@ class RunningLoop:
             self._kept = logits.float()
         scores = self._scores(logits, None)
         nxt = scores.argmax(-1)
-        nxt = torch.where(self.eos_at[:k] == self.count[:k], self.eos[0].expand_as(nxt), nxt)
+        if self.forced is not None:  # hooks only: captured in the graph with the rest
+            nxt = self.forced.step(nxt, self.count[:k])
         nxt = torch.where(live, nxt, torch.full_like(nxt, self.tokens.pad))
         at = self.count[:k].clamp(max=self.out.shape[1] - 1)[:, None]
         kept = self.out[:k].gather(1, at)[:, 0]
@@ -669,7 +678,7 @@ class RunningLoop:
             return
         guard = self._finder.guard
         due: dict[int, list[int]] = {}
-        # Scripted rows (bench only) never enter a phase: their length is the bench's call.
+        # Rows whose eos the hooks force never enter a phase: their length is the hooks' call.
         for slot in self._phases.get(self._step_no % guard.every, ()):
             row = self.rows[slot]
             n = self._step_no - row.first_step + 1
