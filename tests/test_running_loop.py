@@ -236,7 +236,7 @@ def test_packed_rows_attending_across_their_bounds_is_caught(
         return batch
 
     want = run_packed(engine, True)["done"]
-    monkeypatch.setattr("ocrq.models.hunyuan.running.pack", joined)
+    monkeypatch.setattr("ocrq.models.hunyuan.passes.pack", joined)
     got = run_packed(engine, True)["done"]
     moved = max(float((got[k].logits - want[k].logits).abs().max()) for k in want)
     assert moved > 100 * TOLERANCE

@@ -725,7 +725,7 @@ def test_first_pass_counts_the_tokens_each_image_produces(tmp_path: Path) -> Non
     capped at OCRQ_MAX_NEW_TOKENS, counts each image's tokens (these weights never end a row,
     so every row reaches the cap and says so), and the rows then end there."""
     from ocrq.models.hunyuan import HunyuanEngine
-    from ocrq.models.hunyuan.scripted import RANDOM_MARK
+    from ocrq.models.hunyuan.checkpoint import RANDOM_MARK
     from ocrq.tuning.lengths import output_lengths
     from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
 

@@ -56,6 +56,7 @@ from ocrq.models.hunyuan.generation import (
     greedy_config,
 )
 from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageGeometry, geometry_of, item_cost
+from ocrq.models.hunyuan.hooks import DecodeHooks, installed
 from ocrq.models.hunyuan.inputs import EncodedImage, Preprocessor, collate, fit_to_cap
 from ocrq.models.hunyuan.kv_cache import bytes_ratio
 from ocrq.models.hunyuan.memory import (
@@ -69,7 +70,6 @@ from ocrq.models.hunyuan.patches import batch_vision_attention, isolate_rows
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
 from ocrq.models.hunyuan.resolution import pixel_cap
 from ocrq.models.hunyuan.running import Done, LoopConfig, LoopRow, RunningLoop
-from ocrq.models.hunyuan.scripted import scripted_lengths
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import (
     LATEST,
@@ -92,9 +92,17 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
     # from the loaded processor).
     max_pixels: int | None = LATEST.max_pixels
 
-    def __init__(self, settings: Settings, *, decode: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        decode: str | None = None,
+        hooks: DecodeHooks | None = None,
+    ) -> None:
         """`decode`: "fast" (ocrq/models/hunyuan/decode.py) or "generate" (transformers' loop); by
-        default `settings.decode`. Tests and benches pass it to compare both on one setting."""
+        default `settings.decode`. Tests and benches pass it to compare both on one setting.
+        `hooks`: a bench's (ocrq/models/hunyuan/hooks.py), else the ones installed in this
+        process; the service's engine has none, and its loops run the model's choice alone."""
         check_settings(settings)
         self.settings = settings
         self.decode = decode or settings.decode
@@ -105,7 +113,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self.processor: Any = None
         self.model_dir: Path | None = None
         self.device: str | None = None
-        self.scripted: dict[str, int] = {}  # bench only (ocrq/models/hunyuan/scripted.py)
+        self.hooks: DecodeHooks | None = hooks if hooks is not None else installed()
         self.tokens: SpecialTokens | None = None  # the one place eos and pad ids live
         self.templates: PromptTemplates | None = None
         self.preprocess_row: Preprocessor | None = None
@@ -174,7 +182,6 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             for prompt in self.version.prompts.values():  # shows at start-up, not per job
                 self.preprocess_row.spans.pieces(self.templates(prompt)[0])
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
-        self.scripted = scripted_lengths(ckpt.path)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, %s vision "
             "attention, repetition penalty %s, max %d pixels, %s preprocessing, RoPE layout %s, "
@@ -315,9 +322,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         is loaded): by ocrq's tensor ops or transformers' processor (OCRQ_PREPROCESS)."""
         if self.preprocess_row is None:
             raise RuntimeError("HunyuanEngine.load() must run before preprocess()")
-        row = self.preprocess_row(item)
-        row.stop_after = self.scripted.get(item.key)
-        return row
+        return self.preprocess_row(item)
 
     def prepare(self, item: PreparedImage) -> None:
         """Preprocess in the prefetch thread; `run` then skips preprocessing for this item.
@@ -389,7 +394,9 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             fast = self._decoder.generate(
                 inputs,
                 tokens,
-                stop_after=[r.stop_after for r in rows] if self.scripted else None,
+                eos_at=(
+                    None if self.hooks is None else [self.hooks.eos_at(batch[i].key) for i in good]
+                ),
                 max_new_tokens=n_new,
                 min_new_tokens=min_new_tokens,
                 output_logits=output_logits,
@@ -478,7 +485,9 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             budget = replace(budget, pool_tokens=most, pool_bytes=int(most * per_token))
         self._drop_loop()
         self.release_memory()
-        self.loop = RunningLoop(self._decoder, self.tokens, self.loop_config(budget))
+        self.loop = RunningLoop(
+            self._decoder, self.tokens, self.loop_config(budget), hooks=self.hooks
+        )
         self.running = budget
         log.info(
             "running loop: %d slots, KV pool of %d tokens (%.2f GiB), prefill %s up to %d tokens",
@@ -540,15 +549,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             if isinstance(encoded, Exception):
                 self._failed.append(Finished(item.key, encoded))
                 continue
-            scripted = encoded.stop_after  # bench only (ocrq/models/hunyuan/scripted.py)
-            queued.append(
-                LoopRow(
-                    item.key,
-                    encoded,
-                    self.row_cap(item),
-                    eos_at=None if scripted is None else max(scripted, 1) - 1,
-                )
-            )
+            queued.append(LoopRow(item.key, encoded, self.row_cap(item)))
             self._items[item.key] = item
         try:
             self.loop.add(queued)
