@@ -58,10 +58,10 @@ def paste_lines(stdout: str) -> dict[str, str]:
 
 
 def run_tune(env: dict[str, str], images: Path, task: str, profiles: Path,
-             max_seconds: float) -> tuple[subprocess.CompletedProcess[str], float]:
+             max_seconds: float, sample: int) -> tuple[subprocess.CompletedProcess[str], float]:
     cmd = [sys.executable, "-m", "ocrq.cli", "tune", "--engine", "hunyuan", "--images",
            str(images), "--task", task, "--max-seconds", str(max_seconds),
-           "--profile-dir", str(profiles)]
+           "--sample-size", str(sample), "--profile-dir", str(profiles)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env={**env, "COLUMNS": "160"}, capture_output=True, text=True,
                           timeout=max_seconds * 2 + 300)
@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--version", choices=("1.0", "1.5"), default="1.5")
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--max-seconds", type=float, default=120)
+    ap.add_argument("--sample-size", type=int, default=16, help="tune's --sample-size")
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--timeout-s", type=float, default=240)
     ap.add_argument("--runs", nargs="*", default=["default", "tuned"])
@@ -127,7 +128,8 @@ def main() -> None:
 
     import torch
 
-    from ocrq.models.hunyuan.scripted import write_table
+    from ocrq.testing.scripted import worker_env as scripted_env
+    from ocrq.testing.scripted import write_table
 
     jobs = build_workload(args.data, work, args.jobs, share, args.max_new_tokens, args.seed)
     images = args.data.resolve() if args.workload == "eval" else work / "a4"
@@ -152,7 +154,8 @@ def main() -> None:
     empty = work / "profiles-none"
     empty.mkdir(exist_ok=True)
     print(f"tune on {images} ...", flush=True)
-    proc, tune_s = run_tune(base, images, task, profiles, args.max_seconds)
+    proc, tune_s = run_tune(base, images, task, profiles, args.max_seconds,
+                             args.sample_size)
     (args.out / f"{stem}_tune.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     paste = paste_lines(proc.stdout)
     for png in sorted(profiles.glob("*.png")) if profiles.exists() else []:
@@ -194,9 +197,10 @@ def main() -> None:
     try:
         subprocess.run([sys.executable, "-m", "ocrq.cli", "migrate"], env=base, check=True,
                        timeout=120)
+        served = scripted_env(ckpt, work / "scripted", base)  # the jobs' scripted lengths
         variants = {
-            "default": {**base, "OCRQ_PROFILE_DIR": str(empty)},
-            "tuned": {**base, "OCRQ_PROFILE_DIR": str(profiles), **paste},
+            "default": {**served, "OCRQ_PROFILE_DIR": str(empty)},
+            "tuned": {**served, "OCRQ_PROFILE_DIR": str(profiles), **paste},
         }
         for name in args.runs:
             print(f"service, {name} ...", flush=True)

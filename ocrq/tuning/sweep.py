@@ -8,13 +8,13 @@ work, so the rates compare like for like. bench/sustained.py's definition (compl
 running loop is saturated) needs a loop fed from a queue; a static batch is saturated by
 construction, so its steady-state rate is the same quantity.
 
-The sweep is bounded: each setting's time is predicted from the last one's seconds per image
-(with SLACK; the first from a warm call of one image, since the engine's cold first call pays
-for allocations and, on a GPU, graph captures and kernel compiles, and a setting predicted from
-it was skipped on an H200 that would have run it in a tenth of the time) and skipped past the
-deadline; a setting that runs past the deadline anyway (a prediction from one image cannot know
-the sample's longest rows) is cut there and reported as skipped, so tune never outlives
---max-seconds by more than one batch; an out-of-memory error ends the sweep at that
+The sweep is bounded: each setting's time is predicted from the last one's seconds per image,
+scaled as if batching were perfect (an optimistic bound, with SLACK; the first from a warm call
+of one image, since the engine's cold first call pays for allocations and, on a GPU, graph
+captures and kernel compiles: predicted from it, a setting the H200 ran in ~5 s was skipped as
+needing 191 s), and skipped past the deadline; a setting that runs past the deadline anyway is
+cut there and reported as skipped, so tune never outlives --max-seconds by more than one batch
+(the calls before the sweep excepted); an out-of-memory error ends the sweep at that
 setting (caught and recovered, as the batcher does: `catch_oom`), and so does a peak over the
 budget, since larger batches only take more.
 
@@ -164,7 +164,7 @@ def run_sweep(
     warm = one(copies(rows, 1, "warm1"), 1)  # the first estimate, from a warm engine
     if isinstance(warm, OutOfMemory):
         raise SweepProblem(f"one image does not fit: {warm.message}")
-    per_image_s = warm[0]
+    per_image_s, last = warm[0], 1  # seconds per image, measured at setting `last`
     memory.release_memory()
     memory.reset_peak_memory()
     sweep.baseline_bytes = memory.peak_memory_bytes()
@@ -173,7 +173,10 @@ def run_sweep(
             timed = -(-len(rows) // setting) * setting  # the whole sample, in full batches
         else:
             timed = loop.timed(len(rows), setting)
-        need = SLACK * per_image_s * (timed + (setting if warm_each or loop else 0))
+        # Optimistic (batching as if perfect): the prediction only keeps a setting that cannot
+        # finish from starting; the cut at the deadline bounds one that then runs slower.
+        need = SLACK * per_image_s * last / setting * (timed + (setting if warm_each or loop
+                                                                else 0))
         if clock() + need > deadline:
             sweep.points.append(
                 SweepPoint(setting, f"skipped: needs ~{need:.0f} s, past --max-seconds")
@@ -186,7 +189,7 @@ def run_sweep(
         sweep.points.append(point)
         if not point.ran:
             break
-        per_image_s = point.seconds / point.images
+        per_image_s, last = point.seconds / point.images, setting
         if point.peak_bytes is not None and point.peak_bytes > budget_bytes:
             sweep.points[-1] = SweepPoint(
                 setting, "over budget", point.images, point.seconds, point.peak_bytes,
