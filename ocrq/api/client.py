@@ -190,6 +190,12 @@ class Client:
         done = set(self.store.cancel([j for j in ids if _canonical_or_none(j)]))
         return [{**row, "cancelled": row["job_id"] in done} for row in self.status(ids)]
 
+    def cancel_batch(self, batch: str) -> tuple[list[str], batches.BatchSummary | None]:
+        """Cancel every job of the batch not final yet (store.cancel_batch); the ids cancelled
+        and the batch's summary afterwards (None: no job names the batch)."""
+        cancelled = self.store.cancel_batch(batch)
+        return cancelled, self.batch(batch)
+
     def requeue(self, older_than_s: float) -> list[str]:
         """Send again every job still `queued` (never claimed by a worker) after `older_than_s`
         whose message is in neither the queue nor a worker's hands: ocrq/core/requeue.py.

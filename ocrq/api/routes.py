@@ -30,6 +30,7 @@ from ocrq.api.client import FINAL, Client, Delivery, Submitted
 from ocrq.api.schemas import (
     Accepted,
     BatchAccepted,
+    BatchCancelled,
     BatchOut,
     CancelOut,
     JobIn,
@@ -283,6 +284,17 @@ def router(settings: Settings, client: Client) -> APIRouter:
         if found is None:
             raise HTTPException(404, "no job names this batch")
         return found.as_json()
+
+    @api.delete("/batches/{batch:path}", response_model=BatchCancelled, responses={404: {}})
+    async def cancel_batch(batch: str) -> dict[str, Any]:
+        """Cancel every job of the batch not final yet: queued ones never run, running ones are
+        dropped from the running loop at its next harvest (or, on an engine without one, their
+        result is not stored). Final jobs and other batches are not touched. The batch's
+        summary afterwards, with `cancelled`: how many this request cancelled."""
+        cancelled, found = await run_in_threadpool(client.cancel_batch, batch)
+        if found is None:
+            raise HTTPException(404, "no job names this batch")
+        return {**found.as_json(), "cancelled": len(cancelled)}
 
     @api.post("/jobs/retry", response_model=Retried)
     async def retry_jobs(body: RetryIn) -> dict[str, Any]:

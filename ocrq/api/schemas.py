@@ -182,6 +182,12 @@ class BatchOut(BaseModel):
     eta_s: float | None = None
 
 
+class BatchCancelled(BatchOut):
+    """A batch after DELETE /batches/{id}: `cancelled` counts the jobs this request cancelled."""
+
+    cancelled: int
+
+
 class LookupIn(BaseModel):
     """Many job ids at once; with `wait`, answered once all are final or `wait` s passed."""
 
@@ -252,6 +258,7 @@ class JobOut(BaseModel):
     pages_failed: int | None = None
     page_results: list[dict[str, Any]] | None = None
     expires_at: dt.datetime | None = None
+    priority: str | None = None  # its lane, interactive | bulk; None: bulk (or not recorded)
     callback_url: str | None = None
 
 
