@@ -30,8 +30,9 @@ from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
 from ocrq.intake import documents, images, splitting
 from ocrq.models.base import EngineFront, PreparedImage
-from ocrq.scheduling.vocabulary import Batcher
+from ocrq.scheduling.vocabulary import Batcher, Cancelled
 from ocrq.worker.alone import RetryGate
+from ocrq.worker.cancels import CancelWatch
 from ocrq.worker.envelope import safe_text
 from ocrq.worker.webhooks import Webhooks
 
@@ -158,13 +159,29 @@ class JobRunner:
         self._in_flight_lock = threading.Lock()
         self._gate = RetryGate()
         self._webhooks: Webhooks | None = None  # started by the first job with a callback_url
+        self._cancels: CancelWatch | None = None  # started by the first job (worker/cancels.py)
 
     def close(self) -> None:
         """At shutdown, after the batcher: webhooks still retrying give up."""
+        if self._cancels is not None:
+            self._cancels.stop()
         if self._webhooks is not None:
             self._webhooks.close()
 
+    def _in_flight_ids(self) -> list[str]:
+        with self._in_flight_lock:
+            return list(self._in_flight)
+
+    def _watch_cancels(self) -> None:
+        if self._cancels is None:
+            with self._in_flight_lock:
+                if self._cancels is None:
+                    self._cancels = CancelWatch(
+                        self.store, self.batcher, self._in_flight_ids
+                    ).start()
+
     def process(self, request: JobRequest) -> JobOutcome:
+        self._watch_cancels()
         if request.image.name is not None and not self._db(self._names_a_page)(request):
             return self._refuse_name(request)
         source = request.image.describe()
@@ -354,6 +371,8 @@ class JobRunner:
             "engine": outcome.engine,
             "batch_id": outcome.batch_id or None,
         }
+        if isinstance(outcome.error, Cancelled):  # dropped by the batcher: the row says why
+            return replace(self._final_row(request.job_id, source), **batch)
         if outcome.error is not None or outcome.result is None:
             message = f"{type(outcome.error).__name__}: {outcome.error}"
             failed = self._fail(request.job_id, source, message, **common)
