@@ -266,9 +266,14 @@ def router(settings: Settings, client: Client) -> APIRouter:
         """Submit many jobs in one request (at most OCRQ_API_MAX_BATCH; more is a 422): recorded
         all or none (a reused `job_id` -> 409 and nothing recorded), then sent; duplicate ids of
         the same job count once. Jobs naming no `batch` of their own join the request's
-        `batch`, or one the api makes up and returns (`GET /batches/{batch}`)."""
+        `batch`, or one the api makes up and returns (`GET /batches/{batch}`). The request's
+        `callback_url` is the batch's webhook: sent once every job of the batch is final."""
         name = batch.batch or str(uuid.uuid4())
         jobs = [j if j.batch else j.model_copy(update={"batch": name}) for j in batch.jobs]
+        if batch.callback_url is not None:  # known before any job is sent (it may end at once)
+            if settings.webhook_secret is None:
+                raise HTTPException(422, "callback_url needs OCRQ_WEBHOOK_SECRET set")
+            await run_in_threadpool(client.register_batch_webhook, name, batch.callback_url)
         done = await submit(jobs)
         return BatchAccepted(
             jobs=[Accepted(job_id=d.job_id, created=d.created, status=d.status) for d in done],
