@@ -334,61 +334,6 @@ def test_a_cancelled_batch_never_runs_and_no_other_batch_is_touched(scene: Scene
     assert [_status(scene, s.job_id) for s in sent] == ["cancelled", "cancelled", "queued"]
 
 
-def test_batch_and_document_webhooks_are_sent_once_each(scene: Scene) -> None:
-    from PIL import Image
-
-    from tests.pdfs import image_pdf
-
-    folder = scene.images["hello"].parent
-    pdf = image_pdf(
-        [Image.open(scene.images[n]) for n in ("hello", "invoice")],
-        folder / f"hooked-{uuid.uuid4().hex[:6]}.pdf",
-    )
-    name = f"hooked-{uuid.uuid4().hex[:6]}"
-    body = {
-        "batch": name,
-        "callback_url": scene.hook_url,
-        "jobs": [
-            {"image": {"path": str(scene.images["word"])}},
-            {"image": {"path": str(pdf)}, "callback_url": scene.hook_url},
-        ],
-    }
-    base = f"http://127.0.0.1:{scene.api.port}"
-    accepted = httpx.post(
-        f"{base}/jobs/batch", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
-    )
-    assert accepted.status_code == 202, accepted.text
-    document = accepted.json()["jobs"][1]["job_id"]
-
-    def events() -> dict[str, list[dict[str, Any]]]:
-        out: dict[str, list[dict[str, Any]]] = {}
-        for headers, raw in list(scene.hooks.calls):
-            sent = json.loads(raw)
-            if sent.get("batch") == name or sent.get("job_id") == document:
-                stamp, mac = (p.split("=", 1)[1] for p in headers["X-Ocrq-Signature"].split(","))
-                expected = hmac.new(SECRET.encode(), f"{stamp}.".encode() + raw, hashlib.sha256)
-                assert hmac.compare_digest(mac, expected.hexdigest())
-                out.setdefault(sent["event"], []).append(sent)
-        return out
-
-    scene.budget.until(
-        "the document's and the batch's webhooks",
-        lambda: {"document.finished", "batch.finished"} <= events().keys(), 120,
-        scene.worker.text,
-    )
-    got = events()
-    assert "job.finished" not in got  # the document's split is not what its producer awaits
-    (doc,) = {json.dumps(e, sort_keys=True) for e in got["document.finished"]}  # one (or retried)
-    doc_body = json.loads(doc)
-    assert doc_body["document_id"] == document and doc_body["status"] == "done"
-    assert doc_body["pages"] == 2 and "INVOICE" in doc_body["text"]
-    (batch,) = {json.dumps(e, sort_keys=True) for e in got["batch.finished"]}
-    batch_body = json.loads(batch)
-    assert batch_body["batch"] == name and batch_body["final"] is True
-    assert batch_body["jobs"] == {"done": 3}  # the image and the document's two pages
-    assert batch_body["documents"] == {"done": 1}
-
-
 def test_jobs_past_their_deadline_never_run(scene: Scene) -> None:
     ids = scene.ids
     scene.budget.until(
@@ -447,6 +392,61 @@ def test_webhook_is_signed_and_retried_after_a_500(scene: Scene) -> None:
         sent = json.loads(body)
         assert sent["job_id"] == job and sent["status"] == "done" and "HELLO" in sent["text"]
     assert http.get(job)["callback_url"] == scene.hook_url
+
+
+def test_batch_and_document_webhooks_are_sent_once_each(scene: Scene) -> None:
+    from PIL import Image
+
+    from tests.pdfs import image_pdf
+
+    folder = scene.images["hello"].parent
+    pdf = image_pdf(
+        [Image.open(scene.images[n]) for n in ("hello", "invoice")],
+        folder / f"hooked-{uuid.uuid4().hex[:6]}.pdf",
+    )
+    name = f"hooked-{uuid.uuid4().hex[:6]}"
+    body = {
+        "batch": name,
+        "callback_url": scene.hook_url,
+        "jobs": [
+            {"image": {"path": str(scene.images["word"])}},
+            {"image": {"path": str(pdf)}, "callback_url": scene.hook_url},
+        ],
+    }
+    base = f"http://127.0.0.1:{scene.api.port}"
+    accepted = httpx.post(
+        f"{base}/jobs/batch", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+    )
+    assert accepted.status_code == 202, accepted.text
+    document = accepted.json()["jobs"][1]["job_id"]
+
+    def events() -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for headers, raw in list(scene.hooks.calls):
+            sent = json.loads(raw)
+            if sent.get("batch") == name or sent.get("job_id") == document:
+                stamp, mac = (p.split("=", 1)[1] for p in headers["X-Ocrq-Signature"].split(","))
+                expected = hmac.new(SECRET.encode(), f"{stamp}.".encode() + raw, hashlib.sha256)
+                assert hmac.compare_digest(mac, expected.hexdigest())
+                out.setdefault(sent["event"], []).append(sent)
+        return out
+
+    scene.budget.until(
+        "the document's and the batch's webhooks",
+        lambda: {"document.finished", "batch.finished"} <= events().keys(), 120,
+        scene.worker.text,
+    )
+    got = events()
+    assert "job.finished" not in got  # the document's split is not what its producer awaits
+    (doc,) = {json.dumps(e, sort_keys=True) for e in got["document.finished"]}  # one (or retried)
+    doc_body = json.loads(doc)
+    assert doc_body["document_id"] == document and doc_body["status"] == "done"
+    assert doc_body["pages"] == 2 and "INVOICE" in doc_body["text"]
+    (batch,) = {json.dumps(e, sort_keys=True) for e in got["batch.finished"]}
+    batch_body = json.loads(batch)
+    assert batch_body["batch"] == name and batch_body["final"] is True
+    assert batch_body["jobs"] == {"done": 3}  # the image and the document's two pages
+    assert batch_body["documents"] == {"done": 1}
 
 
 def test_celery_links_call_the_producers_tasks(scene: Scene, tmp_path: Path) -> None:
