@@ -200,7 +200,7 @@ def test_every_batcher_speaks_the_batcher_protocol() -> None:
     from ocrq.scheduling.streaming import StreamingBatcher
     from ocrq.scheduling.vocabulary import Batcher as BatcherProtocol
 
-    members = ("submit", "pending", "stop", "budget_bytes", "oom_events")
+    members = ("submit", "pending", "cancel", "stop", "budget_bytes", "oom_events")
     for kind in (Batcher, StreamingBatcher, RemoteBatcher):
         missing = [m for m in members if not hasattr(kind, m)]
         assert not missing, f"{kind.__name__} lacks {missing}"

@@ -85,6 +85,8 @@ class EngineHost:
                 os._exit(1)
             if isinstance(message, wire.Submit):
                 self._pool.submit(self._run, message)
+            elif isinstance(message, wire.Cancel):
+                self.batcher.cancel(set(message.keys))
             elif isinstance(message, wire.Call):
                 self.send(self._answer(message))
             elif isinstance(message, wire.Stop):

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -168,6 +168,16 @@ class EngineLink:
         with self._pending_lock:
             return len(self._pending)
 
+    def cancel(self, keys: Collection[str]) -> None:
+        """Tell the engine process' batcher to drop these keys; their `Done` comes back."""
+        if self._stopping or not keys:
+            return
+        try:
+            with self._send_lock:
+                self.conn.send(wire.Cancel(tuple(keys)))
+        except (BrokenPipeError, OSError):
+            pass  # the engine process is gone: `_read` fails what it held
+
     def _read(self) -> None:
         while True:
             try:
@@ -294,6 +304,9 @@ class RemoteBatcher:
 
     def pending(self) -> int:
         return self.link.pending()
+
+    def cancel(self, keys: Collection[str]) -> None:
+        self.link.cancel(keys)
 
     def stop(self, timeout: float | None = None) -> None:
         self.link.stop(STOP_TIMEOUT_S if timeout is None else timeout)

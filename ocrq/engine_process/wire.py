@@ -33,6 +33,13 @@ class Call:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """Drop the images of these keys (their jobs were cancelled): `Batcher.cancel`."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Stop:
     """Finish what is waiting and in flight, close the engine, exit."""
 

@@ -18,7 +18,7 @@ an engine's memory than this: that is an optional protocol of its own (ocrq/mode
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -235,6 +235,13 @@ class StreamingEngine(EngineCore):
 
     def reset(self) -> list[str]:
         """Drop every row in flight (after an error) and free the loop; their keys."""
+        return []
+
+    def drop(self, keys: Collection[str]) -> list[str]:
+        """Drop these rows (their jobs were cancelled) from the loop, freeing their slots; the
+        keys of those it held, which `poll` will never return. Called on the batcher's thread
+        between polls. An engine that cannot drop a row returns none: the row runs to its end
+        and its result is not stored (the row is final already)."""
         return []
 
     def streams(self) -> bool:

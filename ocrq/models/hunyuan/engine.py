@@ -32,7 +32,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -565,6 +565,15 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             return out
         done = self.loop.run(timeout_s)
         return out + [self._finished(d) for d in done]
+
+    def drop(self, keys: Collection[str]) -> list[str]:
+        """Cancelled rows out of the loop (RunningLoop.drop), their slots and KV freed."""
+        if self.loop is None:
+            return []
+        dropped = [row.key for row in self.loop.drop(keys)]
+        for key in dropped:
+            self._items.pop(key, None)
+        return dropped
 
     def finish(self, done: Done) -> Any:
         """A finished loop row as `generate` returns rows (a `Generated`)."""

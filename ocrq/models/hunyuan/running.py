@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -328,6 +328,23 @@ class RunningLoop:
         self.graphs.clear()
         self.readback.drop()
         return rows
+
+    def drop(self, keys: Collection[str]) -> list[LoopRow]:
+        """Forget these rows (their jobs were cancelled), waiting or live; the rows dropped.
+
+        Called between `run`s, right after a harvest: a live row's slot and KV range are freed
+        as a finished row's are, and a copy of the slots' state still in flight names it no
+        more (`_ended` skips a slot whose row changed), so it never comes back as done."""
+        if not keys:
+            return []
+        dropped = [row for row in self.waiting if row.key in keys]
+        if dropped:
+            self.waiting = deque(row for row in self.waiting if row.key not in keys)
+        for slot, row in list(self.rows.items()):
+            if row.key in keys:
+                self._release(slot)
+                dropped.append(row)
+        return dropped
 
     def _bucket(self) -> int:
         """Slots a step runs over: the smallest bucket covering the highest live slot."""
