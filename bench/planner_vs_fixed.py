@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
+from ocrq.core.pixel_budget import Stage  # noqa: E402
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.intake.images import downscale  # noqa: E402
 from ocrq.models.base import Engine, OcrResult, PreparedImage  # noqa: E402
@@ -106,8 +107,9 @@ def workload(engine: HunyuanEngine, n: int, seed: int, threads: int) -> list[Wor
     def make(i: int) -> Work:
         kind, w, h = picks[i]
         image = draw(kind, w, h, i)
-        if engine.max_pixels and w * h > engine.max_pixels:
-            image = downscale(image, engine.max_pixels)  # what prefetch does before waiting
+        keep = engine.pixel_budget("text", None).at(Stage.DECODE)
+        if keep and w * h > keep:
+            image = downscale(image, keep)  # what prefetch does before waiting
         item = PreparedImage(f"img{i:04d}", image, (w, h))
         return Work(item.key, kind, (w, h), image, engine.preprocess(item), engine.estimate(item))
 
