@@ -16,7 +16,7 @@ The run shows it or not, in one process, on one model, on the same images:
 The budget is enforced with torch.cuda.set_per_process_memory_fraction, so a batch over it
 really raises OutOfMemoryError. Images: --images synthetic images whose sizes are sampled from
 the shared evaluation set (bench/data/ocr_eval_sizes.tsv, from its manifest), drawn as text on
-white, capped to the engine's max_pixels as the worker's prefetch does, and preprocessed once
+white, capped to the engine's model_limit as the worker's prefetch does, and preprocessed once
 (in the service the prefetch threads do this while the GPU works, so it is left out of every
 mode's time alike). The model is a random-weight checkpoint of the full HunyuanOCR-1.0 shape
 (ocrq/testing/tiny_hunyuan.py) loaded through HunyuanEngine.load; every image generates exactly
