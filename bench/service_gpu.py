@@ -332,6 +332,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     from PIL import Image  # noqa: F401  (loaded before the threads start)
 
     from ocrq.core.contract import ImageRef
+    from ocrq.core.pixel_budget import Stage
     from ocrq.core.settings import Settings
     from ocrq.intake import images
     from ocrq.models.base import PreparedImage
@@ -372,7 +373,8 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     def one(job: Job) -> None:
         with decoded:
             try:
-                loaded = images.load(ImageRef(path=job.path), settings, engine.max_pixels)
+                keep = engine.pixel_budget(job.task, None).at(Stage.DECODE)
+                loaded = images.load(ImageRef(path=job.path), settings, keep)
                 item = PreparedImage(
                     key=job.job_id, image=loaded.image, original_size=loaded.original_size,
                     task=job.task,

@@ -210,8 +210,8 @@ def test_every_batcher_speaks_the_batcher_protocol() -> None:
         assert batcher.submit(item("a", 8)).result(timeout=30).error is None
     finally:
         batcher.stop()
-    front = ("prepare", "page_pixels", "close", "prepares_here", "max_pixels", "name")
+    front = ("prepare", "pixel_budget", "close", "prepares_here", "model_limit", "name")
     for kind in (EngineCore, RemoteEngine):
-        assert all(hasattr(kind, m) or m in ("name", "max_pixels") for m in front), kind
+        assert all(hasattr(kind, m) or m in ("name", "model_limit") for m in front), kind
     assert EngineFront is not None and RemoteEngine.prepares_here is False
     assert not hasattr(RemoteEngine, "estimate")  # estimated where its batcher runs

@@ -27,6 +27,7 @@ from ocrq.core import metrics
 from ocrq.core.contract import NAME_REFUSED, TASKS, JobRequest, canonical_job_id
 from ocrq.core.documents_store import FINAL as DOCUMENT_FINAL
 from ocrq.core.documents_store import DocumentStore
+from ocrq.core.pixel_budget import Stage
 from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
 from ocrq.intake import documents, images, splitting
@@ -352,24 +353,28 @@ class JobRunner:
             document: documents.Document | None = None
             try:
                 with metrics.stage_timer("fetch_decode"):
+                    # The one budget of this image's pixels (ocrq/core/pixel_budget.py): the
+                    # intake asks it here, the engine and the planner ask it of the item.
+                    budget = replace(
+                        self.engine.pixel_budget(task, request.max_pixels),
+                        intake_limit=self.settings.max_image_pixels,
+                    )
                     if request.image.page is not None:  # a page job: render its page here
-                        pixels = self.engine.page_pixels(task, request.max_pixels)
-                        loaded = documents.load_page(
-                            request.image, self.settings, self.engine.max_pixels, pixels
-                        )
+                        loaded = documents.load_page(request.image, self.settings, budget)
                     else:
                         taken = documents.take(request.image, self.settings)
                         if isinstance(taken, documents.Document):
                             document = taken
                             raise _IsDocument
-                        loaded = images.decode(taken, self.settings, source, self.engine.max_pixels)
+                        keep = budget.at(Stage.DECODE)
+                        loaded = images.decode(taken, self.settings, source, keep)
                 item = PreparedImage(
                     key=request.job_id,
                     image=loaded.image,
                     original_size=loaded.original_size,
                     task=task,
                     prompt=request.prompt,
-                    max_pixels=request.max_pixels,
+                    job_cap=request.max_pixels,
                     max_new_tokens=request.max_new_tokens,
                     priority=request.priority,
                 )
@@ -391,6 +396,7 @@ class JobRunner:
                 "width": loaded.original_size[0],
                 "height": loaded.original_size[1],
             }
+            del loaded  # the decoded pixels: the item holds the ones the model will see
             future = self.batcher.submit(item)
             del item
             try:

@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ocrq.core.pixel_budget import PixelBudget, Stage
 from ocrq.core.settings import Settings
 from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
@@ -68,7 +69,7 @@ from ocrq.models.hunyuan.memory import (
 from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.patches import batch_vision_attention, isolate_rows
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
-from ocrq.models.hunyuan.resolution import pixel_cap
+from ocrq.models.hunyuan.resolution import pixel_budget
 from ocrq.models.hunyuan.running import Done, LoopConfig, LoopRow, RunningLoop
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import (
@@ -89,8 +90,8 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
     name = "hunyuan"
     # The processor never shows the model more than its limit (2048² pixels for 1.0, ~4096² for
     # 1.5), so prefetch may downscale larger images to that before they wait in memory (set
-    # from the loaded processor).
-    max_pixels: int | None = LATEST.max_pixels
+    # from the loaded processor): every pixel budget's `model_limit`.
+    model_limit: int | None = LATEST.max_pixels
 
     def __init__(
         self,
@@ -161,7 +162,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         gen.repetition_penalty = self.repetition_penalty
         self.tokens = SpecialTokens.read(gen, processor.tokenizer)
         self.geometry = geometry_of(processor)
-        self.max_pixels = self.geometry.max_pixels
+        self.model_limit = self.geometry.max_pixels
         self.model, self.processor = model, processor
         self.model_dir, self.device = ckpt.path, ckpt.device
         self._generation_config = gen
@@ -175,7 +176,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             self.geometry,
             pin=self._cuda(),
             prompt_for=self.prompt_for,
-            cap_of=self.pixel_cap,
+            cap_of=self.view_pixels,
             mode=self.settings.preprocess,
         )
         if self.preprocess_row.spans is not None:  # a tokenizer the tensor path cannot splice
@@ -260,19 +261,19 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         this version does not offer)."""
         return prompt_of(item, self.version.prompts, self.version.name)
 
-    def pixel_cap(self, item: PreparedImage) -> int:
-        """Pixels the model may see of `item`: its job's cap, else its task's preset, within
-        the model's limits (ocrq/models/hunyuan/resolution.py)."""
+    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
+        """The job's cap, the task's preset (OCRQ_TASK_MAX_PIXELS, else resolution.py's), within
+        the loaded model's range: what every stage of a `task` image asks."""
         g = self.geometry
-        return pixel_cap(
-            item.task, item.max_pixels, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
+        return pixel_budget(
+            task, job_cap, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
         )
 
-    def page_pixels(self, task: str, max_pixels: int | None) -> int | None:
-        """A document page is rendered at its task's preset: what `pixel_cap` gives it."""
-        g = self.geometry
-        overrides = self.settings.task_max_pixels
-        return pixel_cap(task, max_pixels, overrides, g.min_pixels, g.max_pixels)
+    def view_pixels(self, item: PreparedImage) -> int:
+        """Pixels the model sees of `item`: its budget's answer at the model stage."""
+        view = self.pixel_budget(item.task, item.job_cap).at(Stage.MODEL)
+        assert view is not None  # a budget with a model limit always has a view
+        return view
 
     def estimate(self, item: PreparedImage) -> ItemCost:
         """Tokens, patches and pixels of `item` as the model will see it (its resolution preset
@@ -284,7 +285,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         else:
             prompt_tokens = rough_prompt_tokens(prompt)
         self.geometry.resized(*item.size)  # the processor's own refusals first
-        size = self.geometry.shrink_to(*item.size, self.pixel_cap(item))
+        size = self.geometry.shrink_to(*item.size, self.view_pixels(item))
         return item_cost(
             *size,
             prompt_tokens=prompt_tokens,
@@ -328,7 +329,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         """Preprocess in the prefetch thread; `run` then skips preprocessing for this item.
         The image is first shrunk to its resolution preset, so a 300 dpi page waits in memory
         at the size the model will see."""
-        item.image = fit_to_cap(item.image, self.geometry, self.pixel_cap(item))
+        item.image = fit_to_cap(item.image, self.geometry, self.view_pixels(item))
         item.encoded = self.preprocess(item)
 
     def _preprocess_or_error(self, item: PreparedImage) -> EncodedImage | Exception:
