@@ -419,10 +419,13 @@ def main() -> None:
     if args.engine == "hunyuan":
         import torch
 
-        from ocrq.models.hunyuan.scripted import write_table
+        from ocrq.testing.scripted import worker_env as scripted_env
+        from ocrq.testing.scripted import write_table
 
         ckpt = random_checkpoint(work, args, args.version)
         write_table(ckpt, {j.job_id: j.new_tokens for j in [*bulk, *stream]})
+        # The worker's processes install the table as their engines' decode hooks.
+        env = scripted_env(ckpt, work / "scripted", env)
         env.update(
             OCRQ_MODEL=str(ckpt),
             OCRQ_MAX_NEW_TOKENS=str(args.max_new_tokens),

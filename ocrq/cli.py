@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ocrq.core.contract import PRIORITIES, TASKS
@@ -643,15 +644,31 @@ def export(
 
 @app.command()
 def cancel(
-    job_ids: Annotated[list[str], typer.Argument(help="Job ids.")],
+    job_ids: Annotated[list[str] | None, typer.Argument(help="Job ids.")] = None,
+    batch: Annotated[
+        str | None, typer.Option(help="Cancel every job of this batch not final yet.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
 ) -> None:
-    """Cancel jobs: a queued one never runs, a running one's result is not stored; its row
-    says `cancelled`. Exit code 4 when an id has no row, else 1 when a job was final already
-    (done, failed or expired: not cancelled)."""
+    """Cancel jobs, or a whole --batch: a queued one never runs, a running one is dropped from
+    the running loop at its next harvest (on other engines its result is not stored); its row
+    says `cancelled`. Exit code 4 when an id (or the batch) has no row, else 1 when a job was
+    final already (done, failed or expired: not cancelled)."""
     from ocrq.api.client import Client
 
-    rows = Client(_settings()).cancel(job_ids)
+    if bool(job_ids) == (batch is not None):
+        raise typer.BadParameter("give job ids or --batch, not both", param_hint="JOB_IDS")
+    client = Client(_settings())
+    if batch is not None:
+        ids, found = client.cancel_batch(batch)
+        if found is None:
+            err.print(f"[yellow]unknown batch:[/] {escape(batch)}")
+            raise typer.Exit(EXIT_UNKNOWN)
+        if as_json:
+            typer.echo(json.dumps({**found.as_json(), "cancelled": len(ids)}))
+        err.print(f"cancelled {len(ids)} job(s) of batch {escape(batch)}", soft_wrap=True)
+        return
+    rows = client.cancel(job_ids or [])
     _print_rows(rows, as_json)
     done = sum(r["cancelled"] for r in rows)
     err.print(f"cancelled {done} of {len(rows)} job(s)")

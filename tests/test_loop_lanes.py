@@ -126,3 +126,18 @@ def test_the_engine_opens_the_reserve_and_tells_the_loop_each_rows_lane(
         assert counts["prefilled_interactive"] == 1 and counts["lane_steps"] >= 1
     finally:
         engine.reset()
+
+
+def test_a_dropped_waiting_interactive_row_leaves_the_lane_idle(engine: HunyuanEngine) -> None:
+    """A cancelled interactive row still waiting (RunningLoop.drop) no longer makes the lane
+    busy: the bulk passes after it are neither rushed nor counted as the lane's."""
+    loop = loop_of(engine, 0)  # no reserve: the interactive row waits behind a full loop
+    fill_with_bulk(engine, loop)
+    loop.add([row(engine, 98, 3, interactive=True)])
+    assert [r.key for r in loop.drop({"img98"})] == ["img98"]
+    assert [r.key for r in loop.waiting] == ["img13", "img14"]
+    done = loop.drain()
+    assert sorted(d.row.key for d in done) == [f"img{10 + i}" for i in range(BULK_SLOTS + 2)]
+    stats = loop.collect_stats(wait=True)
+    assert stats.prefills >= 2 and stats.lane_prefills == 0 and stats.lane_prefill_s == 0.0
+    assert stats.prefilled_interactive == 0

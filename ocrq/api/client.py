@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ocrq.api import document_status
-from ocrq.core import batches, requeue, rerun
+from ocrq.core import batch_hooks, batches, requeue, rerun
+from ocrq.core.broker_redis import broker_client
 from ocrq.core.contract import (
     BULK,
     DEFAULT_QUEUE,
@@ -189,6 +190,16 @@ class Client:
         ids = [_canonical_or_none(j) or j for j in job_ids]
         done = set(self.store.cancel([j for j in ids if _canonical_or_none(j)]))
         return [{**row, "cancelled": row["job_id"] in done} for row in self.status(ids)]
+
+    def register_batch_webhook(self, batch: str, url: str) -> None:
+        """The batch's webhook, sent by a worker once the batch is final (core/batch_hooks.py)."""
+        batch_hooks.register(broker_client(self.settings, socket_timeout=10), batch, url)
+
+    def cancel_batch(self, batch: str) -> tuple[list[str], batches.BatchSummary | None]:
+        """Cancel every job of the batch not final yet (store.cancel_batch); the ids cancelled
+        and the batch's summary afterwards (None: no job names the batch)."""
+        cancelled = self.store.cancel_batch(batch)
+        return cancelled, self.batch(batch)
 
     def requeue(self, older_than_s: float) -> list[str]:
         """Send again every job still `queued` (never claimed by a worker) after `older_than_s`

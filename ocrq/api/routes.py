@@ -30,6 +30,7 @@ from ocrq.api.client import FINAL, Client, Delivery, Submitted
 from ocrq.api.schemas import (
     Accepted,
     BatchAccepted,
+    BatchCancelled,
     BatchOut,
     CancelOut,
     JobIn,
@@ -265,9 +266,14 @@ def router(settings: Settings, client: Client) -> APIRouter:
         """Submit many jobs in one request (at most OCRQ_API_MAX_BATCH; more is a 422): recorded
         all or none (a reused `job_id` -> 409 and nothing recorded), then sent; duplicate ids of
         the same job count once. Jobs naming no `batch` of their own join the request's
-        `batch`, or one the api makes up and returns (`GET /batches/{batch}`)."""
+        `batch`, or one the api makes up and returns (`GET /batches/{batch}`). The request's
+        `callback_url` is the batch's webhook: sent once every job of the batch is final."""
         name = batch.batch or str(uuid.uuid4())
         jobs = [j if j.batch else j.model_copy(update={"batch": name}) for j in batch.jobs]
+        if batch.callback_url is not None:  # known before any job is sent (it may end at once)
+            if settings.webhook_secret is None:
+                raise HTTPException(422, "callback_url needs OCRQ_WEBHOOK_SECRET set")
+            await run_in_threadpool(client.register_batch_webhook, name, batch.callback_url)
         done = await submit(jobs)
         return BatchAccepted(
             jobs=[Accepted(job_id=d.job_id, created=d.created, status=d.status) for d in done],
@@ -283,6 +289,17 @@ def router(settings: Settings, client: Client) -> APIRouter:
         if found is None:
             raise HTTPException(404, "no job names this batch")
         return found.as_json()
+
+    @api.delete("/batches/{batch:path}", response_model=BatchCancelled, responses={404: {}})
+    async def cancel_batch(batch: str) -> dict[str, Any]:
+        """Cancel every job of the batch not final yet: queued ones never run, running ones are
+        dropped from the running loop at its next harvest (or, on an engine without one, their
+        result is not stored). Final jobs and other batches are not touched. The batch's
+        summary afterwards, with `cancelled`: how many this request cancelled."""
+        cancelled, found = await run_in_threadpool(client.cancel_batch, batch)
+        if found is None:
+            raise HTTPException(404, "no job names this batch")
+        return {**found.as_json(), "cancelled": len(cancelled)}
 
     @api.post("/jobs/retry", response_model=Retried)
     async def retry_jobs(body: RetryIn) -> dict[str, Any]:

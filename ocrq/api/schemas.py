@@ -122,6 +122,16 @@ class BatchIn(BaseModel):
     # The batch of every job that names none of its own; when absent the api makes one up
     # (a UUID) and returns it.
     batch: BatchName = None
+    # The batch's webhook: POSTed once, signed, when every job of the batch is final, with
+    # the batch's counts (batch.finished, docs/api.md). Each job's own is its `callback_url`.
+    callback_url: Annotated[str | None, Field(max_length=MAX_REF_CHARS)] = None
+
+    @field_validator("callback_url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and not value.lower().startswith(("http://", "https://")):
+            raise ValueError("callback_url must be an http or https URL")
+        return value
 
 
 class Accepted(BaseModel):
@@ -180,6 +190,12 @@ class BatchOut(BaseModel):
     last_finished_at: dt.datetime | None = None
     rate_per_s: float | None = None
     eta_s: float | None = None
+
+
+class BatchCancelled(BatchOut):
+    """A batch after DELETE /batches/{id}: `cancelled` counts the jobs this request cancelled."""
+
+    cancelled: int
 
 
 class LookupIn(BaseModel):
@@ -252,6 +268,7 @@ class JobOut(BaseModel):
     pages_failed: int | None = None
     page_results: list[dict[str, Any]] | None = None
     expires_at: dt.datetime | None = None
+    priority: str | None = None  # its lane, interactive | bulk; None: bulk (or not recorded)
     callback_url: str | None = None
 
 

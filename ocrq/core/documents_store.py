@@ -113,7 +113,11 @@ class DocumentStore:
             )
 
     def complete(self, document_id: str) -> str | None:
-        """Assemble the document if every page row is final; returns its status when final.
+        """Assemble the document if every page row is final; returns its status when final."""
+        return self.assemble(document_id)[0]
+
+    def assemble(self, document_id: str) -> tuple[str | None, bool]:
+        """`complete`, and whether this very call assembled it (its webhook is sent once).
 
         The document's row is locked first, so of two page jobs finishing at once one
         assembles and the other then sees it final; page rows are read after the lock, so
@@ -123,9 +127,9 @@ class DocumentStore:
         with self.engine.begin() as conn:
             doc = conn.execute(locked).mappings().first()
             if doc is None:
-                return None
+                return None, False
             if doc["status"] in FINAL:
-                return doc["status"]
+                return doc["status"], False
             pending = conn.execute(
                 select(func.count()).where(
                     _pages_of(document_id), ocr_jobs.c.status.not_in(PAGE_JOB_FINAL)
@@ -133,7 +137,7 @@ class DocumentStore:
             ).scalar_one()
             stored = conn.execute(select(func.count()).where(_pages_of(document_id))).scalar_one()
             if pending or stored < (doc["pages"] or 0):
-                return None
+                return None, False
             rows = [dict(r) for r in conn.execute(_page_rows(document_id)).mappings()]
             fields = storable(assemble(rows))  # as all stored text (core/storable.py)
             conn.execute(
@@ -141,7 +145,7 @@ class DocumentStore:
                 .where(ocr_documents.c.id == document_id)
                 .values(**fields, finished_at=now())
             )
-            return str(fields["status"])
+            return str(fields["status"]), True
 
     def get(self, document_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:

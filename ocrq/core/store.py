@@ -444,6 +444,30 @@ class JobStore:
         with self.engine.begin() as conn:
             return list(conn.execute(stmt).scalars())
 
+    def cancel_batch(self, batch: str) -> list[str]:
+        """Cancel every job of `batch` not final yet (as `cancel` does each); the ids whose row
+        changed. One UPDATE over the batch's index: a job of the batch submitted after it is
+        not cancelled, and nothing outside the batch is touched."""
+        stmt = (
+            update(ocr_jobs)
+            .where(ocr_jobs.c.batch == batch, ocr_jobs.c.status.in_(CANCELLABLE))
+            .values(status="cancelled", error=CANCELLED, finished_at=now())
+            .returning(ocr_jobs.c.id)
+        )
+        with self.engine.begin() as conn:
+            return list(conn.execute(stmt).scalars())
+
+    def cancelled_among(self, job_ids: Sequence[str]) -> list[str]:
+        """Which of these jobs are `cancelled`: a worker asks for those it is running, so that
+        its engine can drop them (ocrq/worker/cancels.py)."""
+        if not job_ids:
+            return []
+        stmt = select(ocr_jobs.c.id).where(
+            ocr_jobs.c.id.in_(list(job_ids)), ocr_jobs.c.status == "cancelled"
+        )
+        with self._autocommit.connect() as conn:
+            return list(conn.execute(stmt).scalars())
+
     def expire(self, job_id: str, task: str, source: str, expires_at: dt.datetime) -> bool:
         """Record a job Celery discarded as past its `expires` (it never reached the task):
         its row, created if the producer wrote none, becomes `expired` unless already final."""
@@ -523,5 +547,6 @@ def full_view(row: dict[str, Any]) -> dict[str, Any]:
         "document_id": row.get("document_id"),
         "page": row.get("page"),
         "expires_at": _iso(row.get("expires_at")),
+        "priority": row.get("priority"),  # interactive | bulk; None: bulk (rows before 0009)
         "callback_url": redact_url(row["callback_url"]) if row.get("callback_url") else None,
     }

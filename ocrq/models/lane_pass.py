@@ -1,7 +1,7 @@
 """Which waiting rows the running loop prefills in its next pass, when jobs come in two lanes.
 
-Pure (no torch): the running loop (ocrq/models/hunyuan/running.py `_refill`) asks it, the
-property tests (tests/test_lane_pass.py) drive it alone.
+Pure (no torch): the running loop's admission policy (ocrq/models/hunyuan/admission.py) asks
+it, the property tests (tests/test_lane_pass.py) drive it alone.
 
 Why the loop needs its own rule beside the planner's (ocrq/scheduling/planner.py `LaneRule`):
 the planner decides which rows reach the loop, but once there an interactive row is one of

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -45,7 +45,15 @@ from ocrq.models.slots import RunningBudget, capacity_of
 from ocrq.scheduling.downscaling import Downscaler
 from ocrq.scheduling.executor import log_downscale
 from ocrq.scheduling.planner import plan_running
-from ocrq.scheduling.vocabulary import BatchConfig, BatchRecord, Entry, ItemOutcome, Row, resolve
+from ocrq.scheduling.vocabulary import (
+    BatchConfig,
+    BatchRecord,
+    Entry,
+    ItemOutcome,
+    Row,
+    cancelled,
+    resolve,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +93,7 @@ class StreamingBatcher:
         self._flight: dict[str, _Held] = {}  # engine key -> the row handed to the engine
         self._seq = 0
         self._changed = False  # something the planner would see differently since it last ran
+        self._cancels: set[str] = set()  # keys to drop from the loop at its next harvest
         self._loop_counts: dict[str, float] = {}  # the engine's totals at the last count
         self._loop_logged = 0.0  # time.monotonic() of the last `running loop totals:` line
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="ocrq-finish")
@@ -135,6 +144,17 @@ class StreamingBatcher:
         with self._cond:
             return len(self._waiting) + len(self._flight)
 
+    def cancel(self, keys: Collection[str]) -> None:
+        """Waiting rows of these keys resolve `Cancelled` now; rows the engine holds are
+        dropped by this batcher's thread after the loop's next harvest (`_drop_cancelled`)."""
+        with self._cond:
+            gone = [k for k, e in self._waiting.items() if e.row.item.key in keys]
+            for key in gone:
+                resolve(self._waiting.pop(key).future, cancelled(self.engine.name))
+            self._cancels.update(keys)
+            self._changed = self._changed or bool(gone)
+            self._cond.notify_all()
+
     # -- the thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -147,6 +167,7 @@ class StreamingBatcher:
                     self._cond.wait(0.5)
             try:
                 self._hand_over()
+                self._drop_cancelled()
                 self._collect()
             except Exception:  # never let the thread die with futures waiting
                 log.exception("running loop failed")
@@ -215,6 +236,24 @@ class StreamingBatcher:
             self.engine.submit(rows)
             if idle:
                 metrics.engine_progress(busy=True)
+
+    def _drop_cancelled(self) -> None:
+        """Rows the engine holds whose jobs were cancelled: out of the loop (their slots and KV
+        free for the rows waiting), their futures resolved `Cancelled`. Keys not held (not
+        handed over yet, or finished) are forgotten: the worker asks again while it runs them."""
+        with self._cond:
+            asked, self._cancels = self._cancels, set()
+        held = [key for key in asked if key in self._flight]
+        if not held:
+            return
+        dropped = self.engine.drop(held)
+        for key in dropped:
+            resolve(self._flight.pop(key).entry.future, cancelled(self.engine.name))
+        if dropped:
+            with self._cond:
+                self._changed = True  # their KV ranges are free
+            metrics.engine_progress(busy=bool(self._flight))
+            log.info("dropped %d cancelled row(s) from the running loop", len(dropped))
 
     def _collect(self) -> None:
         """Run the loop a little; resolve every row that finished."""

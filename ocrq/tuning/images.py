@@ -169,7 +169,8 @@ def tune_images(
         if progress is not None:
             progress(total, total)
         try:
-            rec = recommend(sweep.points, budget, fraction=fraction, headroom=headroom)
+            rec = recommend(sweep.points, budget, fraction=fraction, headroom=headroom,
+                            pooled=loop is not None)
         except SweepProblem as exc:
             raise SweepProblem(str(exc), sweep) from None
         rate = RATE if loop is not None else (
