@@ -594,7 +594,7 @@ def retry(
 @app.command()
 def export(
     out: Annotated[
-        Path, typer.Option(help="File to write (jsonl, csv); a folder for md.")
+        Path, typer.Option(help="File to write (jsonl, csv, parquet); a folder for md.")
     ],
     batch: Annotated[str | None, typer.Option(help="This batch's jobs.")] = None,
     since: Annotated[
@@ -605,7 +605,8 @@ def export(
         str,
         typer.Option(
             "--format",
-            help="jsonl | csv | md (one file per document, pages in order, and per image).",
+            help="jsonl | csv | parquet (pip install 'ocrq[parquet]') | md (one file per "
+            "document, pages in order, and per image).",
         ),
     ] = "jsonl",
 ) -> None:
@@ -614,12 +615,8 @@ def export(
     from ocrq.core import export as exporting
     from ocrq.core.db import engine_for
 
-    if fmt == "parquet":
-        raise typer.BadParameter(
-            "parquet is not offered (it needs pyarrow, a ~40 MB dependency): export jsonl and "
-            "load it with pandas, DuckDB or Spark",
-            param_hint="--format",
-        )
+    if fmt == "parquet" and (missing := exporting.parquet_missing()):
+        raise typer.BadParameter(missing, param_hint="--format")
     if fmt not in exporting.FORMATS:
         raise typer.BadParameter(
             f"one of {', '.join(exporting.FORMATS)}", param_hint="--format"
