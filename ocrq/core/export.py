@@ -164,7 +164,7 @@ def write(
 def parquet_missing() -> str | None:
     """Why parquet cannot be written here, or None."""
     try:
-        import pyarrow  # noqa: F401
+        import pyarrow
         import pyarrow.parquet  # noqa: F401
     except ImportError:
         return "parquet needs pyarrow: pip install 'ocrq[parquet]' (or export jsonl)"
