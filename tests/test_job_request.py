@@ -26,6 +26,7 @@ from PIL import Image
 
 from ocrq.api.client import Client
 from ocrq.api.http import create_app
+from ocrq.api.routes import UPLOAD_FIELDS
 from ocrq.api.schemas import JobIn
 from ocrq.core.contract import INTERACTIVE, JobRequest, job_kwargs, queue_for
 from ocrq.core.db import ocr_jobs
@@ -67,6 +68,10 @@ def test_every_job_request_field_has_an_api_field_a_column_and_a_message_key() -
     for name in job_fields - {"job_id", "image"}:
         assert got[name] == want[name], name
     assert "retry" not in got  # a producer cannot pick a re-run generation
+    # An upload's form fields and a raw body's query parameters: the same job fields.
+    assert set(UPLOAD_FIELDS) == job_fields - {"image"}
+    spec = create_app(Settings(api_token=TOKEN)).openapi()["paths"]["/jobs"]["post"]
+    assert {p["name"] for p in spec["parameters"]} == set(UPLOAD_FIELDS)
     request = JobRequest.model_validate(FULL)
     columns = request.columns()
     assert set(columns) <= set(ocr_jobs.c.keys())

@@ -28,6 +28,7 @@ from starlette.datastructures import UploadFile
 from ocrq.api import document_status
 from ocrq.api.client import FINAL, Client, Delivery, Submitted
 from ocrq.api.schemas import (
+    DELIVERY_FIELDS,
     Accepted,
     BatchAccepted,
     BatchOut,
@@ -51,7 +52,8 @@ RAW_TYPES = ("image/", "application/octet-stream")
 BATCH_BYTES_PER_JOB = 16 * 1024
 LOOKUP_BYTES_PER_ID = 128
 BODY_SLACK = 4096
-UPLOAD_FIELDS = ("task", "job_id", "max_pixels", "max_new_tokens", "priority", "batch")
+# An upload's or a raw body's job fields (the image is the body): JobIn's, bar the delivery.
+UPLOAD_FIELDS = tuple(n for n in JobIn.model_fields if n not in ("image", *DELIVERY_FIELDS))
 
 # POST /jobs takes three bodies; FastAPI can declare only one, so the schema says all three.
 CREATE_BODY = {
@@ -65,12 +67,11 @@ CREATE_BODY = {
                     "required": ["file"],
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
-                        "task": {"type": "string", "default": "text"},
-                        "job_id": {"type": "string", "format": "uuid"},
-                        "max_pixels": {"type": "integer"},
-                        "max_new_tokens": {"type": "integer"},
-                        "priority": {"type": "string", "enum": ["interactive", "bulk"]},
-                        "batch": {"type": "string"},
+                        **{
+                            name: schema
+                            for name, schema in JobIn.model_json_schema()["properties"].items()
+                            if name in UPLOAD_FIELDS
+                        },
                     },
                 }
             },

@@ -51,6 +51,10 @@ JOB_FIELDS = {
 _JobFields = create_model("_JobFields", __module__=__name__, **JOB_FIELDS)  # type: ignore[call-overload]
 
 
+# What JobIn adds to a job's fields: how it is delivered.
+DELIVERY_FIELDS = ("expires_at", "callback_url")
+
+
 class JobIn(_JobFields):  # type: ignore[misc,valid-type]
     """One job. `job_id` (a UUID) makes a retry idempotent: the same id with the same image
     and task returns the job already recorded; with another image it is a 409."""
