@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ocrq.core.contract import PRIORITIES, TASKS
+from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT, PRIORITIES, TASKS
 from ocrq.core.settings import Settings
 from ocrq.models.registry import ENGINES
 
@@ -312,6 +312,15 @@ def submit(
             "default: a new UUID, printed on stderr."
         ),
     ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=MAX_NEW_TOKENS_LIMIT,
+            help="Each job's cap on new tokens (a document: each page's), within the "
+            "workers' OCRQ_MAX_NEW_TOKENS; kept when a job is sent again.",
+        ),
+    ] = None,
 ) -> None:
     """Enqueue one job per image; print job ids, or with --wait the results."""
     import uuid
@@ -332,7 +341,12 @@ def submit(
         else:
             refs.extend(str(p) for p in expand([Path(target)]))
     started = time.monotonic()
-    ids = [client.submit(image_ref(t), task, priority=priority, batch=batch) for t in refs]
+    ids = [
+        client.submit(
+            image_ref(t), task, priority=priority, batch=batch, max_new_tokens=max_new_tokens
+        )
+        for t in refs
+    ]
     err.print(f"batch: {batch}", highlight=False, soft_wrap=True)
     if not wait:
         for job_id in ids:
@@ -594,7 +608,7 @@ def retry(
 @app.command()
 def export(
     out: Annotated[
-        Path, typer.Option(help="File to write (jsonl, csv); a folder for md.")
+        Path, typer.Option(help="File to write (jsonl, csv, parquet); a folder for md.")
     ],
     batch: Annotated[str | None, typer.Option(help="This batch's jobs.")] = None,
     since: Annotated[
@@ -605,7 +619,8 @@ def export(
         str,
         typer.Option(
             "--format",
-            help="jsonl | csv | md (one file per document, pages in order, and per image).",
+            help="jsonl | csv | parquet (pip install 'ocrq[parquet]') | md (one file per "
+            "document, pages in order, and per image).",
         ),
     ] = "jsonl",
 ) -> None:
@@ -614,12 +629,8 @@ def export(
     from ocrq.core import export as exporting
     from ocrq.core.db import engine_for
 
-    if fmt == "parquet":
-        raise typer.BadParameter(
-            "parquet is not offered (it needs pyarrow, a ~40 MB dependency): export jsonl and "
-            "load it with pandas, DuckDB or Spark",
-            param_hint="--format",
-        )
+    if fmt == "parquet" and (missing := exporting.parquet_missing()):
+        raise typer.BadParameter(missing, param_hint="--format")
     if fmt not in exporting.FORMATS:
         raise typer.BadParameter(
             f"one of {', '.join(exporting.FORMATS)}", param_hint="--format"

@@ -218,7 +218,7 @@ def scene(
     past = started - dt.timedelta(seconds=1)
     reference = {"path": source}
     store.enqueue_many([NewJob(resent, "text", source, reference=reference, expires_at=past)])
-    resend(client.app, settings, resent, "text", reference)
+    resend(client.app, settings, JobRequest.model_validate({"image": reference, "job_id": resent}))
     ids["resent_expired"] = resent
 
     # Retention: rows and uploads backdated; only final ones past 30 days may go.

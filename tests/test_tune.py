@@ -486,6 +486,19 @@ def test_a_running_loops_pool_is_not_taken_for_what_its_rows_need() -> None:
     assert recommend(over, budget, pooled=True).setting == 128
 
 
+def test_a_sweep_cut_while_still_rising_names_no_knee_below_it() -> None:
+    """The H200 sweep of A4 pages (bench/results/tune_gpu/tune_a4.md): 256 slots did not fit in
+    --max-seconds and 128 was the best measured; advised, 128 ran the service at 0.66x the
+    default's 256. A rate still rising where the time ran out is no knee."""
+    a4 = [point(16, 3.60, 31.1), point(32, 5.28, 58.1), point(64, 6.64, 106.9),
+          point(128, 7.89, 106.9), point(256, 0, 0, "skipped: needs ~73 s, past --max-seconds")]
+    rec = recommend(a4, int(111.84 * GiB), pooled=True)
+    assert (rec.setting, rec.limited_by) == (128, "time")
+    # Flat at the end: a knee, whatever the time did.
+    flat = [*a4[:3], point(128, 6.70, 106.9), a4[-1]]
+    assert recommend(flat, int(111.84 * GiB), pooled=True).limited_by == "throughput"
+
+
 def receipt_tops(folder: Path, count: int = 4) -> Path:
     """The top of real receipts (their header lines), 360 px wide: receipts-like and quick."""
     from tests.conftest import EVAL_DATA

@@ -28,6 +28,7 @@ from starlette.datastructures import UploadFile
 from ocrq.api import document_status
 from ocrq.api.client import FINAL, Client, Delivery, Submitted
 from ocrq.api.schemas import (
+    DELIVERY_FIELDS,
     Accepted,
     BatchAccepted,
     BatchCancelled,
@@ -52,7 +53,8 @@ RAW_TYPES = ("image/", "application/octet-stream")
 BATCH_BYTES_PER_JOB = 16 * 1024
 LOOKUP_BYTES_PER_ID = 128
 BODY_SLACK = 4096
-UPLOAD_FIELDS = ("task", "job_id", "max_pixels", "priority", "batch")
+# An upload's or a raw body's job fields (the image is the body): JobIn's, bar the delivery.
+UPLOAD_FIELDS = tuple(n for n in JobIn.model_fields if n not in ("image", *DELIVERY_FIELDS))
 
 # POST /jobs takes three bodies; FastAPI can declare only one, so the schema says all three.
 CREATE_BODY = {
@@ -66,11 +68,11 @@ CREATE_BODY = {
                     "required": ["file"],
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
-                        "task": {"type": "string", "default": "text"},
-                        "job_id": {"type": "string", "format": "uuid"},
-                        "max_pixels": {"type": "integer"},
-                        "priority": {"type": "string", "enum": ["interactive", "bulk"]},
-                        "batch": {"type": "string"},
+                        **{
+                            name: schema
+                            for name, schema in JobIn.model_json_schema()["properties"].items()
+                            if name in UPLOAD_FIELDS
+                        },
                     },
                 }
             },
@@ -214,14 +216,15 @@ def router(settings: Settings, client: Client) -> APIRouter:
         task: Annotated[str | None, Query(description="raw image bodies only")] = None,
         job_id: Annotated[str | None, Query(description="raw image bodies only")] = None,
         max_pixels: Annotated[int | None, Query(description="raw image bodies only")] = None,
+        max_new_tokens: Annotated[int | None, Query(description="raw image bodies only")] = None,
         priority: Annotated[str | None, Query(description="raw image bodies only")] = None,
         batch: Annotated[str | None, Query(description="raw image bodies only")] = None,
     ) -> JSONResponse:
         """Submit one job: a JSON `JobIn`, a multipart upload (`file` plus optional `task`,
-        `job_id`, `max_pixels`, `priority` fields) or a raw image body (`Content-Type:
-        image/...`; those fields as query parameters). Uploads are stored in OCRQ_UPLOAD_DIR
-        under their SHA-256 and sent as path jobs. 202 when recorded now, 200 for a retry of a job
-        already recorded."""
+        `job_id`, `max_pixels`, `max_new_tokens`, `priority`, `batch` fields) or a raw image
+        body (`Content-Type: image/...`; those fields as query parameters). Uploads are stored
+        in OCRQ_UPLOAD_DIR under their SHA-256 and sent as path jobs. 202 when recorded now, 200
+        for a retry of a job already recorded."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind in ("", "application/json") or kind.endswith("+json"):  # as FastAPI
             try:
@@ -243,6 +246,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
                     "task": task,
                     "job_id": job_id,
                     "max_pixels": max_pixels,
+                    "max_new_tokens": max_new_tokens,
                     "priority": priority,
                     "batch": batch,
                 },

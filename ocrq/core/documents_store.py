@@ -42,10 +42,13 @@ class DocumentStore:
         page_jobs: Sequence[tuple[str, int, str]],
         references: Mapping[str, dict[str, Any]] | None = None,
         batch: str | None = None,
+        columns: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Record a split document and its page jobs (id, page, source) as queued; return the
         pages still queued, to be sent. Idempotent: a redelivered split keeps every row.
-        `references`: by page job id, what a re-send of the page names (ocr_jobs.reference)."""
+        `references`: by page job id, what a re-send of the page names (ocr_jobs.reference).
+        `columns`: the document's own (JobRequest.columns(): its caps, lane, batch), which
+        every page row keeps, so a page re-sent from its row runs as its document asked."""
         t = now()
         with self.engine.begin() as conn:
             conn.execute(
@@ -67,6 +70,7 @@ class DocumentStore:
                     .values(
                         [
                             {
+                                **(columns or {}),
                                 "id": job_id,
                                 "status": "queued",
                                 "task": task,
@@ -77,6 +81,7 @@ class DocumentStore:
                                 "page": page,
                                 "reference": (references or {}).get(job_id),
                                 "batch": batch,
+                                "retries": 0,
                             }
                             for job_id, page, page_source in page_jobs
                         ]

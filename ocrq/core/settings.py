@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT
+
 # HunyuanOCR's generation loop: ocrq's own (ocrq/models/hunyuan/decode.py) or transformers'
 # generate().
 DecodeMode = Literal["fast", "generate"]
@@ -272,7 +274,7 @@ class Settings(BaseSettings):
     model_revision: str | None = None
     model_subfolder: str | None = None
     # Tokens generated at most per image; with the prompt it sizes the KV cache.
-    max_new_tokens: int = Field(default=1024, ge=1, le=131_072)
+    max_new_tokens: int = Field(default=1024, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     # Per-task cap on the pixels the model sees, over the engine's defaults
     # (ocrq/models/hunyuan/resolution.py), e.g. "parse=2359296,spotting=4194304"; the task names of
     # ocrq.core.contract.TASKS, or "custom" for free prompts. The model's own limit always applies.

@@ -249,10 +249,20 @@ class Recommendation:
     fraction: float
     headroom: float  # required share of the budget left free
     headroom_kept: float  # share of the budget the recommended setting's peak leaves free
-    limited_by: str  # "throughput": a larger batch gains under (1 - fraction); "memory"
+    limited_by: str  # "throughput": a larger batch gains under (1 - fraction); "memory";
+    # "time": the deadline stopped the sweep while the rate still rose
     pooled: bool = False  # a running loop's sweep: its peaks hold a pool sized to the budget
+    # Set when the best rate was the largest setting measured and the deadline stopped the
+    # sweep there: the setting it was still rising at (`setting` is then what to keep).
+    rising_at: int | None = None
 
     def describe(self, knob: str = "batch") -> str:
+        if self.rising_at is not None:
+            return (
+                f"no knee: images/s was still rising at {knob} {self.rising_at} "
+                f"({self.images_per_s:.2f} images/s) when --max-seconds ran out, so the "
+                f"larger {knob} {self.setting} is kept (give more --max-seconds to measure it)"
+            )
         gain = (
             f"the best, {knob} {self.best_setting}, makes {self.best_images_per_s:.2f} images/s"
         )
@@ -308,6 +318,9 @@ def recommend(
     beyond = [p for p in points
               if p.setting > largest_fit and (p.ran or p.status in ("oom", "over budget"))]
     limited = "memory" if beyond and knee.setting == largest_fit else "throughput"
+    cut = [p for p in points if p.setting > largest_fit and "past --max-seconds" in p.status]
+    if cut and knee.setting == best.setting == largest_fit and limited == "throughput":
+        limited = "time"  # still rising where the time ran out: larger settings unmeasured
     assert knee.peak_bytes is not None
     return Recommendation(
         knee.setting, knee.images_per_s, knee.peak_bytes, best.setting, best.images_per_s,

@@ -267,6 +267,7 @@ class JobRunner:
             reference=request.image.reference(),
             batch=request.batch,
             rerun=request.retry,
+            columns=request.columns(),
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
