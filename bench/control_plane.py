@@ -63,6 +63,7 @@ N_LINES = 20
 
 def _fixed_engine(settings: Any) -> Any:
     """A factory for ENGINES: an engine that returns the same result for every image at once."""
+    from ocrq.core.pixel_budget import PixelBudget
     from ocrq.models.base import Engine, Line, OcrResult, PreparedImage
     from ocrq.models.costs import CostModel, ItemCost
 
@@ -84,9 +85,10 @@ def _fixed_engine(settings: Any) -> Any:
         def cost_model(self) -> CostModel:
             return CostModel(fixed_bytes=0, per_item_bytes=1.0)
 
-        def page_pixels(self, task: str, max_pixels: int | None) -> int | None:
+        def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
             # Pages rendered small (the PDF's lowest DPI): rendering is not the control plane.
-            return 64 * 64
+            # A limit far above every image: nothing is shrunk while it waits.
+            return PixelBudget(task_preset=64 * 64, model_limit=2**31)
 
         def run(self, batch: Sequence[PreparedImage]) -> list[OcrResult | Exception]:
             return [result for _ in batch]

@@ -273,16 +273,16 @@ def main() -> None:
             done: dict[tuple[Any, ...], str] = {}
             for page, (w, h) in PAGES.items():
                 for preset, (task, cap) in PRESETS.items():
-                    it = PreparedImage(page, images[page], (w, h), task=task, max_pixels=cap)
+                    it = PreparedImage(page, images[page], (w, h), task=task, job_cap=cap)
                     cost = engine.estimate(it)
                     sees = engine.geometry.resized(*engine.geometry.shrink_to(
-                        w, h, engine.pixel_cap(it)))  # fmt: skip
+                        w, h, engine.view_pixels(it)))  # fmt: skip
                     row = {
                         "version": version,
                         "page": page,
                         "preset": preset,
                         "task": task,
-                        "cap_pixels": engine.pixel_cap(it),
+                        "cap_pixels": engine.view_pixels(it),
                         "sees": f"{sees[0]}x{sees[1]}",
                         "prompt_tokens": cost.prompt_tokens,
                         "patches": cost.patches,

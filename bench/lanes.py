@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -58,6 +59,75 @@ from bench.service_gpu import (  # noqa: E402
 from bench.sustained import finish_window, harvests_from_log, sustained  # noqa: E402
 
 INTERACTIVE_KINDS = ("svt_word", "sroie")  # word crops and receipts
+# The running loop's totals, logged every few seconds (ocrq/scheduling/streaming.py `_log_loop`),
+# by the worker (Celery's "[date: LEVEL/...]") or its engine process ("date LEVEL ...").
+_TOTALS = re.compile(
+    r"\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})[^\n]*?running loop totals: (\{[^\n]*\})"
+)
+
+
+def loop_totals(text: str, started: float) -> list[tuple[float, dict[str, float]]]:
+    """The loop's totals lines of a worker's log: (seconds since `started`, totals)."""
+    from datetime import datetime
+
+    out = []
+    for m in _TOTALS.finditer(text):
+        at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        out.append((at - started, json.loads(m.group(2))))
+    return out
+
+
+def loop_figures(totals: dict[str, float]) -> dict[str, Any]:
+    """What the loop did (totals, or the difference of two), as the figures that say where an
+    interactive row's time goes: a step's GPU ms with and without an interactive row live, what
+    the prefill passes between its steps add per step, how full the steps ran and how much KV
+    they read (docs/internals.md, the lanes inside the running loop)."""
+
+    def per(a: str, b: str, scale: float = 1.0) -> float | None:
+        d = totals.get(b, 0.0)
+        return round(scale * totals.get(a, 0.0) / d, 3) if d else None
+
+    lane = {k: totals.get(k, 0.0) for k in ("lane_decode_seconds", "lane_prefill_seconds")}
+    steps, lane_steps = totals.get("steps", 0.0), totals.get("lane_steps", 0.0)
+    other_steps = steps - lane_steps
+    other_decode = totals.get("decode_seconds", 0.0) - lane["lane_decode_seconds"]
+    other_prefill = totals.get("prefill_seconds", 0.0) - lane["lane_prefill_seconds"]
+    return {
+        "steps": int(steps),
+        "step_ms": per("decode_seconds", "steps", 1e3),
+        "rows_per_step": per("row_steps", "steps"),
+        "kv_tokens_per_step": per("kv_token_steps", "steps"),
+        "prefills": int(totals.get("prefills", 0.0)),
+        "pass_ms": per("prefill_seconds", "prefills", 1e3),
+        "pass_tokens": per("prefill_tokens", "prefills"),
+        "prefill_ms_per_step": per("prefill_seconds", "steps", 1e3),
+        "lane_steps": int(lane_steps),
+        "lane_step_ms": per("lane_decode_seconds", "lane_steps", 1e3),
+        "lane_prefill_ms_per_step": per("lane_prefill_seconds", "lane_steps", 1e3),
+        # What one token of an interactive row cost: its step and the passes between steps.
+        "lane_token_ms": round(1e3 * sum(lane.values()) / lane_steps, 3) if lane_steps else None,
+        "lane_rows_per_step": per("lane_row_steps", "lane_steps"),
+        "lane_pass_ms": per("lane_prefill_seconds", "lane_prefills", 1e3),
+        "lane_pass_tokens": per("lane_prefill_tokens", "lane_prefills"),
+        "other_token_ms": (round(1e3 * (other_decode + other_prefill) / other_steps, 3)
+                           if other_steps > 0 else None),
+        "interactive_prefilled": int(totals.get("prefilled_interactive", 0.0)),
+        "bulk_held_passes": int(totals.get("bulk_held_passes", 0.0)),
+        "gpu_busy_s": round(totals.get("decode_seconds", 0.0)
+                            + totals.get("prefill_seconds", 0.0), 2),
+    }
+
+
+def loop_window(
+    lines: list[tuple[float, dict[str, float]]], t0: float, t1: float
+) -> dict[str, Any] | None:
+    """`loop_figures` of what the loop did between the totals lines nearest inside [t0, t1]."""
+    inside = [(t, v) for t, v in lines if t0 <= t <= t1]
+    if len(inside) < 2:
+        return None
+    (a_t, a), (b_t, b) = inside[0], inside[-1]
+    diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in b}
+    return {"from_to_s": [round(a_t, 1), round(b_t, 1)], **loop_figures(diff)}
 
 
 def interactive_jobs(data: Path, n: int, max_new: int, seed: int) -> list[Job]:
@@ -218,6 +288,15 @@ class Phase:
                 k: {"p50": q(v, 0.5), "p95": q(v, 0.95), "n": len(v)} for k, v in lat.items()
             }
             out["stream_started_after_s"] = round(stream_started[0] - started, 1)
+        text_of_log = log.read_text(errors="replace")
+        lines = loop_totals(text_of_log, started)
+        if lines:
+            out["loop"] = loop_figures(lines[-1][1])
+        if stream and lines and stream_started:
+            t0 = stream_started[0] - started
+            window = loop_window(lines, t0, t0 + len(stream) / self.args.rate)
+            if window is not None:
+                out["loop_while_streaming"] = window
         if bulk:
             finish = sorted(
                 float(rows[j.job_id].finished) - started
@@ -225,9 +304,12 @@ class Phase:
                 if j.job_id in rows and rows[j.job_id].status == "done"
             )
             out["bulk_wall_s"] = round(finish[-1], 1) if finish else None
-            window = sustained(harvests_from_log(log.read_text(errors="replace"), started))
+            window = sustained(harvests_from_log(text_of_log, started))
             if window is not None:
                 t0, t1 = window["window_s"]
+                in_window = loop_window(lines, t0, t1)
+                if in_window is not None:
+                    out["loop_in_window"] = in_window
                 inside = sum(t0 < t <= t1 for t in finish)
                 out["bulk_images_per_s"] = round(inside / max(t1 - t0, 1e-9), 3)
                 out["all_images_per_s"] = round(window["images_per_s"], 3)
@@ -250,8 +332,8 @@ def render(d: dict[str, Any]) -> str:
         "",
         f"Engine `{m['engine']}` on {m['hardware']}; {m['bulk_jobs']} bulk jobs queued at once, "
         f"{m['interactive_jobs']} interactive jobs (word crops and receipts) at "
-        f"{m['rate']}/s; OCRQ_BULK_MAX_WAIT_S={m['bulk_max_wait_s']}; settings set: "
-        f"{m['settings'] or 'none'}.",
+        f"{m['rate']}/s; OCRQ_BULK_MAX_WAIT_S={m['bulk_max_wait_s']}; lane settings "
+        f"{m.get('lane_settings', {})}; settings set: {m['settings'] or 'none'}.",
         "",
         "| run | interactive p50 s | p95 s | bulk images/s | done | failed | missing |",
         "|---|---|---|---|---|---|---|",
@@ -265,6 +347,29 @@ def render(d: dict[str, Any]) -> str:
             f"| {name} | {lat.get('p50', '')} | {lat.get('p95', '')} | "
             f"{r.get('bulk_images_per_s', '')} | {r['done']} | {r['failed']} | {r['missing']} |"
         )
+    cols = ("step_ms", "rows_per_step", "kv_tokens_per_step", "pass_ms", "pass_tokens",
+            "prefill_ms_per_step", "lane_steps", "lane_step_ms", "lane_prefill_ms_per_step",
+            "lane_token_ms", "other_token_ms", "lane_pass_tokens", "bulk_held_passes")
+    loops = [
+        (f"{name} {part}", r[part])
+        for name in ("alone", "bulk", "mixed")
+        if isinstance(r := d.get(name), dict)
+        for part in ("loop", "loop_while_streaming", "loop_in_window")
+        if isinstance(r.get(part), dict)
+    ]
+    if loops:
+        lines += [
+            "",
+            "The running loop (its `running loop totals:` log lines; GPU ms; `lane_*`: steps "
+            "with an interactive row live and the passes run while one waited or decoded; "
+            "`lane_token_ms`: what a token of an interactive row cost, its step plus the passes "
+            "between steps; `other_token_ms`: the same for the other steps):",
+            "",
+            "| run, span | " + " | ".join(cols) + " |",
+            "|---" * (len(cols) + 1) + "|",
+        ]
+        for label, f in loops:
+            lines.append(f"| {label} | " + " | ".join(str(f.get(c, "")) for c in cols) + " |")
     if "ratios" in d:
         lines += ["", "Ratios: " + json.dumps(d["ratios"])]
     lines += ["", "Per run in full: the `.json` beside this file.", ""]
@@ -314,10 +419,13 @@ def main() -> None:
     if args.engine == "hunyuan":
         import torch
 
-        from ocrq.models.hunyuan.scripted import write_table
+        from ocrq.testing.scripted import worker_env as scripted_env
+        from ocrq.testing.scripted import write_table
 
         ckpt = random_checkpoint(work, args, args.version)
         write_table(ckpt, {j.job_id: j.new_tokens for j in [*bulk, *stream]})
+        # The worker's processes install the table as their engines' decode hooks.
+        env = scripted_env(ckpt, work / "scripted", env)
         env.update(
             OCRQ_MODEL=str(ckpt),
             OCRQ_MAX_NEW_TOKENS=str(args.max_new_tokens),
@@ -349,6 +457,13 @@ def main() -> None:
             "rate": args.rate,
             "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("OCRQ_")},
             "bulk_max_wait_s": Settings(_env_file=None).bulk_max_wait_s,
+            "lane_settings": {
+                k: getattr(Settings(_env_file=None), k)
+                for k in ("interactive_slots", "interactive_prefill_tokens",
+                          "interactive_prefill_gap_steps", "interactive_bulk_rows",
+                          "loop_bulk_max_wait_steps", "prefill_chunk_tokens",
+                          "prefill_gap_steps")
+            },
             "bulk_workload": workload_summary(bulk),
             "interactive_workload": workload_summary(stream),
         }
@@ -367,6 +482,9 @@ def main() -> None:
         for name in args.runs:
             print(f"run {name} ...", flush=True)
             report[name] = phase.run(name, *plans[name])
+            for part in ("loop", "loop_while_streaming", "loop_in_window"):
+                if part in report[name]:
+                    print(f"  {name} {part}: {json.dumps(report[name][part])}", flush=True)
             write()
         alone, only, mixed = (report.get(k) for k in ("alone", "bulk", "mixed"))
         ratios: dict[str, Any] = {}

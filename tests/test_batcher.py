@@ -200,7 +200,7 @@ def test_every_batcher_speaks_the_batcher_protocol() -> None:
     from ocrq.scheduling.streaming import StreamingBatcher
     from ocrq.scheduling.vocabulary import Batcher as BatcherProtocol
 
-    members = ("submit", "pending", "stop", "budget_bytes", "oom_events")
+    members = ("submit", "pending", "cancel", "stop", "budget_bytes", "oom_events")
     for kind in (Batcher, StreamingBatcher, RemoteBatcher):
         missing = [m for m in members if not hasattr(kind, m)]
         assert not missing, f"{kind.__name__} lacks {missing}"
@@ -210,8 +210,8 @@ def test_every_batcher_speaks_the_batcher_protocol() -> None:
         assert batcher.submit(item("a", 8)).result(timeout=30).error is None
     finally:
         batcher.stop()
-    front = ("prepare", "page_pixels", "close", "prepares_here", "max_pixels", "name")
+    front = ("prepare", "pixel_budget", "close", "prepares_here", "model_limit", "name")
     for kind in (EngineCore, RemoteEngine):
-        assert all(hasattr(kind, m) or m in ("name", "max_pixels") for m in front), kind
+        assert all(hasattr(kind, m) or m in ("name", "model_limit") for m in front), kind
     assert EngineFront is not None and RemoteEngine.prepares_here is False
     assert not hasattr(RemoteEngine, "estimate")  # estimated where its batcher runs

@@ -133,8 +133,17 @@ def test_batch_wait_export_and_retry(
     assert (md / "report.md").read_text() == "FIRST PAGE\n\nSECOND PAGE"
     assert (md / "invoice.md").read_text() == "INVOICE 2026\nTOTAL 134.90"
     assert "2 not done (no file)" in made.stderr
-    parquet = ocrq(service_env, "export", "--batch", batch, "--format", "parquet", "--out", "x")
-    assert parquet.returncode == 2 and "pyarrow" in parquet.stderr
+    pq_out = tmp_path / "out.parquet"
+    parquet = ocrq(service_env, "export", "--batch", batch, "--format", "parquet", "--out",
+                   str(pq_out))
+    assert parquet.returncode == 0, parquet.stderr
+    import pyarrow.parquet as pq
+
+    frame = pq.read_table(pq_out).to_pylist()
+    assert [r["job_id"] for r in frame] == [r["job_id"] for r in records]
+    assert [r["text"] for r in frame] == [r["text"] for r in records]
+    assert frame[0]["created_at"].tzinfo is not None  # a timestamp column, not a string
+    assert any(r["lines"] and json.loads(r["lines"]) for r in frame)
 
     # The files appear; the failed jobs are run again, and counted.
     shutil.copy(text_images["word"], missing)
@@ -232,3 +241,25 @@ def test_a_late_copy_of_an_old_message_does_not_run_a_re_run(
     assert stale.id == job_id or stale.id
     row = store.get([job_id])[job_id]
     assert (row["status"], row["attempts"], row["retries"]) == ("queued", 2, 2)
+
+
+def test_parquet_is_written_a_chunk_at_a_time(tmp_path: Path) -> None:
+    """More rows than one chunk: several row groups, every record once, in order."""
+    import pyarrow.parquet as pq
+
+    from ocrq.core import export as exporting
+
+    stamp = "2026-12-02T06:00:00+00:00"
+    records = [
+        {**dict.fromkeys(exporting.FIELDS), "job_id": f"j{i}", "page": i, "text": f"T{i}",
+         "created_at": stamp, "lines": [{"text": f"T{i}", "box": [0, 0, 1, 1]}]}
+        for i in range(exporting.CHUNK_ROWS * 2 + 7)
+    ]
+    out = tmp_path / "rows.parquet"
+    done = exporting.write(iter(records), "parquet", out)
+    assert done.records == len(records)
+    meta = pq.ParquetFile(out).metadata
+    assert meta.num_row_groups == 3 and meta.num_rows == len(records)
+    table = pq.read_table(out).to_pylist()
+    assert [r["job_id"] for r in table] == [r["job_id"] for r in records]
+    assert json.loads(table[-1]["lines"])[0]["text"] == table[-1]["text"]

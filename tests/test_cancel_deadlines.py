@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from celery import Celery, signature
 from sqlalchemy import text
@@ -190,6 +191,20 @@ def scene(
     assert cancelled.returncode == 0, cancelled.stderr
     assert "cancelled 2 of 2" in cancelled.stderr
 
+    # A batch cancelled while queued (`ocrq cancel --batch`), beside a batch left alone.
+    doomed, spared = f"doomed-{uuid.uuid4().hex[:6]}", f"spared-{uuid.uuid4().hex[:6]}"
+    in_batch = [
+        JobRequest.model_validate({"image": {"path": str(text_images[n])}, "batch": b})
+        for n, b in (("hello", doomed), ("word", doomed), ("hello", spared))
+    ]
+    ids["doomed_a"], ids["doomed_b"], ids["spared"] = (
+        s.job_id for s in client.submit_many(in_batch)
+    )
+    ids["doomed"], ids["spared_batch"] = doomed, spared
+    by_batch = _ocrq(env, "cancel", "--batch", doomed)
+    assert by_batch.returncode == 0, by_batch.stderr
+    assert f"cancelled 2 job(s) of batch {doomed}" in by_batch.stderr
+
     # Deadlines: Celery's `expires` passes before a worker sees the message; a far one does
     # not; a re-send (as `ocrq requeue` makes, no `expires`) of a row whose deadline passed.
     soon = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
@@ -203,7 +218,7 @@ def scene(
     past = started - dt.timedelta(seconds=1)
     reference = {"path": source}
     store.enqueue_many([NewJob(resent, "text", source, reference=reference, expires_at=past)])
-    resend(client.app, settings, resent, "text", reference)
+    resend(client.app, settings, JobRequest.model_validate({"image": reference, "job_id": resent}))
     ids["resent_expired"] = resent
 
     # Retention: rows and uploads backdated; only final ones past 30 days may go.
@@ -277,6 +292,48 @@ def test_cancelled_queued_jobs_never_run(scene: Scene) -> None:
     }
 
 
+def test_a_cancelled_batch_never_runs_and_no_other_batch_is_touched(scene: Scene) -> None:
+    ids = scene.ids
+    results = [scene.results.AsyncResult(ids[k]) for k in ("doomed_a", "doomed_b")]
+    scene.budget.until(
+        "the other batch's job to finish and the cancelled batch's messages to be refused",
+        lambda: _status(scene, ids["spared"]) == "done"
+        and all(r.state == "FAILURE" for r in results),
+        90, scene.worker.text,
+    )
+    for key in ("doomed_a", "doomed_b"):
+        row = _row(scene, ids[key])
+        assert row["status"] == "cancelled" and row["attempts"] == 0 and row["text"] is None
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    base = f"http://127.0.0.1:{scene.api.port}"
+    # Cancelled already: the batch's summary, final, nothing more cancelled.
+    again = httpx.delete(f"{base}/batches/{ids['doomed']}", headers=headers, timeout=30)
+    assert again.status_code == 200, again.text
+    body = again.json()
+    assert body["cancelled"] == 0 and body["final"] is True
+    assert body["jobs"] == {"cancelled": 2}
+    spared = httpx.get(f"{base}/batches/{ids['spared_batch']}", headers=headers, timeout=30)
+    assert spared.json()["jobs"] == {"done": 1}
+    assert httpx.delete(f"{base}/batches/nope-{uuid.uuid4()}", headers=headers).status_code == 404
+    assert _ocrq(scene.env, "cancel", "--batch", f"nope-{uuid.uuid4()}").returncode == 4
+
+    # Through the api: a batch whose jobs wait in a queue no worker reads (still queued).
+    idle = Client(
+        scene.client.settings.model_copy(update={"queue": f"nobody-{uuid.uuid4().hex[:6]}"})
+    )
+    waiting_batch, other_batch = f"api-{uuid.uuid4().hex[:6]}", f"other-{uuid.uuid4().hex[:6]}"
+    sent = idle.submit_many(
+        [
+            JobRequest.model_validate({"image": {"path": str(scene.images[n])}, "batch": b})
+            for n, b in (("hello", waiting_batch), ("word", waiting_batch), ("word", other_batch))
+        ]
+    )
+    cancelled = httpx.delete(f"{base}/batches/{waiting_batch}", headers=headers, timeout=30)
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["cancelled"] == 2 and cancelled.json()["jobs"] == {"cancelled": 2}
+    assert [_status(scene, s.job_id) for s in sent] == ["cancelled", "cancelled", "queued"]
+
+
 def test_jobs_past_their_deadline_never_run(scene: Scene) -> None:
     ids = scene.ids
     scene.budget.until(
@@ -335,6 +392,61 @@ def test_webhook_is_signed_and_retried_after_a_500(scene: Scene) -> None:
         sent = json.loads(body)
         assert sent["job_id"] == job and sent["status"] == "done" and "HELLO" in sent["text"]
     assert http.get(job)["callback_url"] == scene.hook_url
+
+
+def test_batch_and_document_webhooks_are_sent_once_each(scene: Scene) -> None:
+    from PIL import Image
+
+    from tests.pdfs import image_pdf
+
+    folder = scene.images["hello"].parent
+    pdf = image_pdf(
+        [Image.open(scene.images[n]) for n in ("hello", "invoice")],
+        folder / f"hooked-{uuid.uuid4().hex[:6]}.pdf",
+    )
+    name = f"hooked-{uuid.uuid4().hex[:6]}"
+    body = {
+        "batch": name,
+        "callback_url": scene.hook_url,
+        "jobs": [
+            {"image": {"path": str(scene.images["word"])}},
+            {"image": {"path": str(pdf)}, "callback_url": scene.hook_url},
+        ],
+    }
+    base = f"http://127.0.0.1:{scene.api.port}"
+    accepted = httpx.post(
+        f"{base}/jobs/batch", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+    )
+    assert accepted.status_code == 202, accepted.text
+    document = accepted.json()["jobs"][1]["job_id"]
+
+    def events() -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for headers, raw in list(scene.hooks.calls):
+            sent = json.loads(raw)
+            if sent.get("batch") == name or sent.get("job_id") == document:
+                stamp, mac = (p.split("=", 1)[1] for p in headers["X-Ocrq-Signature"].split(","))
+                expected = hmac.new(SECRET.encode(), f"{stamp}.".encode() + raw, hashlib.sha256)
+                assert hmac.compare_digest(mac, expected.hexdigest())
+                out.setdefault(sent["event"], []).append(sent)
+        return out
+
+    scene.budget.until(
+        "the document's and the batch's webhooks",
+        lambda: {"document.finished", "batch.finished"} <= events().keys(), 120,
+        scene.worker.text,
+    )
+    got = events()
+    assert "job.finished" not in got  # the document's split is not what its producer awaits
+    (doc,) = {json.dumps(e, sort_keys=True) for e in got["document.finished"]}  # one (or retried)
+    doc_body = json.loads(doc)
+    assert doc_body["document_id"] == document and doc_body["status"] == "done"
+    assert doc_body["pages"] == 2 and "INVOICE" in doc_body["text"]
+    (batch,) = {json.dumps(e, sort_keys=True) for e in got["batch.finished"]}
+    batch_body = json.loads(batch)
+    assert batch_body["batch"] == name and batch_body["final"] is True
+    assert batch_body["jobs"] == {"done": 3}  # the image and the document's two pages
+    assert batch_body["documents"] == {"done": 1}
 
 
 def test_celery_links_call_the_producers_tasks(scene: Scene, tmp_path: Path) -> None:

@@ -105,7 +105,7 @@ def test_loaded_through_the_cache_by_id(engine: HunyuanEngine, hf_cache: Path) -
     assert engine.processor.tokenizer.padding_side == "left"
     # Each version's limit comes from its own processor.
     assert engine.geometry == ImageGeometry(min_pixels=64 * 64, max_pixels=MAX_PIXELS[version])
-    assert engine.max_pixels == MAX_PIXELS[version]
+    assert engine.model_limit == MAX_PIXELS[version]
 
 
 def test_version_comes_from_the_checkpoints_config(hf_cache: Path, engine: HunyuanEngine) -> None:
@@ -531,9 +531,9 @@ def test_presets_cap_the_pixels_the_model_sees(
     for task, prompt, job_cap, overrides, allowed in cases:
         settings = engine.settings.model_copy(update={"task_max_pixels": overrides})
         monkeypatch.setattr(engine, "settings", settings)
-        it = item(*size, 3, task=task, prompt=prompt, max_pixels=job_cap)
+        it = item(*size, 3, task=task, prompt=prompt, job_cap=job_cap)
         case = (task, job_cap, overrides)
-        assert engine.pixel_cap(it) == allowed, case
+        assert engine.view_pixels(it) == allowed, case
         cost = engine.estimate(it)
         row = engine.preprocess(it)
         assert cost.patches == row.pixel_values.shape[0], case
@@ -560,7 +560,7 @@ def test_presets_default_by_task_and_the_settings_row() -> None:
     a4 = (2480, 3508)
     parse = PreparedImage("p", Image.new("RGB", a4), a4, task="parse")
     spot = PreparedImage("s", Image.new("RGB", a4), a4, task="spotting")
-    assert eng.pixel_cap(parse) == 1536 * 1536 and eng.pixel_cap(spot) == 2048 * 2048
+    assert eng.view_pixels(parse) == 1536 * 1536 and eng.view_pixels(spot) == 2048 * 2048
     assert eng.estimate(parse).pixels == 1280 * 1824
     assert eng.estimate(parse).prompt_tokens - 57 * 41 - 2 < 200
     assert eng.estimate(spot).pixels == 1696 * 2432

@@ -89,7 +89,7 @@ def preprocessors(
                 geometry,
                 pin=False,
                 prompt_for=engine.prompt_for,
-                cap_of=engine.pixel_cap if limits is None else lambda _: geometry.max_pixels,
+                cap_of=engine.view_pixels if limits is None else lambda _: geometry.max_pixels,
                 mode=mode,
             )
         )
@@ -174,7 +174,7 @@ def test_whole_items_through_the_engine_equal(engines: dict[str, HunyuanEngine])
     items = [item(150, 100, 1), item(90, 160, 2, task="spotting"), item(300, 40, 3)]
     items[0].image = items[0].image.convert("L")
     items[1].image = items[1].image.convert("RGBA")
-    items[2].max_pixels = 64 * 64
+    items[2].job_cap = 64 * 64
     ours = [tensor(i) for i in items]
     theirs = [processor(i) for i in items]
     for a, b in zip(ours, theirs, strict=True):

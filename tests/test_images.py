@@ -59,7 +59,7 @@ def test_good_image_rgb_exif_rotated_and_downscaled(settings: Settings, tmp_path
     exif[0x0112] = 6  # orientation: rotate 90 CW to display
     path = tmp_path / "rot.jpg"
     img.save(path, exif=exif)
-    loaded = images.load(ImageRef(path=str(path)), settings, max_pixels=10_000)
+    loaded = images.load(ImageRef(path=str(path)), settings, keep_pixels=10_000)
     assert loaded.original_size == (100, 400)  # EXIF applied
     assert loaded.image.mode == "RGB"
     w, h = loaded.image.size

@@ -13,6 +13,7 @@ so the starvation bound can fail.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -104,6 +105,30 @@ def test_running_plan_hands_over_no_more_rows_than_free_slots(
     unbounded = plan_running(items, 0, LOOP, lanes=NO_PROMOTION)
     free = max(0, LOOP.slots - held_rows)
     assert list(p.keys) == list(unbounded.keys[:free])
+
+
+@given(rows, st.integers(0, 70), st.integers(0, 70), st.integers(0, 8))
+@settings(max_examples=200, deadline=None)
+def test_running_plan_keeps_bulk_out_of_the_reserved_slots(
+    items: list[Waiting], held_rows: int, held_bulk: int, reserved: int
+) -> None:
+    """OCRQ_INTERACTIVE_SLOTS: bulk rows get at most the loop's unreserved slots, interactive
+    ones any free slot; an interactive row passes only a bulk row that has no bulk slot."""
+    loop = replace(LOOP, reserved_slots=reserved)
+    held_bulk = min(held_bulk, held_rows)
+    p = plan_running(items, 0, loop, lanes=NO_PROMOTION, held_rows=held_rows,
+                     held_bulk=held_bulk)
+    by_key = {w.key: w for w in items}
+    bulk = [k for k in p.keys if by_key[k].lane == "bulk"]
+    assert len(p.keys) <= max(0, loop.slots - held_rows)
+    assert len(bulk) <= max(0, loop.slots - reserved - held_bulk)
+    _fifo_within_lanes(p, items)
+    # The interactive rows are those of a loop with no bulk row waiting (same seats).
+    alone = plan_running(_lane(items, "interactive"), 0, loop, lanes=NO_PROMOTION,
+                         held_rows=held_rows, held_bulk=held_bulk)
+    assert [k for k in p.keys if by_key[k].lane == "interactive"] == list(alone.keys)
+    if not reserved:
+        assert p == plan_running(items, 0, loop, lanes=NO_PROMOTION, held_rows=held_rows)
 
 
 @given(rows, st.integers(1, 64 << 30), st.floats(0, 5), st.floats(0, 60))

@@ -26,7 +26,10 @@ from tests.test_rapid_bounds import MEMORY_FAILURES, CappedWorker
 from tests.waiting import Budget
 
 GiB = 1024**3
-RENDER_TIMEOUT_S = 8.0
+# Long enough that the healthy document (three pages rendered and read by the CPU engine)
+# finishes well inside it on a loaded machine: at 8 s it lost by 0.3 s at a load average of 8
+# on 2 cores, and "the healthy document did not wait behind the bomb" is what is asserted.
+RENDER_TIMEOUT_S = 20.0
 
 
 def test_pdf_bombs_fail_alone_and_a_healthy_document_is_read(
@@ -126,10 +129,10 @@ def test_each_budget_stops_its_bomb_and_the_pool_goes_on(tmp_path: Path) -> None
         settings = Settings(**ref, pdf_render_max_bytes=max_bytes, pdf_render_timeout_s=timeout_s)
         t0 = time.monotonic()
         with pytest.raises(DocumentError) as caught:
-            load_page(ImageRef(path=str(bomb), page=1), settings, None, None)
+            load_page(ImageRef(path=str(bomb), page=1), settings, None)
         assert "possible PDF bomb" in str(caught.value) and setting in str(caught.value)
         assert time.monotonic() - t0 < timeout_s + 30
-        page = load_page(ImageRef(path=str(healthy), page=1), settings, None, None)
+        page = load_page(ImageRef(path=str(healthy), page=1), settings, None)
         assert page.image.mode == "RGB" and page.image.size == (1167, 834)
         with healthy.open("rb") as fh:  # bytes (a URL or inline page) draw the same pixels
             inline = render_pdf_page(Document("pdf", fh.read(), "inline"), 1, settings, None)

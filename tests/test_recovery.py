@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 
 from ocrq.api.client import Client
 from ocrq.core.broker_scan import HOLDERS_KEY, message_job_id
-from ocrq.core.contract import TASK_NAME, JobRequest, job_kwargs
+from ocrq.core.contract import TASK_NAME, JobRequest
 from ocrq.core.db import get_engine
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, NewJob
@@ -131,9 +131,8 @@ def test_lost_and_unstarted_messages_recovered_by_a_live_worker(
         )
         eta = request.job_id
         # As a producer writes it (ocrq.client): with the reference a re-send is built from.
-        row = NewJob(eta, "text", request.image.describe(), None, request.image.reference())
-        store.enqueue_many([row])
-        kwargs = job_kwargs(request.image.model_dump(exclude_none=True), "text", eta, None)
+        store.enqueue_many([NewJob.of(request)])
+        kwargs = request.message()
         client.app.send_task(TASK_NAME, kwargs=kwargs, queue=queue, task_id=eta, countdown=40)
         budget.until(
             "the victim holding the ETA job's message",

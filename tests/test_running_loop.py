@@ -236,7 +236,7 @@ def test_packed_rows_attending_across_their_bounds_is_caught(
         return batch
 
     want = run_packed(engine, True)["done"]
-    monkeypatch.setattr("ocrq.models.hunyuan.running.pack", joined)
+    monkeypatch.setattr("ocrq.models.hunyuan.passes.pack", joined)
     got = run_packed(engine, True)["done"]
     moved = max(float((got[k].logits - want[k].logits).abs().max()) for k in want)
     assert moved > 100 * TOLERANCE
@@ -499,3 +499,47 @@ def test_flash_varlen_only_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch
     assert not packed.flash_varlen_ok(queries(dim=512))
     monkeypatch.setattr(packed, "_capability", lambda index: (7, 5))
     assert not packed.flash_varlen_ok(queries())
+
+
+def test_a_cancelled_row_leaves_the_loop_at_the_next_harvest(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Batcher.cancel on a row the loop is decoding: its future resolves Cancelled long before
+    its cap, its slot and KV range go back, and the loop serves the next row as if the dropped
+    one had finished (the same result as on a fresh loop)."""
+    from ocrq.models.costs import CostModel
+    from ocrq.scheduling.streaming import StreamingBatcher
+    from ocrq.scheduling.vocabulary import BatchConfig, Cancelled
+
+    cap = 4000
+    path = tiny_checkpoint(tmp_path_factory.mktemp("cancel"), "1.5")
+    engine = HunyuanEngine(cpu_settings(str(path), cap), decode="fast")
+    engine.load()
+    per_token = engine.cost_model().per_cache_token_bytes
+    model = CostModel(0, per_token_bytes=100.0, per_cache_token_bytes=per_token)
+    long, short = item(64, 64, 7), item(72, 64, 8)
+    short.max_new_tokens = 3
+    engine.open(2**26, model)
+    engine.submit([short])
+    want = None
+    while want is None:
+        want = next((f.resolve() for f in engine.poll(1.0)), None)
+    engine.reset()
+    batcher = StreamingBatcher(engine, BatchConfig(max_items=4, budget_bytes=2**26), None, model)
+    batcher.start()
+    try:
+        doomed = batcher.submit(long)
+        deadline = time.monotonic() + 120
+        while not (engine.loop is not None and engine.loop.rows) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.loop is not None and engine.loop.rows, "the long row never entered the loop"
+        batcher.cancel({long.key})
+        dropped = doomed.result(timeout=60)
+        assert isinstance(dropped.error, Cancelled) and dropped.result is None
+        assert engine.loop.stats.steps < cap and not engine.loop.rows
+        assert engine.loop.pool == type(engine.loop.pool).empty(engine.loop.config.pool_tokens)
+        got = batcher.submit(short).result(timeout=120)
+    finally:
+        batcher.stop(30)
+    assert got.error is None and got.result == want
+    engine.reset()

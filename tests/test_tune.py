@@ -469,6 +469,36 @@ def test_knee_limited_by_memory_and_the_oom_point() -> None:
         recommend([point(1, 1.0, 3.9), point(2, 2.0, 3.95)], 4 * GiB)
 
 
+def test_a_running_loops_pool_is_not_taken_for_what_its_rows_need() -> None:
+    """The H200 sweep of the evaluation images (bench/results/tune_gpu/tune_eval.md): from 64
+    slots on, the loop's pool filled 96% of the budget. Read as the rows' need, that left no
+    headroom and the knee fell to 32 slots at 0.45x the best rate; the loop's peak is its pool,
+    so every setting that ran within the budget counts."""
+    h200 = [point(1, 3.41, 4.2), point(2, 3.43, 5.9), point(4, 6.77, 9.7), point(8, 5.52, 16.0),
+            point(16, 9.56, 30.5), point(32, 16.10, 58.1), point(64, 23.27, 106.9),
+            point(128, 30.87, 107.0), point(256, 35.55, 107.0)]
+    budget = int(111.84 * GiB)
+    assert recommend(h200, budget).setting == 32  # the rule for static batches
+    rec = recommend(h200, budget, pooled=True)
+    assert (rec.setting, rec.best_setting, rec.limited_by) == (256, 256, "throughput")
+    assert "sizes its KV pool to the budget" in rec.describe("max batch")
+    over = [*h200[:-1], point(256, 0, 0, "oom")]  # a loop that did not open is still refused
+    assert recommend(over, budget, pooled=True).setting == 128
+
+
+def test_a_sweep_cut_while_still_rising_names_no_knee_below_it() -> None:
+    """The H200 sweep of A4 pages (bench/results/tune_gpu/tune_a4.md): 256 slots did not fit in
+    --max-seconds and 128 was the best measured; advised, 128 ran the service at 0.66x the
+    default's 256. A rate still rising where the time ran out is no knee."""
+    a4 = [point(16, 3.60, 31.1), point(32, 5.28, 58.1), point(64, 6.64, 106.9),
+          point(128, 7.89, 106.9), point(256, 0, 0, "skipped: needs ~73 s, past --max-seconds")]
+    rec = recommend(a4, int(111.84 * GiB), pooled=True)
+    assert (rec.setting, rec.limited_by) == (128, "time")
+    # Flat at the end: a knee, whatever the time did.
+    flat = [*a4[:3], point(128, 6.70, 106.9), a4[-1]]
+    assert recommend(flat, int(111.84 * GiB), pooled=True).limited_by == "throughput"
+
+
 def receipt_tops(folder: Path, count: int = 4) -> Path:
     """The top of real receipts (their header lines), 360 px wide: receipts-like and quick."""
     from tests.conftest import EVAL_DATA
@@ -636,6 +666,31 @@ def test_sweep_stops_at_the_oom_point_and_recovers() -> None:
     assert engine.run(rows[:1])[0].text  # the engine still reads after the OOM
 
 
+def test_a_setting_running_past_the_deadline_is_cut_there() -> None:
+    """The prediction passed (it comes from one warm image) but the sample took longer: the
+    setting stops at the deadline, between batches, and says how far it got; nothing after it
+    runs. On an H200 the cold first call's time once predicted 191 s for a setting that ran in
+    ~20 s, and tune measured nothing."""
+    from ocrq.models.rapid import RapidEngine
+    from ocrq.tuning.probing import draw_page
+
+    engine = RapidEngine()
+    engine.load()
+    rows = [PreparedImage(f"r{i}", draw_page(240, 60, [f"TOTAL {i}.50"], 20), (240, 60))
+            for i in range(3)]
+    for row in rows:
+        engine.prepare(row)
+    calls = iter(range(1000))
+    # started, the pre-check of setting 1, its first batch: in time; its second: past it.
+    sweep = run_sweep(engine, rows, 4 * GiB, max_batch=8, deadline=100.0, warm_each=False,
+                      clock=lambda: 0.0 if next(calls) < 3 else 1e9)
+    assert [(p.setting, p.status) for p in sweep.points] == [
+        (1, "skipped: past --max-seconds after 1 of 3 images")
+    ]
+    with pytest.raises(SweepProblem, match="too little to name a knee"):
+        recommend(sweep.points, 4 * GiB)
+
+
 @pytest.mark.hunyuan
 def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> None:
     """A generating engine: random weights get the bench's drawn output lengths, the anatomy
@@ -683,7 +738,7 @@ def test_first_pass_counts_the_tokens_each_image_produces(tmp_path: Path) -> Non
     capped at OCRQ_MAX_NEW_TOKENS, counts each image's tokens (these weights never end a row,
     so every row reaches the cap and says so), and the rows then end there."""
     from ocrq.models.hunyuan import HunyuanEngine
-    from ocrq.models.hunyuan.scripted import RANDOM_MARK
+    from ocrq.models.hunyuan.checkpoint import RANDOM_MARK
     from ocrq.tuning.lengths import output_lengths
     from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
 

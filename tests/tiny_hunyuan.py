@@ -93,7 +93,7 @@ def item(
     task: str = "text",
     prompt: str = "",
     scale: int = 1,
-    max_pixels: int | None = None,
+    job_cap: int | None = None,
 ) -> PreparedImage:
     """A noise image; `scale` makes its original size that many times larger (boxes then map
     back to pixels the model never saw)."""
@@ -103,7 +103,7 @@ def item(
         (w * scale, h * scale),
         task=task,
         prompt=prompt,
-        max_pixels=max_pixels,
+        job_cap=job_cap,
     )
 
 

@@ -15,16 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from ocrq.api import document_status
-from ocrq.core import batches, requeue, rerun
+from ocrq.core import batch_hooks, batches, requeue, rerun
+from ocrq.core.broker_redis import broker_client
 from ocrq.core.contract import (
-    BULK,
-    DEFAULT_QUEUE,
     NAME_REFUSED,
-    TASK_NAME,
     JobRequest,
     canonical_job_id,
-    job_kwargs,
-    queue_for,
 )
 from ocrq.core.db import engine_for
 from ocrq.core.documents_store import DocumentStore
@@ -92,24 +88,15 @@ class Client:
         task: str = "text",
         record: bool = True,
         job_id: str | None = None,
-        max_pixels: int | None = None,
-        priority: str = BULK,
-        batch: str | None = None,
+        **fields: Any,
     ) -> str:
         """Enqueue one job; with `record`, its row exists as `queued` before the message.
-        `priority="interactive"` sends it to the interactive lane, ahead of the bulk backlog."""
+        `fields`: the job's others (JobRequest: `max_pixels`, `max_new_tokens`, `priority`
+        ("interactive": ahead of the bulk backlog), `batch`); None is the field's default."""
         # Validated as the worker will (ValidationError, a ValueError: NUL bytes, lone
         # surrogates...), so nothing is enqueued that could not be stored.
-        fields: dict[str, Any] = {
-            "image": image,
-            "task": task,
-            "max_pixels": max_pixels,
-            "priority": priority,
-            "batch": batch,
-        }
-        if job_id is not None:
-            fields["job_id"] = job_id
-        request = JobRequest.model_validate(fields)
+        given = {k: v for k, v in {**fields, "job_id": job_id}.items() if v is not None}
+        request = JobRequest.model_validate({"image": image, "task": task, **given})
         if not record:
             self._send(request)
             return request.job_id
@@ -131,16 +118,7 @@ class Client:
             raise ValueError(NAME_REFUSED)  # the worker would refuse it: say so now
         asked = list(deliveries) if deliveries is not None else [Delivery()] * len(requests)
         news = [
-            NewJob(
-                r.job_id,
-                r.task,
-                r.image.describe(),
-                r.max_pixels,
-                reference=r.image.reference(),
-                expires_at=d.expires_at,
-                callback_url=d.callback_url,
-                batch=r.batch,
-            )
+            NewJob.of(r, d.expires_at, d.callback_url)
             for r, d in zip(requests, asked, strict=True)
         ]
         existing = self.store.enqueue_many(news)
@@ -167,21 +145,7 @@ class Client:
         ]
 
     def _send(self, request: JobRequest, expires_at: dt.datetime | None = None) -> None:
-        self.app.send_task(
-            TASK_NAME,
-            kwargs=job_kwargs(
-                request.image.model_dump(exclude_none=True),
-                request.task,
-                request.job_id,
-                request.max_pixels,
-                priority=request.priority,
-                batch=request.batch,
-                retry=request.retry,
-            ),
-            queue=queue_for(request.priority, self.settings.queue or DEFAULT_QUEUE),
-            task_id=request.job_id,
-            expires=expires_at,
-        )
+        requeue.send_job(self.app, self.settings, request, expires_at)
 
     def cancel(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
         """Cancel jobs not final yet (store.cancel says what that does to a running one); each
@@ -189,6 +153,16 @@ class Client:
         ids = [_canonical_or_none(j) or j for j in job_ids]
         done = set(self.store.cancel([j for j in ids if _canonical_or_none(j)]))
         return [{**row, "cancelled": row["job_id"] in done} for row in self.status(ids)]
+
+    def register_batch_webhook(self, batch: str, url: str) -> None:
+        """The batch's webhook, sent by a worker once the batch is final (core/batch_hooks.py)."""
+        batch_hooks.register(broker_client(self.settings, socket_timeout=10), batch, url)
+
+    def cancel_batch(self, batch: str) -> tuple[list[str], batches.BatchSummary | None]:
+        """Cancel every job of the batch not final yet (store.cancel_batch); the ids cancelled
+        and the batch's summary afterwards (None: no job names the batch)."""
+        cancelled = self.store.cancel_batch(batch)
+        return cancelled, self.batch(batch)
 
     def requeue(self, older_than_s: float) -> list[str]:
         """Send again every job still `queued` (never claimed by a worker) after `older_than_s`
@@ -211,16 +185,7 @@ class Client:
         ids = None if job_ids is None else [_canonical_or_none(j) or j for j in job_ids]
         reopened = rerun.reopen_failed(self.store.engine, batch, ids)
         for job in reopened:
-            requeue.resend(
-                self.app,
-                self.settings,
-                job.id,
-                job.task,
-                job.reference,
-                job.max_pixels,
-                batch=job.batch,
-                retry=job.retries,
-            )
+            requeue.resend(self.app, self.settings, job.request)
         return [job.id for job in reopened]
 
     def batch(self, name: str) -> batches.BatchSummary | None:

@@ -18,7 +18,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel
 
 from ocrq.api.client import Client
-from ocrq.core.contract import MAX_BATCH_CHARS
+from ocrq.core.contract import MAX_BATCH_CHARS, MAX_NEW_TOKENS_LIMIT
 from ocrq.core.doc_formats import document_kind
 from ocrq.core.settings import Settings
 
@@ -61,6 +61,10 @@ def router(client: Client, settings: Settings) -> APIRouter:
         batch: Annotated[
             str | None, Query(min_length=1, max_length=MAX_BATCH_CHARS, description="its batch")
         ] = None,
+        max_new_tokens: Annotated[
+            int | None,
+            Query(ge=1, le=MAX_NEW_TOKENS_LIMIT, description="every page's cap on new tokens"),
+        ] = None,
     ) -> dict[str, str]:
         """Upload a PDF or multi-page TIFF as the request body; its pages become page jobs.
         Read the result with `GET /documents/{document_id}` (or `GET /jobs/{job_id}`)."""
@@ -74,7 +78,7 @@ def router(client: Client, settings: Settings) -> APIRouter:
         if "\x00" in task or (batch is not None and "\x00" in batch):
             raise HTTPException(422, "NUL characters are not allowed")
         image = {"b64": base64.b64encode(body).decode("ascii")}
-        job_id = client.submit(image, task, batch=batch)
+        job_id = client.submit(image, task, batch=batch, max_new_tokens=max_new_tokens)
         return {"job_id": job_id, "document_id": job_id}
 
     @routes.get("/documents/{document_id}", responses={404: {"description": "no such document"}})

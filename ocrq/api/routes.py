@@ -28,8 +28,10 @@ from starlette.datastructures import UploadFile
 from ocrq.api import document_status
 from ocrq.api.client import FINAL, Client, Delivery, Submitted
 from ocrq.api.schemas import (
+    DELIVERY_FIELDS,
     Accepted,
     BatchAccepted,
+    BatchCancelled,
     BatchOut,
     CancelOut,
     JobIn,
@@ -51,7 +53,8 @@ RAW_TYPES = ("image/", "application/octet-stream")
 BATCH_BYTES_PER_JOB = 16 * 1024
 LOOKUP_BYTES_PER_ID = 128
 BODY_SLACK = 4096
-UPLOAD_FIELDS = ("task", "job_id", "max_pixels", "priority", "batch")
+# An upload's or a raw body's job fields (the image is the body): JobIn's, bar the delivery.
+UPLOAD_FIELDS = tuple(n for n in JobIn.model_fields if n not in ("image", *DELIVERY_FIELDS))
 
 # POST /jobs takes three bodies; FastAPI can declare only one, so the schema says all three.
 CREATE_BODY = {
@@ -65,11 +68,11 @@ CREATE_BODY = {
                     "required": ["file"],
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
-                        "task": {"type": "string", "default": "text"},
-                        "job_id": {"type": "string", "format": "uuid"},
-                        "max_pixels": {"type": "integer"},
-                        "priority": {"type": "string", "enum": ["interactive", "bulk"]},
-                        "batch": {"type": "string"},
+                        **{
+                            name: schema
+                            for name, schema in JobIn.model_json_schema()["properties"].items()
+                            if name in UPLOAD_FIELDS
+                        },
                     },
                 }
             },
@@ -213,14 +216,15 @@ def router(settings: Settings, client: Client) -> APIRouter:
         task: Annotated[str | None, Query(description="raw image bodies only")] = None,
         job_id: Annotated[str | None, Query(description="raw image bodies only")] = None,
         max_pixels: Annotated[int | None, Query(description="raw image bodies only")] = None,
+        max_new_tokens: Annotated[int | None, Query(description="raw image bodies only")] = None,
         priority: Annotated[str | None, Query(description="raw image bodies only")] = None,
         batch: Annotated[str | None, Query(description="raw image bodies only")] = None,
     ) -> JSONResponse:
         """Submit one job: a JSON `JobIn`, a multipart upload (`file` plus optional `task`,
-        `job_id`, `max_pixels`, `priority` fields) or a raw image body (`Content-Type:
-        image/...`; those fields as query parameters). Uploads are stored in OCRQ_UPLOAD_DIR
-        under their SHA-256 and sent as path jobs. 202 when recorded now, 200 for a retry of a job
-        already recorded."""
+        `job_id`, `max_pixels`, `max_new_tokens`, `priority`, `batch` fields) or a raw image
+        body (`Content-Type: image/...`; those fields as query parameters). Uploads are stored
+        in OCRQ_UPLOAD_DIR under their SHA-256 and sent as path jobs. 202 when recorded now, 200
+        for a retry of a job already recorded."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind in ("", "application/json") or kind.endswith("+json"):  # as FastAPI
             try:
@@ -242,6 +246,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
                     "task": task,
                     "job_id": job_id,
                     "max_pixels": max_pixels,
+                    "max_new_tokens": max_new_tokens,
                     "priority": priority,
                     "batch": batch,
                 },
@@ -265,9 +270,14 @@ def router(settings: Settings, client: Client) -> APIRouter:
         """Submit many jobs in one request (at most OCRQ_API_MAX_BATCH; more is a 422): recorded
         all or none (a reused `job_id` -> 409 and nothing recorded), then sent; duplicate ids of
         the same job count once. Jobs naming no `batch` of their own join the request's
-        `batch`, or one the api makes up and returns (`GET /batches/{batch}`)."""
+        `batch`, or one the api makes up and returns (`GET /batches/{batch}`). The request's
+        `callback_url` is the batch's webhook: sent once every job of the batch is final."""
         name = batch.batch or str(uuid.uuid4())
         jobs = [j if j.batch else j.model_copy(update={"batch": name}) for j in batch.jobs]
+        if batch.callback_url is not None:  # known before any job is sent (it may end at once)
+            if settings.webhook_secret is None:
+                raise HTTPException(422, "callback_url needs OCRQ_WEBHOOK_SECRET set")
+            await run_in_threadpool(client.register_batch_webhook, name, batch.callback_url)
         done = await submit(jobs)
         return BatchAccepted(
             jobs=[Accepted(job_id=d.job_id, created=d.created, status=d.status) for d in done],
@@ -283,6 +293,17 @@ def router(settings: Settings, client: Client) -> APIRouter:
         if found is None:
             raise HTTPException(404, "no job names this batch")
         return found.as_json()
+
+    @api.delete("/batches/{batch:path}", response_model=BatchCancelled, responses={404: {}})
+    async def cancel_batch(batch: str) -> dict[str, Any]:
+        """Cancel every job of the batch not final yet: queued ones never run, running ones are
+        dropped from the running loop at its next harvest (or, on an engine without one, their
+        result is not stored). Final jobs and other batches are not touched. The batch's
+        summary afterwards, with `cancelled`: how many this request cancelled."""
+        cancelled, found = await run_in_threadpool(client.cancel_batch, batch)
+        if found is None:
+            raise HTTPException(404, "no job names this batch")
+        return {**found.as_json(), "cancelled": len(cancelled)}
 
     @api.post("/jobs/retry", response_model=Retried)
     async def retry_jobs(body: RetryIn) -> dict[str, Any]:

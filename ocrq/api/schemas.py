@@ -6,6 +6,7 @@ request the worker would refuse is a 422 at the door, never a 500 or a row that 
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 from typing import Annotated, Any, Literal
 
@@ -20,23 +21,17 @@ from pydantic import (
 )
 
 from ocrq.core.contract import (
-    BULK,
     MAX_BATCH_CHARS,
-    MAX_PIXELS_RANGE,
     NAME_REFUSED,
     ImageRef,
     JobRequest,
-    Priority,
     canonical_job_id,
     require_storable,
 )
 
-MAX_TASK_CHARS = 4000  # as the worker's JobRequest
 MAX_REF_CHARS = 8192  # a path or URL longer than this is not a real reference
 DEFAULT_MAX_ITEMS = 1000  # OCRQ_API_MAX_BATCH's default; `capped` builds the configured models
 
-Task = Annotated[str, Field(min_length=1, max_length=MAX_TASK_CHARS)]
-MaxPixels = Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])]
 # The producer's grouping of jobs; not `batch_id`, the engine batch that ran a job.
 BatchName = Annotated[str | None, Field(min_length=1, max_length=MAX_BATCH_CHARS)]
 Status = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
@@ -44,24 +39,34 @@ Status = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
 JobStatus = Status | Literal["partial"]
 
 
-class JobIn(BaseModel):
+# The job fields a producer sets through the api: JobRequest's own, with its types, limits and
+# defaults (`retry`, which ocrq sets, is left out; `job_id` is JobIn's own, optional), so the
+# api and the worker cannot disagree on what a job is, and a field added to JobRequest is an
+# api field too (tests/test_job_request.py).
+JOB_FIELDS = {
+    name: (field.annotation, copy.deepcopy(field))
+    for name, field in JobRequest.model_fields.items()
+    if name not in (*JobRequest.INTERNAL, "job_id")
+}
+_JobFields = create_model("_JobFields", __module__=__name__, **JOB_FIELDS)  # type: ignore[call-overload]
+
+
+# What JobIn adds to a job's fields: how it is delivered.
+DELIVERY_FIELDS = ("expires_at", "callback_url")
+
+
+class JobIn(_JobFields):  # type: ignore[misc,valid-type]
     """One job. `job_id` (a UUID) makes a retry idempotent: the same id with the same image
     and task returns the job already recorded; with another image it is a 409."""
 
     model_config = ConfigDict(extra="forbid")
 
-    image: ImageRef
-    task: Task = "text"
-    job_id: str | None = None
-    max_pixels: MaxPixels = None
+    job_id: str | None = None  # absent: the api makes one up
     # A deadline: a job not started by then is never run and ends `expired` (Celery's
     # `expires`). A time without a zone is UTC.
     expires_at: dt.datetime | None = None
     # A webhook: POSTed the job's outcome, signed, once its row is final (docs/api.md).
     callback_url: Annotated[str | None, Field(max_length=MAX_REF_CHARS)] = None
-    # "interactive": ahead of the bulk backlog (its own broker queue, admitted first).
-    priority: Priority = BULK
-    batch: BatchName = None
 
     @field_validator("job_id")
     @classmethod
@@ -84,10 +89,11 @@ class JobIn(BaseModel):
 
     @model_validator(mode="after")
     def _storable(self) -> JobIn:
-        if self.image.name is not None:
+        image: ImageRef = self.image
+        if image.name is not None:
             raise ValueError(NAME_REFUSED)
         for name in ("path", "url"):
-            value = getattr(self.image, name)
+            value = getattr(image, name)
             if value and len(value) > MAX_REF_CHARS:
                 raise ValueError(f"image.{name} is longer than {MAX_REF_CHARS} characters")
         try:  # NUL, lone surrogates, ...: the worker's rules, as a 422 that echoes no value
@@ -99,15 +105,8 @@ class JobIn(BaseModel):
         return self
 
     def request(self) -> JobRequest:
-        fields: dict[str, Any] = {
-            "image": self.image,
-            "task": self.task,
-            "max_pixels": self.max_pixels,
-            "priority": self.priority,
-            "batch": self.batch,
-        }
-        if self.job_id is not None:
-            fields["job_id"] = self.job_id
+        """The job itself: its JobRequest fields, validated by the worker's own model."""
+        fields = self.model_dump(include={*JOB_FIELDS, "job_id"}, exclude_none=True)
         return JobRequest.model_validate(fields)
 
 
@@ -122,6 +121,16 @@ class BatchIn(BaseModel):
     # The batch of every job that names none of its own; when absent the api makes one up
     # (a UUID) and returns it.
     batch: BatchName = None
+    # The batch's webhook: POSTed once, signed, when every job of the batch is final, with
+    # the batch's counts (batch.finished, docs/api.md). Each job's own is its `callback_url`.
+    callback_url: Annotated[str | None, Field(max_length=MAX_REF_CHARS)] = None
+
+    @field_validator("callback_url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and not value.lower().startswith(("http://", "https://")):
+            raise ValueError("callback_url must be an http or https URL")
+        return value
 
 
 class Accepted(BaseModel):
@@ -182,6 +191,12 @@ class BatchOut(BaseModel):
     eta_s: float | None = None
 
 
+class BatchCancelled(BatchOut):
+    """A batch after DELETE /batches/{id}: `cancelled` counts the jobs this request cancelled."""
+
+    cancelled: int
+
+
 class LookupIn(BaseModel):
     """Many job ids at once; with `wait`, answered once all are final or `wait` s passed."""
 
@@ -232,6 +247,8 @@ class JobOut(BaseModel):
     truncated: Literal["max_tokens", "repetition"] | None = None
     task: str | None = None
     max_pixels: int | None = None
+    max_new_tokens: int | None = None  # the job's own cap; None: the worker's
+    priority: str | None = None  # its lane; None: a row from before it was kept (bulk)
     engine: str | None = None
     worker: str | None = None
     attempts: int | None = None

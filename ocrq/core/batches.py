@@ -17,7 +17,8 @@ from sqlalchemy import Engine, case, func, select
 
 from ocrq.core.db import ocr_documents, ocr_jobs
 
-JOB_FINAL = ("done", "failed")
+# Final units: cancelled and expired ones too, so a batch cancelled (DELETE /batches) ends.
+JOB_FINAL = ("done", "failed", "cancelled", "expired")
 
 
 def _aware(value: dt.datetime | None) -> dt.datetime | None:

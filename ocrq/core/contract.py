@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,6 +28,9 @@ TASKS = (
 )  # fmt: skip
 # A job's optional cap on the pixels the model sees: one 32x32 block up to 4096² (1.5's limit).
 MAX_PIXELS_RANGE = (32 * 32, 4096 * 4096)
+# The most new tokens a job may ask for, and a worker's OCRQ_MAX_NEW_TOKENS too (one bound, so
+# the api never accepts a cap the worker would refuse).
+MAX_NEW_TOKENS_LIMIT = 131_072
 
 # A job's lane: interactive jobs go to their own queue (`queue_for`) and are admitted before
 # bulk ones inside the worker (ocrq/scheduling/planner.py `LaneRule`); bulk is the default.
@@ -177,7 +181,11 @@ def storable_text(value: object, limit: int = 200) -> str:
 
 
 class JobRequest(BaseModel):
-    """The kwargs of one `ocrq.recognize` message, validated on the worker side."""
+    """One job: the only spelling of its fields. The kwargs of an `ocrq.recognize` message are
+    `message()`, its row's columns `columns()`, a re-send from its row `from_row()`; the api's
+    `JobIn` takes its fields from here (ocrq/api/schemas.py) and a document's page jobs are
+    copies of their document's request (ocrq/intake/splitting.py). A new field added here
+    travels every one of those ways without another edit (tests/test_job_request.py)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -188,7 +196,7 @@ class JobRequest(BaseModel):
     max_pixels: Annotated[int | None, Field(ge=MAX_PIXELS_RANGE[0], le=MAX_PIXELS_RANGE[1])] = None
     # Optional: the job's own cap on new tokens, within the worker's OCRQ_MAX_NEW_TOKENS (a word
     # crop needs few; the running loop frees its slot when it is reached).
-    max_new_tokens: Annotated[int | None, Field(ge=1, le=131_072)] = None
+    max_new_tokens: Annotated[int | None, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)] = None
     # Its lane: "interactive" jobs are admitted before "bulk" ones (FIFO within a lane; a bulk
     # job is never starved: ocrq/scheduling/planner.py `LaneRule`).
     priority: Priority = BULK
@@ -198,6 +206,14 @@ class JobRequest(BaseModel):
     # The user re-run this message belongs to (`ocrq retry` sends the row's count of re-runs):
     # a failed row runs again only for a new re-run, never for a late copy of an old message.
     retry: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+
+    # Fields every message names even at their default, so a message reads as the README's.
+    ALWAYS_SENT: ClassVar[tuple[str, ...]] = ("image", "task", "job_id")
+    # Fields whose ocr_jobs column has another name (`image` is stored as `reference`, the
+    # image exactly as submitted, and shown as `source`).
+    COLUMN_OF: ClassVar[dict[str, str]] = {"job_id": "id", "retry": "retries"}
+    # Set by ocrq itself, never by a producer through the api (`ocrq retry` bumps it).
+    INTERNAL: ClassVar[tuple[str, ...]] = ("retry",)
 
     @field_validator("job_id", mode="before")
     @classmethod
@@ -228,29 +244,46 @@ class JobRequest(BaseModel):
         holds the named task's own prompt)."""
         return "" if self.task in TASKS else self.task
 
+    def message(self) -> dict[str, Any]:
+        """The `ocrq.recognize` kwargs of this job (plain JSON), to send to
+        `queue_for(self.priority)`: every field but those at their default, which the worker
+        fills in again (image, task and job id always)."""
+        fields = self.model_dump(mode="json", exclude_none=True)
+        for name, field in type(self).model_fields.items():
+            if name not in self.ALWAYS_SENT and name in fields and fields[name] == field.default:
+                del fields[name]
+        return fields
 
-def job_kwargs(
-    image: dict[str, Any],
-    task: str = "text",
-    job_id: str | None = None,
-    max_pixels: int | None = None,
-    priority: str = BULK,
-    batch: str | None = None,
-    retry: int = 0,
-) -> dict:
-    """Build send_task kwargs; a producer may equally write this dict by hand (send it to
-    `queue_for(priority)`)."""
-    kwargs: dict = {
-        "image": image,
-        "task": task,
-        "job_id": canonical_job_id(job_id) if job_id else str(uuid.uuid4()),
-    }
-    if max_pixels is not None:
-        kwargs["max_pixels"] = max_pixels
-    if priority != BULK:
-        kwargs["priority"] = priority
-    if batch is not None:
-        kwargs["batch"] = batch
-    if retry:
-        kwargs["retry"] = retry
-    return kwargs
+    def columns(self) -> dict[str, Any]:
+        """The job's own columns of its ocr_jobs row (what a producer records before sending):
+        every field, so that `from_row` sends the same job again."""
+        row = {
+            self.COLUMN_OF.get(name, name): getattr(self, name)
+            for name in type(self).model_fields
+            if name != "image"
+        }
+        row["source"] = self.image.describe()
+        row["reference"] = self.image.reference()
+        return row
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> JobRequest:
+        """The job its row records, for a re-send (`ocrq requeue`, `ocrq retry`, the recovery
+        sweep): the image exactly as submitted and every field of `columns()`; a NULL column (a
+        row from before it existed) is the field's default. Raises ValueError for a row with
+        no reference (an inline image: its row holds no bytes to send again)."""
+        if row.get("reference") is None:
+            raise ValueError(f"job {row.get('id')} has no reference: it cannot be re-sent")
+        fields: dict[str, Any] = {"image": row["reference"]}
+        for name in cls.model_fields:
+            value = row.get(cls.COLUMN_OF.get(name, name))
+            if name != "image" and value is not None:
+                fields[name] = value
+        return cls.model_validate(fields)
+
+
+def job_kwargs(image: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """send_task kwargs for one job, validated (`JobRequest(...).message()`); a producer may
+    equally write this dict by hand (send it to `queue_for(priority)`)."""
+    given = {k: v for k, v in fields.items() if v is not None}  # None: the field's default
+    return JobRequest.model_validate({"image": image, **given}).message()

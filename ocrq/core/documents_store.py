@@ -42,10 +42,13 @@ class DocumentStore:
         page_jobs: Sequence[tuple[str, int, str]],
         references: Mapping[str, dict[str, Any]] | None = None,
         batch: str | None = None,
+        columns: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Record a split document and its page jobs (id, page, source) as queued; return the
         pages still queued, to be sent. Idempotent: a redelivered split keeps every row.
-        `references`: by page job id, what a re-send of the page names (ocr_jobs.reference)."""
+        `references`: by page job id, what a re-send of the page names (ocr_jobs.reference).
+        `columns`: the document's own (JobRequest.columns(): its caps, lane, batch), which
+        every page row keeps, so a page re-sent from its row runs as its document asked."""
         t = now()
         with self.engine.begin() as conn:
             conn.execute(
@@ -67,6 +70,7 @@ class DocumentStore:
                     .values(
                         [
                             {
+                                **(columns or {}),
                                 "id": job_id,
                                 "status": "queued",
                                 "task": task,
@@ -77,6 +81,7 @@ class DocumentStore:
                                 "page": page,
                                 "reference": (references or {}).get(job_id),
                                 "batch": batch,
+                                "retries": 0,
                             }
                             for job_id, page, page_source in page_jobs
                         ]
@@ -113,7 +118,11 @@ class DocumentStore:
             )
 
     def complete(self, document_id: str) -> str | None:
-        """Assemble the document if every page row is final; returns its status when final.
+        """Assemble the document if every page row is final; returns its status when final."""
+        return self.assemble(document_id)[0]
+
+    def assemble(self, document_id: str) -> tuple[str | None, bool]:
+        """`complete`, and whether this very call assembled it (its webhook is sent once).
 
         The document's row is locked first, so of two page jobs finishing at once one
         assembles and the other then sees it final; page rows are read after the lock, so
@@ -123,9 +132,9 @@ class DocumentStore:
         with self.engine.begin() as conn:
             doc = conn.execute(locked).mappings().first()
             if doc is None:
-                return None
+                return None, False
             if doc["status"] in FINAL:
-                return doc["status"]
+                return doc["status"], False
             pending = conn.execute(
                 select(func.count()).where(
                     _pages_of(document_id), ocr_jobs.c.status.not_in(PAGE_JOB_FINAL)
@@ -133,7 +142,7 @@ class DocumentStore:
             ).scalar_one()
             stored = conn.execute(select(func.count()).where(_pages_of(document_id))).scalar_one()
             if pending or stored < (doc["pages"] or 0):
-                return None
+                return None, False
             rows = [dict(r) for r in conn.execute(_page_rows(document_id)).mappings()]
             fields = storable(assemble(rows))  # as all stored text (core/storable.py)
             conn.execute(
@@ -141,7 +150,7 @@ class DocumentStore:
                 .where(ocr_documents.c.id == document_id)
                 .values(**fields, finished_at=now())
             )
-            return str(fields["status"])
+            return str(fields["status"]), True
 
     def get(self, document_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:

@@ -86,6 +86,38 @@ LOOP_COUNTS = {
         "ocrq_loop_prefill_cpu_seconds", "Loop thread CPU seconds in prefill passes"
     ),
     "cpu_seconds": Counter("ocrq_loop_cpu_seconds", "Loop thread CPU seconds in all"),
+    # The interactive lane (ocrq/models/lane_pass.py): what an interactive row's token costs is
+    # (lane_decode_seconds + lane_prefill_seconds) / lane_steps; kv_token_steps / steps is the
+    # KV a step reads.
+    "prefill_tokens": Counter("ocrq_loop_prefill_tokens", "Prompt tokens prefilled"),
+    "prefilled_interactive": Counter(
+        "ocrq_loop_prefilled_interactive_rows", "Interactive rows prefilled"
+    ),
+    "lane_steps": Counter("ocrq_loop_lane_steps", "Decode steps with an interactive row live"),
+    "lane_row_steps": Counter(
+        "ocrq_loop_lane_row_steps", "Live rows summed over decode steps with an interactive row"
+    ),
+    "interactive_row_steps": Counter(
+        "ocrq_loop_interactive_row_steps", "Live interactive rows summed over decode steps"
+    ),
+    "kv_token_steps": Counter("ocrq_loop_kv_token_steps", "Live KV tokens summed over steps"),
+    "lane_decode_seconds": Counter(
+        "ocrq_loop_lane_decode_seconds", "GPU seconds in decode steps with an interactive row"
+    ),
+    "lane_prefill_seconds": Counter(
+        "ocrq_loop_lane_prefill_seconds",
+        "GPU seconds in prefill passes while an interactive row waited or decoded",
+    ),
+    "lane_prefills": Counter(
+        "ocrq_loop_lane_prefills", "Prefill passes while an interactive row waited or decoded"
+    ),
+    "lane_prefill_tokens": Counter(
+        "ocrq_loop_lane_prefill_tokens",
+        "Prompt tokens prefilled while an interactive row waited or decoded",
+    ),
+    "bulk_held_passes": Counter(
+        "ocrq_loop_bulk_held_passes", "Prefill passes that held bulk rows back for the lane"
+    ),
 }
 
 

@@ -23,11 +23,11 @@ before is counted when it runs again, alone (ocrq/core/store.py, ocrq/worker/alo
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 from celery import Celery
 from redis.exceptions import LockError
@@ -35,7 +35,7 @@ from redis.exceptions import LockError
 from ocrq.core import workers_table
 from ocrq.core.broker_redis import celery_options
 from ocrq.core.broker_scan import BrokerView, broker_view
-from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, job_kwargs
+from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, JobRequest, queue_for
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 
@@ -214,47 +214,46 @@ def _resend_rows(
     unflip: bool = False,
 ) -> list[str]:
     sent: list[str] = []
+    unsent = {j.id for j in jobs}
     try:
-        # The sweep's rows carry no max_pixels, batch or re-run: read the jobs' own.
+        # The sweep's queries return ids and references only: the job is rebuilt from its whole
+        # row (JobRequest.from_row: its caps, lane, batch and re-run, as submitted).
         rows = store.get([j.id for j in jobs])
         for job in jobs:
             assert job.reference is not None  # the row queries return only rows that have one
-            row = rows.get(job.id, {})
-            resend(
-                app,
-                settings,
-                job.id,
-                job.task,
-                job.reference,
-                row.get("max_pixels"),
-                row.get("batch"),
-                row.get("retries") or 0,
-            )
+            row = {**rows.get(job.id, {}), "id": job.id, "task": job.task}
+            try:
+                request = JobRequest.from_row({**row, "reference": job.reference})
+            except ValueError as exc:  # a row no worker would run: not worth a broken sweep
+                log.error("job %s cannot be re-sent from its row: %s", job.id, exc)
+                unsent.discard(job.id)
+                continue
+            resend(app, settings, request)
             sent.append(job.id)
+            unsent.discard(job.id)
     finally:  # the broker failed mid-way: leave the rest for the next sweep
         if unflip:
-            workers_table.unflip(store.engine, [j.id for j in jobs[len(sent) :]])
+            workers_table.unflip(store.engine, [j.id for j in jobs if j.id in unsent])
     return sent
 
 
-def resend(
-    app: Celery,
-    settings: Settings,
-    job_id: str,
-    task: str,
-    reference: dict[str, Any],
-    max_pixels: int | None = None,
-    batch: str | None = None,
-    retry: int = 0,
+def send_job(
+    app: Celery, settings: Settings, request: JobRequest, expires: dt.datetime | None = None
 ) -> None:
-    """A job's message rebuilt from its row's `reference`: the path or URL (and page) exactly as
-    submitted, never its display `source` (a redacted URL, a document page's name), with the
-    row's batch and re-run generation (a lower one would be refused as stale)."""
+    """The one way ocrq sends a job (the api, `ocrq submit`, document pages, re-sends): its
+    message (`JobRequest.message`) to its lane's queue, under its job id as the task id."""
     app.send_task(
         TASK_NAME,
-        kwargs=job_kwargs(
-            dict(reference), task, job_id, max_pixels, batch=batch, retry=retry
-        ),
-        queue=queue_of(settings),
-        task_id=job_id,
+        kwargs=request.message(),
+        queue=queue_for(request.priority, queue_of(settings)),
+        task_id=request.job_id,
+        expires=expires,
     )
+
+
+def resend(app: Celery, settings: Settings, request: JobRequest) -> None:
+    """A job's message rebuilt from its row (`JobRequest.from_row`): the path or URL (and page)
+    exactly as submitted, never its display `source` (a redacted URL, a document page's name),
+    with the row's caps, lane, batch and re-run generation (a lower one would be refused as
+    stale)."""
+    send_job(app, settings, request)

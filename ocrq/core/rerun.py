@@ -15,25 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import Engine, and_, delete, select, update
 
+from ocrq.core.contract import JobRequest
 from ocrq.core.db import ocr_documents, ocr_jobs
 
 
 @dataclass(frozen=True)
 class Reopened:
-    """A row put back to `queued`: what its message is rebuilt from."""
+    """A row put back to `queued`, and the job its message is rebuilt from (its whole row:
+    `JobRequest.from_row`, so the re-run keeps its caps and lane)."""
 
     id: str
-    task: str
-    source: str
-    reference: dict[str, Any]  # the image exactly as submitted (ocr_jobs.reference)
-    max_pixels: int | None
-    page: int | None
     batch: str | None
     retries: int
+    request: JobRequest
 
 
 def reopen_failed(
@@ -68,17 +65,7 @@ def reopen_failed(
             worker=None,
             batch_id=None,
         )
-        .returning(
-            ocr_jobs.c.id,
-            ocr_jobs.c.task,
-            ocr_jobs.c.source,
-            ocr_jobs.c.reference,
-            ocr_jobs.c.max_pixels,
-            ocr_jobs.c.page,
-            ocr_jobs.c.batch,
-            ocr_jobs.c.retries,
-            ocr_jobs.c.document_id,
-        )
+        .returning(*ocr_jobs.c)
     )
     with engine.begin() as conn:
         rows = conn.execute(stmt).all()
@@ -106,7 +93,4 @@ def reopen_failed(
             conn.execute(
                 delete(ocr_documents).where(ocr_documents.c.id.in_(split), ~has_pages)
             )
-    return [
-        Reopened(r.id, r.task, r.source, r.reference, r.max_pixels, r.page, r.batch, r.retries)
-        for r in rows
-    ]
+    return [Reopened(r.id, r.batch, r.retries, JobRequest.from_row(r._mapping)) for r in rows]

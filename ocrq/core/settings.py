@@ -24,6 +24,8 @@ from typing import Annotated, Literal, Self, TypeVar
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT
+
 # HunyuanOCR's generation loop: ocrq's own (ocrq/models/hunyuan/decode.py) or transformers'
 # generate().
 DecodeMode = Literal["fast", "generate"]
@@ -396,7 +398,7 @@ class ModelSettings(BudgetSettings):
     model_revision: str | None = None
     model_subfolder: str | None = None
     # Tokens generated at most per image; with the prompt it sizes the KV cache.
-    max_new_tokens: int = Field(default=1024, ge=1, le=131_072)
+    max_new_tokens: int = Field(default=1024, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     # Per-task cap on the pixels the model sees, over the engine's defaults
     # (ocrq/models/hunyuan/resolution.py), e.g. "parse=2359296,spotting=4194304"; the task names of
     # ocrq.core.contract.TASKS, or "custom" for free prompts. The model's own limit always applies.
@@ -479,6 +481,33 @@ class HunyuanSettings(ModelSettings):
     # 1.23x the images/s of padded passes, the GPU busy 99% instead of 82%
     # (bench/results/service_gpu/service_gpu_reading.md, run 14); false is the padded prefill.
     prefill_packed: bool = True
+    # The interactive lane inside the running loop (ocrq/models/lane_pass.py; docs/internals.md).
+    # Slots added to the loop that only interactive rows take, so one is prefilled in the next
+    # pass however full of bulk rows the loop is; bulk keeps its OCRQ_MAX_BATCH slots. 8: the
+    # H200 run's stream (2/s, ~1 s each alone) had ~2 live at once, 8 takes bursts of 4x that;
+    # a slot's state is ~8 bytes per new token, and the step widens past 256 only while an
+    # interactive row holds a slot above the bulk ones. 0: no reserve.
+    interactive_slots: int = Field(default=8, ge=0, le=1024)
+    # While an interactive row waits or decodes: bulk prompt tokens per prefill pass (the pass's
+    # first bulk row always goes), so no pass between its decode steps is long. 4,096: ~3 A4
+    # pages, a quarter of OCRQ_PREFILL_CHUNK_TOKENS, whose passes of A4 pages took ~55 ms on the
+    # H200 beside decode steps of a few ms. 0: no lane budget.
+    interactive_prefill_tokens: int = Field(default=4096, ge=0, le=1_048_576)
+    # While an interactive row waits or decodes: decode steps between passes that admit bulk
+    # rows, full or not (interactive rows go in the next pass regardless). 4: as
+    # OCRQ_PREFILL_GAP_STEPS; with the budget above, at most ~1,000 bulk prompt tokens a step
+    # on average while the lane is busy (no cap outside it).
+    interactive_prefill_gap_steps: int = Field(default=4, ge=1, le=1024)
+    # While an interactive row waits or decodes: at most this many live bulk rows (0: no cap).
+    # Off: a cap shortens every step an interactive row waits for, but takes bulk throughput
+    # directly; set it when the loop's figures (ocrq_loop_lane_decode_seconds /
+    # ocrq_loop_lane_steps against an idle loop's step time) say the step, not the prefill
+    # passes, is what an interactive row waits for.
+    interactive_bulk_rows: int = Field(default=0, ge=0, le=4096)
+    # Decode steps a bulk row waits inside the loop before interactive rows stop passing it and
+    # the lane's limits stop holding it (the loop's half of OCRQ_BULK_MAX_WAIT_S). 256: ~2-3 s
+    # of a full loop on an H200.
+    loop_bulk_max_wait_steps: int = Field(default=256, ge=0, le=1_000_000)
 
 
 class VllmSettings(ModelSettings):

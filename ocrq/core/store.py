@@ -14,14 +14,14 @@ whose worker keeps dying under it is failed after `max_attempts` instead of bein
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from sqlalchemy import Engine, bindparam, delete, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from ocrq.core.contract import redact_url
+from ocrq.core.contract import JobRequest, redact_url
 from ocrq.core.db import ocr_jobs
 from ocrq.core.storable import storable
 
@@ -62,6 +62,20 @@ class NewJob:
     expires_at: dt.datetime | None = None  # the job's deadline (Celery's `expires`)
     callback_url: str | None = None  # the job's webhook
     batch: str | None = None  # the producer's grouping (not batch_id, the engine batch)
+    max_new_tokens: int | None = None  # the job's own output cap; NULL: the worker's
+    priority: str | None = None  # its lane; NULL: bulk
+    retries: int = 0  # its user re-run generation
+
+    @classmethod
+    def of(
+        cls,
+        request: JobRequest,
+        expires_at: dt.datetime | None = None,
+        callback_url: str | None = None,
+    ) -> NewJob:
+        """The row of a request: every one of its fields (`JobRequest.columns`), so a re-send
+        from the row (`JobRequest.from_row`) is the same job, plus its delivery's."""
+        return cls(**request.columns(), expires_at=expires_at, callback_url=callback_url)
 
 
 def expired_error(expires_at: dt.datetime) -> str:
@@ -164,19 +178,7 @@ class JobStore:
             inserted: set[str] = set()
             if new:
                 values = [
-                    {
-                        "id": j.id,
-                        "status": "queued",
-                        "task": j.task,
-                        "source": j.source,
-                        "max_pixels": j.max_pixels,
-                        "reference": j.reference,
-                        "expires_at": j.expires_at,
-                        "callback_url": j.callback_url,
-                        "batch": j.batch,
-                        "created_at": t,
-                        "attempts": 0,
-                    }
+                    {**asdict(j), "status": "queued", "created_at": t, "attempts": 0}
                     for j in new.values()
                 ]
                 stmt = (
@@ -257,6 +259,7 @@ class JobStore:
         reference: dict[str, Any] | None = None,
         batch: str | None = None,
         rerun: int = 0,
+        columns: Mapping[str, Any] | None = None,
     ) -> Claim:
         """Mark the job running (creating its row if the producer did not), unless it must not run.
 
@@ -278,6 +281,8 @@ class JobStore:
         `rerun` is the message's user re-run generation: a message of an older one than the
         row's (`retries`, bumped by `ocrq retry`) is a late copy and does not run; attempts are
         counted from when the current re-run began (`retry_attempts`).
+        `columns` (the message's JobRequest.columns()) fill a row the claim creates, so a bare
+        producer's job is re-sent with its own caps and lane too.
         """
         t = now()
         if self.engine.dialect.update_returning:
@@ -293,18 +298,22 @@ class JobStore:
                 created = conn.execute(
                     self._insert(ocr_jobs)
                     .values(
-                        id=job_id,
-                        status="running",
-                        task=task,
-                        source=source,
-                        created_at=t,
-                        started_at=t,
-                        attempts=1,
-                        worker=worker,
-                        page=page,  # a page job sent by a producer: resendable from its row
-                        reference=reference,
-                        batch=batch,
-                        retries=rerun,
+                        {
+                            **(columns or {}),
+                            "id": job_id,
+                            "status": "running",
+                            "task": task,
+                            "source": source,
+                            "created_at": t,
+                            "started_at": t,
+                            "attempts": 1,
+                            "worker": worker,
+                            # a page job sent by a producer: resendable from its row
+                            "page": page,
+                            "reference": reference,
+                            "batch": batch,
+                            "retries": rerun,
+                        }
                     )
                     .on_conflict_do_nothing(index_elements=["id"])
                     .returning(ocr_jobs.c.id)
@@ -444,6 +453,30 @@ class JobStore:
         with self.engine.begin() as conn:
             return list(conn.execute(stmt).scalars())
 
+    def cancel_batch(self, batch: str) -> list[str]:
+        """Cancel every job of `batch` not final yet (as `cancel` does each); the ids whose row
+        changed. One UPDATE over the batch's index: a job of the batch submitted after it is
+        not cancelled, and nothing outside the batch is touched."""
+        stmt = (
+            update(ocr_jobs)
+            .where(ocr_jobs.c.batch == batch, ocr_jobs.c.status.in_(CANCELLABLE))
+            .values(status="cancelled", error=CANCELLED, finished_at=now())
+            .returning(ocr_jobs.c.id)
+        )
+        with self.engine.begin() as conn:
+            return list(conn.execute(stmt).scalars())
+
+    def cancelled_among(self, job_ids: Sequence[str]) -> list[str]:
+        """Which of these jobs are `cancelled`: a worker asks for those it is running, so that
+        its engine can drop them (ocrq/worker/cancels.py)."""
+        if not job_ids:
+            return []
+        stmt = select(ocr_jobs.c.id).where(
+            ocr_jobs.c.id.in_(list(job_ids)), ocr_jobs.c.status == "cancelled"
+        )
+        with self._autocommit.connect() as conn:
+            return list(conn.execute(stmt).scalars())
+
     def expire(self, job_id: str, task: str, source: str, expires_at: dt.datetime) -> bool:
         """Record a job Celery discarded as past its `expires` (it never reached the task):
         its row, created if the producer wrote none, becomes `expired` unless already final."""
@@ -508,6 +541,8 @@ def full_view(row: dict[str, Any]) -> dict[str, Any]:
         **public_view(row),
         "task": row.get("task"),
         "max_pixels": row.get("max_pixels"),
+        "max_new_tokens": row.get("max_new_tokens"),
+        "priority": row.get("priority"),
         "engine": row.get("engine"),
         "worker": row.get("worker"),
         "attempts": row.get("attempts"),

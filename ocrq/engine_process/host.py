@@ -41,7 +41,7 @@ from ocrq.scheduling.vocabulary import BatchRecord, ItemOutcome
 
 log = logging.getLogger(__name__)
 
-CALLS = ("page_pixels",)  # what the worker may ask the loaded engine
+CALLS = ("pixel_budget",)  # what the worker may ask the loaded engine
 
 
 def prepare_threads() -> int:
@@ -86,7 +86,7 @@ class EngineHost:
     def ready(self) -> wire.Ready:
         return wire.Ready(
             name=self.engine.name,
-            max_pixels=self.engine.max_pixels,
+            model_limit=self.engine.model_limit,
             config=self.side.config,
             cost_model=self.side.choice.model,
             pid=os.getpid(),
@@ -106,6 +106,8 @@ class EngineHost:
                 os._exit(1)
             if isinstance(message, wire.Submit):
                 self._pool.submit(self._run, message)
+            elif isinstance(message, wire.Cancel):
+                self.batcher.cancel(set(message.keys))
             elif isinstance(message, wire.Call):
                 self.send(self._answer(message))
             elif isinstance(message, wire.Stop):

@@ -24,13 +24,14 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
 from ocrq.core import metrics
+from ocrq.core.pixel_budget import PixelBudget
 from ocrq.core.procfs import rss_bytes
 from ocrq.core.settings import Settings
 from ocrq.engine_process import wire
@@ -168,6 +169,16 @@ class EngineLink:
         with self._pending_lock:
             return len(self._pending)
 
+    def cancel(self, keys: Collection[str]) -> None:
+        """Tell the engine process' batcher to drop these keys; their `Done` comes back."""
+        if self._stopping or not keys:
+            return
+        try:
+            with self._send_lock:
+                self.conn.send(wire.Cancel(tuple(keys)))
+        except (BrokenPipeError, OSError):
+            pass  # the engine process is gone: `_read` fails what it held
+
     def _read(self) -> None:
         while True:
             try:
@@ -258,11 +269,20 @@ class RemoteEngine:
     def __init__(self, link: EngineLink) -> None:
         self.link = link
         self.name = link.ready.name
-        self.max_pixels = link.ready.max_pixels
+        self.model_limit = link.ready.model_limit
+        # A budget is a function of (task, job cap) once the engine is loaded: asked over the
+        # pipe once per pair, not once per job.
+        self._budgets: dict[tuple[str, int | None], PixelBudget] = {}
 
-    def page_pixels(self, task: str, max_pixels: int | None) -> int | None:
-        value = self.link.call("page_pixels", task, max_pixels)
-        return None if value is None else int(value)
+    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
+        budget = self._budgets.get((task, job_cap))
+        if budget is None:
+            budget = self.link.call("pixel_budget", task, job_cap)
+            if not isinstance(budget, PixelBudget):
+                raise RuntimeError(f"engine process: pixel_budget answered {budget!r}")
+            if len(self._budgets) < 4096:  # job caps are the producers' own numbers
+                self._budgets[(task, job_cap)] = budget
+        return budget
 
     def prepare(self, item: PreparedImage) -> None:
         """Preprocessing runs in the engine process, beside the batcher."""
@@ -294,6 +314,9 @@ class RemoteBatcher:
 
     def pending(self) -> int:
         return self.link.pending()
+
+    def cancel(self, keys: Collection[str]) -> None:
+        self.link.cancel(keys)
 
     def stop(self, timeout: float | None = None) -> None:
         self.link.stop(STOP_TIMEOUT_S if timeout is None else timeout)

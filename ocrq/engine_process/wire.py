@@ -25,11 +25,18 @@ class Submit:
 
 @dataclass(frozen=True)
 class Call:
-    """A question for the loaded engine (`page_pixels`), answered by a `Reply` of the same seq."""
+    """A question for the loaded engine (`pixel_budget`), answered by a `Reply` of the same seq."""
 
     seq: int
     method: str
     args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Drop the images of these keys (their jobs were cancelled): `Batcher.cancel`."""
+
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,7 @@ class Ready:
     """The engine loaded: what the worker needs to know of it to claim, decode and plan."""
 
     name: str
-    max_pixels: int | None
+    model_limit: int | None
     config: BatchConfig
     cost_model: CostModel
     pid: int

@@ -37,6 +37,7 @@ from PIL import Image, ImageOps
 
 from ocrq.core.contract import ImageRef
 from ocrq.core.doc_formats import DocumentKind, claims_pdf, document_kind
+from ocrq.core.pixel_budget import PixelBudget, Stage
 from ocrq.core.settings import Settings
 from ocrq.intake import images, render_pool
 from ocrq.intake.images import ImageError, LoadedImage
@@ -224,8 +225,9 @@ def _pdf_refusal(error: str, source: str) -> str:
 
 
 def page_dpi(width_pt: float, height_pt: float, pixels: int | None, settings: Settings) -> float:
-    """The DPI a PDF page renders at: OCRQ_PDF_DPI, else the one that draws the page at the
-    engine's preset for the task (`pixels`), else DEFAULT_DPI; within the min/max DPI."""
+    """The DPI a PDF page renders at: OCRQ_PDF_DPI, else the one that draws the page at
+    `pixels` (its pixel budget's render stage: what the model sees), else DEFAULT_DPI; within
+    the min/max DPI."""
     if settings.pdf_dpi is not None:
         return settings.pdf_dpi
     if pixels:
@@ -299,30 +301,31 @@ def _check_page_size(size: tuple[int, int], page: int, dpi: float, settings: Set
         raise DocumentError(f"page {page} at {dpi:.0f} dpi: {exc}") from None
 
 
-def load_page(
-    ref: ImageRef, settings: Settings, max_pixels: int | None, page_pixels: int | None
-) -> LoadedImage:
+def load_page(ref: ImageRef, settings: Settings, budget: PixelBudget | None) -> LoadedImage:
     """A page job's image: page `ref.page` of its document, rendered here (this is the
-    prefetch thread), downscaled like an image to `max_pixels`. Page 1 of a plain image is
-    the image itself (one-frame TIFF pages travel as such)."""
+    prefetch thread) at the pixels `budget` gives the render stage, then kept within its decode
+    stage like an image (ocrq/core/pixel_budget.py; None: the default DPI, full size). Page 1
+    of a plain image is the image itself (one-frame TIFF pages travel as such)."""
     assert ref.page is not None
+    budget = budget or PixelBudget()
+    keep = budget.at(Stage.DECODE)
     source = ref.describe()
     taken = take(ref, settings)
     if isinstance(taken, bytes):
         if ref.page != 1:
             raise DocumentError(f"no page {ref.page} in {source}: an image has one page")
-        return images.decode(taken, settings, source, max_pixels)
+        return images.decode(taken, settings, source, keep)
     with taken:
         if taken.kind == "pdf":
-            image = render_pdf_page(taken, ref.page, settings, page_pixels)
+            image = render_pdf_page(taken, ref.page, settings, budget.at(Stage.RENDER))
         else:
             image = tiff_frame(taken, ref.page, settings)
     # The page's pixels identify what the engine saw (hashing a large document per page
     # would cost more than rendering it).
     digest_ = hashlib.sha256(image.tobytes()).hexdigest()
     original = image.size
-    if max_pixels and original[0] * original[1] > max_pixels:
-        image = images.downscale(image, max_pixels)
+    if keep:
+        image = images.downscale(image, keep)
     return LoadedImage(image=image, original_size=original, sha256=digest_, source=source)
 
 

@@ -23,6 +23,7 @@ from typing import BinaryIO
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ocrq.core.contract import ImageRef
+from ocrq.core.pixel_budget import scaled_size
 from ocrq.core.settings import Settings
 from ocrq.core.upload_paths import upload_folder_of
 from ocrq.intake.fetch import FetchError, fetch
@@ -38,7 +39,7 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class LoadedImage:
-    image: Image.Image  # RGB, EXIF-rotated, possibly downscaled to max_pixels
+    image: Image.Image  # RGB, EXIF-rotated, possibly downscaled to the decode stage's pixels
     original_size: tuple[int, int]  # after EXIF rotation, before any downscale
     sha256: str
     source: str
@@ -203,8 +204,10 @@ def check_header(width: int, height: int, settings: Settings) -> None:
         )
 
 
-def decode(data: bytes, settings: Settings, source: str, max_pixels: int | None) -> LoadedImage:
-    """Decode to RGB after checking the format and the header's size; downscale to `max_pixels`.
+def decode(data: bytes, settings: Settings, source: str, keep_pixels: int | None) -> LoadedImage:
+    """Decode to RGB after checking the format and the header's size (the budget's
+    `intake_limit`, OCRQ_MAX_IMAGE_PIXELS); downscale to `keep_pixels`, the budget's answer at
+    its decode stage (ocrq/core/pixel_budget.py; None: keep).
 
     Downscaling here, in the prefetch threads, keeps a waiting 35 MP receipt from holding
     100 MB while the device works, and spares the engine thread the resize.
@@ -235,8 +238,8 @@ def decode(data: bytes, settings: Settings, source: str, max_pixels: int | None)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise ImageError(f"corrupt or truncated image: {source} ({exc})") from exc
     original = rgb.size
-    if max_pixels and original[0] * original[1] > max_pixels:
-        rgb = downscale(rgb, max_pixels)
+    if keep_pixels and original[0] * original[1] > keep_pixels:
+        rgb = downscale(rgb, keep_pixels)
     return LoadedImage(image=rgb, original_size=original, sha256=digest, source=source)
 
 
@@ -267,13 +270,14 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def downscale(image: Image.Image, max_pixels: int) -> Image.Image:
-    """Shrink keeping the aspect ratio so that w*h <= max_pixels."""
-    w, h = image.size
-    scale = (max_pixels / (w * h)) ** 0.5
-    size = (max(1, int(w * scale)), max(1, int(h * scale)))
+def downscale(image: Image.Image, pixels: int) -> Image.Image:
+    """Shrink keeping the aspect ratio so that w*h <= pixels; the image itself when it is
+    within (never scaled up)."""
+    size = scaled_size(image.size, pixels)
+    if size == image.size:
+        return image
     return image.resize(size, Image.Resampling.BICUBIC)
 
 
-def load(ref: ImageRef, settings: Settings, max_pixels: int | None = None) -> LoadedImage:
-    return decode(read_bytes(ref, settings), settings, ref.describe(), max_pixels)
+def load(ref: ImageRef, settings: Settings, keep_pixels: int | None = None) -> LoadedImage:
+    return decode(read_bytes(ref, settings), settings, ref.describe(), keep_pixels)

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ocrq.core.contract import BULK, PAGE_MARK, JobRequest
+from ocrq.core.contract import PAGE_MARK, ImageRef, JobRequest
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 # Namespace of page job ids: uuid5(namespace, "<document id>/<page>").
 PAGE_IDS = uuid.UUID("6f1d2a8e-5a0b-4c57-9d0e-0c2f3e7b9a41")
 
-# send(document_id, kwargs): enqueue one page job (a Celery message, or a local thread).
-SendPage = Callable[[str, dict[str, Any]], None]
+# send(document_id, page job): enqueue one page job (a Celery message, or a local thread).
+SendPage = Callable[[str, JobRequest], None]
 
 
 def page_job_id(document_id: str, page: int) -> str:
@@ -72,6 +72,7 @@ def split(
         page_jobs,
         references,
         batch=request.batch,
+        columns=request.columns(),
     )
     inline = request.image.path is None
     for n in to_send:
@@ -90,14 +91,12 @@ def split(
             }
         else:
             image = {"path": request.image.path, "page": n}
-        kwargs: dict[str, Any] = {"image": image, "task": request.task, "job_id": job_id}
-        if request.max_pixels is not None:
-            kwargs["max_pixels"] = request.max_pixels
-        if request.priority != BULK:  # the pages keep their document's lane
-            kwargs["priority"] = request.priority
-        if request.batch is not None:  # a document's pages are in its batch
-            kwargs["batch"] = request.batch
-        send(request.job_id, kwargs)
+        # A copy of its document's request: every field (caps, lane, batch) but the image and
+        # the id; a new page row is a first run, whatever re-run its document is on.
+        page_job = request.model_copy(
+            update={"image": ImageRef(**image), "job_id": job_id, "retry": 0}
+        )
+        send(request.job_id, page_job)
     log.info(
         "document %s: %d pages, %d page jobs sent (%s)", request.job_id, pages, len(to_send), source
     )
@@ -107,17 +106,11 @@ def split(
 
 def celery_sender(settings: Settings) -> SendPage:
     """Page jobs sent through the broker, as any producer sends a job (task id = job id)."""
-    from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, queue_for
-    from ocrq.core.requeue import producer_app
+    from ocrq.core.requeue import producer_app, send_job
 
     app = producer_app(settings)
 
-    def send(_document_id: str, kwargs: dict[str, Any]) -> None:
-        app.send_task(
-            TASK_NAME,
-            kwargs=kwargs,
-            queue=queue_for(kwargs.get("priority", BULK), settings.queue or DEFAULT_QUEUE),
-            task_id=kwargs["job_id"],
-        )
+    def send(_document_id: str, page_job: JobRequest) -> None:
+        send_job(app, settings, page_job)
 
     return send

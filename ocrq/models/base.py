@@ -18,12 +18,13 @@ an engine's memory than this: that is an optional protocol of its own (ocrq/mode
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from PIL import Image
 
+from ocrq.core.pixel_budget import PixelBudget
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.slots import RunningBudget
 
@@ -61,9 +62,9 @@ class OcrResult:
 class PreparedImage:
     """A decoded RGB image ready for an engine.
 
-    `image` may be smaller than the original (prefetch caps pixels, the planner may downscale an
-    image too big for the budget); `original_size` lets engines report boxes in the pixels the
-    user knows.
+    `image` may be smaller than the original (the stages of its pixel budget shrink it:
+    ocrq/core/pixel_budget.py); `original_size` lets engines report boxes in the pixels the user
+    knows.
     """
 
     key: str
@@ -71,8 +72,9 @@ class PreparedImage:
     original_size: tuple[int, int]
     task: str = "text"  # a task name of the contract (ocrq.core.contract.TASKS), or "custom"
     prompt: str = ""  # the job's free prompt, for "custom"; engines hold the named tasks' own
-    # The job's own cap on the pixels the model sees (None: the engine's per-task default).
-    max_pixels: int | None = None
+    # The job's own cap on the pixels the model sees (the producer's `max_pixels`; None: the
+    # engine's preset for the task): the `job_cap` of its pixel budget.
+    job_cap: int | None = None
     # The row's own cap on new tokens, at most the engine's (None: the engine's): a generating
     # engine ends the row there as at an end of sequence. Benches draw it per row.
     max_new_tokens: int | None = None
@@ -104,13 +106,13 @@ class EngineFront(Protocol):
     preprocessing happen over there, beside its batcher."""
 
     name: str
-    max_pixels: int | None
+    model_limit: int | None
     # Whether `prepare` does its work in this process (and is worth timing here).
     prepares_here: bool
 
     def prepare(self, item: PreparedImage) -> None: ...
 
-    def page_pixels(self, task: str, max_pixels: int | None) -> int | None: ...
+    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget: ...
 
     def close(self) -> None: ...
 
@@ -120,9 +122,10 @@ class EngineCore(ABC):
 
     name: str = "engine"
     prepares_here: bool = True
-    # Pixels above which prefetch threads downscale an image before it waits for the engine;
-    # engines that resize internally anyway set their own ceiling here. None: keep full size.
-    max_pixels: int | None = None
+    # The most pixels the model ever sees (its processor's limit): the `model_limit` of every
+    # pixel budget, which the intake shrinks a waiting image to. None: the engine has no view of
+    # its own (it reads the image as handed in), and keeps full size.
+    model_limit: int | None = None
 
     @abstractmethod
     def load(self) -> None:
@@ -159,11 +162,11 @@ class EngineCore(ABC):
         `item.encoded`. An exception here fails only this item.
         """
 
-    def page_pixels(self, task: str, max_pixels: int | None) -> int | None:
-        """Pixels a rendered document page should have for `task` (and a job's own cap): the
-        render DPI follows it, so a page is drawn at the size the model will see instead of
-        drawn large and shrunk. None: no preference (the worker's default DPI)."""
-        return None
+    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
+        """The caps on the pixels of a `task` image with the job's own `job_cap`: the one answer
+        every stage asks (ocrq/core/pixel_budget.py). Engines with resolution presets add
+        theirs and their model's floor; this default knows only the model's limit."""
+        return PixelBudget(job_cap=job_cap, model_limit=self.model_limit)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release device memory and sessions."""
@@ -241,6 +244,13 @@ class StreamingEngine(EngineCore):
 
     def reset(self) -> list[str]:
         """Drop every row in flight (after an error) and free the loop; their keys."""
+        return []
+
+    def drop(self, keys: Collection[str]) -> list[str]:
+        """Drop these rows (their jobs were cancelled) from the loop, freeing their slots; the
+        keys of those it held, which `poll` will never return. Called on the batcher's thread
+        between polls. An engine that cannot drop a row returns none: the row runs to its end
+        and its result is not stored (the row is final already)."""
         return []
 
     def streams(self) -> bool:

@@ -163,6 +163,9 @@ class RunningBudget:
     prefill_bytes: int
     state_bytes: int
     decode_fixed_bytes: int
+    # Of `slots`, those only interactive rows take (OCRQ_INTERACTIVE_SLOTS): bulk rows hold at
+    # most `slots - reserved_slots` (the planner's `plan_running`, the loop's `lane_pass`).
+    reserved_slots: int = 0
 
     @classmethod
     def plan(

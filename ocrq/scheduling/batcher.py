@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -29,7 +29,15 @@ from ocrq.scheduling.downscaling import Downscaler
 from ocrq.scheduling.executor import BatchExecutor, log_downscale
 from ocrq.scheduling.governor import BudgetGovernor
 from ocrq.scheduling.planner import Plan, plan
-from ocrq.scheduling.vocabulary import BatchConfig, BatchRecord, Entry, ItemOutcome, Row, resolve
+from ocrq.scheduling.vocabulary import (
+    BatchConfig,
+    BatchRecord,
+    Entry,
+    ItemOutcome,
+    Row,
+    cancelled,
+    resolve,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +118,14 @@ class StaticBatcher:
     def pending(self) -> int:
         with self._cond:
             return len(self._state.waiting)
+
+    def cancel(self, keys: Collection[str]) -> None:
+        """Waiting images of these keys resolve `Cancelled` now; a batch running is not
+        disturbed (an image in it runs to its end)."""
+        with self._cond:
+            gone = [k for k, e in self._state.waiting.items() if e.row.item.key in keys]
+            for key in gone:
+                resolve(self._state.waiting.pop(key).future, cancelled(self.engine.name))
 
     # -- batcher thread ------------------------------------------------------------------
 

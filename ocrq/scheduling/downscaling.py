@@ -5,6 +5,10 @@ estimate, though, is a function of a PreparedImage. A `Downscaler` is that bridg
 planning round: it makes each candidate size once (each from the smallest copy made so far, as
 repeated halving did before), estimates it, and hands the batcher the very copy the plan chose.
 
+The size of a copy is the image's pixel budget's answer at its fit stage
+(ocrq/core/pixel_budget.py): the planner's pixels, never below the model's floor (where the
+processor would scale the copy back up) nor above what the model sees already.
+
 Every copy is a NEW PreparedImage (`dataclasses.replace`) with `encoded` empty, since the
 engine's preprocessing of the old pixels does not hold for the new ones: `run` redoes it. The
 waiting item itself is never changed, so a copy that was estimated and not chosen costs nothing.
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+from ocrq.core.pixel_budget import Stage
 from ocrq.intake.images import downscale
 from ocrq.models.base import EngineCore, PreparedImage
 from ocrq.models.costs import ItemCost
@@ -31,11 +36,14 @@ class Downscaler:
         return self._engine.estimate(self.item_at(key, pixels))
 
     def item_at(self, key: str, pixels: int) -> PreparedImage:
-        """Item `key` shrunk to at most `pixels` pixels (aspect ratio kept), made once."""
+        """Item `key` shrunk to at most `pixels` pixels (aspect ratio kept) as its budget's
+        fit stage allows, made once."""
+        original = self._items[key]
+        budget = self._engine.pixel_budget(original.task, original.job_cap).fitted(pixels)
+        pixels = budget.at(Stage.FIT) or pixels
         made = self._made.get((key, pixels))
         if made is not None:
             return made
-        original = self._items[key]
         # Shrink from the smallest copy that is still at least this large: cheap on a big page.
         larger = [
             item

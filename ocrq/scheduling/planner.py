@@ -242,6 +242,7 @@ def plan_running(
     rule: ShrinkRule = ShrinkRule(),
     lanes: LaneRule = LaneRule(),
     held_rows: int | None = None,
+    held_bulk: int | None = None,
 ) -> Plan:
     """Which waiting items to hand to a running loop (continuous batching) now.
 
@@ -255,6 +256,10 @@ def plan_running(
     With `held_rows` (rows handed over and not finished), at most the loop's free slots are
     handed over: a row the loop cannot seat waits in the engine's own first-in-first-out
     queue, where an interactive row handed over later could not pass it; here it still can.
+    With `held_bulk` too (those of them in the bulk lane), bulk rows get at most the slots the
+    loop does not reserve for interactive ones (`loop.reserved_slots`) and an interactive row
+    passes a bulk row that has no bulk slot (it could not take that row's slot anyway); a bulk
+    row never passes another.
     """
     if not waiting:
         return Plan((), 0, loop.pool_bytes, ())
@@ -275,18 +280,27 @@ def plan_running(
     taken: list[str] = []
     tokens = held_tokens
     seats = loop.slots - held_rows if held_rows is not None else len(by_age)
+    bulk_seats = (loop.slots - loop.reserved_slots - held_bulk if held_bulk is not None
+                  else seats)
+    bulk_taken = 0
     for w in by_age:
         if len(taken) >= seats:
             break
+        bulk = w.lane != INTERACTIVE
+        if bulk and bulk_taken >= bulk_seats:
+            bulk_seats = -1  # closed: no later bulk row passes this one
+            continue
         need = capacity_of(w.cost.prompt_tokens, w.cost.new_tokens)
         if tokens + need > loop.pool_tokens or not loop.fits_alone(w.cost, w.cost.new_tokens):
             break
         taken.append(w.key)
         tokens += need
+        bulk_taken += bulk
     per_token = loop.pool_bytes / max(loop.pool_tokens, 1)
+    chosen = set(taken)
     return Plan(
         keys=tuple(taken),
         predicted_bytes=int((tokens - held_tokens) * per_token),
         budget_bytes=loop.pool_bytes,
-        deferred=tuple(w.key for w in by_age[len(taken) :]),
+        deferred=tuple(w.key for w in by_age if w.key not in chosen),
     )

@@ -16,22 +16,28 @@ exactly once. What differs:
   GPU's queue full;
 * the planner runs only when something changed (a row arrived, finished or was requeued): with
   hundreds of rows waiting for room it is not free, and it shares the GIL with that thread;
+* every LOOP_LOG_S the loop's running totals (`engine.loop_counts()`: steps, their GPU seconds,
+  prefill passes and tokens, live rows per lane) go to the log as one `running loop totals:`
+  JSON line, so a bench can read a run's step figures from the worker's log
+  (bench/lanes.py `loop_figures`);
 * an out-of-memory error from the loop lowers the budget (the governor), reopens the loop smaller
   and puts the rows in flight back at the front of the queue: no job fails for it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from ocrq.core import metrics
+from ocrq.core.contract import INTERACTIVE
 from ocrq.models.base import Finished, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
@@ -39,7 +45,15 @@ from ocrq.models.slots import RunningBudget, capacity_of
 from ocrq.scheduling.downscaling import Downscaler
 from ocrq.scheduling.executor import log_downscale
 from ocrq.scheduling.planner import plan_running
-from ocrq.scheduling.vocabulary import BatchConfig, BatchRecord, Entry, ItemOutcome, Row, resolve
+from ocrq.scheduling.vocabulary import (
+    BatchConfig,
+    BatchRecord,
+    Entry,
+    ItemOutcome,
+    Row,
+    cancelled,
+    resolve,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +68,7 @@ class _Held(NamedTuple):
 
 
 POLL_S = 0.05  # longest the loop runs before this thread looks at new arrivals
+LOOP_LOG_S = 5.0  # seconds between two `running loop totals:` log lines
 
 
 class StreamingBatcher:
@@ -78,7 +93,9 @@ class StreamingBatcher:
         self._flight: dict[str, _Held] = {}  # engine key -> the row handed to the engine
         self._seq = 0
         self._changed = False  # something the planner would see differently since it last ran
+        self._cancels: set[str] = set()  # keys to drop from the loop at its next harvest
         self._loop_counts: dict[str, float] = {}  # the engine's totals at the last count
+        self._loop_logged = 0.0  # time.monotonic() of the last `running loop totals:` line
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="ocrq-finish")
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ocrq-streaming", daemon=True)
@@ -127,6 +144,17 @@ class StreamingBatcher:
         with self._cond:
             return len(self._waiting) + len(self._flight)
 
+    def cancel(self, keys: Collection[str]) -> None:
+        """Waiting rows of these keys resolve `Cancelled` now; rows the engine holds are
+        dropped by this batcher's thread after the loop's next harvest (`_drop_cancelled`)."""
+        with self._cond:
+            gone = [k for k, e in self._waiting.items() if e.row.item.key in keys]
+            for key in gone:
+                resolve(self._waiting.pop(key).future, cancelled(self.engine.name))
+            self._cancels.update(keys)
+            self._changed = self._changed or bool(gone)
+            self._cond.notify_all()
+
     # -- the thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -134,10 +162,12 @@ class StreamingBatcher:
             with self._cond:
                 while not self._waiting and not self._flight:
                     if self._stopping:
+                        self._log_loop(force=True)
                         return
                     self._cond.wait(0.5)
             try:
                 self._hand_over()
+                self._drop_cancelled()
                 self._collect()
             except Exception:  # never let the thread die with futures waiting
                 log.exception("running loop failed")
@@ -145,6 +175,19 @@ class StreamingBatcher:
 
     def _held(self) -> int:
         return sum(held.tokens for held in self._flight.values())
+
+    def _held_bulk(self) -> int:
+        """Rows in flight in the bulk lane: they may not take the loop's interactive slots."""
+        return sum(h.entry.row.item.priority != INTERACTIVE for h in self._flight.values())
+
+    def _log_loop(self, force: bool = False) -> None:
+        """The loop's totals as one JSON line, every LOOP_LOG_S (and at the end)."""
+        now = time.monotonic()
+        if not self._loop_counts or (not force and now - self._loop_logged < LOOP_LOG_S):
+            return
+        self._loop_logged = now
+        totals = {k: round(v, 4) for k, v in sorted(self._loop_counts.items())}
+        log.info("running loop totals: %s", json.dumps(totals))
 
     def _hand_over(self) -> None:
         """Plan against the pool beside the rows in flight, apply the plan, submit."""
@@ -165,6 +208,7 @@ class StreamingBatcher:
             self.config.shrink,
             self.config.lanes,
             held_rows=len(self._flight),
+            held_bulk=self._held_bulk(),
         )
         rows = []
         idle = not self._flight
@@ -192,6 +236,24 @@ class StreamingBatcher:
             self.engine.submit(rows)
             if idle:
                 metrics.engine_progress(busy=True)
+
+    def _drop_cancelled(self) -> None:
+        """Rows the engine holds whose jobs were cancelled: out of the loop (their slots and KV
+        free for the rows waiting), their futures resolved `Cancelled`. Keys not held (not
+        handed over yet, or finished) are forgotten: the worker asks again while it runs them."""
+        with self._cond:
+            asked, self._cancels = self._cancels, set()
+        held = [key for key in asked if key in self._flight]
+        if not held:
+            return
+        dropped = self.engine.drop(held)
+        for key in dropped:
+            resolve(self._flight.pop(key).entry.future, cancelled(self.engine.name))
+        if dropped:
+            with self._cond:
+                self._changed = True  # their KV ranges are free
+            metrics.engine_progress(busy=bool(self._flight))
+            log.info("dropped %d cancelled row(s) from the running loop", len(dropped))
 
     def _collect(self) -> None:
         """Run the loop a little; resolve every row that finished."""
@@ -221,6 +283,7 @@ class StreamingBatcher:
             self._changed = True  # their KV ranges are free
         metrics.engine_progress(busy=bool(self._flight))
         self._loop_counts = metrics.count_loop(self.engine.loop_counts(), self._loop_counts)
+        self._log_loop()
         self.governor = self.governor.after_batch(0)
         record = BatchRecord(
             batch_id,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -117,6 +118,15 @@ class Entry:
         return self.row.waiting(key, max(0.0, now - self.submitted))
 
 
+class Cancelled(Exception):
+    """The image's job was cancelled while it waited for, or ran in, a batcher: it was dropped
+    and has no result (the job's row says `cancelled` already)."""
+
+
+def cancelled(engine: str) -> ItemOutcome:
+    return ItemOutcome(None, Cancelled("cancelled by request; dropped"), "", engine)
+
+
 @runtime_checkable
 class Batcher(Protocol):
     """What a job runner and the runtime ask of any batcher: hand over an image and wait on its
@@ -134,6 +144,13 @@ class Batcher(Protocol):
     def submit(self, item: PreparedImage) -> Future[ItemOutcome]: ...
 
     def pending(self) -> int: ...
+
+    def cancel(self, keys: Collection[str]) -> None:
+        """Drop the images of these keys (their jobs were cancelled): each future resolves
+        with `Cancelled`, a waiting one at once, one a running loop holds at its next harvest.
+        Keys it does not hold are ignored; an image in a static batch already running is not
+        dropped (that batch goes on; the job's result is not stored)."""
+        ...
 
     def stop(self, timeout: float | None = None) -> None: ...
 

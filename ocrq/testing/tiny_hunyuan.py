@@ -319,8 +319,8 @@ def build_checkpoint(
 
 def mark_random(config_json: Path) -> None:
     """Say in the config that these weights are random: only such a checkpoint may end rows at
-    a bench's scripted lengths (ocrq/models/hunyuan/scripted.py)."""
-    from ocrq.models.hunyuan.scripted import RANDOM_MARK
+    a bench's scripted lengths (ocrq/testing/scripted.py)."""
+    from ocrq.models.hunyuan.checkpoint import RANDOM_MARK
 
     config = json.loads(config_json.read_text())
     config[RANDOM_MARK] = True

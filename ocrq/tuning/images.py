@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,9 @@ class ImagesOutcome:
     def versus_default(self) -> str:
         """How the knee compares with the engine's default max batch, as measured."""
         rec, default = self.recommendation, self.default_max_batch
+        if rec.rising_at is not None:
+            return (f"the default max batch ({default}) is kept: the sweep stopped at "
+                    f"{rec.rising_at} while images/s still rose")
         if rec.setting == default:
             return f"the default max batch ({default}) is already at the knee: nothing to change"
         at = next((p for p in self.sweep.points if p.setting == default and p.ran), None)
@@ -169,9 +172,15 @@ def tune_images(
         if progress is not None:
             progress(total, total)
         try:
-            rec = recommend(sweep.points, budget, fraction=fraction, headroom=headroom)
+            rec = recommend(sweep.points, budget, fraction=fraction, headroom=headroom,
+                            pooled=loop is not None)
         except SweepProblem as exc:
             raise SweepProblem(str(exc), sweep) from None
+        if rec.limited_by == "time" and engine.preferred_max_batch() > rec.setting:
+            # Never advise less than the default from a sweep cut short while still rising: on
+            # an H200 (bench/results/tune_gpu/tune_a4.md) the cut sweep's 128 slots ran the
+            # service at 0.66x the default's 256.
+            rec = replace(rec, setting=engine.preferred_max_batch(), rising_at=rec.setting)
         rate = RATE if loop is not None else (
             "steady state: the whole sample once per setting, after the engine's first call"
             + (" and a warm-up batch of that size" if device else ""))

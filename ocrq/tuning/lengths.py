@@ -9,7 +9,7 @@ Three cases:
 * a random-weight checkpoint (ocrq/testing/tiny_hunyuan.py marks it): it never emits an end of
   sequence, so each row gets a length drawn the way the bench draws them (bench/
   continuous_batching.py: lognormal around a median per page class, the class nearest in
-  pixels), as ocrq/models/hunyuan/scripted.py explains;
+  pixels), as ocrq/testing/scripted.py explains;
 * an engine that generates nothing (the CPU engine): no lengths.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ocrq.models.base import Engine, OcrResult, PreparedImage
-from ocrq.models.hunyuan.scripted import is_random_checkpoint
+from ocrq.models.hunyuan.checkpoint import is_random_checkpoint
 
 # The bench's classes: (width, height) and median new tokens (bench/continuous_batching.py).
 CLASSES = {"crop": ((240, 64), 12), "receipt": ((886, 1699), 300), "a4": ((1248, 1760), 1100)}

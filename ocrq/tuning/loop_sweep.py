@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from ocrq.models.base import PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel
 from ocrq.models.memory import OutOfMemory, catch_oom, memory_of
-from ocrq.tuning.sweep import SweepPoint, copies
+from ocrq.tuning.sweep import SweepPoint, copies, past_deadline
 
 POLL_S = 0.5
 RATE = "whole run of the timed rows after a warm-up, filling and draining included"
@@ -40,14 +40,15 @@ class LoopSetting:
         self.memory = memory_of(engine)
 
     def drain(self, batch: list[PreparedImage], on_batch: Callable[[int, int], None] | None,
-              slots: int) -> float | OutOfMemory:
-        """Submit `batch` and poll until every row finished; the seconds it took."""
+              slots: int, deadline: float) -> float | OutOfMemory | int:
+        """Submit `batch` and poll until every row finished: the seconds it took; or, cut at
+        `deadline` (the loop reset, its rows dropped), how many rows had finished."""
         keys = {row.key for row in batch}
         t0 = time.perf_counter()
         self.engine.submit(batch)
 
         def run() -> None:
-            while keys:
+            while keys and time.monotonic() < deadline:
                 done = self.engine.poll(POLL_S)
                 for finished in done:
                     keys.discard(finished.key)
@@ -58,6 +59,9 @@ class LoopSetting:
         if isinstance(outcome, OutOfMemory):
             self.engine.reset()
             return outcome
+        if keys:
+            self.engine.reset()
+            return len(batch) - len(keys)
         return time.perf_counter() - t0
 
     def timed(self, rows: int, slots: int) -> int:
@@ -65,7 +69,7 @@ class LoopSetting:
 
     def run(
         self, rows: Sequence[PreparedImage], slots: int, timed: int,
-        on_batch: Callable[[int, int], None] | None,
+        on_batch: Callable[[int, int], None] | None, deadline: float = float("inf"),
     ) -> SweepPoint:
         settings = getattr(self.engine, "settings", None)
         before = getattr(settings, "max_batch", None)
@@ -80,13 +84,17 @@ class LoopSetting:
                 return SweepPoint(slots, "oom")
             if opened.slots < slots:  # the budget could not hold them: not this setting
                 return SweepPoint(slots, f"skipped: the budget holds {opened.slots} slots")
-            warm = self.drain(copies(rows, slots, f"lw{slots}"), on_batch, slots)
+            warm = self.drain(copies(rows, slots, f"lw{slots}"), on_batch, slots, deadline)
             if isinstance(warm, OutOfMemory):
                 return SweepPoint(slots, "oom")
+            if isinstance(warm, int):
+                return SweepPoint(slots, past_deadline(0, timed))
             batch = copies(rows, timed, f"l{slots}")
-            seconds = self.drain(batch, on_batch, slots)
+            seconds = self.drain(batch, on_batch, slots, deadline)
             if isinstance(seconds, OutOfMemory):
                 return SweepPoint(slots, "oom")
+            if isinstance(seconds, int):
+                return SweepPoint(slots, past_deadline(seconds, timed))
             # No samples for the cost-model fit: a loop's peak holds its pool, sized by the
             # budget, not by the rows.
             return SweepPoint(slots, "ok", timed, seconds, self.memory.peak_memory_bytes())

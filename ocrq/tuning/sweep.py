@@ -8,8 +8,13 @@ work, so the rates compare like for like. bench/sustained.py's definition (compl
 running loop is saturated) needs a loop fed from a queue; a static batch is saturated by
 construction, so its steady-state rate is the same quantity.
 
-The sweep is bounded: each setting's time is predicted from the last one's seconds per image
-(with SLACK) and skipped past the deadline; an out-of-memory error ends the sweep at that
+The sweep is bounded: each setting's time is predicted from the last one's seconds per image,
+scaled as if batching were perfect (an optimistic bound, with SLACK; the first from a warm call
+of one image, since the engine's cold first call pays for allocations and, on a GPU, graph
+captures and kernel compiles: predicted from it, a setting the H200 ran in ~5 s was skipped as
+needing 191 s), and skipped past the deadline; a setting that runs past the deadline anyway is
+cut there and reported as skipped, so tune never outlives --max-seconds by more than one batch
+(the calls before the sweep excepted); an out-of-memory error ends the sweep at that
 setting (caught and recovered, as the batcher does: `catch_oom`), and so does a peak over the
 budget, since larger batches only take more.
 
@@ -49,7 +54,7 @@ class LoopRunner(Protocol):
     def timed(self, rows: int, slots: int) -> int: ...
 
     def run(self, rows: Sequence[PreparedImage], slots: int, timed: int,
-            on_batch: Callable[[int, int], None] | None) -> SweepPoint: ...
+            on_batch: Callable[[int, int], None] | None, deadline: float) -> SweepPoint: ...
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,10 @@ def run_sweep(
     first = one(copies(rows, 1, "warm"), 1)
     if isinstance(first, OutOfMemory):
         raise SweepProblem(f"one image does not fit: {first.message}")
-    per_image_s = first[0]
+    warm = one(copies(rows, 1, "warm1"), 1)  # the first estimate, from a warm engine
+    if isinstance(warm, OutOfMemory):
+        raise SweepProblem(f"one image does not fit: {warm.message}")
+    per_image_s, last = warm[0], 1  # seconds per image, measured at setting `last`
     memory.release_memory()
     memory.reset_peak_memory()
     sweep.baseline_bytes = memory.peak_memory_bytes()
@@ -165,20 +173,23 @@ def run_sweep(
             timed = -(-len(rows) // setting) * setting  # the whole sample, in full batches
         else:
             timed = loop.timed(len(rows), setting)
-        need = SLACK * per_image_s * (timed + (setting if warm_each or loop else 0))
+        # Optimistic (batching as if perfect): the prediction only keeps a setting that cannot
+        # finish from starting; the cut at the deadline bounds one that then runs slower.
+        need = SLACK * per_image_s * last / setting * (timed + (setting if warm_each or loop
+                                                                else 0))
         if clock() + need > deadline:
             sweep.points.append(
                 SweepPoint(setting, f"skipped: needs ~{need:.0f} s, past --max-seconds")
             )
             break
         if loop is None:
-            point = run_setting(one, rows, setting, timed, warm_each)
+            point = run_setting(one, rows, setting, timed, warm_each, deadline, clock)
         else:
-            point = loop.run(rows, setting, timed, on_batch)
+            point = loop.run(rows, setting, timed, on_batch, deadline)
         sweep.points.append(point)
         if not point.ran:
             break
-        per_image_s = point.seconds / point.images
+        per_image_s, last = point.seconds / point.images, setting
         if point.peak_bytes is not None and point.peak_bytes > budget_bytes:
             sweep.points[-1] = SweepPoint(
                 setting, "over budget", point.images, point.seconds, point.peak_bytes,
@@ -195,9 +206,11 @@ def run_setting(
     setting: int,
     timed: int,
     warm_each: bool,
+    deadline: float = float("inf"),
+    clock: Callable[[], float] = time.monotonic,
 ) -> SweepPoint:
     """A warm-up batch of `setting` rows (with `warm_each`), then `timed` rows in batches of
-    `setting`."""
+    `setting`; cut (reported skipped) when a batch would start past `deadline`."""
     samples: list[Sample] = []
     if warm_each:
         warm = one(copies(rows, setting, f"w{setting}"), setting)
@@ -207,6 +220,8 @@ def run_setting(
     seconds = 0.0
     items = copies(rows, timed, f"b{setting}")
     for start in range(0, timed, setting):
+        if clock() > deadline:
+            return SweepPoint(setting, past_deadline(start, timed), batches=tuple(samples))
         ran = one(items[start : start + setting], setting)
         if isinstance(ran, OutOfMemory):
             return SweepPoint(setting, "oom", batches=tuple(samples))
@@ -214,6 +229,12 @@ def run_setting(
         samples.append(ran[1])
     peak = max(s.peak_bytes for s in samples)
     return SweepPoint(setting, "ok", timed, seconds, peak, tuple(samples))
+
+
+def past_deadline(done: int, timed: int) -> str:
+    """The status of a setting cut at the deadline (its partial rate is not comparable: the
+    rows it ran are not the whole sample)."""
+    return f"skipped: past --max-seconds after {done} of {timed} images"
 
 
 @dataclass(frozen=True)
@@ -228,17 +249,32 @@ class Recommendation:
     fraction: float
     headroom: float  # required share of the budget left free
     headroom_kept: float  # share of the budget the recommended setting's peak leaves free
-    limited_by: str  # "throughput": a larger batch gains under (1 - fraction); "memory"
+    limited_by: str  # "throughput": a larger batch gains under (1 - fraction); "memory";
+    # "time": the deadline stopped the sweep while the rate still rose
+    pooled: bool = False  # a running loop's sweep: its peaks hold a pool sized to the budget
+    # Set when the best rate was the largest setting measured and the deadline stopped the
+    # sweep there: the setting it was still rising at (`setting` is then what to keep).
+    rising_at: int | None = None
 
     def describe(self, knob: str = "batch") -> str:
+        if self.rising_at is not None:
+            return (
+                f"no knee: images/s was still rising at {knob} {self.rising_at} "
+                f"({self.images_per_s:.2f} images/s) when --max-seconds ran out, so the "
+                f"larger {knob} {self.setting} is kept (give more --max-seconds to measure it)"
+            )
         gain = (
             f"the best, {knob} {self.best_setting}, makes {self.best_images_per_s:.2f} images/s"
         )
+        if self.pooled:
+            kept = (f"peak {self.peak_bytes / GiB:.2f} GiB: the running loop sizes its KV pool "
+                    "to the budget, so the headroom is what the budget leaves of the device")
+        else:
+            kept = (f"peak {self.peak_bytes / GiB:.2f} GiB, keeping {self.headroom_kept:.0%} of "
+                    f"the budget free (at least {self.headroom:.0%} asked)")
         return (
             f"knee: {knob} {self.setting} makes {self.images_per_s:.2f} images/s "
-            f"({self.images_per_s / self.best_images_per_s:.0%} of the best; {gain}), "
-            f"peak {self.peak_bytes / GiB:.2f} GiB, keeping {self.headroom_kept:.0%} of the "
-            f"budget free (at least {self.headroom:.0%} asked)"
+            f"({self.images_per_s / self.best_images_per_s:.0%} of the best; {gain}), {kept}"
         )
 
 
@@ -248,16 +284,24 @@ def recommend(
     *,
     fraction: float = FRACTION,
     headroom: float = HEADROOM,
+    pooled: bool = False,
 ) -> Recommendation:
     """The smallest setting within `fraction` of the best rate among those that leave
-    `headroom` of the budget free (pure; SweepProblem when fewer than two settings ran)."""
+    `headroom` of the budget free (pure; SweepProblem when fewer than two settings ran).
+
+    `pooled`: the points ran through a running loop, which takes the budget for its KV pool
+    whatever the slots (a peak near the budget is the pool, not what the rows need), so a
+    setting fits when it ran within the budget; the headroom is then the budget's own share of
+    the device (--budget-fraction). Without this, an H200 sweep excluded 64-256 slots (pool
+    peaks at 96% of the budget) and recommended 32, which ran the service at 0.67x the default.
+    """
     ran = [p for p in points if p.ran and p.peak_bytes is not None]
     if len(ran) < 2:
         raise SweepProblem(
             f"only {len(ran)} setting(s) measured: too little to name a knee (give more "
             "--max-seconds, or a smaller sample)"
         )
-    limit = (1.0 - headroom) * budget_bytes
+    limit = budget_bytes if pooled else (1.0 - headroom) * budget_bytes
     fits = [p for p in ran if p.peak_bytes is not None and p.peak_bytes <= limit]
     if not fits:
         smallest = min(ran, key=lambda p: p.setting)
@@ -274,8 +318,11 @@ def recommend(
     beyond = [p for p in points
               if p.setting > largest_fit and (p.ran or p.status in ("oom", "over budget"))]
     limited = "memory" if beyond and knee.setting == largest_fit else "throughput"
+    cut = [p for p in points if p.setting > largest_fit and "past --max-seconds" in p.status]
+    if cut and knee.setting == best.setting == largest_fit and limited == "throughput":
+        limited = "time"  # still rising where the time ran out: larger settings unmeasured
     assert knee.peak_bytes is not None
     return Recommendation(
         knee.setting, knee.images_per_s, knee.peak_bytes, best.setting, best.images_per_s,
-        fraction, headroom, 1.0 - knee.peak_bytes / budget_bytes, limited,
+        fraction, headroom, 1.0 - knee.peak_bytes / budget_bytes, limited, pooled,
     )

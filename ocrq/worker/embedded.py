@@ -80,12 +80,12 @@ def run_paths(
     settings = settings.model_copy(update={"allowed_roots": roots})
     store = JobStore(engine_for(settings.model_copy(update={"database_url": db_url})))
     store.create_tables()
-    pages: dict[str, list[dict[str, Any]]] = {}
+    pages: dict[str, list[JobRequest]] = {}
     lock = threading.Lock()
 
-    def send_page(document_id: str, kwargs: dict[str, Any]) -> None:
+    def send_page(document_id: str, page_job: JobRequest) -> None:
         with lock:
-            pages.setdefault(document_id, []).append(kwargs)
+            pages.setdefault(document_id, []).append(page_job)
 
     runtime = build_runtime(settings, store=store, worker_name="embedded", send_page=send_page)
     documents = DocumentStore(store.engine)
@@ -103,10 +103,7 @@ def run_paths(
                     return outcome
                 with lock:
                     sent = pages.pop(request.job_id, [])
-                futures = [
-                    page_pool.submit(runtime.runner.process, JobRequest.model_validate(k))
-                    for k in sent
-                ]
+                futures = [page_pool.submit(runtime.runner.process, page) for page in sent]
                 for future in futures:
                     future.result()
                 view = documents.view(request.job_id)

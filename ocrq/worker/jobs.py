@@ -25,13 +25,17 @@ from tenacity import (
 
 from ocrq.core import metrics
 from ocrq.core.contract import NAME_REFUSED, TASKS, JobRequest, canonical_job_id
+from ocrq.core.documents_store import FINAL as DOCUMENT_FINAL
 from ocrq.core.documents_store import DocumentStore
+from ocrq.core.pixel_budget import Stage
 from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
 from ocrq.intake import documents, images, splitting
 from ocrq.models.base import EngineFront, PreparedImage
-from ocrq.scheduling.vocabulary import Batcher
+from ocrq.scheduling.vocabulary import Batcher, Cancelled
 from ocrq.worker.alone import RetryGate
+from ocrq.worker.batch_hooks import BatchHooks
+from ocrq.worker.cancels import CancelWatch
 from ocrq.worker.envelope import safe_text
 from ocrq.worker.webhooks import Webhooks
 
@@ -158,13 +162,32 @@ class JobRunner:
         self._in_flight_lock = threading.Lock()
         self._gate = RetryGate()
         self._webhooks: Webhooks | None = None  # started by the first job with a callback_url
+        self._cancels: CancelWatch | None = None  # started by the first job (worker/cancels.py)
+        self._batches: BatchHooks | None = None  # batch webhooks (worker/batch_hooks.py)
 
     def close(self) -> None:
         """At shutdown, after the batcher: webhooks still retrying give up."""
+        if self._cancels is not None:
+            self._cancels.stop()
+        if self._batches is not None:
+            self._batches.close()
         if self._webhooks is not None:
             self._webhooks.close()
 
+    def _in_flight_ids(self) -> list[str]:
+        with self._in_flight_lock:
+            return list(self._in_flight)
+
+    def _watch_cancels(self) -> None:
+        if self._cancels is None:
+            with self._in_flight_lock:
+                if self._cancels is None:
+                    self._cancels = CancelWatch(
+                        self.store, self.batcher, self._in_flight_ids
+                    ).start()
+
     def process(self, request: JobRequest) -> JobOutcome:
+        self._watch_cancels()
         if request.image.name is not None and not self._db(self._names_a_page)(request):
             return self._refuse_name(request)
         source = request.image.describe()
@@ -182,7 +205,10 @@ class JobRunner:
             if request.image.page is not None:
                 # Also on a redelivery that finds the page done: its first delivery may have
                 # died between storing the page and completing the document.
-                self._db(self._complete_document)(request.job_id)
+                ended = self._db(self._complete_document)(request.job_id, outcome.already_done)
+                if ended is not None:
+                    self._document_webhook(*ended)
+            self._batch_hooks.job_ended(request.batch)
             return outcome
         finally:
             if owner:
@@ -241,15 +267,53 @@ class JobRunner:
             reference=request.image.reference(),
             batch=request.batch,
             rerun=request.retry,
+            columns=request.columns(),
         )
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
         outcome = self._run_claimed(request, source, claim, task, started)
-        if claim.callback_url:  # after the row is committed, from the webhooks' own threads
-            if self._webhooks is None:
-                self._webhooks = Webhooks(self.settings)
-            self._webhooks.send(claim.callback_url, outcome.as_json())
+        # A document split into pages sends its webhook once it is assembled, not now.
+        split = outcome.pages is not None and outcome.status == "done"
+        if claim.callback_url and not split:  # the row is committed; sent from its own threads
+            self._webhook().send(claim.callback_url, outcome.as_json())
+        elif claim.callback_url:  # every page may have failed at the split: final already
+            document = self._db(self.documents.get)([request.job_id]).get(request.job_id)
+            if document is not None and document["status"] in DOCUMENT_FINAL:
+                self._document_webhook(request.job_id, document["status"])
         return outcome
+
+    def _webhook(self) -> Webhooks:
+        if self._webhooks is None:
+            self._webhooks = Webhooks(self.settings)
+        return self._webhooks
+
+    @property
+    def _batch_hooks(self) -> BatchHooks:
+        if self._batches is None:
+            self._batches = BatchHooks(self.settings, self.store.engine, self._webhook)
+        return self._batches
+
+    def _document_webhook(self, document_id: str, status: str) -> None:
+        """The document's own job's webhook, with the document's outcome (document.finished),
+        sent by the page job whose end assembled it: once per document."""
+        row = self._db(self.store.get)([document_id]).get(document_id)
+        if row is None or not row.get("callback_url"):
+            return
+        document = self._db(self.documents.get)([document_id]).get(document_id) or {}
+        body = {
+            "job_id": document_id,
+            "document_id": document_id,
+            "path": row.get("source"),
+            "status": status,
+            "pages": document.get("pages"),
+            "text": document.get("text"),
+            "error": document.get("error"),
+            "batch": row.get("batch"),
+            "page_results": document.get("result"),
+        }
+        self._webhook().send(
+            row["callback_url"], body, event="document.finished", key=f"document {document_id}"
+        )
 
     def _run_claimed(
         self, request: JobRequest, source: str, claim: Claim, task: str, started: dt.datetime
@@ -290,24 +354,28 @@ class JobRunner:
             document: documents.Document | None = None
             try:
                 with metrics.stage_timer("fetch_decode"):
+                    # The one budget of this image's pixels (ocrq/core/pixel_budget.py): the
+                    # intake asks it here, the engine and the planner ask it of the item.
+                    budget = replace(
+                        self.engine.pixel_budget(task, request.max_pixels),
+                        intake_limit=self.settings.max_image_pixels,
+                    )
                     if request.image.page is not None:  # a page job: render its page here
-                        pixels = self.engine.page_pixels(task, request.max_pixels)
-                        loaded = documents.load_page(
-                            request.image, self.settings, self.engine.max_pixels, pixels
-                        )
+                        loaded = documents.load_page(request.image, self.settings, budget)
                     else:
                         taken = documents.take(request.image, self.settings)
                         if isinstance(taken, documents.Document):
                             document = taken
                             raise _IsDocument
-                        loaded = images.decode(taken, self.settings, source, self.engine.max_pixels)
+                        keep = budget.at(Stage.DECODE)
+                        loaded = images.decode(taken, self.settings, source, keep)
                 item = PreparedImage(
                     key=request.job_id,
                     image=loaded.image,
                     original_size=loaded.original_size,
                     task=task,
                     prompt=request.prompt,
-                    max_pixels=request.max_pixels,
+                    job_cap=request.max_pixels,
                     max_new_tokens=request.max_new_tokens,
                     priority=request.priority,
                 )
@@ -329,6 +397,7 @@ class JobRunner:
                 "width": loaded.original_size[0],
                 "height": loaded.original_size[1],
             }
+            del loaded  # the decoded pixels: the item holds the ones the model will see
             future = self.batcher.submit(item)
             del item
             try:
@@ -354,6 +423,8 @@ class JobRunner:
             "engine": outcome.engine,
             "batch_id": outcome.batch_id or None,
         }
+        if isinstance(outcome.error, Cancelled):  # dropped by the batcher: the row says why
+            return replace(self._final_row(request.job_id, source), **batch)
         if outcome.error is not None or outcome.result is None:
             message = f"{type(outcome.error).__name__}: {outcome.error}"
             failed = self._fail(request.job_id, source, message, **common)
@@ -418,12 +489,19 @@ class JobRunner:
         self._count("done")
         return JobOutcome(request.job_id, source, "done", pages=pages)
 
-    def _complete_document(self, job_id: str) -> None:
+    def _complete_document(self, job_id: str, copy: bool = False) -> tuple[str, str] | None:
+        """The page's document assembled if this was its last page: (its id, its status) when
+        it is final and either this call assembled it or this delivery ran the page (`copy`
+        False: the api may have assembled it in between), else None. So a document's webhook
+        goes once, not again for every copy of a page message (cancelled pages' included)."""
         row = self.store.get([job_id]).get(job_id)
         if row is not None and row.get("document_id") and row.get("page") is not None:
-            status = self.documents.complete(row["document_id"])
+            status, now_final = self.documents.assemble(row["document_id"])
             if status is not None:
                 log.info("document %s %s", row["document_id"], status)
+            if status is not None and (now_final or not copy):
+                return row["document_id"], status
+        return None
 
     def _not_run(self, job_id: str, source: str, claim: Claim) -> JobOutcome:
         """A claim that said no: already final, the id taken by another image, or out of tries."""

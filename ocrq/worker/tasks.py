@@ -53,15 +53,14 @@ def recognize(
     image: Any = None,
     task: str = "text",
     job_id: str | None = None,
-    max_pixels: Any = None,
-    max_new_tokens: Any = None,
-    priority: Any = None,
-    batch: Any = None,
-    retry: Any = None,
-    **_: Any,
+    **fields: Any,
 ) -> dict[str, Any]:
     """One job; its result (stored in the result backend when there is one) is the job's
-    result dict, so `AsyncResult(job_id).get()` returns what `GET /jobs/{id}` would."""
+    result dict, so `AsyncResult(job_id).get()` returns what `GET /jobs/{id}` would.
+
+    The message's kwargs are a JobRequest's (`JobRequest.message()`): image, task and job id
+    are named here for the refusals that precede it; every other field is JobRequest's alone
+    (an unknown one is ignored, so an older worker reads a newer producer's message)."""
     task_id = self.request.id
     # Set by the broker (ocrq/worker/broker.py) for a far ETA or links: the job fails with it.
     refusal = getattr(self.request, REFUSED_HEADER, None)
@@ -69,18 +68,11 @@ def recognize(
         # The job id a producer learns is the task id send_task returned: without a job_id of
         # its own the job takes that, instead of a fresh id nobody knows.
         job_id = task_id
-    if priority is None:  # a producer that only chose the queue: the queue names the lane
-        priority = lane_of_queue((self.request.delivery_info or {}).get("routing_key"))
+    if fields.get("priority") is None:  # a producer that only chose the queue: its lane
+        fields["priority"] = lane_of_queue((self.request.delivery_info or {}).get("routing_key"))
     try:
         _check_links(self, image, task, job_id, task_id)
-        extra = {
-            k: v
-            for k, v in (("priority", priority), ("batch", batch), ("retry", retry))
-            if v is not None
-        }
-        result = _recognize(
-            image, task, job_id, task_id, max_pixels, max_new_tokens, extra, refusal
-        )
+        result = _recognize(image, task, job_id, task_id, fields, refusal)
     except JobFailed as exc:
         _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
         raise
@@ -109,18 +101,14 @@ def _recognize(
     task: str,
     job_id: Any,
     task_id: Any,
-    max_pixels: Any,
-    max_new_tokens: Any,
-    extra: dict[str, Any],
+    fields: dict[str, Any],
     refusal: str | None = None,
 ) -> dict[str, Any]:
     try:
-        kwargs: dict[str, Any] = {"image": image, "task": task, "job_id": job_id, **extra}
-        if max_pixels is not None:
-            kwargs["max_pixels"] = max_pixels
-        if max_new_tokens is not None:
-            kwargs["max_new_tokens"] = max_new_tokens
-        request = JobRequest.model_validate(kwargs)
+        given = {k: v for k, v in fields.items() if v is not None}  # None: the default
+        request = JobRequest.model_validate(
+            {**given, "image": image, "task": task, "job_id": job_id}
+        )
     except ValidationError as exc:
         message = storable_text(
             "invalid job request: "

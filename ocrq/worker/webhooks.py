@@ -64,16 +64,21 @@ class Webhooks:
         # receiver never holds up the worker's exit (the pool's threads are joined at exit).
         self._closing = threading.Event()
 
-    def send(self, url: str, outcome: dict[str, Any]) -> Future[bool] | None:
-        """Queue the POST; returns at once (None when no secret is set: nothing is sent)."""
+    def send(
+        self,
+        url: str,
+        outcome: dict[str, Any],
+        event: str = "job.finished",
+        key: str | None = None,
+    ) -> Future[bool] | None:
+        """Queue the POST of `{"event": event, **outcome}`; returns at once (None when no
+        secret is set: nothing is sent). `key` names it in the log (default: its job)."""
+        key = key or f"job {outcome.get('job_id')}"
         if self._secret is None:
-            log.warning(
-                "job %s has a callback_url but OCRQ_WEBHOOK_SECRET is not set: not sent",
-                outcome.get("job_id"),
-            )
+            log.warning("%s has a callback_url but OCRQ_WEBHOOK_SECRET is not set: not sent", key)
             return None
-        body = json.dumps({"event": "job.finished", **outcome}, ensure_ascii=False).encode()
-        return self._pool.submit(self._deliver, url, body, str(outcome.get("job_id")))
+        body = json.dumps({"event": event, **outcome}, ensure_ascii=False, default=str).encode()
+        return self._pool.submit(self._deliver, url, body, key)
 
     def _deliver(self, url: str, body: bytes, job_id: str) -> bool:
         assert self._secret is not None
@@ -90,7 +95,7 @@ class Webhooks:
                     return self._post_once(url, body, job_id)
         except RetryError:
             log.warning(
-                "webhook for job %s to %s: gave up%s",
+                "webhook for %s to %s: gave up%s",
                 job_id,
                 redact_url(url),
                 " (worker stopping)" if self._closing.is_set() else " after every try",
@@ -107,13 +112,13 @@ class Webhooks:
         try:
             status = post(url, body, headers, self.settings)
         except FetchError as exc:
-            log.info("webhook for job %s: %s (%s)", job_id, exc, exc.detail)
+            log.info("webhook for %s: %s (%s)", job_id, exc, exc.detail)
             raise _Again from None
         if status >= 500 or status == 429:
-            log.info("webhook for job %s: HTTP %d, will retry", job_id, status)
+            log.info("webhook for %s: HTTP %d, will retry", job_id, status)
             raise _Again
         if status >= 300:
-            log.warning("webhook for job %s: HTTP %d, not retried", job_id, status)
+            log.warning("webhook for %s: HTTP %d, not retried", job_id, status)
             return False
         return True
 

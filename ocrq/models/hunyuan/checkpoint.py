@@ -8,6 +8,7 @@ ModelNotFound with the exact command that fetches it; the worker stops at start-
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,18 @@ from ocrq.core.settings import HunyuanSettings, ModelSettings
 REFUSED_ATTENTION = {"eager"}  # 13.1 GiB for one A4 page on the H200, where sdpa takes ~0.35
 DEFAULT_REPO = "tencent/HunyuanOCR"
 ROOT_EXTRAS = ("v1.0", "dflash")  # folders beside the root's 1.5 in DEFAULT_REPO
+# config.json key that only ocrq's random-weight builder (ocrq/testing/tiny_hunyuan.py) sets:
+# such weights never end a row, so `ocrq tune` draws its lengths (ocrq/tuning/lengths.py) and a
+# bench scripts them (ocrq/testing/scripted.py refuses any other checkpoint).
+RANDOM_MARK = "ocrq_random_weights"
+
+
+def is_random_checkpoint(model_dir: Path) -> bool:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get(RANDOM_MARK))
 
 
 class ModelNotFound(RuntimeError):

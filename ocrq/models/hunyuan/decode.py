@@ -124,7 +124,7 @@ class HunyuanDecoder:
         output_logits: bool = False,
         repetition_penalty: float = 1.0,
         guard: RepetitionGuard | None = None,
-        stop_after: Sequence[int | None] | None = None,
+        eos_at: Sequence[int | None] | None = None,
     ) -> Decoded:
         """Greedy tokens (B, steps) on the CPU, raw logits and the scores chosen from
         (B, steps, V) if asked, which rows the repetition guard stopped, and stats.
@@ -132,8 +132,9 @@ class HunyuanDecoder:
         `inputs` are the collated model inputs on the model's device; `tokens` says which ids
         end a row and what finished rows are padded with. `repetition_penalty` is transformers'
         (ocrq/models/hunyuan/repetition.py); `guard` stops rows whose tail loops (None: never).
-        `stop_after` (bench only, ocrq/models/hunyuan/scripted.py): per row, the new tokens
-        after which it ends at eos, or None for the model's own choice.
+        `eos_at` (a bench's hooks only, ocrq/models/hunyuan/hooks.py): per row, the index of the
+        new token it takes as eos, or None for the model's own choice; None, the service's,
+        adds nothing to the steps.
         """
         import torch
 
@@ -143,9 +144,9 @@ class HunyuanDecoder:
         t0 = time.perf_counter()
         with torch.inference_mode():
             state, first_logits = self._prefill(inputs, tokens, n_new, repetition_penalty)
-            if stop_after is not None and any(n is not None for n in stop_after):
+            if eos_at is not None and any(n is not None for n in eos_at):
                 state.eos_at = torch.tensor(
-                    [n_new if n is None else max(n, 1) - 1 for n in stop_after],
+                    [n_new if n is None else n for n in eos_at],
                     dtype=torch.long,
                     device=state.out.device,
                 )
@@ -221,7 +222,7 @@ class HunyuanDecoder:
             state.logits.append(logits.float())
             state.scores.append(scores)
         nxt = scores.argmax(-1)
-        if state.eos_at is not None:  # bench only: the scripted rows end here
+        if state.eos_at is not None:  # hooks only: their rows end here
             nxt = torch.where(state.eos_at == state.kidx, state.eos[0].expand_as(nxt), nxt)
         nxt = torch.where(state.finished, torch.full_like(nxt, state.pad), nxt)
         if state.history is not None and state.hidx is not None:
@@ -237,7 +238,7 @@ class HunyuanDecoder:
 
         assert state.stopped is not None
         newly = finder(state.out[:, :n]) & ~state.finished
-        if state.eos_at is not None:  # bench only: a scripted row's length is the bench's call
+        if state.eos_at is not None:  # hooks only: such a row's length is the hooks' call
             newly &= state.eos_at >= state.out.shape[1]
         state.stopped.copy_(torch.where(newly, n, state.stopped))
         state.finished |= newly

@@ -32,11 +32,13 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ocrq.core.contract import INTERACTIVE
+from ocrq.core.pixel_budget import PixelBudget, Stage
 from ocrq.core.settings import HunyuanSettings
 from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
@@ -56,6 +58,7 @@ from ocrq.models.hunyuan.generation import (
     greedy_config,
 )
 from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageGeometry, geometry_of, item_cost
+from ocrq.models.hunyuan.hooks import DecodeHooks, installed
 from ocrq.models.hunyuan.inputs import EncodedImage, Preprocessor, collate, fit_to_cap
 from ocrq.models.hunyuan.kv_cache import bytes_ratio
 from ocrq.models.hunyuan.memory import (
@@ -67,9 +70,8 @@ from ocrq.models.hunyuan.memory import (
 from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.patches import batch_vision_attention, isolate_rows
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
-from ocrq.models.hunyuan.resolution import pixel_cap
+from ocrq.models.hunyuan.resolution import pixel_budget
 from ocrq.models.hunyuan.running import Done, LoopConfig, LoopRow, RunningLoop
-from ocrq.models.hunyuan.scripted import scripted_lengths
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import (
     LATEST,
@@ -78,6 +80,7 @@ from ocrq.models.hunyuan.versions import (
     version_of_checkpoint,
 )
 from ocrq.models.hunyuan.vision_attention import choose, fa4_kernel
+from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget, capacity_of
 
 log = logging.getLogger(__name__)
@@ -89,13 +92,21 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
     name = "hunyuan"
     # The processor never shows the model more than its limit (2048² pixels for 1.0, ~4096² for
     # 1.5), so prefetch may downscale larger images to that before they wait in memory (set
-    # from the loaded processor).
-    max_pixels: int | None = LATEST.max_pixels
+    # from the loaded processor): every pixel budget's `model_limit`.
+    model_limit: int | None = LATEST.max_pixels
 
-    def __init__(self, settings: HunyuanSettings, *, decode: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: HunyuanSettings,
+        *,
+        decode: str | None = None,
+        hooks: DecodeHooks | None = None,
+    ) -> None:
         """`settings`: this engine's group (a whole Settings is narrowed to it here). `decode`:
         "fast" (ocrq/models/hunyuan/decode.py) or "generate" (transformers' loop); by default
-        `settings.decode`. Tests and benches pass it to compare both on one setting."""
+        `settings.decode`. Tests and benches pass it to compare both on one setting.
+        `hooks`: a bench's (ocrq/models/hunyuan/hooks.py), else the ones installed in this
+        process; the service's engine has none, and its loops run the model's choice alone."""
         settings = HunyuanSettings.of(settings)
         check_settings(settings)
         self.settings = settings
@@ -107,7 +118,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         self.processor: Any = None
         self.model_dir: Path | None = None
         self.device: str | None = None
-        self.scripted: dict[str, int] = {}  # bench only (ocrq/models/hunyuan/scripted.py)
+        self.hooks: DecodeHooks | None = hooks if hooks is not None else installed()
         self.tokens: SpecialTokens | None = None  # the one place eos and pad ids live
         self.templates: PromptTemplates | None = None
         self.preprocess_row: Preprocessor | None = None
@@ -155,7 +166,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         gen.repetition_penalty = self.repetition_penalty
         self.tokens = SpecialTokens.read(gen, processor.tokenizer)
         self.geometry = geometry_of(processor)
-        self.max_pixels = self.geometry.max_pixels
+        self.model_limit = self.geometry.max_pixels
         self.model, self.processor = model, processor
         self.model_dir, self.device = ckpt.path, ckpt.device
         self._generation_config = gen
@@ -169,14 +180,13 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             self.geometry,
             pin=self._cuda(),
             prompt_for=self.prompt_for,
-            cap_of=self.pixel_cap,
+            cap_of=self.view_pixels,
             mode=self.settings.preprocess,
         )
         if self.preprocess_row.spans is not None:  # a tokenizer the tensor path cannot splice
             for prompt in self.version.prompts.values():  # shows at start-up, not per job
                 self.preprocess_row.spans.pieces(self.templates(prompt)[0])
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
-        self.scripted = scripted_lengths(ckpt.path)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, %s vision "
             "attention, repetition penalty %s, max %d pixels, %s preprocessing, RoPE layout %s, "
@@ -255,19 +265,19 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         this version does not offer)."""
         return prompt_of(item, self.version.prompts, self.version.name)
 
-    def pixel_cap(self, item: PreparedImage) -> int:
-        """Pixels the model may see of `item`: its job's cap, else its task's preset, within
-        the model's limits (ocrq/models/hunyuan/resolution.py)."""
+    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
+        """The job's cap, the task's preset (OCRQ_TASK_MAX_PIXELS, else resolution.py's), within
+        the loaded model's range: what every stage of a `task` image asks."""
         g = self.geometry
-        return pixel_cap(
-            item.task, item.max_pixels, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
+        return pixel_budget(
+            task, job_cap, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
         )
 
-    def page_pixels(self, task: str, max_pixels: int | None) -> int | None:
-        """A document page is rendered at its task's preset: what `pixel_cap` gives it."""
-        g = self.geometry
-        overrides = self.settings.task_max_pixels
-        return pixel_cap(task, max_pixels, overrides, g.min_pixels, g.max_pixels)
+    def view_pixels(self, item: PreparedImage) -> int:
+        """Pixels the model sees of `item`: its budget's answer at the model stage."""
+        view = self.pixel_budget(item.task, item.job_cap).at(Stage.MODEL)
+        assert view is not None  # a budget with a model limit always has a view
+        return view
 
     def estimate(self, item: PreparedImage) -> ItemCost:
         """Tokens, patches and pixels of `item` as the model will see it (its resolution preset
@@ -279,7 +289,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         else:
             prompt_tokens = rough_prompt_tokens(prompt)
         self.geometry.resized(*item.size)  # the processor's own refusals first
-        size = self.geometry.shrink_to(*item.size, self.pixel_cap(item))
+        size = self.geometry.shrink_to(*item.size, self.view_pixels(item))
         return item_cost(
             *size,
             prompt_tokens=prompt_tokens,
@@ -317,15 +327,13 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         is loaded): by ocrq's tensor ops or transformers' processor (OCRQ_PREPROCESS)."""
         if self.preprocess_row is None:
             raise RuntimeError("HunyuanEngine.load() must run before preprocess()")
-        row = self.preprocess_row(item)
-        row.stop_after = self.scripted.get(item.key)
-        return row
+        return self.preprocess_row(item)
 
     def prepare(self, item: PreparedImage) -> None:
         """Preprocess in the prefetch thread; `run` then skips preprocessing for this item.
         The image is first shrunk to its resolution preset, so a 300 dpi page waits in memory
         at the size the model will see."""
-        item.image = fit_to_cap(item.image, self.geometry, self.pixel_cap(item))
+        item.image = fit_to_cap(item.image, self.geometry, self.view_pixels(item))
         item.encoded = self.preprocess(item)
 
     def _preprocess_or_error(self, item: PreparedImage) -> EncodedImage | Exception:
@@ -391,7 +399,9 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             fast = self._decoder.generate(
                 inputs,
                 tokens,
-                stop_after=[r.stop_after for r in rows] if self.scripted else None,
+                eos_at=(
+                    None if self.hooks is None else [self.hooks.eos_at(batch[i].key) for i in good]
+                ),
                 max_new_tokens=n_new,
                 min_new_tokens=min_new_tokens,
                 output_logits=output_logits,
@@ -465,7 +475,8 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         if self.decode != "fast" or self._decoder is None or self.tokens is None:
             raise RuntimeError("the running loop needs a loaded engine on the fast decode path")
         s = self.settings
-        slots = s.max_batch or self.preferred_max_batch()
+        # Bulk rows keep their OCRQ_MAX_BATCH slots; the interactive lane's are on top.
+        slots = (s.max_batch or self.preferred_max_batch()) + s.interactive_slots
         model = self.loop_cost_model(model)
         budget = RunningBudget.plan(
             model,
@@ -474,6 +485,7 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             prefill_tokens=self.pass_tokens(),
             state_bytes_per_slot=self.state_bytes_per_slot(),
         )
+        budget = replace(budget, reserved_slots=s.interactive_slots)
         # The torch attention also keeps a key mask per slot: a byte per slot and pool token.
         mask_bytes = 0 if self._decoder.attention == "triton" else slots
         per_token = model.per_cache_token_bytes + mask_bytes
@@ -485,11 +497,15 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             budget = replace(budget, pool_tokens=most, pool_bytes=int(most * per_token))
         self._drop_loop()
         self.release_memory()
-        self.loop = RunningLoop(self._decoder, self.tokens, self.loop_config(budget))
+        self.loop = RunningLoop(
+            self._decoder, self.tokens, self.loop_config(budget), hooks=self.hooks
+        )
         self.running = budget
         log.info(
-            "running loop: %d slots, KV pool of %d tokens (%.2f GiB), prefill %s up to %d tokens",
+            "running loop: %d slots (%d interactive only), KV pool of %d tokens (%.2f GiB), "
+            "prefill %s up to %d tokens",
             budget.slots,
+            budget.reserved_slots,
             budget.pool_tokens,
             budget.pool_bytes / 2**30,
             s.prefill_schedule,
@@ -532,6 +548,13 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             "guard": self.version.guard,
             "kv_dtype": s.kv_cache_dtype,
             "packed": s.prefill_packed,
+            "lanes": LanePolicy(
+                reserved_slots=budget.reserved_slots,
+                bulk_prefill_tokens=s.interactive_prefill_tokens,
+                bulk_gap=s.interactive_prefill_gap_steps,
+                bulk_rows=s.interactive_bulk_rows,
+                promote_steps=s.loop_bulk_max_wait_steps,
+            ),
         }
         values.update(overrides)
         return LoopConfig(**values)
@@ -547,14 +570,9 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             if isinstance(encoded, Exception):
                 self._failed.append(Finished(item.key, encoded))
                 continue
-            scripted = encoded.stop_after  # bench only (ocrq/models/hunyuan/scripted.py)
             queued.append(
-                LoopRow(
-                    item.key,
-                    encoded,
-                    self.row_cap(item),
-                    eos_at=None if scripted is None else max(scripted, 1) - 1,
-                )
+                LoopRow(item.key, encoded, self.row_cap(item),
+                        interactive=item.priority == INTERACTIVE)
             )
             self._items[item.key] = item
         try:
@@ -571,6 +589,15 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             return out
         done = self.loop.run(timeout_s)
         return out + [self._finished(d) for d in done]
+
+    def drop(self, keys: Collection[str]) -> list[str]:
+        """Cancelled rows out of the loop (RunningLoop.drop), their slots and KV freed."""
+        if self.loop is None:
+            return []
+        dropped = [row.key for row in self.loop.drop(keys)]
+        for key in dropped:
+            self._items.pop(key, None)
+        return dropped
 
     def finish(self, done: Done) -> Any:
         """A finished loop row as `generate` returns rows (a `Generated`)."""
@@ -622,6 +649,17 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
             "wait_seconds": s.wait_s,
             "prefill_cpu_seconds": s.prefill_cpu_s,
             "cpu_seconds": s.cpu_s,
+            "prefill_tokens": s.prefill_tokens,
+            "prefilled_interactive": s.prefilled_interactive,
+            "lane_steps": s.lane_steps,
+            "lane_row_steps": s.lane_row_steps,
+            "interactive_row_steps": s.interactive_row_steps,
+            "kv_token_steps": s.kv_token_steps,
+            "lane_decode_seconds": s.lane_decode_s,
+            "lane_prefill_seconds": s.lane_prefill_s,
+            "lane_prefills": s.lane_prefills,
+            "lane_prefill_tokens": s.lane_prefill_tokens,
+            "bulk_held_passes": s.bulk_held_passes,
         }
 
     def _drop_loop(self) -> None:

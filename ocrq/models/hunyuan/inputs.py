@@ -63,8 +63,6 @@ class EncodedImage:
     image_grid_thw: torch.Tensor  # (1, 3)
     # (axes, seq) multimodal RoPE positions of this row alone; None when not computed
     positions: torch.Tensor | None = None
-    # Bench only: new tokens after which the row ends as if at eos (ocrq/models/hunyuan/scripted.py)
-    stop_after: int | None = None
 
 
 @dataclass(frozen=True)

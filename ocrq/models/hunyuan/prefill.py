@@ -52,8 +52,8 @@ class DecodeState:
     history: torch.Tensor | None = None  # (B, L + N) long: every row's own tokens so far
     hidx: torch.Tensor | None = None  # (1,) long: history column of the token chosen next
     stopped: torch.Tensor | None = None  # (B,) long: tokens a guard-stopped row kept, else 0
-    # Bench only (ocrq/models/hunyuan/scripted.py): (B,) long, the token index at which each row
-    # takes eos as if the model chose it; past `out`'s width for rows without a script.
+    # A bench's hooks only (ocrq/models/hunyuan/hooks.py): (B,) long, the token index at which
+    # each row takes eos as if the model chose it; past `out`'s width for rows they leave alone.
     eos_at: torch.Tensor | None = None
 
 

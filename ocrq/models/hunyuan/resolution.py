@@ -17,12 +17,15 @@ the seed guide's reading is:
   do free prompts, whose needs ocrq cannot know.
 
 A worker overrides any of these (OCRQ_TASK_MAX_PIXELS), a job sets its own (`max_pixels` in the
-request), and the model's own limit (the loaded processor's) always applies on top.
+request), and the model's own limit (the loaded processor's) always applies on top: the preset is
+the `task_preset` of the image's pixel budget (ocrq/core/pixel_budget.py), which resolves them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+from ocrq.core.pixel_budget import PixelBudget
 
 DOCUMENT_PIXELS = 1536 * 1536
 SCENE_PIXELS = 2048 * 2048
@@ -44,15 +47,19 @@ TASK_MAX_PIXELS: dict[str, int] = {
 }
 
 
-def pixel_cap(
+def pixel_budget(
     task: str,
     job_cap: int | None,
     overrides: Mapping[str, int],
-    model_min: int,
-    model_max: int,
-) -> int:
-    """Pixels the model may see of one image: the job's cap, else the worker's for its task,
-    else the default preset, else the model's limit; never above the model's limit, nor below
-    its minimum (the processor scales smaller images up to it anyway)."""
-    cap = job_cap or overrides.get(task) or TASK_MAX_PIXELS.get(task) or model_max
-    return max(model_min, min(cap, model_max))
+    model_floor: int,
+    model_limit: int,
+) -> PixelBudget:
+    """The pixel budget of a `task` image: the job's cap, the worker's preset for the task else
+    the default one (none for subtitles and free prompts: the model's limit), and the model's
+    range, which the budget applies on top (ocrq/core/pixel_budget.py)."""
+    return PixelBudget(
+        job_cap=job_cap,
+        task_preset=overrides.get(task) or TASK_MAX_PIXELS.get(task),
+        model_floor=model_floor,
+        model_limit=model_limit,
+    )

@@ -23,18 +23,13 @@ Layout (ocrq/models/slots.py says why a pool of ranges):
   clears (`_forget_keys`) before a new row's prompt is marked: the tests show that skipping that
   clear lets an old row's keys leak into the new one.
 
-Prefill schedules (`LoopConfig.schedule`), the knob the GPU bench compares:
-
-* "alternate": decode until a quarter of the slots are free (or nothing runs), then prefill every
-  waiting row that fits in one pass of at most `prefill_tokens` prompt tokens; fewer,
-  larger prefill passes, slots idle a little longer;
-* "chunked": before every decode step, prefill the waiting rows that fit in a chunk of at most
-  `chunk_tokens` prompt tokens (whole rows: the vision tower needs a whole image), so
-  prefill work is spread between the steps and freed slots refill soon; with `prefill_gap`
-  steps between passes unless a pass is full, so that passes are fewer and fuller.
-
-A pass's tokens count padding (rows x the longest prompt) unless `packed`
-(ocrq/models/hunyuan/packed.py, the worker's default): its rows end to end.
+Split as vLLM splits its scheduler from its runner, at ocrq's scale: the loop here keeps the
+device state (the pool, every per-slot tensor, the graphs) and its books of rows, chooses tokens
+and runs the decode steps; its collaborators are the admission policy, which says when to
+prefill and which rows (ocrq/models/hunyuan/admission.py: the prefill schedules,
+`LoopConfig.schedule`), the prefill passes that carry a plan out on the loop's state
+(ocrq/models/hunyuan/passes.py), and the harvest, which says when the slots' state is read back
+for the rows that ended (ocrq/models/hunyuan/harvest.py).
 
 The greedy arithmetic (scores, repetition penalty, eos ban, the guard's rule) is the static
 loop's, per row; a row's tokens do not depend on the rows beside it (tests).
@@ -42,24 +37,25 @@ loop's, per row; a row's tokens do not depend on the rows beside it (tests).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ocrq.models.hunyuan.inputs import EncodedImage, collate, host_layout
-from ocrq.models.hunyuan.kv_cache import is_fp8, kv_dtype, store
-from ocrq.models.hunyuan.packed import pack, prefill_packed
-from ocrq.models.hunyuan.prefill import prompt_pass
+from ocrq.models.hunyuan.admission import AdmissionPolicy
+from ocrq.models.hunyuan.harvest import Harvest
+from ocrq.models.hunyuan.hooks import DecodeHooks, ForcedEos
+from ocrq.models.hunyuan.inputs import EncodedImage
+from ocrq.models.hunyuan.kv_cache import is_fp8, kv_dtype
+from ocrq.models.hunyuan.passes import PrefillPasses
 from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
 from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import RepetitionGuard
-from ocrq.models.slots import FULL_PASS, Admission, Candidate, KvPool, admit, capacity_of
+from ocrq.models.lane_pass import LanePolicy
+from ocrq.models.slots import KvPool, capacity_of
 
 if TYPE_CHECKING:
     import torch
@@ -81,10 +77,12 @@ class LoopRow:
     encoded: EncodedImage
     max_new_tokens: int
     min_new_tokens: int = 0  # eos banned before this many tokens (benches force lengths)
-    # Bench only (ocrq/models/hunyuan/scripted.py): the token index at which the row takes eos as
-    # if the model chose it; None: the model's own choice. Its KV range still holds its cap.
-    eos_at: int | None = None
+    interactive: bool = False  # the job's lane (ocrq/models/lane_pass.py)
     # Set by the loop.
+    # The loop's hooks' token index at which the row takes eos (ocrq/models/hunyuan/hooks.py);
+    # None: the model's own choice (always, without hooks).
+    eos_at: int | None = None
+    queued_step: int = 0  # the loop's decode steps when it joined the queue
     slot: int = -1
     start: int = -1
     capacity: int = 0
@@ -129,6 +127,8 @@ class LoopConfig:
     # Prefill passes with the rows packed end to end, no padding (ocrq/models/hunyuan/packed.py):
     # a pass then costs the tokens it holds, not rows x the longest prompt.
     packed: bool = False
+    # The interactive lane (ocrq/models/lane_pass.py): reserved slots, bulk limits while busy.
+    lanes: LanePolicy = field(default_factory=LanePolicy)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -170,17 +170,39 @@ class LoopStats:
     # rather than worked.
     prefill_cpu_s: float = 0.0
     cpu_s: float = 0.0
+    # The lanes (ocrq/models/lane_pass.py). "Busy": an interactive row live or waiting. An
+    # interactive row's token costs (lane_decode_s + lane_prefill_s) / lane_steps: the step over
+    # every live row plus the prefill passes run between its steps; `kv_token_steps` (live KV
+    # tokens summed over steps) over `steps` says how much KV a step reads.
+    prefill_tokens: int = 0  # prompt tokens prefilled
+    prefilled_interactive: int = 0
+    lane_steps: int = 0  # decode steps with an interactive row live
+    lane_row_steps: int = 0  # live rows summed over those steps
+    interactive_row_steps: int = 0  # live interactive rows summed over steps
+    kv_token_steps: int = 0
+    lane_decode_s: float = 0.0  # GPU seconds of the lane's steps (part of decode_s)
+    lane_prefill_s: float = 0.0  # ... of prefill passes run while busy (part of prefill_s)
+    lane_prefills: int = 0
+    lane_prefill_tokens: int = 0
+    bulk_held_passes: int = 0  # passes that held bulk rows back for the lane
 
 
 class RunningLoop:
     """Slots, a KV pool and the rows in them, for one loaded model on one device."""
 
     def __init__(
-        self, decoder: HunyuanDecoder, tokens: SpecialTokens, config: LoopConfig
+        self,
+        decoder: HunyuanDecoder,
+        tokens: SpecialTokens,
+        config: LoopConfig,
+        hooks: DecodeHooks | None = None,
     ) -> None:
+        """`hooks`: a bench's (ocrq/models/hunyuan/hooks.py); None, the service's, leaves the
+        step as the model makes it."""
         import torch
 
         self.decoder = decoder
+        self.hooks = hooks
         self.text = decoder.text
         self.tokens = tokens
         self.config = config
@@ -219,26 +241,32 @@ class RunningLoop:
         self.count = torch.zeros(s, dtype=long, device=dev)
         self.cap = torch.ones(s, dtype=long, device=dev)
         self.min_new = torch.zeros(s, dtype=long, device=dev)
-        self.eos_at = torch.full((s,), n + 1, dtype=long, device=dev)  # past any token: none
         self.finished = torch.ones(s, dtype=torch.bool, device=dev)
         self.stopped = torch.zeros(s, dtype=long, device=dev)
         self.out = torch.full((s, n), tokens.pad, dtype=long, device=dev)
         self.eos = torch.tensor(tokens.eos_list, dtype=long, device=dev)
+        self.forced = ForcedEos(s, n + 1, self.eos) if hooks is not None else None
         vocab = int(text.lm_head.weight.shape[0])
         self.seen = (
             torch.zeros(s, vocab, dtype=torch.bool, device=dev) if config.penalty != 1.0 else None
         )
         self.scratch_col = torch.tensor([self.scratch], dtype=long, device=dev)
         self._true = torch.ones((), dtype=torch.bool, device=dev)
-        self._since_check = 0
         self._step_no = 0  # decode steps run so far
-        self._last_prefill = -(10**9)  # the step of the last prefill pass
-        self._caps: list[tuple[int, int, int]] = []  # heap: (step its cap is reached, slot, id)
+        # The lanes' books (ocrq/models/lane_pass.py), kept by add/_take_waiting/_enter/_release.
+        self._live_interactive = 0
+        self._waiting_interactive = 0
+        self._kv_base = 0  # sum over live rows of prompt - first_step (live KV, O(1) a step)
         # Rows due a repetition check, by phase: rows admitted at steps congruent mod `every`
         # are due at the same steps, so a step looks at its own phase only.
         self._phases: dict[int, set[int]] = {}
         self.readback = Readback(s, n, dev)
         self.clock = GpuClock(bool(decoder.is_cuda))
+        # Its collaborators: which rows to prefill and when, the passes that prefill them, and
+        # when to read the slots' state back for the rows that ended.
+        self.admission = AdmissionPolicy(self)
+        self.passes = PrefillPasses(self)
+        self.harvest = Harvest(self)
 
     # -- the host side -------------------------------------------------------------------------
 
@@ -258,11 +286,14 @@ class RunningLoop:
                     f"1..{self.config.max_new_tokens}"
                 )
             row.capacity = capacity_of(row.prompt_tokens, row.max_new_tokens)
+            row.eos_at = self.hooks.eos_at(row.key) if self.hooks is not None else None
             if row.capacity > self.config.pool_tokens:
                 raise ValueError(
                     f"row {row.key} needs {row.capacity} KV tokens, over the pool's "
                     f"{self.config.pool_tokens}"
                 )
+            row.queued_step = self._step_no
+            self._waiting_interactive += row.interactive
             self.waiting.append(row)
 
     def run(self, timeout_s: float | None = None) -> list[Done]:
@@ -285,14 +316,14 @@ class RunningLoop:
                 if self.rows:
                     self._decode_step()
                     t2 = clock()
-                    done = self._harvest(force=False)
+                    done = self.harvest(force=False)
                     stats.decode_host_s += t2 - t1
                     stats.harvest_host_s += clock() - t2
                 if deadline is not None and time.monotonic() >= deadline:
                     break
             if not done and self.rows:
                 t = clock()
-                done = self._harvest(force=True)
+                done = self.harvest(force=True)
                 stats.harvest_host_s += clock() - t
             stats.cpu_s += cpu() - c_start
         self.collect_stats()
@@ -310,7 +341,10 @@ class RunningLoop:
         """`stats` with the GPU times of every span done so far (all of them with `wait`)."""
         totals = self.clock.collect(wait)
         self.stats.prefill_s = totals.get("prefill", 0.0)
-        self.stats.decode_s = totals.get("decode", 0.0)
+        self.stats.lane_prefill_s = totals.get("prefill_lane", 0.0)
+        self.stats.lane_decode_s = totals.get("decode_lane", 0.0)
+        self.stats.prefill_s += self.stats.lane_prefill_s
+        self.stats.decode_s = totals.get("decode", 0.0) + self.stats.lane_decode_s
         self.stats.wait_s = self.readback.waited_s
         return self.stats
 
@@ -320,12 +354,28 @@ class RunningLoop:
         for slot in list(self.rows):
             self._release(slot)
         self.waiting.clear()
+        self._waiting_interactive = 0
         self.graphs.clear()
         self.readback.drop()
         return rows
 
-    def _free_slots(self) -> list[int]:
-        return [s for s in range(self.config.slots) if s not in self.rows]
+    def drop(self, keys: Collection[str]) -> list[LoopRow]:
+        """Forget these rows (their jobs were cancelled), waiting or live; the rows dropped.
+
+        Called between `run`s, right after a harvest: a live row's slot and KV range are freed
+        as a finished row's are, and a copy of the slots' state still in flight names it no
+        more (`_ended` skips a slot whose row changed), so it never comes back as done."""
+        if not keys:
+            return []
+        dropped = [row for row in self.waiting if row.key in keys]
+        if dropped:
+            self.waiting = deque(row for row in self.waiting if row.key not in keys)
+            self._waiting_interactive -= sum(row.interactive for row in dropped)
+        for slot, row in list(self.rows.items()):
+            if row.key in keys:
+                self._release(slot)
+                dropped.append(row)
+        return dropped
 
     def _bucket(self) -> int:
         """Slots a step runs over: the smallest bucket covering the highest live slot."""
@@ -338,166 +388,30 @@ class RunningLoop:
     # -- admission ----------------------------------------------------------------------------
 
     def _refill(self) -> None:
-        if not self.waiting:
-            return
-        free = self._free_slots()
-        if not free:
-            return
-        cfg = self.config
-        if cfg.schedule == "alternate" and self.rows and len(free) * 4 < cfg.slots:
-            return  # let more slots free up first: one larger prefill pass
-        # No more than the free slots (and one to learn why it stopped): admission never looks
-        # further, and a long queue would make this a loop over every waiting row each step.
-        candidates = [Candidate(r.key, r.prompt_tokens, r.capacity)
-                      for r in itertools.islice(self.waiting, len(free) + 1)]
-        plan = admit(candidates, self.pool, free, cfg.pass_tokens, packed=cfg.packed)
-        if not plan.placements:
-            return
-        soon = self._step_no - self._last_prefill < cfg.prefill_gap
-        if cfg.schedule == "chunked" and self.rows and soon and plan.blocked != FULL_PASS:
-            return  # not full yet, and the GPU has rows to decode meanwhile
-        self._prefill(plan)
-        self._last_prefill = self._step_no
+        """The pass the admission policy plans before this step, if any, run now."""
+        plan = self.admission.plan()
+        if plan is not None:
+            self.passes.run(plan)
 
-    def _prefill(self, plan: Admission) -> None:
-        with self.clock.span("prefill"):
-            self._prefill_rows(plan)
-        self.stats.prefills += 1
-        self.stats.prefilled_rows += len(plan.placements)
-
-    def _prefill_rows(self, plan: Admission) -> None:
-        """Everything here is queued without a host sync (to_device, index lists built on the
-        host): a sync would empty the queue of decode steps behind which it runs."""
-        import torch
-
-        rows: list[LoopRow] = []
-        for placement in plan.placements:
-            row = self.waiting.popleft()
-            assert row.key == placement.key
-            row.slot, row.start, row.first_step = placement.slot, placement.start, self._step_no
-            row.admitted_at = time.monotonic()
-            rows.append(row)
-        self.pool = plan.pool
-        lengths = [r.prompt_tokens for r in rows]
-        if self.config.packed:
-            first_logits, next_pos, marks = self._prompt_packed(rows)
+    def _take_waiting(self, keys: list[str]) -> list[LoopRow]:
+        """The rows of `keys` out of the queue, in that order (a prefill pass's plan): a pass
+        may take interactive rows from behind bulk ones."""
+        if all(r.key == k for r, k in zip(self.waiting, keys, strict=False)):  # the oldest
+            rows = [self.waiting.popleft() for _ in keys]
         else:
-            first_logits, next_pos, marks = self._prompt_padded(rows)
-        dev, long = self.device, torch.long
-        slots = to_device([r.slot for r in rows], long, dev)
-        starts = to_device([r.start for r in rows], torch.int32, dev)
-        plens = to_device(lengths, torch.int32, dev)
-        for r, length in zip(rows, lengths, strict=True):
-            self._forget_keys(r.slot)
-            if self.valid is not None:
-                self.valid[r.slot, r.start : r.start + length] = True
-        self.base.index_copy_(0, slots, starts)
-        self.write.index_copy_(0, slots, (starts + plens).long())
-        self.pos.index_copy_(1, slots, next_pos)
-        self.count.index_fill_(0, slots, 0)
-        self.cap.index_copy_(0, slots, to_device([r.max_new_tokens for r in rows], long, dev))
-        self.min_new.index_copy_(
-            0, slots, to_device([r.min_new_tokens for r in rows], long, dev)
-        )
-        eos_at = [self.out.shape[1] + 1 if r.eos_at is None else r.eos_at for r in rows]
-        self.eos_at.index_copy_(0, slots, to_device(eos_at, long, dev))
-        self.finished.index_fill_(0, slots, False)
-        self.stopped.index_fill_(0, slots, 0)
-        self.out.index_fill_(0, slots, self.tokens.pad)
-        if marks is not None:  # the loop keeps a repetition-penalty mask
-            self.seen.index_copy_(0, slots, marks)
-        for r in rows:
-            self._enter(r)
-        self._choose(first_logits, slots, rows)
-
-    def _store_prompt(self, prompt_kv: list[Any], rows: list[LoopRow], tokens: Any) -> None:
-        """Each layer's prompt keys and values into the rows' ranges of the pool, freeing the
-        layer as soon as it is copied; `tokens` turns a layer's keys or values into (KV heads,
-        the rows' prompt tokens in row order, D)."""
-        import torch
-
-        cols: list[int] = []  # the pool columns, row after row (host arithmetic)
-        for r in rows:
-            cols.extend(range(r.start, r.start + r.prompt_tokens))
-        columns = to_device(cols, torch.long, self.device)
-        for index in range(len(prompt_kv)):
-            k, v = prompt_kv[index]
-            store(self.keys[index][0], 1, columns, tokens(k))
-            store(self.values[index][0], 1, columns, tokens(v))
-            prompt_kv[index] = None  # free the layer now
-            del k, v
-
-    def _marks(self, n: int) -> torch.Tensor | None:
-        """An empty (rows, vocab) repetition-penalty mask, when the loop keeps one."""
-        import torch
-
-        if self.seen is None:
-            return None
-        return torch.zeros(n, self.seen.shape[1], dtype=torch.bool, device=self.device)
-
-    def _prompt_padded(self, rows: list[LoopRow]) -> tuple[Any, Any, Any]:
-        """The rows' prompts through one left-padded pass; their keys and values into their
-        ranges. Returns the first tokens' logits, each row's next RoPE position (axes, rows)
-        and its repetition-penalty marks (rows, vocab) or None."""
-        import torch
-
-        text = self.text
-        inputs = collate(
-            [r.encoded for r in rows], self.tokens.pad, device=self.device, dtype=text.dtype
-        )
-        positions = inputs.pop("position_ids", None)
-        if positions is None:
-            positions, _ = text.model.model.get_rope_index(
-                inputs["input_ids"],
-                mm_token_type_ids=inputs["mm_token_type_ids"],
-                image_grid_thw=inputs.get("image_grid_thw"),
-                attention_mask=inputs["attention_mask"],
-            )
-        host = None  # only the fused prefill takes it
-        if self.decoder.fused:
-            image_id = text.model.model.config.image_token_id
-            host = host_layout([r.encoded for r in rows], image_id, self.device)
-        prompt_kv, first_logits = prompt_pass(text, inputs, positions, self.decoder.fused, host)
-        mask = inputs["attention_mask"].bool()
-        # Where each row's real tokens sit in the left-padded (B x P) prompt, flattened:
-        # host arithmetic, not a boolean index (a sync per layer).
-        width = int(inputs["input_ids"].shape[1])
-        real: list[int] = []
-        for i, r in enumerate(rows):
-            real.extend(range(i * width + width - r.prompt_tokens, (i + 1) * width))
-        real_at = to_device(real, torch.long, self.device)
-
-        def real_tokens(x: torch.Tensor) -> torch.Tensor:
-            # (B, KVH, P, D) -> (KVH, B * P, D) -> the real tokens of every row, in row order
-            heads, dim = x.shape[1], x.shape[3]
-            return x.permute(1, 0, 2, 3).reshape(heads, -1, dim).index_select(1, real_at)
-
-        self._store_prompt(prompt_kv, rows, real_tokens)
-        marks = self._marks(len(rows))
-        if marks is not None:
-            ids = inputs["input_ids"]
-            marks.scatter_(1, torch.where(mask, ids, ids.gather(1, mask.int().argmax(-1)[:, None])),
-                           True)
-        return first_logits, positions[:, :, -1] + 1, marks
-
-    def _prompt_packed(self, rows: list[LoopRow]) -> tuple[Any, Any, Any]:
-        """`_prompt_padded` with the rows packed end to end (ocrq/models/hunyuan/packed.py)."""
-        text = self.text
-        batch = pack([r.encoded for r in rows], text.model.model.config.image_token_id,
-                     self.device, text.dtype)
-        prompt_kv, first_logits = prefill_packed(text, batch, self.decoder.fused)
-        self._store_prompt(prompt_kv, rows, lambda x: x)  # packed: already the rows' order
-        marks = self._marks(len(rows))
-        if marks is not None:
-            marks.index_put_((batch.row_of, batch.ids), self._true)
-        return first_logits, batch.positions[:, batch.last] + 1, marks
+            wanted = set(keys)
+            by_key = {r.key: r for r in self.waiting if r.key in wanted}
+            self.waiting = deque(r for r in self.waiting if r.key not in wanted)
+            rows = [by_key[k] for k in keys]
+        self._waiting_interactive -= sum(r.interactive for r in rows)
+        return rows
 
     def _enter(self, row: LoopRow) -> None:
         """The host's books for a row now in its slot: when its cap is reached, its guard phase."""
         self.rows[row.slot] = row
-        heapq.heappush(
-            self._caps, (row.first_step + row.max_new_tokens - 1, row.slot, id(row))
-        )
+        self._live_interactive += row.interactive
+        self._kv_base += row.prompt_tokens - row.first_step
+        self.harvest.track(row)
         guard = self._finder.guard if self._finder is not None else None
         if guard is not None and row.eos_at is None:
             self._phases.setdefault((row.first_step - 1) % guard.every, set()).add(row.slot)
@@ -533,11 +447,10 @@ class RunningLoop:
 
     def _choose(self, logits: torch.Tensor, slots: torch.Tensor, rows: list[LoopRow]) -> None:
         """The first token of freshly prefilled rows (at `slots`), as the static loop's."""
-        import torch
-
         scores = self._scores(logits, slots)
         nxt = scores.argmax(-1)
-        nxt = torch.where(self.eos_at[slots] == 0, self.eos[0].expand_as(nxt), nxt)  # bench only
+        if self.forced is not None:
+            nxt = self.forced.first(nxt, slots)
         if self.config.keep_logits:
             for i, r in enumerate(rows):
                 r.logits = [logits[i].float().cpu()]
@@ -593,19 +506,27 @@ class RunningLoop:
         self._guard()
         k = self._bucket()
         graphed = self.decoder.use_graph and self.decoder.is_cuda and not self.config.keep_logits
+        lane = self._live_interactive > 0
+        span = "decode_lane" if lane else "decode"
         if graphed and k in self.graphs:
-            with self.clock.span("decode"):
+            with self.clock.span(span):
                 self.graphs[k].replay()
         else:
-            with self.clock.span("decode"):
+            with self.clock.span(span):
                 self._step(k)
             if graphed:
                 self._capture(k)
-        self.stats.steps += 1
-        self.stats.slot_steps += k
-        self.stats.row_steps += len(self.rows)
+        stats, live = self.stats, len(self.rows)
+        stats.steps += 1
+        stats.slot_steps += k
+        stats.row_steps += live
+        stats.kv_token_steps += self._kv_base + live * self._step_no
+        stats.interactive_row_steps += self._live_interactive
+        if lane:
+            stats.lane_steps += 1
+            stats.lane_row_steps += live
         self._step_no += 1
-        self._since_check += 1
+        self.harvest.since_check += 1
 
     def _capture(self, k: int) -> None:
         """Record the step over `k` slots (recorded, not run: its first step ran eagerly just
@@ -644,7 +565,8 @@ class RunningLoop:
             self._kept = logits.float()
         scores = self._scores(logits, None)
         nxt = scores.argmax(-1)
-        nxt = torch.where(self.eos_at[:k] == self.count[:k], self.eos[0].expand_as(nxt), nxt)
+        if self.forced is not None:  # hooks only: captured in the graph with the rest
+            nxt = self.forced.step(nxt, self.count[:k])
         nxt = torch.where(live, nxt, torch.full_like(nxt, self.tokens.pad))
         at = self.count[:k].clamp(max=self.out.shape[1] - 1)[:, None]
         kept = self.out[:k].gather(1, at)[:, 0]
@@ -669,7 +591,7 @@ class RunningLoop:
             return
         guard = self._finder.guard
         due: dict[int, list[int]] = {}
-        # Scripted rows (bench only) never enter a phase: their length is the bench's call.
+        # Rows whose eos the hooks force never enter a phase: their length is the hooks' call.
         for slot in self._phases.get(self._step_no % guard.every, ()):
             row = self.rows[slot]
             n = self._step_no - row.first_step + 1
@@ -682,48 +604,6 @@ class RunningLoop:
             self.finished.index_copy_(0, index, self.finished[index] | hits)
 
     # -- finished rows ---------------------------------------------------------------------------
-
-    def _capped(self) -> bool:
-        """Whether a live row reached its own cap since the last look (the host knows without a
-        sync; each row counted once)."""
-        hit = False
-        while self._caps and self._caps[0][0] <= self._step_no:
-            hit |= self._holder(heapq.heappop(self._caps)) is not None
-        return hit
-
-    def _holder(self, entry: tuple[int, int, int]) -> LoopRow | None:
-        row = self.rows.get(entry[1])
-        return row if row is not None and id(row) == entry[2] else None
-
-    def _harvest(self, force: bool) -> list[Done]:
-        """Hand back the rows that ended, from a copy of the slots' state (`Readback`).
-
-        A copy is queued every `check_every` steps, when a row reached its own cap, or when
-        asked (`force`); on a GPU it is read once it has landed, and waited for only at the
-        next due check, by when `check_every` more steps are queued behind it: the host stays
-        at most two checks ahead of the GPU and the GPU's queue never runs dry. On a CPU (and
-        in the tests that keep logits) the copy is read at once: a synchronous loop."""
-        if self.config.keep_logits:
-            self._keep_logits()
-            force = True
-        sync = self.config.keep_logits or not self.readback.asynchronous
-        periodic = self._since_check >= self.config.check_every
-        due = self._capped() or force or periodic
-        done: list[Done] = []
-        if self.readback.pending:
-            snap = self.readback.take(wait=sync or periodic)
-            if snap is not None:
-                done = self._ended(snap)
-        if due and not self.readback.pending and self.rows:
-            self._since_check = 0
-            self.readback.queue(
-                self.rows, self._bucket(), self.finished, self.count, self.stopped, self.out
-            )
-            if sync:
-                snap = self.readback.take(wait=True)
-                assert snap is not None
-                done += self._ended(snap)
-        return done
 
     def _ended(self, snap: Snapshot) -> list[Done]:
         """The rows finished in `snap` that still hold their slots; released."""
@@ -742,19 +622,10 @@ class RunningLoop:
             self._release(slot)
         return done
 
-    def _keep_logits(self) -> None:
-        """Tests: the logits of the step just run, per live row that made a token in it."""
-        kept = getattr(self, "_kept", None)
-        if kept is None:
-            return
-        counts = self.count.tolist()
-        for slot, row in self.rows.items():
-            if slot < kept.shape[0] and counts[slot] > len(row.logits):
-                row.logits.append(kept[slot].cpu())
-        self._kept = None
-
     def _release(self, slot: int) -> None:
         row = self.rows.pop(slot)
+        self._live_interactive -= row.interactive
+        self._kv_base -= row.prompt_tokens - row.first_step
         if self._finder is not None:
             self._phases.get((row.first_step - 1) % self._finder.guard.every, set()).discard(slot)
         self.pool = self.pool.give(row.start, row.capacity)

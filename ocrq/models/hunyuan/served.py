@@ -16,6 +16,7 @@ from typing import Any
 
 from PIL import Image
 
+from ocrq.core.pixel_budget import PixelBudget, Stage
 from ocrq.core.settings import ModelSettings
 from ocrq.models.base import OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, ItemCost
@@ -23,7 +24,7 @@ from ocrq.models.hunyuan.generation import Generated
 from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageGeometry, item_cost
 from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
-from ocrq.models.hunyuan.resolution import pixel_cap
+from ocrq.models.hunyuan.resolution import pixel_budget
 from ocrq.models.hunyuan.versions import LATEST, ModelVersion
 
 # Host bytes a waiting image costs these engines beyond its pixels (the request's encoded copy,
@@ -60,11 +61,18 @@ class ServedModel:
             raise RuntimeError("no processor loaded: the prompt cannot be templated here")
         return self.templates(self.prompt_for(item))[0]
 
-    def pixel_cap(self, item: PreparedImage) -> int:
+    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
+        """The job's cap, the task's preset, within this model's range (resolution.py)."""
         g = self.geometry
-        return pixel_cap(
-            item.task, item.max_pixels, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
+        return pixel_budget(
+            task, job_cap, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
         )
+
+    def view_pixels(self, item: PreparedImage) -> int:
+        """Pixels the model sees of `item`: its budget's answer at the model stage."""
+        view = self.pixel_budget(item.task, item.job_cap).at(Stage.MODEL)
+        assert view is not None  # a budget with a model limit always has a view
+        return view
 
     def fit(self, item: PreparedImage) -> None:
         """Shrink `item` to the pixels the model will see (its preset), in the prefetch thread:
@@ -72,7 +80,7 @@ class ServedModel:
         the processor refuses, and UnsupportedTask for a task the version lacks."""
         self.prompt_for(item)
         self.geometry.resized(*item.image.size)
-        size = self.geometry.shrink_to(*item.image.size, self.pixel_cap(item))
+        size = self.geometry.shrink_to(*item.image.size, self.view_pixels(item))
         image = item.image if item.image.mode == "RGB" else item.image.convert("RGB")
         if size != image.size:
             image = image.resize(size, Image.Resampling.BICUBIC)
@@ -85,7 +93,7 @@ class ServedModel:
         else:
             prompt_tokens = rough_prompt_tokens(prompt)
         self.geometry.resized(*item.size)
-        size = self.geometry.shrink_to(*item.size, self.pixel_cap(item))
+        size = self.geometry.shrink_to(*item.size, self.view_pixels(item))
         return item_cost(
             *size,
             prompt_tokens=prompt_tokens,

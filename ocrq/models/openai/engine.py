@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from ocrq.core.pixel_budget import PixelBudget
 from ocrq.core.settings import OpenAISettings
 from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
@@ -67,7 +68,7 @@ class OpenAIEngine(Engine, StreamingEngine):
         """`settings`: this engine's group (a whole Settings is narrowed to it here)."""
         self.settings = OpenAISettings.of(settings)
         self.served = ServedModel.of_version(self.settings, VERSIONS[self.settings.openai_version])
-        self.max_pixels = self.served.geometry.max_pixels
+        self.model_limit = self.served.geometry.max_pixels
         self.client: ChatClient | None = None
         # Rows handed to the running loop: key -> (row, its request or why it was not sent, when)
         self._flight: dict[str, tuple[PreparedImage, Future[Completion] | Exception, float]] = {}
@@ -141,6 +142,10 @@ class OpenAIEngine(Engine, StreamingEngine):
         return EncodedRequest(
             "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
         )
+
+    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
+        """The served model's: the task's preset within its range (a page is drawn at it)."""
+        return self.served.pixel_budget(task, job_cap)
 
     def prepare(self, item: PreparedImage) -> None:
         item.encoded = self.encode(item)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ocrq.core.pixel_budget import PixelBudget
 from ocrq.core.settings import VllmSettings
 from ocrq.models.base import Engine, OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, ItemCost
@@ -61,7 +62,7 @@ class VllmEngine(Engine):
     """HunyuanOCR (1.0 or 1.5, read from the checkpoint) served by an in-process `vllm.LLM`."""
 
     name = "vllm"
-    max_pixels: int | None = LATEST.max_pixels
+    model_limit: int | None = LATEST.max_pixels
 
     def __init__(self, settings: VllmSettings) -> None:
         """`settings`: this engine's group (a whole Settings is narrowed to it here)."""
@@ -128,7 +129,7 @@ class VllmEngine(Engine):
             detokenize=False,  # decoded here, as the `hunyuan` engine decodes
         )
         self.model_dir, self.device = model_dir, device
-        self.max_pixels = geometry.max_pixels
+        self.model_limit = geometry.max_pixels
         log.info(
             "vllm engine loaded HunyuanOCR-%s from %s on %s in %.1f s (%s)",
             version.name,
@@ -180,6 +181,10 @@ class VllmEngine(Engine):
         self.served.fit(item)
         text = self.served.templated(item)
         return Request({"prompt": text, "multi_modal_data": {"image": item.image}})
+
+    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
+        """The served model's: the task's preset within its range (a page is drawn at it)."""
+        return self.served.pixel_budget(task, job_cap)
 
     def prepare(self, item: PreparedImage) -> None:
         """In the prefetch thread: shrink the image to its preset and template its prompt."""

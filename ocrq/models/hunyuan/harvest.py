@@ -1,0 +1,89 @@
+"""The running loop's harvest: when a copy of the slots' state goes to the host, and when the
+host reads it for the rows that ended.
+
+Why apart from the loop: the loop (ocrq/models/hunyuan/running.py) keeps the device state and
+its books of live rows; when to look at that state is a policy of its own, the one that keeps
+the host from ever waiting for the GPU in steady state (ocrq/models/hunyuan/readback.py). The
+harvest decides when to queue and read copies; the loop releases the rows a copy shows ended
+(`RunningLoop._ended`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ocrq.models.hunyuan.running import Done, LoopRow, RunningLoop
+
+
+class Harvest:
+    """One loop's harvest: its own books are the steps since the last copy and when each live
+    row reaches its cap."""
+
+    def __init__(self, loop: RunningLoop) -> None:
+        self.loop = loop
+        self.since_check = 0  # decode steps since the last copy was queued
+        self.caps: list[tuple[int, int, int]] = []  # heap: (step its cap is reached, slot, id)
+
+    def track(self, row: LoopRow) -> None:
+        """A row now in its slot: the step at which its cap is reached."""
+        heapq.heappush(
+            self.caps, (row.first_step + row.max_new_tokens - 1, row.slot, id(row))
+        )
+
+    def _capped(self) -> bool:
+        """Whether a live row reached its own cap since the last look (the host knows without a
+        sync; each row counted once)."""
+        loop = self.loop
+        hit = False
+        while self.caps and self.caps[0][0] <= loop._step_no:
+            hit |= self._holder(heapq.heappop(self.caps)) is not None
+        return hit
+
+    def _holder(self, entry: tuple[int, int, int]) -> LoopRow | None:
+        row = self.loop.rows.get(entry[1])
+        return row if row is not None and id(row) == entry[2] else None
+
+    def __call__(self, force: bool) -> list[Done]:
+        """Hand back the rows that ended, from a copy of the slots' state (`Readback`).
+
+        A copy is queued every `check_every` steps, when a row reached its own cap, or when
+        asked (`force`); on a GPU it is read once it has landed, and waited for only at the
+        next due check, by when `check_every` more steps are queued behind it: the host stays
+        at most two checks ahead of the GPU and the GPU's queue never runs dry. On a CPU (and
+        in the tests that keep logits) the copy is read at once: a synchronous loop."""
+        loop = self.loop
+        if loop.config.keep_logits:
+            self._keep_logits()
+            force = True
+        sync = loop.config.keep_logits or not loop.readback.asynchronous
+        periodic = self.since_check >= loop.config.check_every
+        due = self._capped() or force or periodic
+        done: list[Done] = []
+        if loop.readback.pending:
+            snap = loop.readback.take(wait=sync or periodic)
+            if snap is not None:
+                done = loop._ended(snap)
+        if due and not loop.readback.pending and loop.rows:
+            self.since_check = 0
+            loop.readback.queue(
+                loop.rows, loop._bucket(), loop.finished, loop.count, loop.stopped, loop.out
+            )
+            if sync:
+                snap = loop.readback.take(wait=True)
+                assert snap is not None
+                done += loop._ended(snap)
+        return done
+
+    def _keep_logits(self) -> None:
+        """Tests: the logits of the step just run, per live row that made a token in it."""
+        loop = self.loop
+        kept = getattr(loop, "_kept", None)
+        if kept is None:
+            return
+        counts = loop.count.tolist()
+        for slot, row in loop.rows.items():
+            if slot < kept.shape[0] and counts[slot] > len(row.logits):
+                row.logits.append(kept[slot].cpu())
+        loop._kept = None

@@ -1,0 +1,182 @@
+"""The running loop's prefill passes: admitted rows' prompts into their slots and KV ranges.
+
+Why apart from the loop: a pass carries out the admission policy's plan
+(ocrq/models/hunyuan/admission.py) on the loop's device state, which the loop
+(ocrq/models/hunyuan/running.py) keeps and its decode steps read: the rows leave the queue for
+their slots, their prompts run through the model in one pass (left-padded, or packed end to end:
+ocrq/models/hunyuan/packed.py), each layer's keys and values go into the rows' ranges of the pool,
+every per-slot tensor takes the rows' values, and the loop chooses each row's first token as the
+static loop would.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ocrq.models.hunyuan.inputs import collate, host_layout
+from ocrq.models.hunyuan.kv_cache import store
+from ocrq.models.hunyuan.packed import pack, prefill_packed
+from ocrq.models.hunyuan.prefill import prompt_pass
+from ocrq.models.hunyuan.readback import to_device
+
+if TYPE_CHECKING:
+    import torch
+
+    from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+    from ocrq.models.slots import Admission
+
+
+class PrefillPasses:
+    """One loop's prefill passes; `run` takes a plan the loop's policy made this step."""
+
+    def __init__(self, loop: RunningLoop) -> None:
+        self.loop = loop
+
+    def run(self, plan: Admission) -> None:
+        """The pass, its GPU time on the lane's span while the interactive lane is busy (an
+        interactive row live or waiting: ocrq/models/lane_pass.py), so its rows' token cost
+        counts the passes run between their steps."""
+        loop = self.loop
+        busy = bool(loop._live_interactive or loop._waiting_interactive)
+        with loop.clock.span("prefill_lane" if busy else "prefill"):
+            rows = self._rows(plan)
+        stats, tokens = loop.stats, sum(r.prompt_tokens for r in rows)
+        stats.prefills += 1
+        stats.prefilled_rows += len(rows)
+        stats.prefill_tokens += tokens
+        stats.prefilled_interactive += sum(r.interactive for r in rows)
+        if busy:
+            stats.lane_prefills += 1
+            stats.lane_prefill_tokens += tokens
+
+    def _rows(self, plan: Admission) -> list[LoopRow]:
+        """Everything here is queued without a host sync (to_device, index lists built on the
+        host): a sync would empty the queue of decode steps behind which it runs. The plan's
+        rows, taken by key (interactive rows may pass bulk ones in the queue)."""
+        import torch
+
+        loop = self.loop
+        rows = loop._take_waiting([p.key for p in plan.placements])
+        for placement, row in zip(plan.placements, rows, strict=True):
+            row.slot, row.start, row.first_step = placement.slot, placement.start, loop._step_no
+            row.admitted_at = time.monotonic()
+        loop.pool = plan.pool
+        lengths = [r.prompt_tokens for r in rows]
+        if loop.config.packed:
+            first_logits, next_pos, marks = self._prompt_packed(rows)
+        else:
+            first_logits, next_pos, marks = self._prompt_padded(rows)
+        dev, long = loop.device, torch.long
+        slots = to_device([r.slot for r in rows], long, dev)
+        starts = to_device([r.start for r in rows], torch.int32, dev)
+        plens = to_device(lengths, torch.int32, dev)
+        for r, length in zip(rows, lengths, strict=True):
+            loop._forget_keys(r.slot)
+            if loop.valid is not None:
+                loop.valid[r.slot, r.start : r.start + length] = True
+        loop.base.index_copy_(0, slots, starts)
+        loop.write.index_copy_(0, slots, (starts + plens).long())
+        loop.pos.index_copy_(1, slots, next_pos)
+        loop.count.index_fill_(0, slots, 0)
+        loop.cap.index_copy_(0, slots, to_device([r.max_new_tokens for r in rows], long, dev))
+        loop.min_new.index_copy_(
+            0, slots, to_device([r.min_new_tokens for r in rows], long, dev)
+        )
+        if loop.forced is not None:
+            loop.forced.admit(slots, [r.eos_at for r in rows])
+        loop.finished.index_fill_(0, slots, False)
+        loop.stopped.index_fill_(0, slots, 0)
+        loop.out.index_fill_(0, slots, loop.tokens.pad)
+        if marks is not None:  # the loop keeps a repetition-penalty mask
+            loop.seen.index_copy_(0, slots, marks)
+        for r in rows:
+            loop._enter(r)
+        loop._choose(first_logits, slots, rows)
+        return rows
+
+    def _store_prompt(self, prompt_kv: list[Any], rows: list[LoopRow], tokens: Any) -> None:
+        """Each layer's prompt keys and values into the rows' ranges of the pool, freeing the
+        layer as soon as it is copied; `tokens` turns a layer's keys or values into (KV heads,
+        the rows' prompt tokens in row order, D)."""
+        import torch
+
+        loop = self.loop
+        cols: list[int] = []  # the pool columns, row after row (host arithmetic)
+        for r in rows:
+            cols.extend(range(r.start, r.start + r.prompt_tokens))
+        columns = to_device(cols, torch.long, loop.device)
+        for index in range(len(prompt_kv)):
+            k, v = prompt_kv[index]
+            store(loop.keys[index][0], 1, columns, tokens(k))
+            store(loop.values[index][0], 1, columns, tokens(v))
+            prompt_kv[index] = None  # free the layer now
+            del k, v
+
+    def _marks(self, n: int) -> torch.Tensor | None:
+        """An empty (rows, vocab) repetition-penalty mask, when the loop keeps one."""
+        import torch
+
+        loop = self.loop
+        if loop.seen is None:
+            return None
+        return torch.zeros(n, loop.seen.shape[1], dtype=torch.bool, device=loop.device)
+
+    def _prompt_padded(self, rows: list[LoopRow]) -> tuple[Any, Any, Any]:
+        """The rows' prompts through one left-padded pass; their keys and values into their
+        ranges. Returns the first tokens' logits, each row's next RoPE position (axes, rows)
+        and its repetition-penalty marks (rows, vocab) or None."""
+        import torch
+
+        loop = self.loop
+        text = loop.text
+        inputs = collate(
+            [r.encoded for r in rows], loop.tokens.pad, device=loop.device, dtype=text.dtype
+        )
+        positions = inputs.pop("position_ids", None)
+        if positions is None:
+            positions, _ = text.model.model.get_rope_index(
+                inputs["input_ids"],
+                mm_token_type_ids=inputs["mm_token_type_ids"],
+                image_grid_thw=inputs.get("image_grid_thw"),
+                attention_mask=inputs["attention_mask"],
+            )
+        host = None  # only the fused prefill takes it
+        if loop.decoder.fused:
+            image_id = text.model.model.config.image_token_id
+            host = host_layout([r.encoded for r in rows], image_id, loop.device)
+        prompt_kv, first_logits = prompt_pass(text, inputs, positions, loop.decoder.fused, host)
+        mask = inputs["attention_mask"].bool()
+        # Where each row's real tokens sit in the left-padded (B x P) prompt, flattened:
+        # host arithmetic, not a boolean index (a sync per layer).
+        width = int(inputs["input_ids"].shape[1])
+        real: list[int] = []
+        for i, r in enumerate(rows):
+            real.extend(range(i * width + width - r.prompt_tokens, (i + 1) * width))
+        real_at = to_device(real, torch.long, loop.device)
+
+        def real_tokens(x: torch.Tensor) -> torch.Tensor:
+            # (B, KVH, P, D) -> (KVH, B * P, D) -> the real tokens of every row, in row order
+            heads, dim = x.shape[1], x.shape[3]
+            return x.permute(1, 0, 2, 3).reshape(heads, -1, dim).index_select(1, real_at)
+
+        self._store_prompt(prompt_kv, rows, real_tokens)
+        marks = self._marks(len(rows))
+        if marks is not None:
+            ids = inputs["input_ids"]
+            marks.scatter_(1, torch.where(mask, ids, ids.gather(1, mask.int().argmax(-1)[:, None])),
+                           True)
+        return first_logits, positions[:, :, -1] + 1, marks
+
+    def _prompt_packed(self, rows: list[LoopRow]) -> tuple[Any, Any, Any]:
+        """`_prompt_padded` with the rows packed end to end (ocrq/models/hunyuan/packed.py)."""
+        loop = self.loop
+        text = loop.text
+        batch = pack([r.encoded for r in rows], text.model.model.config.image_token_id,
+                     loop.device, text.dtype)
+        prompt_kv, first_logits = prefill_packed(text, batch, loop.decoder.fused)
+        self._store_prompt(prompt_kv, rows, lambda x: x)  # packed: already the rows' order
+        marks = self._marks(len(rows))
+        if marks is not None:
+            marks.index_put_((batch.row_of, batch.ids), loop._true)
+        return first_logits, batch.positions[:, batch.last] + 1, marks

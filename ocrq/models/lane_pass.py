@@ -1,0 +1,176 @@
+"""Which waiting rows the running loop prefills in its next pass, when jobs come in two lanes.
+
+Pure (no torch): the running loop's admission policy (ocrq/models/hunyuan/admission.py) asks
+it, the property tests (tests/test_lane_pass.py) drive it alone.
+
+Why the loop needs its own rule beside the planner's (ocrq/scheduling/planner.py `LaneRule`):
+the planner decides which rows reach the loop, but once there an interactive row is one of
+hundreds, and on an H200 with a bulk backlog its p95 was 7.4x its latency alone
+(bench/results/lanes/lanes_h200.md). Two things inside the loop set that: how soon it is
+prefilled (a full loop has no slot for it; bulk rows handed over before it fill the pass), and
+how long each of its tokens takes (a decode step over every live row, plus the bulk prefill
+passes run between steps while it decodes). The levers, all in `LanePolicy`:
+
+* reserved slots: bulk rows hold at most `slots - reserved_slots` slots, so an interactive row
+  finds a slot in the very next pass however full of bulk the loop is;
+* interactive rows first: they lead every pass, first in first out among themselves, and a pass
+  is run for them at once (no prefill gap);
+* while the lane is busy (an interactive row waiting or live) bulk rows are held to a prompt
+  budget per pass (`bulk_prefill_tokens`, as vLLM's max_num_batched_tokens bounds a step), to a
+  pass every `bulk_gap` decode steps at most, and optionally to `bulk_rows` live bulk rows, so
+  what runs between an interactive row's steps is bounded.
+
+The no-starvation rule (the loop's half of the planner's): a bulk row that has waited in the
+loop `promote_steps` decode steps is promoted: ordered with the interactive rows by arrival
+(rank 0), exempt from the lane's budget, gap and bulk-row cap, held only by the reserve. From
+then on no row that arrived after it passes it for a pool range or a pass's tokens (a misfit
+stops the pass, as `admit` stops at the first row that does not fit), so it is admitted once the
+rows ahead of it (a set that only shrinks) are admitted and a bulk slot and a range are free:
+live rows end within their caps. Before promotion a bulk row waits at most `bulk_gap` steps per
+bulk pass, and each bulk pass admits the oldest bulk row that has a bulk slot and a range
+(the budget lets one row alone pass). tests/test_lane_pass.py simulates a loop under a
+never-ending interactive stream and checks that bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ocrq.models.slots import FULL_PASS, Admission, KvPool, Placement
+
+BULK_HELD = "bulk held by the interactive lane"  # `LanePass.admission.blocked`, bulk only
+NO_BULK_SLOT = "no bulk slot"  # bulk rows already hold every slot but the reserved ones
+
+
+@dataclass(frozen=True)
+class LanePolicy:
+    """The running loop's lane settings (docs/settings.md, OCRQ_INTERACTIVE_*)."""
+
+    reserved_slots: int = 0  # of the loop's slots, only interactive rows take these
+    bulk_prefill_tokens: int = 0  # bulk prompt tokens per pass while busy; 0: no such budget
+    bulk_gap: int = 1  # decode steps between passes that admit bulk rows while busy
+    bulk_rows: int = 0  # live bulk rows at most while busy; 0: no cap
+    promote_steps: int = 256  # decode steps a bulk row waits in the loop before promotion
+
+    def __post_init__(self) -> None:
+        if (self.reserved_slots < 0 or self.bulk_prefill_tokens < 0 or self.bulk_gap < 1
+                or self.bulk_rows < 0 or self.promote_steps < 0):
+            raise ValueError(f"invalid lane policy {self}")
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A row waiting in the loop: its prompt, the pool tokens it will hold, its lane, and the
+    decode step at which it joined the loop's queue."""
+
+    key: str
+    prompt_tokens: int
+    capacity: int
+    interactive: bool = False
+    queued_step: int = 0
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """What the pass is decided against: the loop's slots (reserved ones included), the free
+    ones, the live rows per lane, the decode step now and that of the last pass that admitted
+    bulk rows."""
+
+    slots: int
+    free_slots: tuple[int, ...]
+    live_bulk: int = 0
+    live_interactive: int = 0
+    step: int = 0
+    last_bulk_pass: int = -(10**9)
+
+
+@dataclass(frozen=True)
+class LanePass:
+    """The pass: `admission` as `admit` returns it (placements in pass order); `busy`: the
+    lane's limits applied; `held`: a bulk row that had a slot was held back by them."""
+
+    admission: Admission
+    busy: bool
+    held: bool = False
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self.admission.placements
+
+
+def promoted(w: Waiter, step: int, policy: LanePolicy) -> bool:
+    return not w.interactive and step - w.queued_step >= policy.promote_steps
+
+
+def pass_order(waiting: Sequence[Waiter], step: int, policy: LanePolicy) -> list[Waiter]:
+    """Interactive and promoted bulk rows by arrival, then the other bulk rows by arrival;
+    `waiting` is in arrival order."""
+    ranked = sorted(
+        enumerate(waiting),
+        key=lambda iw: (0 if iw[1].interactive or promoted(iw[1], step, policy) else 1, iw[0]),
+    )
+    return [w for _, w in ranked]
+
+
+def lane_pass(
+    waiting: Sequence[Waiter],
+    pool: KvPool,
+    state: LoopState,
+    pass_tokens: int,
+    policy: LanePolicy,
+    *,
+    packed: bool = False,
+) -> LanePass:
+    """The rows to prefill now (see the module's docstring for the rule).
+
+    A pass's tokens count as `admit` counts them (padded: rows x the longest prompt; `packed`:
+    the sum), within `pass_tokens` whatever the lane; the first row always passes that test.
+    A row that misses a pool range or the pass's tokens stops the pass; a bulk row with no bulk
+    slot, or held by the lane's limits, stops only the bulk rows after it (interactive rows
+    behind it take slots it could not)."""
+    busy = state.live_interactive > 0 or any(w.interactive for w in waiting)
+    step = state.step
+    bulk_seats = state.slots - policy.reserved_slots - state.live_bulk
+    gap_open = step - state.last_bulk_pass >= policy.bulk_gap
+    row_room = policy.bulk_rows - state.live_bulk if policy.bulk_rows else state.slots
+    token_room = policy.bulk_prefill_tokens or None
+    free = sorted(state.free_slots)
+    placed: list[Placement] = []
+    longest = total = bulk_placed = bulk_tokens = 0
+    bulk_closed = held = False
+    blocked: str | None = None
+    for w in pass_order(waiting, step, policy):
+        if len(placed) >= len(free):
+            blocked = "no free slot"
+            break
+        if not w.interactive:
+            if bulk_closed:
+                continue
+            if bulk_placed >= bulk_seats:
+                bulk_closed, blocked = True, NO_BULK_SLOT
+                continue
+            if busy and not promoted(w, step, policy) and (
+                not gap_open
+                or bulk_placed >= row_room
+                or (token_room is not None and bulk_placed
+                    and bulk_tokens + w.prompt_tokens > token_room)
+            ):
+                bulk_closed, held, blocked = True, True, BULK_HELD
+                continue
+        longest_then = max(longest, w.prompt_tokens)
+        cost = total + w.prompt_tokens if packed else (len(placed) + 1) * longest_then
+        if placed and cost > pass_tokens:
+            blocked = FULL_PASS
+            break
+        taken = pool.take(w.capacity)
+        if taken is None:
+            blocked = "no pool range"
+            break
+        start, pool = taken
+        placed.append(Placement(w.key, free[len(placed)], start, w.capacity))
+        longest, total = longest_then, total + w.prompt_tokens
+        if not w.interactive:
+            bulk_placed += 1
+            bulk_tokens += w.prompt_tokens
+    return LanePass(Admission(tuple(placed), pool, blocked), busy, held)
