@@ -681,9 +681,10 @@ def test_a_setting_running_past_the_deadline_is_cut_there() -> None:
     for row in rows:
         engine.prepare(row)
     calls = iter(range(1000))
-    # started, the pre-check of setting 1, its first batch: in time; its second: past it.
+    # started, the warm call's check, the pre-check of setting 1, its first batch: in time;
+    # its second: past it.
     sweep = run_sweep(engine, rows, 4 * GiB, max_batch=8, deadline=100.0, warm_each=False,
-                      clock=lambda: 0.0 if next(calls) < 3 else 1e9)
+                      clock=lambda: 0.0 if next(calls) < 4 else 1e9)
     assert [(p.setting, p.status) for p in sweep.points] == [
         (1, "skipped: past --max-seconds after 1 of 3 images")
     ]
