@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from ocrq.core.contract import INTERACTIVE
-from ocrq.core.pixel_budget import PixelBudget, Stage
 from ocrq.core.settings import HunyuanSettings
 from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
@@ -70,7 +69,7 @@ from ocrq.models.hunyuan.memory import (
 from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.patches import batch_vision_attention, isolate_rows
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
-from ocrq.models.hunyuan.resolution import pixel_budget
+from ocrq.models.hunyuan.resolution import ModelPixels
 from ocrq.models.hunyuan.running import Done, LoopConfig, LoopRow, RunningLoop
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import (
@@ -86,7 +85,7 @@ from ocrq.models.slots import RunningBudget, capacity_of
 log = logging.getLogger(__name__)
 
 
-class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
+class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
     """Tencent HunyuanOCR (HunYuanVLForConditionalGeneration) on one device."""
 
     name = "hunyuan"
@@ -264,20 +263,6 @@ class HunyuanEngine(HunyuanMemory, Engine, StreamingEngine):
         """The instruction for `item` in the loaded version (UnsupportedTask for a task name
         this version does not offer)."""
         return prompt_of(item, self.version.prompts, self.version.name)
-
-    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
-        """The job's cap, the task's preset (OCRQ_TASK_MAX_PIXELS, else resolution.py's), within
-        the loaded model's range: what every stage of a `task` image asks."""
-        g = self.geometry
-        return pixel_budget(
-            task, job_cap, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
-        )
-
-    def view_pixels(self, item: PreparedImage) -> int:
-        """Pixels the model sees of `item`: its budget's answer at the model stage."""
-        view = self.pixel_budget(item.task, item.job_cap).at(Stage.MODEL)
-        assert view is not None  # a budget with a model limit always has a view
-        return view
 
     def estimate(self, item: PreparedImage) -> ItemCost:
         """Tokens, patches and pixels of `item` as the model will see it (its resolution preset

@@ -24,8 +24,13 @@ the `task_preset` of the image's pixel budget (ocrq/core/pixel_budget.py), which
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from ocrq.core.pixel_budget import PixelBudget
+from ocrq.core.pixel_budget import PixelBudget, Stage
+
+if TYPE_CHECKING:
+    from ocrq.models.base import PreparedImage
+    from ocrq.models.hunyuan.geometry import ImageGeometry
 
 DOCUMENT_PIXELS = 1536 * 1536
 SCENE_PIXELS = 2048 * 2048
@@ -63,3 +68,26 @@ def pixel_budget(
         model_floor=model_floor,
         model_limit=model_limit,
     )
+
+
+class ModelPixels:
+    """`pixel_budget` and `view_pixels` for a HunyuanOCR front (the fast-path engine and the
+    served model vLLM and the openai engine share): one definition, from the loaded model's
+    `geometry` and the worker's `task_max_pixels`."""
+
+    geometry: ImageGeometry
+    settings: Any  # a settings group with `task_max_pixels`
+
+    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
+        """The job's cap, the task's preset (OCRQ_TASK_MAX_PIXELS, else this module's), within
+        the loaded model's range: what every stage of a `task` image asks."""
+        g = self.geometry
+        return pixel_budget(
+            task, job_cap, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
+        )
+
+    def view_pixels(self, item: PreparedImage) -> int:
+        """Pixels the model sees of `item`: its budget's answer at the model stage."""
+        view = self.pixel_budget(item.task, item.job_cap).at(Stage.MODEL)
+        assert view is not None  # a budget with a model limit always has a view
+        return view

@@ -16,7 +16,6 @@ from typing import Any
 
 from PIL import Image
 
-from ocrq.core.pixel_budget import PixelBudget, Stage
 from ocrq.core.settings import ModelSettings
 from ocrq.models.base import OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, ItemCost
@@ -24,7 +23,7 @@ from ocrq.models.hunyuan.generation import Generated
 from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageGeometry, item_cost
 from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
-from ocrq.models.hunyuan.resolution import pixel_budget
+from ocrq.models.hunyuan.resolution import ModelPixels
 from ocrq.models.hunyuan.versions import LATEST, ModelVersion
 
 # Host bytes a waiting image costs these engines beyond its pixels (the request's encoded copy,
@@ -35,7 +34,7 @@ RGB_BYTES = 3  # per pixel of the image as it waits (decoded, shrunk to its pres
 
 
 @dataclass
-class ServedModel:
+class ServedModel(ModelPixels):
     """The version-specific half of a HunyuanOCR request, for engines that do not run the model
     through ocrq's own code. `templates` (the chat template, with exact token counts) needs the
     checkpoint's processor; without it (the remote engine) prompts are counted roughly and the
@@ -60,19 +59,6 @@ class ServedModel:
         if self.templates is None:
             raise RuntimeError("no processor loaded: the prompt cannot be templated here")
         return self.templates(self.prompt_for(item))[0]
-
-    def pixel_budget(self, task: str, job_cap: int | None) -> PixelBudget:
-        """The job's cap, the task's preset, within this model's range (resolution.py)."""
-        g = self.geometry
-        return pixel_budget(
-            task, job_cap, self.settings.task_max_pixels, g.min_pixels, g.max_pixels
-        )
-
-    def view_pixels(self, item: PreparedImage) -> int:
-        """Pixels the model sees of `item`: its budget's answer at the model stage."""
-        view = self.pixel_budget(item.task, item.job_cap).at(Stage.MODEL)
-        assert view is not None  # a budget with a model limit always has a view
-        return view
 
     def fit(self, item: PreparedImage) -> None:
         """Shrink `item` to the pixels the model will see (its preset), in the prefetch thread:
