@@ -222,3 +222,24 @@ def test_the_tuned_knee_reaches_the_engine_group_unless_max_batch_is_set() -> No
     fixed = HunyuanEngine(Settings(max_batch=8))
     fixed.take_tuned_max_batch(96)
     assert fixed.settings.max_batch == 8  # an explicit OCRQ_MAX_BATCH wins
+
+
+def test_every_list_setting_takes_a_comma_separated_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A variable of a list or mapping field is split by its group's validator: the one for
+    OCRQ_LINK_TASKS was lost when the fields moved into groups, and `ocrq cancel` refused to
+    start with "Input should be a valid list" while every recorded name and default matched."""
+    from ocrq.core.settings import Settings
+
+    monkeypatch.setenv("OCRQ_LINK_TASKS", "cbtest.*, other.task")
+    monkeypatch.setenv("OCRQ_ALLOWED_ROOTS", f"/data{os.pathsep}/srv")  # a path list
+    monkeypatch.setenv("OCRQ_IMAGE_FORMATS", "PNG,JPEG")
+    monkeypatch.setenv("OCRQ_URL_ALLOW_NETWORKS", "10.0.0.0/8,192.168.1.0/24")
+    monkeypatch.setenv("OCRQ_TASK_MAX_PIXELS", "text=1000000,parse=2000000")
+    s = Settings(_env_file=None)
+    assert s.link_tasks == ["cbtest.*", "other.task"]
+    assert [str(p) for p in s.allowed_roots] == ["/data", "/srv"]
+    assert len(s.image_formats) == 2 and len(s.url_allow_networks) == 2
+    assert s.task_max_pixels == {"text": 1000000, "parse": 2000000}
+    assert s.delivery.link_tasks == s.link_tasks  # the group view parses the same

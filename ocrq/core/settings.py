@@ -329,6 +329,13 @@ class DeliverySettings(SettingsGroup):
     # bench/results/service_gpu/service_gpu_reading.md, runs 10-11); off elsewhere.
     engine_process: bool | None = None
 
+    @field_validator("link_tasks", mode="before")
+    @classmethod
+    def _split_link_tasks(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
     @model_validator(mode="after")
     def _liveness_margin(self) -> DeliverySettings:
         if self.stalled_after_s < 3 * self.heartbeat_s:
