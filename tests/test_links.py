@@ -60,6 +60,11 @@ def test_api_checks_callback_fields(broker_url: str, database_url: str) -> None:
     with TestClient(create_app(signed)) as api:
         bad = api.post("/jobs", json={**job, "callback_url": "file:///etc/passwd"}, headers=auth)
         assert bad.status_code == 422 and "http or https" in bad.text
+        # A batch's webhook has the same rule (one validator for both).
+        bad_batch = api.post(
+            "/jobs/batch", json={"jobs": [job], "callback_url": "ftp://example.com"}, headers=auth
+        )
+        assert bad_batch.status_code == 422 and "http or https" in bad_batch.text
         ok = api.post(
             "/jobs", json={**job, "expires_at": "2030-01-01T00:00:00"}, headers=auth
         ).json()

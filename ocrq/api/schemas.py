@@ -55,6 +55,13 @@ _JobFields = create_model("_JobFields", __module__=__name__, **JOB_FIELDS)  # ty
 DELIVERY_FIELDS = ("expires_at", "callback_url")
 
 
+def _http_callback(value: str | None) -> str | None:
+    """A job's or a batch's webhook: http(s) only (the address policy is checked when sent)."""
+    if value is not None and not value.lower().startswith(("http://", "https://")):
+        raise ValueError("callback_url must be an http or https URL")
+    return value
+
+
 class JobIn(_JobFields):  # type: ignore[misc,valid-type]
     """One job. `job_id` (a UUID) makes a retry idempotent: the same id with the same image
     and task returns the job already recorded; with another image it is a 409."""
@@ -80,12 +87,7 @@ class JobIn(_JobFields):  # type: ignore[misc,valid-type]
             return value.replace(tzinfo=dt.UTC)
         return value
 
-    @field_validator("callback_url")
-    @classmethod
-    def _http(cls, value: str | None) -> str | None:
-        if value is not None and not value.lower().startswith(("http://", "https://")):
-            raise ValueError("callback_url must be an http or https URL")
-        return value
+    _http = field_validator("callback_url")(_http_callback)
 
     @model_validator(mode="after")
     def _storable(self) -> JobIn:
@@ -125,12 +127,7 @@ class BatchIn(BaseModel):
     # the batch's counts (batch.finished, docs/api.md). Each job's own is its `callback_url`.
     callback_url: Annotated[str | None, Field(max_length=MAX_REF_CHARS)] = None
 
-    @field_validator("callback_url")
-    @classmethod
-    def _http(cls, value: str | None) -> str | None:
-        if value is not None and not value.lower().startswith(("http://", "https://")):
-            raise ValueError("callback_url must be an http or https URL")
-        return value
+    _http = field_validator("callback_url")(_http_callback)
 
 
 class Accepted(BaseModel):
