@@ -23,6 +23,7 @@ from ocrq.core.contract import JobRequest
 from ocrq.core.settings import Settings
 from tests.conftest import WorkerProcess
 from tests.servers import free_port
+from tests.tiny_hunyuan import loop_worker_env, tiny_hf_cache
 from tests.waiting import Budget
 
 pytestmark = pytest.mark.hunyuan
@@ -32,11 +33,7 @@ CAP = 20_000  # tokens: minutes of decoding on a CPU, never reached in this test
 
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ocrq.testing.tiny_hunyuan import TINY_SHAPES, build_checkpoint
-    from tests.tiny_hunyuan import fake_hf_cache
-
-    root = tmp_path_factory.mktemp("hf")
-    return fake_hf_cache(root, lambda p, version: build_checkpoint(p, TINY_SHAPES[version]))
+    return tiny_hf_cache(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module", params=["off", "on"], ids=["in-worker", "engine-process"])
@@ -47,25 +44,11 @@ def looping_worker(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[WorkerProcess, str]]:
     queue = f"ocr-cancel-loop-{uuid.uuid4().hex[:6]}"
-    env = {
-        **service_env,
-        "OCRQ_ENGINE": "hunyuan",
-        "OCRQ_QUEUE": queue,
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_CACHE": str(tiny_cache),
-        "OCRQ_DEVICE": "cpu",
-        "OCRQ_DTYPE": "float32",
-        "OCRQ_MAX_NEW_TOKENS": str(CAP),
-        "OCRQ_SCHEDULER": "continuous",
-        "OCRQ_MAX_BATCH": "4",
-        # Planned with the GPU's default model (2.52 GiB fixed): room for a row of CAP tokens.
-        "OCRQ_MEMORY_BUDGET_GIB": "12",
-        "OCRQ_PREFILL_TOKENS": "1024",
-        "OCRQ_PREFILL_CHUNK_TOKENS": "1024",
-        "OCRQ_PROFILE_DIR": str(tmp_path_factory.mktemp("profiles")),
-        "OCRQ_METRICS_PORT": str(free_port()),
-        "OCRQ_ENGINE_PROCESS": request.param,
-    }
+    env = loop_worker_env(
+        service_env, tiny_cache, queue, max_new_tokens=CAP, max_batch=4,
+        budget_gib=12, engine_process=request.param,
+        profile_dir=tmp_path_factory.mktemp("profiles"), metrics_port=free_port(),
+    )
     log = tmp_path_factory.mktemp("worker") / "ocrq.worker.log"
     proc = WorkerProcess(env, log, "--concurrency", "4").wait_ready(timeout=240)
     yield proc, queue

@@ -19,6 +19,7 @@ from celery import Celery
 from tests.conftest import WorkerProcess
 from tests.servers import free_port
 from tests.test_service import _wait_rows
+from tests.tiny_hunyuan import loop_worker_env, tiny_hf_cache
 
 pytestmark = pytest.mark.hunyuan
 
@@ -27,11 +28,7 @@ LONG = 400  # long enough on an idle CPU to tell apart from 2 tokens (~6 ms a st
 
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ocrq.testing.tiny_hunyuan import TINY_SHAPES, build_checkpoint
-    from tests.tiny_hunyuan import fake_hf_cache
-
-    root = tmp_path_factory.mktemp("hf")
-    return fake_hf_cache(root, lambda p, version: build_checkpoint(p, TINY_SHAPES[version]))
+    return tiny_hf_cache(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module", params=["off", "on"], ids=["in-worker", "engine-process"])
@@ -44,26 +41,12 @@ def running_worker(
     """The loop in the worker process, and in an engine process of its own (ocrq/
     engine_process/link.py): the same rows, results and metrics either way."""
     queue = f"ocr-running-{uuid.uuid4().hex[:6]}"
-    env = {
-        **service_env,
-        "OCRQ_ENGINE": "hunyuan",
-        "OCRQ_QUEUE": queue,
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_CACHE": str(tiny_cache),
-        "OCRQ_DEVICE": "cpu",
-        "OCRQ_DTYPE": "float32",
-        "OCRQ_MAX_NEW_TOKENS": str(LONG),
-        "OCRQ_SCHEDULER": "continuous",
-        "OCRQ_MAX_BATCH": "8",
-        "OCRQ_BATCH_WAIT_MS": "500",
-        # The CPU plans with the GPU's default model (2.52 GiB fixed): ~0.37 GiB above it.
-        "OCRQ_MEMORY_BUDGET_GIB": "3.4",
-        "OCRQ_PREFILL_TOKENS": "1024",
-        "OCRQ_PREFILL_CHUNK_TOKENS": "1024",
-        "OCRQ_PROFILE_DIR": str(tmp_path_factory.mktemp("profiles")),
-        "OCRQ_METRICS_PORT": str(free_port()),
-        "OCRQ_ENGINE_PROCESS": request.param,
-    }
+    env = loop_worker_env(
+        service_env, tiny_cache, queue, max_new_tokens=LONG, max_batch=8,
+        budget_gib=3.4, engine_process=request.param,
+        profile_dir=tmp_path_factory.mktemp("profiles"), metrics_port=free_port(),
+    )
+    env.update(OCRQ_BATCH_WAIT_MS="500")
     log = tmp_path_factory.mktemp("worker") / "ocrq.worker.log"
     proc = WorkerProcess(env, log, "--concurrency", "8").wait_ready(timeout=240)
     yield proc, queue

@@ -44,6 +44,50 @@ def fake_hf_cache(root: Path, build: Any) -> Path:
     return root
 
 
+def tiny_hf_cache(root: Path) -> Path:
+    """The tiny checkpoints as MODEL_ID in a fake cache at `root`, for a worker process (its
+    env names the cache: `loop_worker_env`)."""
+    from ocrq.testing.tiny_hunyuan import TINY_SHAPES, build_checkpoint
+
+    return fake_hf_cache(root, lambda p, version: build_checkpoint(p, TINY_SHAPES[version]))
+
+
+def loop_worker_env(
+    service_env: dict[str, str],
+    cache: Path,
+    queue: str,
+    *,
+    max_new_tokens: int,
+    max_batch: int,
+    budget_gib: float,
+    engine_process: str,
+    profile_dir: Path,
+    metrics_port: int,
+) -> dict[str, str]:
+    """An `ocrq worker` running the tiny 1.5 model in the running loop on the CPU, its engine in
+    the worker (`engine_process="off"`) or in a process of its own ("on"). Small prefill passes
+    (1,024 tokens) keep a CPU step short; `budget_gib` is planned with the GPU's default model
+    (2.52 GiB fixed), so it sets the room for rows of `max_new_tokens`."""
+    return {
+        **service_env,
+        "OCRQ_ENGINE": "hunyuan",
+        "OCRQ_QUEUE": queue,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(cache),
+        "OCRQ_DEVICE": "cpu",
+        "OCRQ_DTYPE": "float32",
+        "OCRQ_MAX_NEW_TOKENS": str(max_new_tokens),
+        "OCRQ_SCHEDULER": "continuous",
+        "OCRQ_MAX_BATCH": str(max_batch),
+        "OCRQ_MEMORY_BUDGET_GIB": str(budget_gib),
+        "OCRQ_PREFILL_TOKENS": "1024",
+        "OCRQ_PREFILL_CHUNK_TOKENS": "1024",
+        "OCRQ_PROFILE_DIR": str(profile_dir),
+        "OCRQ_METRICS_PORT": str(metrics_port),
+        "OCRQ_ENGINE_PROCESS": engine_process,
+    }
+
+
 @contextmanager
 def offline_tiny_cache(root: Path) -> Iterator[Path]:
     """The tiny checkpoints as MODEL_ID in a fake cache at `root`, with huggingface_hub pointed
