@@ -533,6 +533,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             "guard": self.version.guard,
             "kv_dtype": s.kv_cache_dtype,
             "packed": s.prefill_packed,
+            "prefill_stream": s.prefill_stream,
             "lanes": LanePolicy(
                 reserved_slots=budget.reserved_slots,
                 bulk_prefill_tokens=s.interactive_prefill_tokens,
