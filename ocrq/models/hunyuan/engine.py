@@ -646,6 +646,9 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             "lane_prefills": s.lane_prefills,
             "lane_prefill_tokens": s.lane_prefill_tokens,
             "bulk_held_passes": s.bulk_held_passes,
+            "late_passes": s.late_passes,
+            "pending_iterations": s.pending_iterations,
+            "overlap_steps": s.overlap_steps,
         }
 
     def _drop_loop(self) -> None:

@@ -7,6 +7,13 @@ their slots, their prompts run through the model in one pass (left-padded, or pa
 ocrq/models/hunyuan/packed.py), each layer's keys and values go into the rows' ranges of the pool,
 every per-slot tensor takes the rows' values, and the loop chooses each row's first token as the
 static loop would.
+
+A pass is a launch (the rows into their slots and ranges, the model writing their prompts' KV)
+and a commit (every per-slot tensor, the loop's books, the first tokens). With
+`LoopConfig.prefill_stream` on a GPU the launch runs on a side stream and the commit waits for
+the first loop iteration that finds it done, so decode steps overlap the pass (docs/engines.md).
+A decode step reads and writes only live rows' ranges, the scratch column and the per-slot
+tensors over all its slots; the launch writes none of those, so the two may run side by side.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ batch's prefill waits for the whole decode. Here a row that ends (an eos, its ow
 `max_new_tokens`, the repetition guard) is handed back from the next copy of the slots' state
 that reaches the host (ocrq/models/hunyuan/readback.py: the host never waits for the GPU in
 steady state) and its slot and KV range are given to the oldest waiting row, prefilled between
-decode steps.
+decode steps (or beside them, on a side stream: `LoopConfig.prefill_stream`,
+ocrq/models/hunyuan/passes.py).
 
 Layout (ocrq/models/slots.py says why a pool of ranges):
 
