@@ -310,7 +310,8 @@ def markdown(d: dict[str, Any]) -> str:
                       f"{r['seconds']:.1f} s wall; {r['late_passes']} passes committed late, "
                       f"{r['overlap_steps']} steps run beside a pending pass."]
     for key, what in (("kv_error", "fp8 KV pool against the model's dtype"),
-                      ("packed_error", "packed prefill passes against padded ones")):
+                      ("packed_error", "packed prefill passes against padded ones"),
+                      ("stream_error", "prefill passes on a side stream against inline ones")):
         err = d.get(key)
         if err:
             lines += ["", f"{what} ({err['rows']} rows of A4 pages, receipts and word crops, "
@@ -350,6 +351,9 @@ def main() -> None:
     ap.add_argument("--fp8-slots", type=int, default=512, help="slots with an fp8 pool")
     ap.add_argument("--kv-error-rows", type=int, default=0,
                     help="rows (A4 pages, receipts, word crops) for the fp8 logit error; 0: skip")
+    ap.add_argument("--stream-error-rows", type=int, default=0,
+                    help="rows compared through the loop with and without OCRQ_PREFILL_STREAM "
+                    "(same tokens expected)")
     ap.add_argument("--packed-error-rows", type=int, default=0,
                     help="rows for the packed prefill's logit error against padded; 0: skip")
     ap.add_argument("--kv-error-steps", type=int, default=64)
@@ -416,7 +420,9 @@ def main() -> None:
         # A pass of rows of different lengths: the padded prefill pads them, the packed not.
         sample = [encoded["a4"], encoded["receipt"], encoded["crop"]]
         for name, variant, wanted in (("kv_error", {"kv_dtype": "fp8"}, args.kv_error_rows),
-                                      ("packed_error", {"packed": True}, args.packed_error_rows)):
+                                      ("packed_error", {"packed": True}, args.packed_error_rows),
+                                      ("stream_error", {"prefill_stream": True},
+                                       args.stream_error_rows)):
             if not wanted:
                 continue
             found = part(name, lambda v=variant, n=wanted: loop_error(
