@@ -204,9 +204,11 @@ def loop_error(torch: Any, engine: HunyuanEngine, rows: list, steps: int, cuda: 
 
 def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule: str,
              args: argparse.Namespace, cuda: bool, slots: int | None = None,
-             packed_chunk: int = 0) -> dict[str, Any]:
+             packed_chunk: int = 0, prefill_stream: bool | None = None) -> dict[str, Any]:
     """Every job queued at once into the running loop, sized from --budget-gib; with
-    `packed_chunk`, packed prefill passes of that many tokens (`OCRQ_PREFILL_PACKED`)."""
+    `packed_chunk`, packed prefill passes of that many tokens (`OCRQ_PREFILL_PACKED`); with
+    `prefill_stream`, passes on a side stream or not (`OCRQ_PREFILL_STREAM`; None: the
+    setting's)."""
     model = engine.loop_cost_model(engine.cost_model())
     engine.loop = None
     engine.release_memory()
@@ -217,9 +219,10 @@ def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule
     running = RunningBudget.plan(model, budget_bytes, slots=slots or args.slots,
                                  prefill_tokens=pass_tokens,
                                  state_bytes_per_slot=engine.state_bytes_per_slot())
+    streams = {} if prefill_stream is None else {"prefill_stream": prefill_stream}
     config = engine.loop_config(running, schedule=schedule, chunk_tokens=chunk,
                                 packed=bool(packed_chunk),
-                                max_new_tokens=args.max_new_tokens)
+                                max_new_tokens=args.max_new_tokens, **streams)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -238,16 +241,30 @@ def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule
     kv = engine.settings.kv_cache_dtype
     mode = f"running {schedule}" + (f" {kv} KV" if kv != "auto" else "")
     mode += f" packed {packed_chunk}" if packed_chunk else ""
+    mode += " prefill stream" if config.prefill_stream else ""
     out = summary(mode, jobs, finished, seconds, busy.share, peak,
                   model.fixed_bytes + running.bytes if cuda else None, {
                       "slots": running.slots, "pool_tokens": running.pool_tokens,
                       "prefill_s": s.prefill_s, "decode_s": s.decode_s, "capture_s": s.capture_s,
                       "prefills": s.prefills, "steps": s.steps, "graphs": s.graphs,
+                      "prefill_stream": config.prefill_stream, "late_passes": s.late_passes,
+                      "pending_iterations": s.pending_iterations,
+                      "overlap_steps": s.overlap_steps,
                       "live_share_of_slot_steps": s.row_steps / max(s.slot_steps, 1),
                       "mean_live_rows": s.row_steps / max(s.steps, 1)})
     loop.clear()
     del loop
     return out
+
+
+def parse_bool(text: str) -> bool:
+    if text.strip().lower() not in ("true", "false"):
+        raise SystemExit(f"--prefill-streams: true or false, not {text!r}")
+    return text.strip().lower() == "true"
+
+
+def stream_tag(stream: bool | None) -> str:
+    return "" if stream is None else f"_stream_{str(stream).lower()}"
 
 
 def markdown(d: dict[str, Any]) -> str:
@@ -285,8 +302,16 @@ def markdown(d: dict[str, Any]) -> str:
                           f"live; {r['prefills']} prefill passes ({r['prefill_s']:.1f} s), "
                           f"{r['steps']} decode steps ({r['decode_s']:.1f} s), "
                           f"{r['graphs']} graphs."]
+    for r in d["runs"]:
+        if r.get("prefill_stream"):
+            lines += ["", f"- {r['mode']}: prefill passes on a side stream; {r['prefills']} "
+                      f"passes ({r['prefill_s']:.1f} s of GPU spans) and {r['steps']} decode "
+                      f"steps ({r['decode_s']:.1f} s) overlap, so their sum can pass the "
+                      f"{r['seconds']:.1f} s wall; {r['late_passes']} passes committed late, "
+                      f"{r['overlap_steps']} steps run beside a pending pass."]
     for key, what in (("kv_error", "fp8 KV pool against the model's dtype"),
-                      ("packed_error", "packed prefill passes against padded ones")):
+                      ("packed_error", "packed prefill passes against padded ones"),
+                      ("stream_error", "prefill passes on a side stream against inline ones")):
         err = d.get(key)
         if err:
             lines += ["", f"{what} ({err['rows']} rows of A4 pages, receipts and word crops, "
@@ -326,6 +351,9 @@ def main() -> None:
     ap.add_argument("--fp8-slots", type=int, default=512, help="slots with an fp8 pool")
     ap.add_argument("--kv-error-rows", type=int, default=0,
                     help="rows (A4 pages, receipts, word crops) for the fp8 logit error; 0: skip")
+    ap.add_argument("--stream-error-rows", type=int, default=0,
+                    help="rows compared through the loop with and without OCRQ_PREFILL_STREAM "
+                    "(same tokens expected)")
     ap.add_argument("--packed-error-rows", type=int, default=0,
                     help="rows for the packed prefill's logit error against padded; 0: skip")
     ap.add_argument("--kv-error-steps", type=int, default=64)
@@ -335,6 +363,9 @@ def main() -> None:
     ap.add_argument("--vision-attentions", default="",
                     help='run each packed run under these vision attentions, e.g. "sdpa,fa4" '
                     "(OCRQ_VISION_ATTENTION; empty: as the engine loaded)")
+    ap.add_argument("--prefill-streams", default="",
+                    help='run each running-loop run with these, e.g. "false,true": prefill '
+                    "passes on a side stream or not (OCRQ_PREFILL_STREAM; empty: the setting's)")
     ap.add_argument("--version", choices=("1.0", "1.5"), default="1.0")
     args = ap.parse_args()
     if args.smoke:
@@ -359,6 +390,7 @@ def main() -> None:
         return run_part(report, started, name, fn)
 
     jobs = workload(args)
+    streams = [parse_bool(x) for x in args.prefill_streams.split(",") if x] or [None]
     by_class = {c: sum(1 for j in jobs if j[0] == c) for c in CLASSES}
     report.data["workload"] = {
         "jobs": len(jobs), "by_class": by_class,
@@ -388,7 +420,9 @@ def main() -> None:
         # A pass of rows of different lengths: the padded prefill pads them, the packed not.
         sample = [encoded["a4"], encoded["receipt"], encoded["crop"]]
         for name, variant, wanted in (("kv_error", {"kv_dtype": "fp8"}, args.kv_error_rows),
-                                      ("packed_error", {"packed": True}, args.packed_error_rows)):
+                                      ("packed_error", {"packed": True}, args.packed_error_rows),
+                                      ("stream_error", {"prefill_stream": True},
+                                       args.stream_error_rows)):
             if not wanted:
                 continue
             found = part(name, lambda v=variant, n=wanted: loop_error(
@@ -406,23 +440,28 @@ def main() -> None:
                     part(f"warm_up_{vision}", lambda: engine.generate(  # FA4 compiles here
                         [PreparedImage("w", images["a4"], images["a4"].size)] * 2,
                         max_new_tokens=4, min_new_tokens=4))
-                run = part(f"running_chunked_packed_{chunk}{vision}", lambda c=chunk: run_loop(
-                    torch, engine, jobs, rows, "chunked", args, cuda, slots=packed_slots,
-                    packed_chunk=c))
-                if run:
-                    run["mode"] += f" vision {vision}" if vision else ""
-                    report.data["runs"].append(run)
-                    report.write()
+                for stream in streams:
+                    run = part(f"running_chunked_packed_{chunk}{vision}{stream_tag(stream)}",
+                               lambda c=chunk, st=stream: run_loop(
+                                   torch, engine, jobs, rows, "chunked", args, cuda,
+                                   slots=packed_slots, packed_chunk=c, prefill_stream=st))
+                    if run:
+                        run["mode"] += f" vision {vision}" if vision else ""
+                        report.data["runs"].append(run)
+                        report.write()
         use_kv_dtype(engine, "auto")
         for kv in (x for x in args.kv_dtypes.split(",") if x):
             use_kv_dtype(engine, kv)
             for schedule in (x for x in args.schedules.split(",") if x):
-                run = part(f"running_{schedule}_{kv}", lambda s=schedule, kv=kv: run_loop(
-                    torch, engine, jobs, rows, s, args, cuda,
-                    slots=args.fp8_slots if kv == "fp8" else args.slots))
-                if run:
-                    report.data["runs"].append(run)
-                    report.write()
+                for stream in streams:
+                    run = part(f"running_{schedule}_{kv}{stream_tag(stream)}",
+                               lambda s=schedule, kv=kv, st=stream: run_loop(
+                                   torch, engine, jobs, rows, s, args, cuda,
+                                   slots=args.fp8_slots if kv == "fp8" else args.slots,
+                                   prefill_stream=st))
+                    if run:
+                        report.data["runs"].append(run)
+                        report.write()
         use_kv_dtype(engine, "auto")
         for b in (int(x) for x in args.batches.split(",") if x):
             run = part(f"static_{b}", lambda b=b: run_static(torch, engine, jobs, rows, b, cuda))

@@ -462,7 +462,7 @@ def main() -> None:
                 for k in ("interactive_slots", "interactive_prefill_tokens",
                           "interactive_prefill_gap_steps", "interactive_bulk_rows",
                           "loop_bulk_max_wait_steps", "prefill_chunk_tokens",
-                          "prefill_gap_steps")
+                          "prefill_gap_steps", "prefill_stream")
             },
             "bulk_workload": workload_summary(bulk),
             "interactive_workload": workload_summary(stream),

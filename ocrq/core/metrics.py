@@ -118,6 +118,17 @@ LOOP_COUNTS = {
     "bulk_held_passes": Counter(
         "ocrq_loop_bulk_held_passes", "Prefill passes that held bulk rows back for the lane"
     ),
+    # Prefill passes on a side stream (OCRQ_PREFILL_STREAM): prefill and decode seconds then
+    # overlap, and their sum can pass the wall time.
+    "late_passes": Counter(
+        "ocrq_loop_late_passes", "Prefill passes committed at a later loop iteration than launched"
+    ),
+    "pending_iterations": Counter(
+        "ocrq_loop_pending_iterations", "Loop iterations that found a prefill pass not done yet"
+    ),
+    "overlap_steps": Counter(
+        "ocrq_loop_overlap_steps", "Decode steps run while a prefill pass was pending"
+    ),
 }
 
 

@@ -488,6 +488,12 @@ class HunyuanSettings(ModelSettings):
     # 1.23x the images/s of padded passes, the GPU busy 99% instead of 82%
     # (bench/results/service_gpu/service_gpu_reading.md, run 14); false is the padded prefill.
     prefill_packed: bool = True
+    # Prefill passes on a second CUDA stream of low priority while decode steps go on on the
+    # running loop's own stream of high priority: a memory-bound step overlaps the
+    # compute-bound pass, and an interactive row's steps no longer wait behind a whole pass
+    # (a pass's rows join at the first step after it is done; ocrq/models/hunyuan/passes.py).
+    # Off until measured on an H200 (issues 29, 30); the tokens are the same either way.
+    prefill_stream: bool = False
     # The interactive lane inside the running loop (ocrq/models/lane_pass.py; docs/internals.md).
     # Slots added to the loop that only interactive rows take, so one is prefilled in the next
     # pass however full of bulk rows the loop is; bulk keeps its OCRQ_MAX_BATCH slots. 8: the

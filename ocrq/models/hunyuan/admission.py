@@ -47,13 +47,16 @@ class AdmissionPolicy:
         self.last_bulk_pass = -(10**9)  # ... of the last one that admitted bulk rows
 
     def free_slots(self) -> list[int]:
+        """Slots neither live nor held by a pending prefill pass."""
         loop = self.loop
-        return [s for s in range(loop.config.slots) if s not in loop.rows]
+        held = loop.passes.slots()
+        return [s for s in range(loop.config.slots) if s not in loop.rows and s not in held]
 
     def plan(self) -> Admission | None:
-        """The pass to run before this step, or None; the loop runs a plan it gets at once."""
+        """The pass to run before this step, or None; the loop runs a plan it gets at once.
+        None while a pass is pending (`LoopConfig.prefill_stream`): one at a time."""
         loop = self.loop
-        if not loop.waiting:
+        if not loop.waiting or loop.passes.pending is not None:
             return None
         free = self.free_slots()
         if not free:

@@ -533,6 +533,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             "guard": self.version.guard,
             "kv_dtype": s.kv_cache_dtype,
             "packed": s.prefill_packed,
+            "prefill_stream": s.prefill_stream,
             "lanes": LanePolicy(
                 reserved_slots=budget.reserved_slots,
                 bulk_prefill_tokens=s.interactive_prefill_tokens,
@@ -645,6 +646,9 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             "lane_prefills": s.lane_prefills,
             "lane_prefill_tokens": s.lane_prefill_tokens,
             "bulk_held_passes": s.bulk_held_passes,
+            "late_passes": s.late_passes,
+            "pending_iterations": s.pending_iterations,
+            "overlap_steps": s.overlap_steps,
         }
 
     def _drop_loop(self) -> None:

@@ -7,11 +7,20 @@ their slots, their prompts run through the model in one pass (left-padded, or pa
 ocrq/models/hunyuan/packed.py), each layer's keys and values go into the rows' ranges of the pool,
 every per-slot tensor takes the rows' values, and the loop chooses each row's first token as the
 static loop would.
+
+A pass is a launch (the rows into their slots and ranges, the model writing their prompts' KV)
+and a commit (every per-slot tensor, the loop's books, the first tokens). With
+`LoopConfig.prefill_stream` on a GPU the launch runs on a side stream and the commit waits for
+the first loop iteration that finds it done, so decode steps overlap the pass (docs/engines.md).
+A decode step reads and writes only live rows' ranges, the scratch column and the per-slot
+tensors over all its slots; the launch writes none of those, so the two may run side by side.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.inputs import collate, host_layout
@@ -27,20 +36,69 @@ if TYPE_CHECKING:
     from ocrq.models.slots import Admission
 
 
+@dataclass
+class PendingPass:
+    """A pass launched and not yet committed: its rows hold their slots and KV ranges but are
+    not live (their slots' state is as the last row left it: finished, scratch column)."""
+
+    rows: list[LoopRow]
+    busy: bool  # launched while the interactive lane was busy
+    first_logits: Any = None
+    next_pos: Any = None
+    marks: Any = None
+    event: Any = None  # recorded on the side stream after the pass's work (a GPU only)
+    looks: int = 0  # loop iterations that found it not done
+
+
+def _event_done(pending: PendingPass) -> bool:
+    return pending.event is None or bool(pending.event.query())
+
+
 class PrefillPasses:
-    """One loop's prefill passes; `run` takes a plan the loop's policy made this step."""
+    """One loop's prefill passes; `run` takes a plan the loop's policy made this step.
+
+    A pass is a launch and a commit. The launch takes the rows out of the queue into their
+    slots and ranges and runs the model, which writes only the rows' own KV ranges; the commit
+    writes every per-slot tensor a decode step reads or updates, makes the rows live and
+    chooses their first tokens. Without `LoopConfig.prefill_stream` the commit follows the
+    launch at once, on the loop's stream. With it, on a GPU, the launch runs on a side stream of
+    low priority while the loop's decode steps go on (a memory-bound step overlaps the
+    compute-bound pass), and the loop commits the pass at the first iteration that finds it
+    done (`land`): nothing a step touches is written on the side stream."""
 
     def __init__(self, loop: RunningLoop) -> None:
         self.loop = loop
+        self.pending: PendingPass | None = None
+        # Whether a launched pass is done (CUDA: its event, queried without a sync). Tests
+        # replace it, or set `hold`: iterations a deferred pass stays pending whatever it says.
+        self.done: Callable[[PendingPass], bool] = _event_done
+        self.hold = 0
+        self.side: Any = None  # the side stream (a GPU with `prefill_stream`), set by the loop
+
+    @property
+    def deferred(self) -> bool:
+        return self.loop.config.prefill_stream
+
+    def slots(self) -> set[int]:
+        """The slots the pending pass holds (not live, not free)."""
+        return {r.slot for r in self.pending.rows} if self.pending is not None else set()
 
     def run(self, plan: Admission) -> None:
         """The pass, its GPU time on the lane's span while the interactive lane is busy (an
         interactive row live or waiting: ocrq/models/lane_pass.py), so its rows' token cost
-        counts the passes run between their steps."""
+        counts the passes run between their steps. Committed at once unless deferred."""
         loop = self.loop
         busy = bool(loop._live_interactive or loop._waiting_interactive)
-        with loop.clock.span("prefill_lane" if busy else "prefill"):
-            rows = self._rows(plan)
+        span = "prefill_lane" if busy else "prefill"
+        if not self.deferred:
+            with loop.clock.span(span):
+                rows = self._launch(plan, busy).rows
+                self.commit()
+        elif self.side is None:  # deferred on a CPU (tests): launched now, committed later
+            with loop.clock.span(span):
+                rows = self._launch(plan, busy).rows
+        else:
+            rows = self._launch_on_side(plan, busy, span).rows
         stats, tokens = loop.stats, sum(r.prompt_tokens for r in rows)
         stats.prefills += 1
         stats.prefilled_rows += len(rows)
@@ -50,23 +108,88 @@ class PrefillPasses:
             stats.lane_prefills += 1
             stats.lane_prefill_tokens += tokens
 
-    def _rows(self, plan: Admission) -> list[LoopRow]:
-        """Everything here is queued without a host sync (to_device, index lists built on the
-        host): a sync would empty the queue of decode steps behind which it runs. The plan's
-        rows, taken by key (interactive rows may pass bulk ones in the queue)."""
+    def _launch_on_side(self, plan: Admission, busy: bool, span: str) -> PendingPass:
+        """The launch on the side stream, after the steps queued so far (they may still read
+        the ranges just given to these rows); an event marks its end."""
         import torch
 
         loop = self.loop
+        here = torch.cuda.current_stream(loop.device)
+        self.side.wait_stream(here)
+        with torch.cuda.stream(self.side), loop.clock.span(span):
+            pending = self._launch(plan, busy)
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        for t in (pending.first_logits, pending.next_pos, pending.marks):
+            if t is not None:  # made on the side stream, read on the loop's at commit
+                t.record_stream(here)
+        return pending
+
+    def land(self, wait: bool) -> bool:
+        """Commit the pending pass if it is done (with `wait`, waiting for it on a GPU);
+        whether it was. At most `hold` looks find it not done first (tests)."""
+        pending, stats = self.pending, self.loop.stats
+        assert pending is not None
+        if pending.looks < self.hold or not (self.done(pending) or wait):
+            pending.looks += 1
+            stats.pending_iterations += 1
+            return False
+        self.commit()
+        return True
+
+    def settle(self) -> None:
+        """The pending pass committed now (drop: its rows become live rows, to be released as
+        any live row is); the loop's stream waits for the pass, the host does not."""
+        if self.pending is not None:
+            self.commit()
+
+    def discard(self) -> list[LoopRow]:
+        """Forget the pending pass (clear): its rows, their KV ranges given back; their slots
+        were never live."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return []
+        if pending.event is not None:
+            pending.event.synchronize()  # the pass's work done before its memory is reused
+        loop = self.loop
+        for r in pending.rows:
+            loop.pool = loop.pool.give(r.start, r.capacity)
+        return pending.rows
+
+    def _launch(self, plan: Admission, busy: bool) -> PendingPass:
+        """The plan's rows out of the queue (by key: interactive rows may pass bulk ones), into
+        their slots and ranges, their prompts through the model into their ranges of the pool.
+        Everything here is queued without a host sync (to_device, index lists built on the
+        host): a sync would empty the queue of decode steps behind which it runs. The pass is
+        pending from before the model runs, so `clear` finds its rows if the model fails."""
+        loop = self.loop
         rows = loop._take_waiting([p.key for p in plan.placements])
         for placement, row in zip(plan.placements, rows, strict=True):
-            row.slot, row.start, row.first_step = placement.slot, placement.start, loop._step_no
+            row.slot, row.start = placement.slot, placement.start
             row.admitted_at = time.monotonic()
         loop.pool = plan.pool
+        pending = self.pending = PendingPass(rows, busy)
+        prompt = self._prompt_packed if loop.config.packed else self._prompt_padded
+        pending.first_logits, pending.next_pos, pending.marks = prompt(rows)
+        return pending
+
+    def commit(self) -> None:
+        """The pending pass's rows made live, on the loop's stream: every per-slot tensor takes
+        their values (a decode step writes these over all its slots, so only the loop's stream
+        may), the host's books take them, and their first tokens are chosen."""
+        import torch
+
+        loop, pending = self.loop, self.pending
+        assert pending is not None
+        if pending.event is not None:
+            torch.cuda.current_stream(loop.device).wait_event(pending.event)
+        self.pending = None
+        if pending.looks:
+            loop.stats.late_passes += 1
+        rows, marks = pending.rows, pending.marks
+        for r in rows:
+            r.first_step = loop._step_no  # its first decode step is the next one
         lengths = [r.prompt_tokens for r in rows]
-        if loop.config.packed:
-            first_logits, next_pos, marks = self._prompt_packed(rows)
-        else:
-            first_logits, next_pos, marks = self._prompt_padded(rows)
         dev, long = loop.device, torch.long
         slots = to_device([r.slot for r in rows], long, dev)
         starts = to_device([r.start for r in rows], torch.int32, dev)
@@ -77,7 +200,7 @@ class PrefillPasses:
                 loop.valid[r.slot, r.start : r.start + length] = True
         loop.base.index_copy_(0, slots, starts)
         loop.write.index_copy_(0, slots, (starts + plens).long())
-        loop.pos.index_copy_(1, slots, next_pos)
+        loop.pos.index_copy_(1, slots, pending.next_pos)
         loop.count.index_fill_(0, slots, 0)
         loop.cap.index_copy_(0, slots, to_device([r.max_new_tokens for r in rows], long, dev))
         loop.min_new.index_copy_(
@@ -92,8 +215,7 @@ class PrefillPasses:
             loop.seen.index_copy_(0, slots, marks)
         for r in rows:
             loop._enter(r)
-        loop._choose(first_logits, slots, rows)
-        return rows
+        loop._choose(pending.first_logits, slots, rows)
 
     def _store_prompt(self, prompt_kv: list[Any], rows: list[LoopRow], tokens: Any) -> None:
         """Each layer's prompt keys and values into the rows' ranges of the pool, freeing the

@@ -140,7 +140,9 @@ class Readback:
 
 class GpuClock:
     """Seconds of GPU time per named span, from CUDA events read once they are done (host
-    seconds on a CPU, where the work runs inside the span)."""
+    seconds on a CPU, where the work runs inside the span). The events go on the current
+    stream: a prefill pass on the loop's side stream (`LoopConfig.prefill_stream`) is timed
+    there, and its span overlaps the decode steps' spans."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda

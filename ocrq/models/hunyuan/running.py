@@ -6,7 +6,8 @@ batch's prefill waits for the whole decode. Here a row that ends (an eos, its ow
 `max_new_tokens`, the repetition guard) is handed back from the next copy of the slots' state
 that reaches the host (ocrq/models/hunyuan/readback.py: the host never waits for the GPU in
 steady state) and its slot and KV range are given to the oldest waiting row, prefilled between
-decode steps.
+decode steps (or beside them, on a side stream: `LoopConfig.prefill_stream`,
+ocrq/models/hunyuan/passes.py).
 
 Layout (ocrq/models/slots.py says why a pool of ranges):
 
@@ -40,7 +41,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +131,10 @@ class LoopConfig:
     packed: bool = False
     # The interactive lane (ocrq/models/lane_pass.py): reserved slots, bulk limits while busy.
     lanes: LanePolicy = field(default_factory=LanePolicy)
+    # Prefill passes on a side stream of low priority, committed once done, while decode steps
+    # go on on the loop's own stream of high priority (ocrq/models/hunyuan/passes.py). On a CPU
+    # the pass is launched at once and committed at a later iteration (tests).
+    prefill_stream: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -145,7 +151,9 @@ class LoopConfig:
 @dataclass
 class LoopStats:
     """Where the loop's time went (seconds of GPU time on a GPU, from events read once done;
-    host seconds on a CPU) and what it did; the bench and the worker's metrics read it."""
+    host seconds on a CPU) and what it did; the bench and the worker's metrics read it. With
+    `LoopConfig.prefill_stream` prefill and decode spans overlap: their sum can exceed the wall
+    time."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -185,6 +193,13 @@ class LoopStats:
     lane_prefills: int = 0
     lane_prefill_tokens: int = 0
     bulk_held_passes: int = 0  # passes that held bulk rows back for the lane
+    # Prefill passes on a side stream (`LoopConfig.prefill_stream`): their GPU spans overlap
+    # the decode steps', so prefill_s + decode_s can exceed the wall time. Passes committed at
+    # a later loop iteration than launched, the iterations that found a pass not done yet, and
+    # the decode steps run while one was pending (the overlap).
+    late_passes: int = 0
+    pending_iterations: int = 0
+    overlap_steps: int = 0
 
 
 class RunningLoop:
@@ -267,6 +282,16 @@ class RunningLoop:
         self.admission = AdmissionPolicy(self)
         self.passes = PrefillPasses(self)
         self.harvest = Harvest(self)
+        # With `prefill_stream` on a GPU: the loop's own stream (steps, graph replays, copies
+        # to the host, commits), high priority, and the passes' side stream, low priority.
+        # PyTorch's streams do not wait for the default stream: the loop's waits once for the
+        # state allocated above, and the caller's stream for the loop's after each call.
+        self.stream: Any = None
+        if config.prefill_stream and decoder.is_cuda:
+            low, high = torch.cuda.Stream.priority_range()
+            self.stream = torch.cuda.Stream(self.device, priority=high)
+            self.passes.side = torch.cuda.Stream(self.device, priority=low)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     # -- the host side -------------------------------------------------------------------------
 
@@ -275,7 +300,24 @@ class RunningLoop:
         return len(self.rows)
 
     def idle(self) -> bool:
-        return not self.rows and not self.waiting
+        return not self.rows and not self.waiting and self.passes.pending is None
+
+    @contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """The loop's device work on its own stream (with `prefill_stream` on a GPU), the
+        caller's stream ordered after it; elsewhere as it comes."""
+        if self.stream is None:
+            yield
+            return
+        import torch
+
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            caller.wait_stream(self.stream)
 
     def add(self, rows: Sequence[LoopRow]) -> None:
         """Queue rows, oldest first; each must fit the pool alone (the planner's check)."""
@@ -304,7 +346,7 @@ class RunningLoop:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         done: list[Done] = []
         cpu = time.thread_time
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_stream():
             stats, clock = self.stats, time.perf_counter
             c_start = cpu()
             while not done and not self.idle():
@@ -349,10 +391,12 @@ class RunningLoop:
         return self.stats
 
     def clear(self) -> list[LoopRow]:
-        """Forget every row (after an error); the rows that were in flight or waiting."""
-        rows = list(self.rows.values()) + list(self.waiting)
-        for slot in list(self.rows):
-            self._release(slot)
+        """Forget every row (after an error); the rows that were in flight, in a pending
+        prefill pass or waiting."""
+        rows = list(self.rows.values()) + self.passes.discard() + list(self.waiting)
+        with self._on_stream():
+            for slot in list(self.rows):
+                self._release(slot)
         self.waiting.clear()
         self._waiting_interactive = 0
         self.graphs.clear()
@@ -364,9 +408,20 @@ class RunningLoop:
 
         Called between `run`s, right after a harvest: a live row's slot and KV range are freed
         as a finished row's are, and a copy of the slots' state still in flight names it no
-        more (`_ended` skips a slot whose row changed), so it never comes back as done."""
+        more (`_ended` skips a slot whose row changed), so it never comes back as done. A
+        pending prefill pass holding one of them is committed first: its rows are then live.
+        """
         if not keys:
             return []
+        import torch
+
+        with torch.inference_mode(), self._on_stream():
+            return self._drop(keys)
+
+    def _drop(self, keys: Collection[str]) -> list[LoopRow]:
+        pending = self.passes.pending
+        if pending is not None and any(r.key in keys for r in pending.rows):
+            self.passes.settle()
         dropped = [row for row in self.waiting if row.key in keys]
         if dropped:
             self.waiting = deque(row for row in self.waiting if row.key not in keys)
@@ -388,7 +443,10 @@ class RunningLoop:
     # -- admission ----------------------------------------------------------------------------
 
     def _refill(self) -> None:
-        """The pass the admission policy plans before this step, if any, run now."""
+        """The pending pass committed if done (waited for when nothing decodes meanwhile), then
+        the pass the admission policy plans before this step, if any, run now."""
+        if self.passes.pending is not None and not self.passes.land(wait=not self.rows):
+            return
         plan = self.admission.plan()
         if plan is not None:
             self.passes.run(plan)
@@ -525,6 +583,7 @@ class RunningLoop:
         if lane:
             stats.lane_steps += 1
             stats.lane_row_steps += live
+        stats.overlap_steps += self.passes.pending is not None
         self._step_no += 1
         self.harvest.since_check += 1
 
