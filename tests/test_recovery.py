@@ -163,7 +163,8 @@ def test_lost_and_unstarted_messages_recovered_by_a_live_worker(
     assert figures["done"] == 9 and figures["lost"] == 0 and figures["duplicated"] == 0
     assert all(row["attempts"] == 1 for row in rows.values()), not_final(store, ids)
     assert rows[eta]["worker"] != dead_name
-    assert "re-sent 1 job(s) dead workers had taken but not started" in log, log[-3000:]
+    sweeps = "\n".join(line for line in log.splitlines() if "sweep" in line)
+    assert "re-sent 1 job(s) dead workers had taken but not started" in log, sweeps
     # Each lost row is found once it is OCRQ_STALLED_AFTER_S old: by one sweep or a few.
     found = re.findall(r"re-sent (\d+) queued job\(s\) whose message was nowhere", log)
     assert sum(map(int, found)) == 3, log[-3000:]

@@ -57,6 +57,9 @@ class Recovered:
     stalled: list[str] = field(default_factory=list)
     orphaned: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    # A step after the put-back failed (the database went away mid-sweep): the lists hold
+    # what was done before it.
+    failed: Exception | None = None
 
 
 def producer_app(settings: Settings) -> Celery:
@@ -101,13 +104,18 @@ def recover(
             return Recovered()
         try:
             put_back = _restore_orphans(view, store, after, exclude_worker)
-            done = Recovered()
-            done.stalled = _resend_stalled(
-                store, app, settings, after, exclude_worker, skip=set(put_back)
-            )
-            done.orphaned = [j for j in put_back if j not in set(done.stalled)]
-            if lost:
-                done.lost = _resend_lost(view, store, app, settings, after)
+            # What was put back is reported even when a later step fails: those messages are
+            # back in the queue, and a next sweep would not find them again to say so.
+            done = Recovered(orphaned=put_back)
+            try:
+                done.stalled = _resend_stalled(
+                    store, app, settings, after, exclude_worker, skip=set(put_back)
+                )
+                done.orphaned = [j for j in put_back if j not in set(done.stalled)]
+                if lost:
+                    done.lost = _resend_lost(view, store, app, settings, after)
+            except Exception as exc:
+                done.failed = exc
             return done
         finally:
             with contextlib.suppress(LockError):  # it expired mid-sweep; another may run now
@@ -123,6 +131,11 @@ def requeue_stalled(
 ) -> list[str]:
     """`ocrq requeue --stalled`: the jobs of dead workers, running or taken but not started."""
     found = recover(store, app, settings, exclude_worker, stalled_after_s, lost=False)
+    if found.failed is not None:
+        if found.orphaned:
+            log.warning("put back %d message(s) before failing: %s", len(found.orphaned),
+                        " ".join(found.orphaned))
+        raise found.failed
     return found.stalled + found.orphaned
 
 

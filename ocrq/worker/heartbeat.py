@@ -124,3 +124,6 @@ class Heartbeat:
                     what,
                     " ".join(ids[:20]) + (" ..." if len(ids) > 20 else ""),
                 )
+        if found.failed is not None:  # what it did before failing is said above
+            exc = found.failed
+            log.warning("stalled-job sweep failed part-way: %s: %s", type(exc).__name__, exc)
