@@ -31,6 +31,11 @@ The stages, in the order an image passes them (each answer at most the one befor
 * `MODEL` (the engine's `estimate`, `prepare` and `run`): the pixels the model sees;
 * `FIT` (the planner's downscaler): the size a too-big image is shrunk to, never below the floor.
 
+No stage grows an image: the one raise of an image under the model's floor is the processor's
+own resize, last (the engine's fit keeps such an image as it is; the fit stage's copies are never
+under the floor). A stage that raised one (the engine's fit of 48x96 under a cap at the floor
+made it 64x96) handed the next an image over its cap, which that one shrank again (52x78).
+
 An engine without a view of its own (no `model_limit`: the CPU engine, which reads crops of the
 image as handed in) has no model stage: its budget answers None (keep) at every stage but `FIT`.
 """
@@ -94,11 +99,22 @@ def _least(*caps: int | None) -> int | None:
     return min(known) if known else None
 
 
-def scaled_size(size: tuple[int, int], pixels: int) -> tuple[int, int]:
+def scaled_size(size: tuple[int, int], pixels: int, floor: int = 0) -> tuple[int, int]:
     """(w, h) shrunk keeping the aspect ratio so that w*h <= `pixels` (each side at least 1);
-    `size` itself when it is within. The arithmetic of ocrq/intake/images.py `downscale`."""
+    `size` itself when it is within. The arithmetic of ocrq/intake/images.py `downscale`.
+
+    With a `floor` (the model's), never under it: where rounding each side down would land
+    below it (`pixels` at the floor, or within a row of it), each side is rounded up instead, the
+    smallest size of that aspect with at least `floor` pixels. A copy under the floor would be
+    scaled back up by the processor: shrunk, then grown."""
     w, h = size
     if w * h <= pixels:
         return size
     scale = math.sqrt(pixels / (w * h))
-    return max(1, int(w * scale)), max(1, int(h * scale))
+    shrunk = max(1, int(w * scale)), max(1, int(h * scale))
+    if shrunk[0] * shrunk[1] >= floor:
+        return shrunk
+    if w * h <= floor:
+        return size
+    scale = math.sqrt(floor / (w * h))
+    return min(w, math.ceil(w * scale)), min(h, math.ceil(h * scale))

@@ -270,10 +270,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def downscale(image: Image.Image, pixels: int) -> Image.Image:
-    """Shrink keeping the aspect ratio so that w*h <= pixels; the image itself when it is
-    within (never scaled up)."""
-    size = scaled_size(image.size, pixels)
+def downscale(image: Image.Image, pixels: int, floor: int = 0) -> Image.Image:
+    """Shrink keeping the aspect ratio so that w*h <= pixels, never under `floor` (the model's:
+    `scaled_size`); the image itself when it is within (never scaled up)."""
+    size = scaled_size(image.size, pixels, floor)
     if size == image.size:
         return image
     return image.resize(size, Image.Resampling.BICUBIC)

@@ -71,18 +71,63 @@ class ImageGeometry:
 
     def shrink_to(self, width: int, height: int, cap: int) -> tuple[int, int]:
         """The size to resize an image to, before the processor, so that the model sees at most
-        `cap` pixels of it (a resolution preset); (width, height) itself when the cap changes
-        nothing, so the processor resizes exactly as it would without one.
+        `cap` pixels of it (a resolution preset, a job's cap); (width, height) itself when the
+        cap changes nothing, so the processor makes its one resize as it would without one.
 
-        The result is a multiple of the factor on each side and within the limits, which the
-        processor then leaves as it is: `resized` of it is itself.
+        The answer is a size this fit keeps: `capped` of it is itself. Every later stage asks
+        the fit again of the image the fit made (the engine's estimate of a prepared item,
+        `run`'s preprocessing of a planner's copy), and a fit that moved its own answer shrank
+        an image twice: `capped` once is the processor's rule with the cap as its limit, whose
+        answer a second pass can still move (a thin image: 26x197 under a cap at a 64² floor is
+        32x160, its short side held at one grid cell, over the cap; the rule made again of
+        32x160 is 32x128), so the step is repeated until it keeps its answer (each step shrinks,
+        so this ends; the image is still resized once, to the last size).
         """
         if cap >= self.max_pixels:
             return width, height
-        capped = replace(self, max_pixels=max(cap, self.min_pixels)).resized(width, height)
-        if capped == self.resized(width, height):
+        size = (width, height)
+        while (smaller := self.capped(*size, cap)) != size:
+            size = smaller
+        return size
+
+    def capped(self, width: int, height: int, cap: int) -> tuple[int, int]:
+        """One step of `shrink_to`: the processor's rule with `cap` as its limit, or the image
+        itself where that would not show the model fewer of the image's pixels.
+
+        Near the floor the rule floors both sides and can land under the floor (48x96 under a
+        cap at a 64² floor: 32x64), where the processor raises it, ceiling both sides (64x96):
+        the cap cannot be met at this aspect, and the raise can show the model more than the
+        image itself would, hold more pixels than the image, or only change its aspect. So the
+        image is kept when
+
+        * the capped size has at least as many pixels as the processor makes of the image
+          itself (a cap never shows the model more) or as the image has (ocrq never scales an
+          image up: the processor's own resize is the one raise of an image under its floor);
+        * the cap lands under the floor and the image is on the grid already (the processor
+          keeps it): raising its capped size would change its aspect, not meet the cap (this
+          fit makes a 53x159 page 64x128 under that cap; a second one would make it 64x96).
+
+        Without these a later stage found a raised copy over its cap and shrank it again (CI:
+        48x96 -> 64x96 -> 52x78, which the processor made 64x64). Otherwise the answer is a
+        multiple of the factor on each side within the limits, which the processor keeps: its
+        rule once, then again while it moves its own answer, which it does only where it holds
+        a short side at one grid cell and so answers over its limit (past max_pixels/factor² to
+        1: 36:1 for a tiny test checkpoint's 192², beyond the 200:1 it accepts for a released
+        one).
+        """
+        natural = self.resized(width, height)
+        limited = replace(self, max_pixels=max(cap, self.min_pixels)).resized(width, height)
+        if _area(limited) < self.min_pixels and natural == (width, height):
             return width, height
-        return self.resized(*capped)
+        try:
+            size = self.resized(*limited)
+            while (again := self.resized(*size)) != size:  # a size the processor keeps (below)
+                size = again
+        except ImageShapeError:  # a side held at one cell, past 200:1: no cap at this aspect
+            return width, height
+        if _area(size) >= min(_area(natural), width * height):
+            return width, height
+        return size
 
     def vit_patches(self, width: int, height: int) -> int:
         """Patches the vision encoder processes for this image: P = (h/16)(w/16)."""
@@ -93,6 +138,10 @@ class ImageGeometry:
         """Tokens the image occupies in the language model: N = (h/32)(w/32 + 1) + 2."""
         w, h = self.resized(width, height)
         return (h // self.factor) * (w // self.factor + 1) + self.extra_tokens
+
+
+def _area(size: tuple[int, int]) -> int:
+    return size[0] * size[1]
 
 
 DEFAULT_GEOMETRY = ImageGeometry()
