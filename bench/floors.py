@@ -89,6 +89,8 @@ def main() -> None:
     new = run19["workload"]["a4"]["tokens_mean"]
     prompt = patches // s.merge + 30  # image tokens + the template's (~30; ±5% moves 0.1 ms)
 
+    out = args.out.resolve()
+    shown = out.relative_to(REPO) if out.is_relative_to(REPO) else out
     vision_ms = vision_flops(s, patches) / TFLOPS * 1e3
     text_ms = text_prefill_flops(s, prompt) / TFLOPS * 1e3
     fp8_ms = decode_bytes(s, prompt, new, 1) / READ_BPS * 1e3
@@ -111,7 +113,7 @@ def main() -> None:
     lines = [
         "# An A4 page's GPU time against its physical floor (bench/floors.py)",
         "",
-        f"`python bench/floors.py --out {args.out.relative_to(REPO)}`. No GPU ran here: measured "
+        f"`python bench/floors.py --out {shown}`. No GPU ran here: measured "
         "times come from the committed H200 results named per row; floors are HunyuanOCR-1.5's "
         f"arithmetic at {TFLOPS / 1e12:.0f} TFLOP/s bf16 (measured) and "
         f"{READ_BPS / 1e12:.1f} TB/s (datasheet).",
