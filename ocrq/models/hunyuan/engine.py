@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ocrq.core.contract import INTERACTIVE
+from ocrq.core.process import STATE
 from ocrq.core.settings import HunyuanSettings
 from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
@@ -146,6 +147,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
     def load(self) -> None:
         started = time.perf_counter()
         ckpt = load_checkpoint(self.settings)
+        set_up = time.time()  # a phase of a worker's start (ocrq/core/startup.py)
         model, processor = ckpt.model, ckpt.processor
         isolate_rows(model)
         self.vision_attention = self._vision_kernel(model)
@@ -186,6 +188,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             for prompt in self.version.prompts.values():  # shows at start-up, not per job
                 self.preprocess_row.spans.pieces(self.templates(prompt)[0])
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
+        STATE.timeline.since("engine set-up", set_up)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, %s vision "
             "attention, repetition penalty %s, max %d pixels, %s preprocessing, RoPE layout %s, "
@@ -480,8 +483,9 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         most = budget.slots * capacity_of(budget.prefill_tokens, s.max_new_tokens)
         if budget.pool_tokens > most:
             budget = replace(budget, pool_tokens=most, pool_bytes=int(most * per_token))
-        self._drop_loop()
-        self.release_memory()
+        if self.loop is not None:  # reopened (after an OOM): the old loop's memory back first
+            self._drop_loop()
+            self.release_memory()  # a full gc.collect(): ~0.5 s with torch loaded, on a CPU
         self.loop = RunningLoop(
             self._decoder, self.tokens, self.loop_config(budget), hooks=self.hooks
         )
