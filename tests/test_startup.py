@@ -162,7 +162,7 @@ def test_a_worker_accounts_for_its_start(
                  "waiting for the engine", "heartbeat", "job runner", "celery start"):
         assert name in worker, name
     for name in ("imports", "torch import", "checkpoint read", "model to device",
-                 "engine set-up", "cost model", "loop open"):
+                 "engine set-up", "cost model", "loop open", "warm-up"):
         assert name in engine, name
     # A lane's phases run one after another: together no longer than the time to ready, each
     # inside it.
@@ -174,7 +174,7 @@ def test_a_worker_accounts_for_its_start(
     # The engine process started before the worker's own imports ended: side by side.
     assert engine["imports"]["start"] < worker["worker imports"]["end"]
     # The worker waited only for what was left of the engine's start once its own was done.
-    assert worker["waiting for the engine"]["end"] >= engine["loop open"]["end"] - slack
+    assert worker["waiting for the engine"]["end"] >= engine["warm-up"]["end"] - slack
     assert timeline["first_result_at_s"] is None  # nothing stored yet
 
     job_id = str(uuid.uuid4())
@@ -187,3 +187,99 @@ def test_a_worker_accounts_for_its_start(
         time.sleep(0.1)
     first = parse(proc.text())["first_result_at_s"]
     assert first is not None and first > ready
+
+
+# -- the running loop's warm-up ----------------------------------------------------------------
+
+
+MAX_NEW = 12
+TOLERANCE = 1e-3  # as tests/test_running_loop.py
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    pytest.importorskip("torch")
+    from ocrq.models.hunyuan import HunyuanEngine
+    from tests.tiny_hunyuan import cpu_settings, tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.5")
+    eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW, prefill_tokens=1024,
+                                     prefill_chunk_tokens=1024), decode="fast")
+    eng.load()
+    return eng
+
+
+def test_a_warmed_loop_makes_the_tokens_an_unwarmed_one_makes(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the warm-up captures each bucket's step after running it once over empty slots;
+    here the step runs over them for every bucket (the capture recorded, not made). The rows
+    that follow make the tokens and logits a fresh loop makes, and its books hold only them."""
+    from ocrq.models.hunyuan import warm_up as warm
+    from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+    from ocrq.models.slots import RunningBudget
+    from tests.tiny_hunyuan import item
+
+    def loop() -> RunningLoop:
+        config = engine.loop_config(RunningBudget(20, 2048, 4096, 0, 0, 0, 0), keep_logits=True)
+        return RunningLoop(engine._decoder, engine.tokens, config)
+
+    items = [item(160, 150, 1), item(64, 64, 3), item(300, 40, 4)]
+
+    def rows() -> list[LoopRow]:
+        return [LoopRow(it.key, engine.preprocess(it), MAX_NEW) for it in items]
+
+    unwarmed = loop()
+    unwarmed.add(rows())
+    fresh = {d.row.key: d for d in unwarmed.drain()}
+
+    warmed = loop()
+    captured: list[int] = []
+    monkeypatch.setattr(warm, "graphed", lambda _: True)
+    monkeypatch.setattr(warmed, "_capture", captured.append)
+    made_up = LoopRow("warm", engine.preprocess(item(64, 64, 9)), 2)
+    assert warmed.warm_up(made_up, time.monotonic() + 60) == []
+    assert warmed.warm_up(None, time.monotonic() + 60) == []  # nothing graphed on a CPU
+    assert captured == [8, 16, 20]  # every bucket of 20 slots, each once
+    assert warmed.idle() and warmed.pool.free_tokens == 2048
+    assert warmed.stats.steps == warmed.stats.prefills == warmed.stats.prefilled_rows == 0
+    warmed.add(rows())
+    done = {d.row.key: d for d in warmed.drain()}
+    assert set(done) == set(fresh)
+    for key, want in fresh.items():
+        assert done[key].tokens == want.tokens, key
+        assert float((done[key].logits - want.logits).abs().max()) < TOLERANCE, key
+    assert warmed.stats.prefilled_rows == len(items)
+
+    late = loop()
+    captured.clear()
+    monkeypatch.setattr(late, "_capture", captured.append)
+    late.warm_up(None, time.monotonic() - 1)  # the deadline has passed: nothing
+    assert captured == []
+    late.add(rows()[:1])
+    with pytest.raises(RuntimeError, match="before its first row"):
+        late.warm_up(None, time.monotonic() + 60)
+
+
+def test_the_engine_warms_its_loop_up_only_on_a_gpu(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU `warm_up` does nothing; where the engine is on a GPU (as far as `_cuda` says)
+    a made-up row goes through its loop, a phase of the start-up timeline, and the loop is
+    left idle with empty books."""
+    from ocrq.core.process import STATE
+
+    engine.open(int(0.4 * 2**30), engine.cost_model())
+    loop = engine.loop
+    engine.warm_up()
+    assert loop.stats.prefills == 0 and not loop.graphs
+    before = len(STATE.timeline.taken())
+    monkeypatch.setattr(engine, "_cuda", lambda: True)
+    prefills: list[int] = []
+    real_run = loop.passes.run
+    monkeypatch.setattr(loop.passes, "run", lambda plan: (prefills.append(1), real_run(plan)))
+    engine.warm_up()
+    assert prefills == [1]  # the made-up row went through a prefill pass
+    assert loop.idle() and loop.stats.prefills == 0 and loop.stats.steps == 0
+    names = [p.name for p in STATE.timeline.taken()[before:]]
+    assert names == ["warm-up: a row through the loop", "warm-up: decode graphs"]

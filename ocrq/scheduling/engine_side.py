@@ -72,6 +72,11 @@ class EngineSide:
             timeline = STATE.timeline
             with timeline.phase("loop open"):
                 batcher = StreamingBatcher(engine, config, on_batch, model)
+            # Before the batcher's thread drives the loop: what the first rows would otherwise
+            # wait for (CUDA graphs, kernels compiled on first use) is done now, while the
+            # worker still starts.
+            with timeline.phase("warm-up", unless_inner=True):
+                engine.warm_up()
             return batcher.start()
         return StaticBatcher(engine, config, on_batch=on_batch, cost_model=model).start()
 
