@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:
 
 from bench.common import add_model_args, random_checkpoint, run_part  # noqa: E402
 from bench.scoring import ground_truth_text, load_manifest  # noqa: E402
+from bench.startup import parse_timeline, timeline_table  # noqa: E402
 from bench.sustained import Harvest, finish_window, harvests_from_log, sustained  # noqa: E402
 
 A4 = (1248, 1760)  # an A4 page at ~150 dpi, the size the engine benches use
@@ -600,6 +601,9 @@ def service(
         loop=loop_summary(scrape_loop(scraped), wall, out["jobs_done"]),
         batches=_batches(log),
         workers=sorted({r["worker"] for r in rows if r["worker"]}),
+        # The worker's own account of its start (ocrq/core/startup.py): its phases, per lane,
+        # in seconds since its process started, ready, and its first stored result.
+        startup=parse_timeline(log.read_text(errors="replace")),
     )
     db.dispose()
     return out
@@ -786,6 +790,11 @@ def render(d: dict[str, Any]) -> str:
                      f"result with jobs waiting: {r.get('startup_to_first_result_s')} s")
         lines.append(f"- sustained window: `{json.dumps(r.get('sustained'))}`")
         lines.append(f"- GPU busy % per 5 s: {r.get('gpu_busy_by_5s')}")
+        startup = r.get("startup") or {}
+        if startup.get("phases"):
+            lines += ["", "Start-up, as the worker logged it (seconds since its process "
+                      "started; a lane's phases run one after another, lanes side by side):",
+                      "", *timeline_table(startup)]
         stages = r.get("stages") or {}
         if stages:
             lines += ["", "| stage | mean s | count |", "|---|---:|---:|"]

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT, PRIORITIES, TASKS
-from ocrq.core.process import setup_process
+from ocrq.core.process import STATE, setup_process
 from ocrq.core.settings import Settings
 from ocrq.models.registry import ENGINES
 
@@ -237,6 +237,9 @@ def worker(
     from ocrq.worker.supervisor import supervise as run_supervised
     from ocrq.worker.supervisor import worker_children
 
+    # With --no-supervise this process is the worker: the first phases of its start-up timeline
+    # (ocrq/core/startup.py; ocrq/worker/main.py times the rest).
+    STATE.timeline.imported()
     given = {
         "engine": engine,
         "queue": queue,
@@ -245,7 +248,8 @@ def worker(
         "gpus": gpus,
     }
     try:
-        settings = _settings(**given)  # checked here, before any process starts
+        with STATE.timeline.phase("settings"):
+            settings = _settings(**given)  # checked here, before any process starts
     except (ValueError, ConfigProblem) as exc:
         err.print(f"[red]ocrq worker: invalid settings:[/] {exc}", soft_wrap=True)
         raise typer.Exit(STARTUP_FAILED_EXIT_CODE) from None

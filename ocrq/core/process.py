@@ -26,6 +26,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ocrq.core.startup import Timeline
+
 if TYPE_CHECKING:
     from ocrq.core.settings import Settings
 
@@ -68,6 +70,9 @@ class ProcessState:
     worker_name: str | None = None
     # The worker's Runtime (ocrq/worker/runtime.py), built once on first use, under its lock.
     runtime: Any = None
+    # The worker's engine, started by its entry point before the rest of its set-up
+    # (ocrq/worker/engine_start.py), until the runtime's engine component takes it.
+    engine_start: Any = None
     runtime_lock: threading.Lock = field(default_factory=threading.Lock)
     # Why this process is exiting (a recycle, a failed start): the first request wins
     # (ocrq/worker/exit_state.py).
@@ -79,6 +84,11 @@ class ProcessState:
     # The PDF render pool, made on first use (ocrq/intake/render_pool.py).
     render_pool: Any = None
     render_pool_lock: threading.Lock = field(default_factory=threading.Lock)
+    # This process's start-up timeline (ocrq/core/startup.py): each phase of its start records
+    # itself here where it runs (the entry points, the engine's loading, the running loop's
+    # warm-up); the worker logs it once ready (ocrq/worker/celery_app.py) and its first stored
+    # result (ocrq/worker/jobs.py). An engine process sends its own to its worker.
+    timeline: Timeline = field(default_factory=Timeline)
 
 
 STATE = ProcessState()

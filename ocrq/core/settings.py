@@ -522,6 +522,12 @@ class HunyuanSettings(ModelSettings):
     # the lane's limits stop holding it (the loop's half of OCRQ_BULK_MAX_WAIT_S). 256: ~2-3 s
     # of a full loop on an H200.
     loop_bulk_max_wait_steps: int = Field(default=256, ge=0, le=1_000_000)
+    # Seconds the running loop may spend warming up before the worker is ready, on a GPU: a
+    # made-up row through it (kernels compiled on first use, FlashAttention-4's ~3 s included)
+    # and every decode bucket's CUDA graph captured, which its first jobs would otherwise wait
+    # for while the GPU idles (ocrq/models/hunyuan/warm_up.py). A bucket not captured by then is
+    # captured on its first use. 0: no warm-up.
+    warmup_s: float = Field(default=60.0, ge=0, le=3600)
 
 
 class VllmSettings(ModelSettings):

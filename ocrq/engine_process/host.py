@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 
 from ocrq.core import metrics
 from ocrq.core.components import Component, Components
-from ocrq.core.process import setup_process
+from ocrq.core.process import STATE, setup_process
 from ocrq.core.procfs import rss_bytes
 from ocrq.core.settings import Settings
 from ocrq.engine_process import wire
@@ -90,6 +90,7 @@ class EngineHost:
             config=self.side.config,
             cost_model=self.side.choice.model,
             pid=os.getpid(),
+            phases=STATE.timeline.taken(),
         )
 
     def send(self, message: object) -> None:
@@ -206,12 +207,14 @@ def _with_error(outcome: ItemOutcome, error: BaseException) -> ItemOutcome:
 
 
 def main(argv: list[str]) -> int:
+    STATE.timeline.imported()  # its start's phases go to the worker with `Ready`
     # A terminal's Ctrl-C or a group SIGTERM reaches this process too: the worker's warm
     # shutdown, not the signal, ends it (after its rows), else its pipe closing does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
-    settings: Settings = conn.recv()
+    with STATE.timeline.phase("settings"):
+        settings: Settings = conn.recv()
     setup_process(settings)
     try:
         host = EngineHost(settings, conn)

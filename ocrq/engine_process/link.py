@@ -32,6 +32,7 @@ from typing import Any
 
 from ocrq.core import metrics
 from ocrq.core.pixel_budget import PixelBudget
+from ocrq.core.process import STATE
 from ocrq.core.procfs import rss_bytes
 from ocrq.core.settings import Settings
 from ocrq.engine_process import wire
@@ -85,6 +86,12 @@ class EngineLink:
         timeout_s: float = START_TIMEOUT_S,
     ) -> EngineLink:
         """Start the engine process and wait for its engine to load; raises EngineStartError."""
+        return cls.spawn(settings).wait(on_lost, timeout_s)
+
+    @staticmethod
+    def spawn(settings: Settings) -> Spawned:
+        """Start the engine process and hand it its settings, without waiting for it: the worker
+        sets up the rest meanwhile (ocrq/worker/engine_start.py), then `Spawned.wait`s."""
         ours, theirs = Pipe(duplex=True)
         env = dict(os.environ)
         # Its metrics reach the worker's registry through this link, not the supervisor's files
@@ -98,26 +105,11 @@ class EngineLink:
         theirs.close()
         try:
             ours.send(settings)
-            deadline = time.monotonic() + timeout_s
-            while not ours.poll(1.0):
-                if proc.poll() is not None:
-                    raise EngineStartError(f"the engine process exited ({proc.returncode})")
-                if time.monotonic() > deadline:
-                    raise EngineStartError(f"the engine did not load in {timeout_s:g} s")
-            first = ours.recv()
-        except (EOFError, OSError) as exc:
-            proc.wait(30)
-            raise EngineStartError(f"the engine process exited ({proc.returncode})") from exc
         except BaseException:
             proc.kill()
             proc.wait()
             raise
-        if isinstance(first, wire.Failed):
-            proc.wait(60)
-            raise EngineStartError(first.error)
-        assert isinstance(first, wire.Ready), first
-        log.info("engine process %d: %s loaded", first.pid, first.name)
-        return cls(proc, ours, first, on_lost)
+        return Spawned(proc, ours)
 
     # -- what the worker reads -----------------------------------------------------------------
 
@@ -257,6 +249,47 @@ class EngineLink:
             log.warning("the engine process did not exit; killing it")
             self.proc.kill()
             self.proc.wait()
+        self.conn.close()
+
+
+class Spawned:
+    """An engine process started, its engine loading: `wait` for it, or `kill` it."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], conn: Connection) -> None:
+        self.proc, self.conn = proc, conn
+
+    def wait(
+        self, on_lost: Callable[[], None] = _exit_worker, timeout_s: float = START_TIMEOUT_S
+    ) -> EngineLink:
+        """The link, once the engine has loaded; raises EngineStartError (the process gone)."""
+        proc, ours = self.proc, self.conn
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not ours.poll(1.0):
+                if proc.poll() is not None:
+                    raise EngineStartError(f"the engine process exited ({proc.returncode})")
+                if time.monotonic() > deadline:
+                    raise EngineStartError(f"the engine did not load in {timeout_s:g} s")
+            first = ours.recv()
+        except (EOFError, OSError) as exc:
+            proc.wait(30)
+            raise EngineStartError(f"the engine process exited ({proc.returncode})") from exc
+        except BaseException:
+            self.kill()
+            raise
+        if isinstance(first, wire.Failed):
+            proc.wait(60)
+            raise EngineStartError(first.error)
+        assert isinstance(first, wire.Ready), first
+        # Its start's phases, beside the worker's own (ocrq/core/startup.py).
+        STATE.timeline.extend(first.phases, lane="engine process")
+        log.info("engine process %d: %s loaded", first.pid, first.name)
+        return EngineLink(proc, ours, first, on_lost)
+
+    def kill(self) -> None:
+        """End it now (the worker will not start: nothing of it is needed)."""
+        self.proc.kill()
+        self.proc.wait()
         self.conn.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ocrq.core.startup import Phase
 from ocrq.models.base import PreparedImage
 from ocrq.models.costs import CostModel
 from ocrq.scheduling.vocabulary import BatchConfig, BatchRecord, ItemOutcome
@@ -56,6 +57,8 @@ class Ready:
     config: BatchConfig
     cost_model: CostModel
     pid: int
+    # Its start's phases (ocrq/core/startup.py), which the worker logs with its own.
+    phases: tuple[Phase, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from ocrq.core.contract import ImageRef
 from ocrq.core.pixel_budget import scaled_size
 from ocrq.core.settings import Settings
 from ocrq.core.upload_paths import upload_folder_of
-from ocrq.intake.fetch import FetchError, fetch
 
 # We apply our own pixel cap to the header; Pillow's global check would fire on a warning-only
 # path first and is process-wide state, so it is switched off in favour of ours.
@@ -49,6 +48,10 @@ def read_bytes(ref: ImageRef, settings: Settings) -> bytes:
     if ref.path:
         data = _read_path(ref.path, settings)
     elif ref.url:
+        # Imported here: its HTTP client (httpx, and trio through httpcore) is ~0.5 s of a
+        # start that never fetches a URL, the engine process's (issue 29).
+        from ocrq.intake.fetch import FetchError, fetch
+
         try:
             data = fetch(ref.url, settings)
         except FetchError as exc:

@@ -257,6 +257,10 @@ class StreamingEngine(EngineCore):
         """Whether this engine, as configured, runs its rows in the running loop."""
         return True
 
+    def warm_up(self) -> None:
+        """After `open`, before any row: do now what the loop's first rows would otherwise wait
+        for (compiling, capturing), within the engine's own time bound. None by default."""
+
     def loop_counts(self) -> dict[str, float]:
         """Running totals of the loop's work for the worker's metrics (names in
         ocrq/core/metrics.py `LOOP_COUNTS`); empty when the engine keeps none."""

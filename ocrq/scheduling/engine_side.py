@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ocrq.core.process import STATE
 from ocrq.core.settings import BatchingSettings, Settings
 from ocrq.models.base import Engine, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
@@ -68,15 +69,26 @@ class EngineSide:
         engine, config, model = self.engine, self.config, self.choice.model
         if isinstance(engine, StreamingEngine) and engine.streams():
             # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
-            return StreamingBatcher(engine, config, on_batch, model).start()
+            timeline = STATE.timeline
+            with timeline.phase("loop open"):
+                batcher = StreamingBatcher(engine, config, on_batch, model)
+            # Before the batcher's thread drives the loop: what the first rows would otherwise
+            # wait for (CUDA graphs, kernels compiled on first use) is done now, while the
+            # worker still starts.
+            with timeline.phase("warm-up", unless_inner=True):
+                engine.warm_up()
+            return batcher.start()
         return StaticBatcher(engine, config, on_batch=on_batch, cost_model=model).start()
 
 
 def load_engine(settings: Settings) -> EngineSide:
     """Load the engine and pick its cost model and batch budget."""
+    timeline = STATE.timeline  # phases of a worker's start (ocrq/core/startup.py)
     engine = create_engine(settings.engine, settings)
-    engine.load()
-    choice = choose_cost_model(engine, settings.profile_dir)
+    with timeline.phase("engine load", unless_inner=True):  # HunyuanOCR times its own steps
+        engine.load()
+    with timeline.phase("cost model"):
+        choice = choose_cost_model(engine, settings.profile_dir)
     log.info(choice.describe())
     if settings.max_batch is None and choice.max_batch is not None:
         # The running loop sizes its slots from the engine's settings group

@@ -94,15 +94,22 @@ def check_database(settings: Settings) -> int | None:
     return None
 
 
-def preflight(settings: Settings) -> int | None:
-    """Before the worker touches the broker: safe roots, database at the Alembic head. An exit
-    code to stop with, or None to go on."""
-    try:  # a worker that could read any host file does not start
+def check_roots(settings: Settings) -> int | None:
+    """A worker that could read any host file does not start: an exit code, or None."""
+    try:
         settings.require_safe_roots()
     except ValueError as exc:
         log.critical("worker cannot start: %s", exc)
         return STARTUP_FAILED_EXIT_CODE
-    return check_database(settings)
+    return None
+
+
+def preflight(settings: Settings) -> int | None:
+    """Before the worker touches the broker: safe roots, database at the Alembic head. An exit
+    code to stop with, or None to go on. (The worker's entry point runs them apart, its engine
+    starting in between: ocrq/worker/main.py.)"""
+    refused = check_roots(settings)
+    return refused if refused is not None else check_database(settings)
 
 
 def run_celery(app: Celery, argv: Sequence[str]) -> int:

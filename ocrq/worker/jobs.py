@@ -28,6 +28,7 @@ from ocrq.core.contract import NAME_REFUSED, TASKS, JobRequest, canonical_job_id
 from ocrq.core.documents_store import FINAL as DOCUMENT_FINAL
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.pixel_budget import Stage
+from ocrq.core.process import STATE
 from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
 from ocrq.intake import documents, images, splitting
@@ -454,6 +455,7 @@ class JobRunner:
         if not stored:  # cancelled while it ran: the result is dropped, the row stands
             return self._final_row(request.job_id, source)
         self._count("done")
+        STATE.timeline.log_first_result()  # once: the end of the start (ocrq/core/startup.py)
         return JobOutcome(
             request.job_id,
             source,

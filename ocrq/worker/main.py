@@ -16,9 +16,10 @@ import time
 from collections.abc import Sequence
 
 from ocrq.core import metrics
-from ocrq.core.process import setup_process
+from ocrq.core.process import STATE, setup_process
 from ocrq.core.settings import Settings
-from ocrq.worker import exit_state, runtime, supervisor
+from ocrq.core.startup import gc_paused
+from ocrq.worker import engine_start, exit_state, supervisor
 
 
 def node_name(argv: Sequence[str]) -> str | None:
@@ -38,27 +39,61 @@ def node_name(argv: Sequence[str]) -> str | None:
 
 
 def run(argv: Sequence[str], settings: Settings) -> int:
-    """Checks, then the Celery worker with these settings; the process's exit code."""
+    """Checks, then the Celery worker with these settings; the process's exit code.
+
+    The engine starts right after the cheap checks and loads beside the rest of the start (the
+    database check, the Celery app): ocrq/worker/engine_start.py says why. Each step is a phase
+    of the start-up timeline (ocrq/core/startup.py), logged once the worker is ready."""
+    timeline = STATE.timeline
+    timeline.imported()
     metrics.STARTED_AT.set(time.time())
+    # The CUDA allocator's defaults and the GIL switch interval, before any engine loads.
+    setup_process(settings)
+    refused = exit_state.check_roots(settings)
+    if refused is not None:
+        return refused
+    # An engine process starts first, its interpreter and imports beside this one's; an engine
+    # loaded here, in a thread, starts after this thread's own imports: two threads importing at
+    # once may see each other's modules half-imported (importlib lets a concurrent circular
+    # import through with a partial module).
+    own_process = engine_start.engine_in_own_process(settings)
+    early = _start_engine(settings) if own_process else None
+    if own_process and early is None:
+        return exit_state.STARTUP_FAILED_EXIT_CODE
     if settings.metrics_port is not None:  # --no-supervise (a supervisor serves its children)
         try:
-            serve_own_metrics(settings)
+            with timeline.phase("metrics server"):
+                serve_own_metrics(settings)
         except OSError as exc:  # the port is taken: a config error, not worth restarting
             logging.getLogger(__name__).critical(
                 "worker cannot start: OCRQ_METRICS_PORT=%s: %s", settings.metrics_port, exc
             )
+            if early is not None:
+                early.abandon()
             return exit_state.STARTUP_FAILED_EXIT_CODE
-    # The CUDA allocator's defaults and the GIL switch interval, before any engine loads.
-    setup_process(settings)
-    refused = exit_state.preflight(settings)
-    if refused is not None:
-        return refused
+    with timeline.phase("worker imports"), gc_paused():  # beside an engine process's start
+        from ocrq.worker import runtime
+    if early is None:
+        early = _start_engine(settings)
+        if early is None:
+            return exit_state.STARTUP_FAILED_EXIT_CODE
     # The engine, batcher and heartbeat are built from these.
     runtime.configure(settings, node=node_name(argv))
+    with timeline.phase("database check"):
+        refused = exit_state.check_database(settings)
+    if refused is not None:
+        early.abandon()
+        return refused
+    with timeline.phase("celery app"):
+        # After the checks (nothing is consumed before them); building it consumes nothing.
+        from ocrq.worker.celery_app import make_app, preload
+
+        app = make_app(settings)
+        preload(app)
     argv = list(argv)
     if "--concurrency" not in argv:
-        # The thread count follows the batch cap, known once the engine has loaded; so load it
-        # before Celery starts (a missing model fails here, as it did at worker_ready).
+        # The thread count follows the batch cap, known once the engine has loaded; so wait
+        # for it before Celery starts (a missing model fails here, as it did at worker_ready).
         try:
             threads = runtime.get_runtime(on_recycle=exit_state.request_recycle).task_threads
         except Exception as exc:
@@ -66,9 +101,18 @@ def run(argv: Sequence[str], settings: Settings) -> int:
             return exit_state.STARTUP_FAILED_EXIT_CODE
         logging.getLogger(__name__).info("task threads: %d (from the batch cap)", threads)
         argv += ["--concurrency", str(threads)]
-    from ocrq.worker.celery_app import make_app  # after the checks: nothing is consumed before them
+    timeline.begin("celery start")  # ends at worker_ready (ocrq/worker/celery_app.py)
+    return exit_state.run_celery(app, argv)
 
-    return exit_state.run_celery(make_app(settings), argv)
+
+def _start_engine(settings: Settings) -> engine_start.EngineStart | None:
+    """The engine, started now (ocrq/worker/engine_start.py); None where it could not even be
+    started (logged as a failed start)."""
+    try:
+        return engine_start.start_engine(settings)
+    except Exception as exc:
+        exit_state.startup_failed(exc, signal_self=False)
+        return None
 
 
 def serve_own_metrics(settings: Settings) -> None:
@@ -90,8 +134,10 @@ def main(argv: Sequence[str]) -> int:
     if not supervisor.die_with_supervisor():
         logging.getLogger(__name__).critical("worker not started: its supervisor has exited")
         return 1
+    STATE.timeline.imported()
     try:
-        settings = Settings()
+        with STATE.timeline.phase("settings"):
+            settings = Settings()
     except Exception as exc:
         logging.getLogger(__name__).critical("worker cannot start: invalid settings: %s", exc)
         return exit_state.STARTUP_FAILED_EXIT_CODE

@@ -26,7 +26,8 @@ from ocrq.models.memory import memory_of
 from ocrq.scheduling.engine_side import EngineSide, load_engine
 from ocrq.scheduling.recycle import RecyclePolicy, Recycler
 from ocrq.scheduling.vocabulary import BatchConfig, Batcher, BatchRecord
-from ocrq.worker.gpus import has_nvidia_gpu
+from ocrq.worker import engine_start
+from ocrq.worker.engine_start import engine_in_own_process
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
 from ocrq.worker.retention_pass import RetentionPass
@@ -128,13 +129,23 @@ class _Parts:
         self.retention: RetentionPass | None = None
 
     def start_engine(self) -> None:
-        """Load the engine, here or in an engine process (OCRQ_ENGINE_PROCESS)."""
+        """Load the engine, here or in an engine process (OCRQ_ENGINE_PROCESS), or take the one
+        the worker's entry point started already (ocrq/worker/engine_start.py)."""
         settings = self.settings
-        if engine_in_own_process(settings):
-            self.link = link = EngineLink.start(settings)
+        early = engine_start.take(settings)
+        if early is not None:
+            started = early.result()
+            self.link, self.side = started.link, started.side
+        elif engine_in_own_process(settings):
+            self.link = EngineLink.start(settings)
+        else:
+            self.side = load_engine(settings)
+        if self.link is not None:
+            link = self.link
             self.engine, self.config, self.model = link.engine, link.config, link.cost_model
         else:
-            self.side = side = load_engine(settings)
+            side = self.side
+            assert side is not None
             self.engine, self.config, self.model = side.engine, side.config, side.choice.model
         metrics.CONFIGURED_BUDGET_BYTES.set(self.config.budget_bytes)
         metrics.BUDGET_BYTES.set(self.config.budget_bytes)
@@ -144,7 +155,8 @@ class _Parts:
         self.engine.close()
 
     def start_heartbeat(self) -> None:
-        self.heartbeat = start_heartbeat(self.settings, self.name)
+        with STATE.timeline.phase("heartbeat"):
+            self.heartbeat = start_heartbeat(self.settings, self.name)
 
     def stop_heartbeat(self) -> None:
         assert self.heartbeat is not None
@@ -152,7 +164,8 @@ class _Parts:
         log.info("shutdown: heartbeat row of %s retired", self.heartbeat.name)
 
     def start_retention(self) -> None:
-        self.retention = RetentionPass(engine_for(self.settings), self.settings).start()
+        with STATE.timeline.phase("retention"):
+            self.retention = RetentionPass(engine_for(self.settings), self.settings).start()
 
     def stop_retention(self) -> None:
         assert self.retention is not None
@@ -183,11 +196,12 @@ class _Parts:
             self.batcher = self.side.start(batch_hooks(self.recycler, model.fixed_bytes))
         prefetch = settings.prefetch_images or 2 * config.max_items
         try:
-            store = self.store or JobStore(engine_for(settings))
-            self.runner = JobRunner(
-                settings, engine, self.batcher, store, self.name, prefetch_images=prefetch,
-                send_page=self.send_page,
-            )
+            with STATE.timeline.phase("job runner"):
+                store = self.store or JobStore(engine_for(settings))
+                self.runner = JobRunner(
+                    settings, engine, self.batcher, store, self.name, prefetch_images=prefetch,
+                    send_page=self.send_page,
+                )
         except BaseException:  # a component that fails leaves nothing of its own running
             self.batcher.stop()
             raise
@@ -240,13 +254,6 @@ def build_runtime(
         settings, parts.engine, parts.batcher, parts.runner, parts.recycler, parts.heartbeat,
         parts.retention, components,
     )
-
-
-def engine_in_own_process(settings: Settings) -> bool:
-    """OCRQ_ENGINE_PROCESS, or where unset: HunyuanOCR on an NVIDIA GPU (found without CUDA)."""
-    if settings.engine_process is not None:
-        return settings.engine_process
-    return settings.engine == "hunyuan" and settings.device != "cpu" and has_nvidia_gpu()
 
 
 def start_heartbeat(settings: Settings, name: str) -> Heartbeat:

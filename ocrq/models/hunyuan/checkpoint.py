@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ocrq.core.process import apply_env_defaults
+from ocrq.core.process import STATE, apply_env_defaults
 from ocrq.core.settings import HunyuanSettings, ModelSettings
+from ocrq.core.startup import gc_paused
 
 REFUSED_ATTENTION = {"eager"}  # 13.1 GiB for one A4 page on the H200, where sdpa takes ~0.35
 DEFAULT_REPO = "tencent/HunyuanOCR"
@@ -124,9 +125,11 @@ class Checkpoint:
 
 def load_checkpoint(settings: HunyuanSettings) -> Checkpoint:
     """Resolve, then load the processor and the model onto the configured device."""
+    timeline = STATE.timeline  # each step below is a phase of a worker's start
     try:
-        import torch
-        from transformers import AutoProcessor, HunYuanVLForConditionalGeneration
+        with timeline.phase("torch import"), gc_paused():
+            import torch
+            from transformers import AutoProcessor, HunYuanVLForConditionalGeneration
     except ImportError as exc:
         raise ImportError(
             "the hunyuan engine needs torch, torchvision and transformers>=5.13: "
@@ -149,12 +152,15 @@ def load_checkpoint(settings: HunyuanSettings) -> Checkpoint:
         # of 64 pages, that batch took 6-7% longer at 16 intra-op threads than at 1
         # (bench/results/prefill_profile/prefill_profile_h200_threads.md).
         torch.set_num_threads(1)
-    processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-    processor.tokenizer.padding_side = "left"
-    model = HunYuanVLForConditionalGeneration.from_pretrained(
-        path, local_files_only=True, dtype=dtype, attn_implementation=s.attention
-    )
-    model.to(device).eval()  # no device_map: that would require accelerate
+    with timeline.phase("processor"):
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        processor.tokenizer.padding_side = "left"
+    with timeline.phase("checkpoint read"):
+        model = HunYuanVLForConditionalGeneration.from_pretrained(
+            path, local_files_only=True, dtype=dtype, attn_implementation=s.attention
+        )
+    with timeline.phase("model to device"):  # CUDA's own start-up too, on a GPU
+        model.to(device).eval()  # no device_map: that would require accelerate
     return Checkpoint(model, processor, path, device, dtype)
 
 

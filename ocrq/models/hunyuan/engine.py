@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ocrq.core.contract import INTERACTIVE
+from ocrq.core.process import STATE
 from ocrq.core.settings import HunyuanSettings
 from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, ItemCost
@@ -83,6 +84,8 @@ from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget, capacity_of
 
 log = logging.getLogger(__name__)
+
+WARM_UP_KEY = "ocrq-warm-up"  # the made-up row of the running loop's warm-up (`warm_up`)
 
 
 class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
@@ -146,6 +149,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
     def load(self) -> None:
         started = time.perf_counter()
         ckpt = load_checkpoint(self.settings)
+        set_up = time.time()  # a phase of a worker's start (ocrq/core/startup.py)
         model, processor = ckpt.model, ckpt.processor
         isolate_rows(model)
         self.vision_attention = self._vision_kernel(model)
@@ -186,6 +190,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             for prompt in self.version.prompts.values():  # shows at start-up, not per job
                 self.preprocess_row.spans.pieces(self.templates(prompt)[0])
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
+        STATE.timeline.since("engine set-up", set_up)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, %s vision "
             "attention, repetition penalty %s, max %d pixels, %s preprocessing, RoPE layout %s, "
@@ -480,8 +485,9 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         most = budget.slots * capacity_of(budget.prefill_tokens, s.max_new_tokens)
         if budget.pool_tokens > most:
             budget = replace(budget, pool_tokens=most, pool_bytes=int(most * per_token))
-        self._drop_loop()
-        self.release_memory()
+        if self.loop is not None:  # reopened (after an OOM): the old loop's memory back first
+            self._drop_loop()
+            self.release_memory()  # a full gc.collect(): ~0.5 s with torch loaded, on a CPU
         self.loop = RunningLoop(
             self._decoder, self.tokens, self.loop_config(budget), hooks=self.hooks
         )
@@ -497,6 +503,40 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             s.prefill_tokens if s.prefill_schedule == "alternate" else s.prefill_chunk_tokens,
         )
         return budget
+
+    def warm_up(self) -> None:
+        """Before the loop's first job, on a GPU: a made-up row through it and every decode
+        bucket captured, within OCRQ_WARMUP_S (ocrq/models/hunyuan/warm_up.py says why).
+        Nothing on a CPU, where nothing is compiled or captured on first use. A warm-up that
+        fails is logged and the loop goes on empty: its jobs then do what it did not."""
+        s = self.settings
+        if self.loop is None or not self._cuda() or s.warmup_s <= 0:
+            return
+        from PIL import Image
+
+        timeline = STATE.timeline
+        started = time.monotonic()
+        deadline = started + s.warmup_s
+        item = PreparedImage(key=WARM_UP_KEY, image=Image.new("RGB", (64, 64), "white"),
+                             original_size=(64, 64))
+        try:
+            with timeline.phase("warm-up: a row through the loop"):
+                self.prepare(item)
+                assert isinstance(item.encoded, EncodedImage)
+                row = LoopRow(item.key, item.encoded, min(2, s.max_new_tokens))
+                self.loop.warm_up(row, deadline)
+            with timeline.phase("warm-up: decode graphs"):
+                graphed = self.loop.warm_up(None, deadline)
+        except Exception:
+            log.warning("running loop warm-up failed; its first jobs compile and capture "
+                        "instead", exc_info=True)
+            self.loop.clear()
+            return
+        log.info(
+            "running loop warmed up in %.1f s: decode graphs for %s slots%s",
+            time.monotonic() - started, graphed,
+            "" if time.monotonic() < deadline else f" (OCRQ_WARMUP_S={s.warmup_s:g} reached)",
+        )
 
     def loop_cost_model(self, model: CostModel) -> CostModel:
         """`model` with a pool token in the loop's KV dtype (`OCRQ_KV_CACHE_DTYPE`): the cost

@@ -379,6 +379,13 @@ class RunningLoop:
         self.collect_stats(wait=True)
         return done
 
+    def warm_up(self, row: LoopRow | None, deadline: float) -> list[int]:
+        """Before the first job: `row` run through, or (None) every bucket's step captured by
+        `deadline` (ocrq/models/hunyuan/warm_up.py); the buckets graphed."""
+        from ocrq.models.hunyuan.warm_up import warm_up
+
+        return warm_up(self, row, deadline)
+
     def collect_stats(self, wait: bool = False) -> LoopStats:
         """`stats` with the GPU times of every span done so far (all of them with `wait`)."""
         totals = self.clock.collect(wait)
