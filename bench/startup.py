@@ -139,7 +139,7 @@ def worker_env(args: argparse.Namespace, ckpt: Path, work: Path) -> dict[str, st
         "OCRQ_DATABASE_URL": args.database_url,
         "HF_HUB_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(args.code.resolve()), os.environ.get("PYTHONPATH", "")]),
     }
     if args.device == "cpu":
         env.update(CPU_ENV)
@@ -311,6 +311,9 @@ def main() -> None:
     ap.add_argument("--broker-url", default=None, help="use this Redis instead of starting one")
     ap.add_argument("--database-url", default=None, help="use this PostgreSQL instead")
     ap.add_argument("--timeout-s", type=float, default=600)
+    ap.add_argument("--code", type=Path, default=REPO,
+                    help="the checkout whose ocrq the worker runs (another commit's, to compare "
+                         "start-ups side by side in one call); default: this one")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = (args.work or args.out / "work").resolve()
@@ -372,6 +375,7 @@ def main() -> None:
             "machine": gpu or platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), **versions,
             "checkpoint": "given" if args.checkpoint else f"random 1.5 ({args.shape})",
+            "code": str(args.code),
             "device": args.device, "dtype": args.dtype, "jobs": args.jobs, "mix": args.mix,
             "submit": args.submit, "max_new_tokens": args.max_new_tokens,
             "worker_env": " ".join(f"{k}={v}" for k, v in sorted(shown.items())),
