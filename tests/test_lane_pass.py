@@ -96,16 +96,20 @@ def test_bulk_never_takes_a_reserved_slot(case: tuple) -> None:
     assert state.live_bulk + bulk <= max(state.slots - policy.reserved_slots, state.live_bulk)
 
 
-@settings(max_examples=300, deadline=None)
-@given(cases())
-def test_reserved_slots_are_the_lowest_and_interactive_rows_take_them_first(case: tuple) -> None:
-    """No bulk row is placed in a slot below the reserve; each row takes the lowest slot still
-    free that its lane may take, so an interactive row takes a reserved slot while one is free
-    (and the rows a small step over the first slots must cover sit there)."""
+@settings(max_examples=400, deadline=None)
+@given(cases(), st.sampled_from([0, 2]))
+def test_reserved_slots_are_the_lowest_and_interactive_rows_take_them_first(
+    case: tuple, extra_steps: int
+) -> None:
+    """With interactive-only steps, no bulk row is placed in a slot below the reserve; each row
+    takes the lowest slot still free that its lane may take, so an interactive row takes a
+    reserved slot while one is free (where a small step over the first slots covers it).
+    Without, every row takes the lowest free slot, as before the setting."""
     waiting, pool, state, policy, tokens, packed = case
+    policy = replace(policy, extra_steps=extra_steps)
     decided = lane_pass(waiting, pool, state, tokens, policy, packed=packed)
     by_key = {w.key: w for w in waiting}
-    reserve = policy.reserved_slots
+    reserve = policy.reserved_slots if extra_steps else 0
     left = sorted(state.free_slots)
     for p in decided.placements:
         interactive = by_key[p.key].interactive

@@ -11,11 +11,13 @@ prefilled (a full loop has no slot for it; bulk rows handed over before it fill 
 how long each of its tokens takes (a decode step over every live row, plus the bulk prefill
 passes run between steps while it decodes). The levers, all in `LanePolicy`:
 
-* reserved slots: bulk rows hold at most `slots - reserved_slots` slots, never one of the
-  reserved slot indices [0, reserved_slots), so an interactive row finds a slot in the very next
-  pass however full of bulk the loop is. Interactive rows take the lowest free slot, bulk rows the
-  lowest free one at or above the reserve: interactive rows then sit in the loop's lowest slots,
-  where a decode step over only the first few slots (`extra_steps`) covers them all;
+* reserved slots: bulk rows hold at most `slots - reserved_slots` slots, so an interactive row
+  finds a slot in the very next pass however full of bulk the loop is. With `extra_steps` the
+  reserve is also the slot indices [0, reserved_slots): interactive rows take the lowest free
+  slot, bulk rows the lowest free one at or above the reserve, so interactive rows sit in the
+  loop's lowest slots, where a decode step over only the first few slots covers them all.
+  Without, every row takes the lowest free slot, as before (a bulk-only loop's rows then fill
+  the lowest `slots - reserved_slots` slots, and its step covers no empty reserve);
 * interactive-only decode steps (`extra_steps`, ocrq/models/hunyuan/running.py): after each full
   decode step, while an interactive row is live, that many more steps over only the smallest
   graphed bucket of slots holding every live interactive row, so its tokens no longer wait one
@@ -60,7 +62,7 @@ class LanePolicy:
     bulk_rows: int = 0  # live bulk rows at most while busy; 0: no cap
     promote_steps: int = 256  # decode steps a bulk row waits in the loop before promotion
     # Decode steps over only the interactive rows' slots after each full step while one is
-    # live; 0: none (the running loop's, not the pass's: lane_pass ignores it).
+    # live (the running loop's); above 0 the reserve is also the lowest slots. 0: none.
     extra_steps: int = 0
 
     def __post_init__(self) -> None:
@@ -138,15 +140,16 @@ def lane_pass(
     the sum), within `pass_tokens` whatever the lane; the first row always passes that test.
     A row that misses a pool range or the pass's tokens stops the pass; a bulk row with no bulk
     slot, or held by the lane's limits, stops only the bulk rows after it (interactive rows
-    behind it take slots it could not). An interactive row takes the lowest free slot (a
-    reserved one while any is free), a bulk row the lowest free one not reserved."""
+    behind it take slots it could not). A row takes the lowest free slot; with `extra_steps`
+    a bulk row the lowest free one not reserved (so an interactive row takes a reserved one
+    while any is free)."""
     busy = state.live_interactive > 0 or any(w.interactive for w in waiting)
     step = state.step
     bulk_seats = state.slots - policy.reserved_slots - state.live_bulk
     gap_open = step - state.last_bulk_pass >= policy.bulk_gap
     row_room = policy.bulk_rows - state.live_bulk if policy.bulk_rows else state.slots
     token_room = policy.bulk_prefill_tokens or None
-    reserve = policy.reserved_slots
+    reserve = policy.reserved_slots if policy.extra_steps else 0
     low = [s for s in sorted(state.free_slots) if s < reserve]  # interactive rows only
     high = [s for s in sorted(state.free_slots) if s >= reserve]
     placed: list[Placement] = []

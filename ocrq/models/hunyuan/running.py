@@ -18,8 +18,8 @@ Layout (ocrq/models/slots.py says why a pool of ranges):
   count, own cap, finished, output tokens, repetition-penalty mask) has a fixed address, so a
   step over the first `k` slots can be captured in a CUDA graph once per bucket `k` and replayed
   whatever rows come and go; rows take the lowest free slot, so the bucket shrinks as the queue
-  drains (interactive rows the lowest of all, bulk rows the lowest above the lane's reserve:
-  ocrq/models/lane_pass.py);
+  drains (with interactive-only steps, below, interactive rows the lowest of all, bulk rows the
+  lowest above the lane's reserve: ocrq/models/lane_pass.py);
 * the Triton decode kernel reads row r's keys [start_r, end_r) of the pool expanded over the
   rows (batch stride 0); the torch reference reads the pool under a per-slot mask, which admission
   clears (`_forget_keys`) before a new row's prompt is marked: the tests show that skipping that
