@@ -105,7 +105,16 @@ def loop_figures(totals: dict[str, float]) -> dict[str, Any]:
         "lane_step_ms": per("lane_decode_seconds", "lane_steps", 1e3),
         "lane_prefill_ms_per_step": per("lane_prefill_seconds", "lane_steps", 1e3),
         # What one token of an interactive row cost: its step and the passes between steps.
+        # Every lane step, full or interactive-only (OCRQ_INTERACTIVE_EXTRA_STEPS), gives each
+        # live interactive row one token, so this stays GPU ms per interactive token.
         "lane_token_ms": round(1e3 * sum(lane.values()) / lane_steps, 3) if lane_steps else None,
+        "extra_steps": int(totals.get("extra_steps", 0.0)),
+        # The full steps alone among the lane's (lane_step_ms averages them with the extra ones).
+        "lane_full_step_ms": (
+            round(1e3 * (lane["lane_decode_seconds"] - totals.get("extra_decode_seconds", 0.0))
+                  / (lane_steps - totals.get("extra_steps", 0.0)), 3)
+            if lane_steps > totals.get("extra_steps", 0.0) else None),
+        "extra_step_ms": per("extra_decode_seconds", "extra_steps", 1e3),
         "lane_rows_per_step": per("lane_row_steps", "lane_steps"),
         "lane_pass_ms": per("lane_prefill_seconds", "lane_prefills", 1e3),
         "lane_pass_tokens": per("lane_prefill_tokens", "lane_prefills"),
@@ -349,7 +358,8 @@ def render(d: dict[str, Any]) -> str:
         )
     cols = ("step_ms", "rows_per_step", "kv_tokens_per_step", "pass_ms", "pass_tokens",
             "prefill_ms_per_step", "lane_steps", "lane_step_ms", "lane_prefill_ms_per_step",
-            "lane_token_ms", "other_token_ms", "lane_pass_tokens", "bulk_held_passes")
+            "lane_token_ms", "other_token_ms", "lane_pass_tokens", "bulk_held_passes",
+            "extra_steps", "extra_step_ms", "lane_full_step_ms")
     loops = [
         (f"{name} {part}", r[part])
         for name in ("alone", "bulk", "mixed")
@@ -363,7 +373,9 @@ def render(d: dict[str, Any]) -> str:
             "The running loop (its `running loop totals:` log lines; GPU ms; `lane_*`: steps "
             "with an interactive row live and the passes run while one waited or decoded; "
             "`lane_token_ms`: what a token of an interactive row cost, its step plus the passes "
-            "between steps; `other_token_ms`: the same for the other steps):",
+            "between steps; `other_token_ms`: the same for the other steps; `extra_*`: the "
+            "interactive-only steps, OCRQ_INTERACTIVE_EXTRA_STEPS, counted in the `lane_*` and "
+            "step figures too):",
             "",
             "| run, span | " + " | ".join(cols) + " |",
             "|---" * (len(cols) + 1) + "|",
@@ -461,6 +473,7 @@ def main() -> None:
                 k: getattr(Settings(_env_file=None), k)
                 for k in ("interactive_slots", "interactive_prefill_tokens",
                           "interactive_prefill_gap_steps", "interactive_bulk_rows",
+                          "interactive_extra_steps",
                           "loop_bulk_max_wait_steps", "prefill_chunk_tokens",
                           "prefill_gap_steps", "prefill_stream")
             },

@@ -1,13 +1,14 @@
 """The running loop's lane rule (ocrq/models/lane_pass.py), driven by hypothesis without a device.
 
 Properties of one pass: placements follow the pass order and each lane keeps its arrival order;
-bulk rows never take a reserved slot; an interactive row is placed in the next pass however full
-of bulk rows the loop is; while the lane is busy, bulk rows keep to the gap, the prompt budget
-and the live-row cap; with bulk rows only and no reserve, the pass is `admit`'s. And over many
-passes, bulk never starves: in a simulated loop fed a never-ending interactive stream (with the
-lane's limits at their tightest) every bulk row is admitted within `promote_steps` plus a bounded
-number of row lifetimes; without promotion the same stream does starve it, so that check can
-fail.
+bulk rows never take a reserved slot (neither more than their share nor one of the lowest
+slots, which are the reserve), interactive rows take those first; an interactive row is placed
+in the next pass however full of bulk rows the loop is; while the lane is busy, bulk rows keep
+to the gap, the prompt budget and the live-row cap; with bulk rows only and no reserve, the
+pass is `admit`'s. And over many passes, bulk never starves: in a simulated loop fed a
+never-ending interactive stream (with the lane's limits at their tightest) every bulk row is
+admitted within `promote_steps` plus a bounded number of row lifetimes; without promotion the
+same stream does starve it, so that check can fail.
 """
 
 from __future__ import annotations
@@ -93,6 +94,31 @@ def test_bulk_never_takes_a_reserved_slot(case: tuple) -> None:
     by_key = {w.key: w for w in waiting}
     bulk = sum(not by_key[p.key].interactive for p in decided.placements)
     assert state.live_bulk + bulk <= max(state.slots - policy.reserved_slots, state.live_bulk)
+
+
+@settings(max_examples=400, deadline=None)
+@given(cases(), st.sampled_from([0, 2]))
+def test_reserved_slots_are_the_lowest_and_interactive_rows_take_them_first(
+    case: tuple, extra_steps: int
+) -> None:
+    """With interactive-only steps, no bulk row is placed in a slot below the reserve; each row
+    takes the lowest slot still free that its lane may take, so an interactive row takes a
+    reserved slot while one is free (where a small step over the first slots covers it).
+    Without, every row takes the lowest free slot, as before the setting."""
+    waiting, pool, state, policy, tokens, packed = case
+    policy = replace(policy, extra_steps=extra_steps)
+    decided = lane_pass(waiting, pool, state, tokens, policy, packed=packed)
+    by_key = {w.key: w for w in waiting}
+    reserve = policy.reserved_slots if extra_steps else 0
+    left = sorted(state.free_slots)
+    for p in decided.placements:
+        interactive = by_key[p.key].interactive
+        if not interactive:
+            assert p.slot >= reserve
+        else:
+            assert p.slot < reserve or not any(s < reserve for s in left)
+        assert p.slot == min(s for s in left if interactive or s >= reserve)
+        left.remove(p.slot)
 
 
 @settings(max_examples=200, deadline=None)

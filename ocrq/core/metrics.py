@@ -101,6 +101,14 @@ LOOP_COUNTS = {
         "ocrq_loop_interactive_row_steps", "Live interactive rows summed over decode steps"
     ),
     "kv_token_steps": Counter("ocrq_loop_kv_token_steps", "Live KV tokens summed over steps"),
+    # OCRQ_INTERACTIVE_EXTRA_STEPS: steps over the interactive rows' slots only (also counted
+    # in steps, lane_steps and lane_decode_seconds).
+    "extra_steps": Counter(
+        "ocrq_loop_extra_steps", "Interactive-only decode steps (OCRQ_INTERACTIVE_EXTRA_STEPS)"
+    ),
+    "extra_decode_seconds": Counter(
+        "ocrq_loop_extra_decode_seconds", "GPU seconds in interactive-only decode steps"
+    ),
     "lane_decode_seconds": Counter(
         "ocrq_loop_lane_decode_seconds", "GPU seconds in decode steps with an interactive row"
     ),

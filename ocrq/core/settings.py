@@ -499,9 +499,18 @@ class HunyuanSettings(ModelSettings):
     # Slots added to the loop that only interactive rows take, so one is prefilled in the next
     # pass however full of bulk rows the loop is; bulk keeps its OCRQ_MAX_BATCH slots. 8: the
     # H200 run's stream (2/s, ~1 s each alone) had ~2 live at once, 8 takes bursts of 4x that;
-    # a slot's state is ~8 bytes per new token, and the step widens past 256 only while an
-    # interactive row holds a slot above the bulk ones. 0: no reserve.
+    # a slot's state is ~8 bytes per new token, and the step widens past OCRQ_MAX_BATCH only
+    # while an interactive row holds a slot above the bulk ones (with
+    # OCRQ_INTERACTIVE_EXTRA_STEPS they are the lowest slots instead: a full loop's step then
+    # runs over all of them). 0: no reserve.
     interactive_slots: int = Field(default=8, ge=0, le=1024)
+    # While an interactive row is live: decode steps after each full one over only the smallest
+    # graphed bucket of slots holding every live interactive row (the reserve, the lowest
+    # slots), so such a row makes up to 1 + this many tokens per full step instead of one
+    # (a small step ~2 ms on an H200 against ~9 ms for a full loop's; bulk rows below that
+    # bucket get the tokens too). Above 0 the reserved slots are the loop's lowest, bulk rows
+    # take those above. 0: none, the loop as before.
+    interactive_extra_steps: int = Field(default=0, ge=0, le=64)
     # While an interactive row waits or decodes: bulk prompt tokens per prefill pass (the pass's
     # first bulk row always goes), so no pass between its decode steps is long. 4,096: ~3 A4
     # pages, a quarter of OCRQ_PREFILL_CHUNK_TOKENS, whose passes of A4 pages took ~55 ms on the

@@ -12,7 +12,16 @@ how long each of its tokens takes (a decode step over every live row, plus the b
 passes run between steps while it decodes). The levers, all in `LanePolicy`:
 
 * reserved slots: bulk rows hold at most `slots - reserved_slots` slots, so an interactive row
-  finds a slot in the very next pass however full of bulk the loop is;
+  finds a slot in the very next pass however full of bulk the loop is. With `extra_steps` the
+  reserve is also the slot indices [0, reserved_slots): interactive rows take the lowest free
+  slot, bulk rows the lowest free one at or above the reserve, so interactive rows sit in the
+  loop's lowest slots, where a decode step over only the first few slots covers them all.
+  Without, every row takes the lowest free slot, as before (a bulk-only loop's rows then fill
+  the lowest `slots - reserved_slots` slots, and its step covers no empty reserve);
+* interactive-only decode steps (`extra_steps`, ocrq/models/hunyuan/running.py): after each full
+  decode step, while an interactive row is live, that many more steps over only the smallest
+  graphed bucket of slots holding every live interactive row, so its tokens no longer wait one
+  full step (plus the bulk passes between steps) each;
 * interactive rows first: they lead every pass, first in first out among themselves, and a pass
   is run for them at once (no prefill gap);
 * while the lane is busy (an interactive row waiting or live) bulk rows are held to a prompt
@@ -52,10 +61,13 @@ class LanePolicy:
     bulk_gap: int = 1  # decode steps between passes that admit bulk rows while busy
     bulk_rows: int = 0  # live bulk rows at most while busy; 0: no cap
     promote_steps: int = 256  # decode steps a bulk row waits in the loop before promotion
+    # Decode steps over only the interactive rows' slots after each full step while one is
+    # live (the running loop's); above 0 the reserve is also the lowest slots. 0: none.
+    extra_steps: int = 0
 
     def __post_init__(self) -> None:
         if (self.reserved_slots < 0 or self.bulk_prefill_tokens < 0 or self.bulk_gap < 1
-                or self.bulk_rows < 0 or self.promote_steps < 0):
+                or self.bulk_rows < 0 or self.promote_steps < 0 or self.extra_steps < 0):
             raise ValueError(f"invalid lane policy {self}")
 
 
@@ -128,26 +140,30 @@ def lane_pass(
     the sum), within `pass_tokens` whatever the lane; the first row always passes that test.
     A row that misses a pool range or the pass's tokens stops the pass; a bulk row with no bulk
     slot, or held by the lane's limits, stops only the bulk rows after it (interactive rows
-    behind it take slots it could not)."""
+    behind it take slots it could not). A row takes the lowest free slot; with `extra_steps`
+    a bulk row the lowest free one not reserved (so an interactive row takes a reserved one
+    while any is free)."""
     busy = state.live_interactive > 0 or any(w.interactive for w in waiting)
     step = state.step
     bulk_seats = state.slots - policy.reserved_slots - state.live_bulk
     gap_open = step - state.last_bulk_pass >= policy.bulk_gap
     row_room = policy.bulk_rows - state.live_bulk if policy.bulk_rows else state.slots
     token_room = policy.bulk_prefill_tokens or None
-    free = sorted(state.free_slots)
+    reserve = policy.reserved_slots if policy.extra_steps else 0
+    low = [s for s in sorted(state.free_slots) if s < reserve]  # interactive rows only
+    high = [s for s in sorted(state.free_slots) if s >= reserve]
     placed: list[Placement] = []
     longest = total = bulk_placed = bulk_tokens = 0
     bulk_closed = held = False
     blocked: str | None = None
     for w in pass_order(waiting, step, policy):
-        if len(placed) >= len(free):
+        if not low and not high:
             blocked = "no free slot"
             break
         if not w.interactive:
             if bulk_closed:
                 continue
-            if bulk_placed >= bulk_seats:
+            if bulk_placed >= bulk_seats or not high:
                 bulk_closed, blocked = True, NO_BULK_SLOT
                 continue
             if busy and not promoted(w, step, policy) and (
@@ -168,7 +184,8 @@ def lane_pass(
             blocked = "no pool range"
             break
         start, pool = taken
-        placed.append(Placement(w.key, free[len(placed)], start, w.capacity))
+        slot = high.pop(0) if not w.interactive or not low else low.pop(0)
+        placed.append(Placement(w.key, slot, start, w.capacity))
         longest, total = longest_then, total + w.prompt_tokens
         if not w.interactive:
             bulk_placed += 1

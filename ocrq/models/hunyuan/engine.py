@@ -580,6 +580,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
                 bulk_gap=s.interactive_prefill_gap_steps,
                 bulk_rows=s.interactive_bulk_rows,
                 promote_steps=s.loop_bulk_max_wait_steps,
+                extra_steps=s.interactive_extra_steps,
             ),
         }
         values.update(overrides)
@@ -686,6 +687,8 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             "lane_prefills": s.lane_prefills,
             "lane_prefill_tokens": s.lane_prefill_tokens,
             "bulk_held_passes": s.bulk_held_passes,
+            "extra_steps": s.extra_steps,
+            "extra_decode_seconds": s.extra_decode_s,
             "late_passes": s.late_passes,
             "pending_iterations": s.pending_iterations,
             "overlap_steps": s.overlap_steps,

@@ -27,9 +27,10 @@ class Harvest:
         self.caps: list[tuple[int, int, int]] = []  # heap: (step its cap is reached, slot, id)
 
     def track(self, row: LoopRow) -> None:
-        """A row now in its slot: the step at which its cap is reached."""
+        """A row now in its slot: the step at which its cap is reached (sooner by the tokens it
+        made in interactive-only steps; the loop tracks it again when those reach its cap)."""
         heapq.heappush(
-            self.caps, (row.first_step + row.max_new_tokens - 1, row.slot, id(row))
+            self.caps, (row.first_step + row.max_new_tokens - 1 - row.extra, row.slot, id(row))
         )
 
     def _capped(self) -> bool:

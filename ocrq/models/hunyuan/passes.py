@@ -189,6 +189,7 @@ class PrefillPasses:
         rows, marks = pending.rows, pending.marks
         for r in rows:
             r.first_step = loop._step_no  # its first decode step is the next one
+            r.extra = 0
         lengths = [r.prompt_tokens for r in rows]
         dev, long = loop.device, torch.long
         slots = to_device([r.slot for r in rows], long, dev)

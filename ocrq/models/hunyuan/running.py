@@ -18,7 +18,8 @@ Layout (ocrq/models/slots.py says why a pool of ranges):
   count, own cap, finished, output tokens, repetition-penalty mask) has a fixed address, so a
   step over the first `k` slots can be captured in a CUDA graph once per bucket `k` and replayed
   whatever rows come and go; rows take the lowest free slot, so the bucket shrinks as the queue
-  drains;
+  drains (with interactive-only steps, below, interactive rows the lowest of all, bulk rows the
+  lowest above the lane's reserve: ocrq/models/lane_pass.py);
 * the Triton decode kernel reads row r's keys [start_r, end_r) of the pool expanded over the
   rows (batch stride 0); the torch reference reads the pool under a per-slot mask, which admission
   clears (`_forget_keys`) before a new row's prompt is marked: the tests show that skipping that
@@ -34,6 +35,17 @@ for the rows that ended (ocrq/models/hunyuan/harvest.py).
 
 The greedy arithmetic (scores, repetition penalty, eos ban, the guard's rule) is the static
 loop's, per row; a row's tokens do not depend on the rows beside it (tests).
+
+Interactive-only steps (`LanePolicy.extra_steps`, OCRQ_INTERACTIVE_EXTRA_STEPS): with a bulk
+backlog an interactive row's token waits for a step over every live row plus the bulk passes
+run between steps (~20-30 ms on an H200 against 2.6 ms alone). After each full step, while an
+interactive row is live, the loop runs that many more steps over only the smallest bucket of
+slots holding every live interactive row (the lowest slots: the lane's reserve), ~2 ms each on
+an H200, so such a row makes up to 1 + extra_steps tokens per full step. A step is valid for
+every row it covers, whichever: a bulk row below that bucket simply gets a token more. What
+changes is the host's arithmetic of a row's token count, no longer the steps since its prefill:
+each row counts the tokens it made in such steps (`LoopRow.extra`), and the repetition guard,
+the harvest's cap prediction and the KV figures add them (`_made`).
 """
 
 from __future__ import annotations
@@ -89,6 +101,7 @@ class LoopRow:
     start: int = -1
     capacity: int = 0
     first_step: int = 0  # the loop's decode steps before its prefill: tokens = steps since + 1
+    extra: int = 0  # ... + the tokens it made in interactive-only steps (the module's docstring)
     admitted_at: float = 0.0
     logits: list[Any] = field(default_factory=list)  # raw logits per token, when kept (tests)
 
@@ -193,6 +206,12 @@ class LoopStats:
     lane_prefills: int = 0
     lane_prefill_tokens: int = 0
     bulk_held_passes: int = 0  # passes that held bulk rows back for the lane
+    # Interactive-only steps (`LanePolicy.extra_steps`): counted in `steps`, `lane_steps` and
+    # the per-row figures above too (each gives every live interactive row a token, as a full
+    # step does, so the lane's token cost above stays GPU time per interactive token); their
+    # GPU seconds are part of lane_decode_s.
+    extra_steps: int = 0
+    extra_decode_s: float = 0.0
     # Prefill passes on a side stream (`LoopConfig.prefill_stream`): their GPU spans overlap
     # the decode steps', so prefill_s + decode_s can exceed the wall time. Passes committed at
     # a later loop iteration than launched, the iterations that found a pass not done yet, and
@@ -272,6 +291,8 @@ class RunningLoop:
         self._live_interactive = 0
         self._waiting_interactive = 0
         self._kv_base = 0  # sum over live rows of prompt - first_step (live KV, O(1) a step)
+        self._kv_extra = 0  # sum over live rows of `extra`
+        self._interactive_slots: set[int] = set()  # slots of live interactive rows
         # Rows due a repetition check, by phase: rows admitted at steps congruent mod `every`
         # are due at the same steps, so a step looks at its own phase only.
         self._phases: dict[int, set[int]] = {}
@@ -357,6 +378,7 @@ class RunningLoop:
                 stats.prefill_cpu_s += cpu() - c0
                 if self.rows:
                     self._decode_step()
+                    self._extra_steps()
                     t2 = clock()
                     done = self.harvest(force=False)
                     stats.decode_host_s += t2 - t1
@@ -391,7 +413,8 @@ class RunningLoop:
         totals = self.clock.collect(wait)
         self.stats.prefill_s = totals.get("prefill", 0.0)
         self.stats.lane_prefill_s = totals.get("prefill_lane", 0.0)
-        self.stats.lane_decode_s = totals.get("decode_lane", 0.0)
+        self.stats.extra_decode_s = totals.get("decode_extra", 0.0)
+        self.stats.lane_decode_s = totals.get("decode_lane", 0.0) + self.stats.extra_decode_s
         self.stats.prefill_s += self.stats.lane_prefill_s
         self.stats.decode_s = totals.get("decode", 0.0) + self.stats.lane_decode_s
         self.stats.wait_s = self.readback.waited_s
@@ -439,9 +462,10 @@ class RunningLoop:
                 dropped.append(row)
         return dropped
 
-    def _bucket(self) -> int:
-        """Slots a step runs over: the smallest bucket covering the highest live slot."""
-        top = max(self.rows) + 1
+    def _bucket(self, top: int | None = None) -> int:
+        """Slots a step runs over: the smallest bucket covering the highest live slot (or the
+        first `top` slots)."""
+        top = max(self.rows) + 1 if top is None else top
         for b in BUCKETS:
             if b >= top:
                 return min(b, self.config.slots)
@@ -475,11 +499,40 @@ class RunningLoop:
         """The host's books for a row now in its slot: when its cap is reached, its guard phase."""
         self.rows[row.slot] = row
         self._live_interactive += row.interactive
+        if row.interactive:
+            self._interactive_slots.add(row.slot)
         self._kv_base += row.prompt_tokens - row.first_step
+        self._kv_extra += row.extra
         self.harvest.track(row)
-        guard = self._finder.guard if self._finder is not None else None
-        if guard is not None and row.eos_at is None:
-            self._phases.setdefault((row.first_step - 1) % guard.every, set()).add(row.slot)
+        phase = self._phase(row)
+        if phase is not None:
+            self._phases.setdefault(phase, set()).add(row.slot)
+
+    def _made(self, row: LoopRow) -> int:
+        """The tokens a live row has made so far, as the host knows without a sync (an upper
+        bound once it ended: a finished row makes no more)."""
+        return self._step_no - row.first_step + 1 + row.extra
+
+    def _phase(self, row: LoopRow) -> int | None:
+        """The full steps (mod the guard's `every`) before which the row's count is a multiple
+        of `every`; None: the guard never checks it (no guard, or the hooks force its eos)."""
+        if self._finder is None or row.eos_at is not None:
+            return None
+        return (row.first_step - 1 - row.extra) % self._finder.guard.every
+
+    def _add_extra(self, row: LoopRow) -> None:
+        """A token more for a live row, made in an interactive-only step: its guard phase moves
+        and, if that token reached its cap, the harvest looks at once."""
+        phase = self._phase(row)
+        if phase is not None:
+            self._phases[phase].discard(row.slot)
+        row.extra += 1
+        self._kv_extra += 1
+        phase = self._phase(row)
+        if phase is not None:
+            self._phases.setdefault(phase, set()).add(row.slot)
+        if self._made(row) == row.max_new_tokens:
+            self.harvest.track(row)
 
     def _forget_keys(self, slot: int) -> None:
         """No key of the slot's previous row stays visible to the next one (the torch mask;
@@ -567,12 +620,9 @@ class RunningLoop:
 
         return torch_attend
 
-    def _decode_step(self) -> None:
-        self._guard()
-        k = self._bucket()
+    def _launch_step(self, k: int, span: str) -> None:
+        """A step over slots [0, k): its graph replayed, else run (and captured)."""
         graphed = self.decoder.use_graph and self.decoder.is_cuda and not self.config.keep_logits
-        lane = self._live_interactive > 0
-        span = "decode_lane" if lane else "decode"
         if graphed and k in self.graphs:
             with self.clock.span(span):
                 self.graphs[k].replay()
@@ -581,11 +631,17 @@ class RunningLoop:
                 self._step(k)
             if graphed:
                 self._capture(k)
+
+    def _decode_step(self) -> None:
+        self._guard()
+        k = self._bucket()
+        lane = self._live_interactive > 0
+        self._launch_step(k, "decode_lane" if lane else "decode")
         stats, live = self.stats, len(self.rows)
         stats.steps += 1
         stats.slot_steps += k
         stats.row_steps += live
-        stats.kv_token_steps += self._kv_base + live * self._step_no
+        stats.kv_token_steps += self._kv_base + live * self._step_no + self._kv_extra
         stats.interactive_row_steps += self._live_interactive
         if lane:
             stats.lane_steps += 1
@@ -593,6 +649,39 @@ class RunningLoop:
         stats.overlap_steps += self.passes.pending is not None
         self._step_no += 1
         self.harvest.since_check += 1
+
+    def _extra_steps(self) -> None:
+        """After a full step, while an interactive row is live: `LanePolicy.extra_steps` steps
+        over the smallest bucket holding every live interactive row (the module's docstring),
+        fewer once each of them has surely reached its cap. They count as steps everywhere a
+        step counts (stats, the harvest's checks), but not in `_step_no`, the clock of
+        admission (gaps, promotion) and of each row's `first_step`."""
+        if not self.config.lanes.extra_steps or not self._interactive_slots:
+            return
+        k = self._bucket(max(self._interactive_slots) + 1)
+        lane = [self.rows[s] for s in self._interactive_slots]
+        stats = self.stats
+        for _ in range(self.config.lanes.extra_steps):
+            if all(self._made(r) >= r.max_new_tokens for r in lane):
+                break
+            if self.config.keep_logits:
+                self.harvest._keep_logits()  # the previous step's, before this one's replace it
+            covered = [r for s in range(k) if (r := self.rows.get(s)) is not None]
+            self._guard([r.slot for r in covered])
+            self._launch_step(k, "decode_extra")
+            stats.steps += 1
+            stats.extra_steps += 1
+            stats.slot_steps += k
+            stats.row_steps += len(covered)
+            stats.kv_token_steps += sum(r.prompt_tokens - r.first_step + self._step_no + r.extra
+                                        for r in covered)
+            stats.interactive_row_steps += len(lane)
+            stats.lane_steps += 1
+            stats.lane_row_steps += len(covered)
+            stats.overlap_steps += self.passes.pending is not None
+            for r in covered:
+                self._add_extra(r)
+            self.harvest.since_check += 1
 
     def _capture(self, k: int) -> None:
         """Record the step over `k` slots (recorded, not run: its first step ran eagerly just
@@ -647,10 +736,11 @@ class RunningLoop:
             self.seen[:k].scatter_(1, nxt[:, None], live[:, None] | self.seen[:k].gather(
                 1, nxt[:, None]))
 
-    def _guard(self) -> None:
+    def _guard(self, slots: Collection[int] | None = None) -> None:
         """Stop the live rows whose tokens so far end in a loop, at the token counts the static
         loop checks (`guard_due`); the host knows each row's count without a sync (a live row
-        makes one token a step)."""
+        makes one token in each step that covers it: `_made`). Before a full step, the rows of
+        this step's phase; before an interactive-only step, the `slots` it covers."""
         import torch
 
         if self._finder is None:
@@ -658,9 +748,13 @@ class RunningLoop:
         guard = self._finder.guard
         due: dict[int, list[int]] = {}
         # Rows whose eos the hooks force never enter a phase: their length is the hooks' call.
-        for slot in self._phases.get(self._step_no % guard.every, ()):
+        if slots is None:
+            slots = self._phases.get(self._step_no % guard.every, ())
+        for slot in slots:
             row = self.rows[slot]
-            n = self._step_no - row.first_step + 1
+            if row.eos_at is not None:
+                continue
+            n = self._made(row)
             if guard_due(guard, n, row.min_new_tokens, row.max_new_tokens):
                 due.setdefault(n, []).append(slot)
         for n, slots in due.items():
@@ -691,9 +785,12 @@ class RunningLoop:
     def _release(self, slot: int) -> None:
         row = self.rows.pop(slot)
         self._live_interactive -= row.interactive
+        self._interactive_slots.discard(slot)
         self._kv_base -= row.prompt_tokens - row.first_step
-        if self._finder is not None:
-            self._phases.get((row.first_step - 1) % self._finder.guard.every, set()).discard(slot)
+        self._kv_extra -= row.extra
+        phase = self._phase(row)
+        if phase is not None:
+            self._phases.get(phase, set()).discard(slot)
         self.pool = self.pool.give(row.start, row.capacity)
         # fill_ on a slice: `tensor[slot] = value` copies a host scalar, a sync per row.
         self.finished[slot : slot + 1].fill_(True)

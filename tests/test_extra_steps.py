@@ -1,0 +1,181 @@
+"""Interactive-only decode steps (OCRQ_INTERACTIVE_EXTRA_STEPS, ocrq/models/hunyuan/running.py),
+on the CPU with the tiny HunyuanOCR model.
+
+A decode step is valid for every row it covers and greedy decoding is per row, so with the
+extra steps on every row's tokens are those of the loop without them, each row comes back once,
+and the repetition guard stops a looping row at the same count; what changes is how many full
+steps an interactive row takes, which the tests assert on (fewer), and the host's count of a
+row's tokens, which the guard and the harvest read (wrong counts show as a guard that stops a
+row at another length, or never, and as rows handed back late or twice).
+
+The loop here has 12 slots: bulk rows take slots 2..11 (the reserve is 0..1), the interactive
+rows the lowest, so the extra steps run over the first 8 slots: bulk rows in 2..7 get extra
+tokens too, those above do not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ocrq.models.hunyuan import HunyuanEngine
+from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.hunyuan.versions import RepetitionGuard
+from ocrq.models.lane_pass import LanePolicy
+from ocrq.models.slots import RunningBudget
+from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
+
+pytestmark = pytest.mark.hunyuan
+
+MAX_NEW = 64
+BULK, RESERVED, EXTRA = 10, 2, 3
+# Small enough for a CPU test (as tests/test_hunyuan_decode.py's): a check every 8 tokens.
+SMALL = RepetitionGuard(every=8, min_repeats=4, max_unit=8, min_span=16)
+LOOP = (40, 41)  # a looping row's tokens after its trigger
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
+    path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.0")
+    eng = HunyuanEngine(
+        cpu_settings(str(path), MAX_NEW, max_batch=BULK, interactive_slots=RESERVED),
+        decode="fast",
+    )
+    eng.load()
+    return eng
+
+
+class LoopingLoop(RunningLoop):
+    """Tests only: in decode steps, a row whose previous token is `trigger` or in LOOP emits
+    LOOP's next token (a forward hook on lm_head, as ocrq/testing/tiny_hunyuan.py's ForcedLoop,
+    but keyed on each row's own previous token, so a row loops whichever steps and slots it is
+    in)."""
+
+    trigger = -1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._prev: Any = None
+        self._handle = self.text.lm_head.register_forward_hook(self._hook)
+
+    def _hook(self, _module: Any, _args: Any, out: Any) -> Any:
+        import torch
+
+        prev = self._prev
+        if prev is None or out.dim() != 2 or out.shape[0] != prev.shape[0]:
+            return out  # a prefill pass: the model's own first token
+        a, b = LOOP
+        nxt = torch.where(prev == a, b, a)
+        on = (prev == self.trigger) | (prev == a) | (prev == b)
+        bonus = torch.zeros_like(out).scatter(1, nxt[:, None], 1e4) * on[:, None].to(out.dtype)
+        return out + bonus
+
+    def _step(self, k: int) -> None:
+        self._prev = self.tok[:k].clone()
+        try:
+            super()._step(k)
+        finally:
+            self._prev = None
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def rows(engine: HunyuanEngine) -> list[LoopRow]:
+    """14 rows, every fourth interactive: more than the loop's slots, so later rows are
+    admitted mid-flight into freed slots."""
+    out = []
+    for i in range(14):
+        it = item(64 + 8 * (i % 3), 64, 40 + i)
+        out.append(LoopRow(it.key, engine.preprocess(it), MAX_NEW, interactive=i % 4 == 1))
+    return out
+
+
+def drain(engine: HunyuanEngine, extra: int, trigger: int | None = None) -> dict[str, Any]:
+    """Every row through a loop with `extra` interactive-only steps: per key, each Done's
+    (tokens, stopped), the full steps (`_step_no`) by when it was handed back, its lane and slot;
+    and the loop's stats."""
+    assert engine._decoder is not None and engine.tokens is not None
+    budget = RunningBudget(BULK + RESERVED, 16384, 4096, 0, 0, 0, 0, RESERVED)
+    config = engine.loop_config(
+        budget, lanes=LanePolicy(reserved_slots=RESERVED, extra_steps=extra), guard=SMALL
+    )
+    cls = LoopingLoop if trigger is not None else RunningLoop
+    loop = cls(engine._decoder, engine.tokens, config)
+    if trigger is not None:
+        loop.trigger = trigger
+    loop.add(rows(engine))
+    done: dict[str, list[tuple[list[int], int]]] = {}
+    when: dict[str, int] = {}
+    lane: dict[str, bool] = {}
+    slot: dict[str, int] = {}
+    try:
+        while not loop.idle():
+            for d in loop.run():
+                done.setdefault(d.row.key, []).append((d.tokens, d.stopped))
+                when[d.row.key] = loop._step_no
+                lane[d.row.key], slot[d.row.key] = d.row.interactive, d.row.slot
+    finally:
+        if isinstance(loop, LoopingLoop):
+            loop.close()
+    assert loop.pool.free_tokens == 16384 and not loop.rows  # every range and slot given back
+    return {"done": done, "when": when, "lane": lane, "slot": slot,
+            "stats": loop.collect_stats(wait=True)}
+
+
+@pytest.fixture(scope="module")
+def plain(engine: HunyuanEngine) -> dict[str, Any]:
+    return drain(engine, 0)
+
+
+def test_extra_steps_change_no_token_and_finish_interactive_rows_in_fewer_steps(
+    engine: HunyuanEngine, plain: dict[str, Any]
+) -> None:
+    extra = drain(engine, EXTRA)
+    assert all(len(v) == 1 for v in extra["done"].values())  # each row handed back once
+    assert extra["done"] == plain["done"] and len(plain["done"]) == 14
+    # Slots differ (without extra steps rows take the lowest free slot whatever their lane),
+    # tokens do not. With them: interactive rows under the extra steps' bucket, bulk above the
+    # reserve, some of it under the bucket too.
+    slot, lane = extra["slot"], [k for k, v in plain["lane"].items() if v]
+    assert lane and all(slot[k] < 8 for k in lane)
+    assert all(slot[k] >= RESERVED for k in slot if not plain["lane"][k])
+    assert any(slot[k] < 8 for k in slot if not plain["lane"][k])
+    assert slot != plain["slot"]
+    for k in lane:  # up to 1 + EXTRA tokens per full step instead of one
+        assert extra["when"][k] * 2 < plain["when"][k], (k, extra["when"][k], plain["when"][k])
+    s0, s = plain["stats"], extra["stats"]
+    assert s0.extra_steps == 0 and s.extra_steps > 0
+    assert s.steps - s.extra_steps < s0.steps  # fewer full steps (the bulk rows under 8 too)
+    assert s.lane_steps > s.extra_steps and s.extra_decode_s > 0
+    assert s.extra_decode_s < s.lane_decode_s <= s.decode_s
+    assert s.slot_steps - s0.slot_steps <= 8 * s.extra_steps  # the extra steps' bucket
+
+
+def test_the_guard_stops_a_looping_row_at_the_same_count(
+    engine: HunyuanEngine, plain: dict[str, Any]
+) -> None:
+    """A row that emits `trigger` then loops on two tokens: the guard stops it at the same
+    token count with or without the extra steps, and the rows that never emit it are not
+    stopped."""
+    lane = sorted(k for k, v in plain["lane"].items() if v)
+    tokens = plain["done"][lane[0]][0][0]
+    trigger = tokens[6]
+    assert trigger not in LOOP
+    looped = drain(engine, 0, trigger)
+    extra = drain(engine, EXTRA, trigger)
+    assert all(len(v) == 1 for v in extra["done"].values())
+    assert extra["done"] == looped["done"]
+    stopped = {k: v[0][1] for k, v in looped["done"].items()}
+    assert stopped[lane[0]] and stopped[lane[0]] % SMALL.every == 0
+    assert looped["done"][lane[0]][0][0][7:9] in ([40, 41], [41, 40])
+    for k, v in plain["done"].items():
+        if not {trigger, *LOOP} & set(v[0][0][:-1]):
+            assert stopped[k] == 0 and looped["done"][k] == v
+    # Rows of both lanes were stopped, some of them while extra steps covered them.
+    assert any(stopped[k] for k in lane)
+    assert extra["stats"].extra_steps > 0
+    for k in lane:
+        if stopped[k]:
+            assert extra["when"][k] < looped["when"][k]
