@@ -191,8 +191,10 @@ def one_run(args: argparse.Namespace, env: dict[str, str], jobs: list[tuple[str,
     cmd = [sys.executable, "-m", "ocrq.cli", "worker", "--no-supervise"]
     spawned = time.time()
     with log.open("wb") as fh:
+        # cwd: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH;
+        # from here, `--code` would be shadowed by this checkout's ocrq.
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, cwd=args.code.resolve())
     out: dict[str, Any] = {}
     try:
         deadline = time.monotonic() + args.timeout_s
