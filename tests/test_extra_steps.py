@@ -179,3 +179,53 @@ def test_the_guard_stops_a_looping_row_at_the_same_count(
     for k in lane:
         if stopped[k]:
             assert extra["when"][k] < looped["when"][k]
+
+
+class RecordingLoop(RunningLoop):
+    """Tests only: the slot count of every interactive-only step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.extra_k: list[int] = []
+
+    def _launch_step(self, k: int, span: str) -> None:
+        if span == "decode_extra":
+            self.extra_k.append(k)
+        super()._launch_step(k, span)
+
+
+def test_extra_steps_cover_only_the_reserve_when_interactive_rows_overflow_it(
+    engine: HunyuanEngine,
+) -> None:
+    """More interactive rows live than the reserve holds (12 at once, 2 reserved): those above
+    it sit among the slots a full step covers, and the extra steps keep to the reserve's bucket
+    instead of becoming full steps (on the H200 such steps cost 8-13 ms against 2.2,
+    bench/results/lanes/lanes_h200_extra2_relaxed.md). Every row still ends, once, with the
+    tokens of the loop without extra steps."""
+    assert engine._decoder is not None and engine.tokens is not None
+    out: dict[int, dict[str, list[int]]] = {}
+    loops: dict[int, RecordingLoop] = {}
+    for extra in (0, EXTRA):
+        budget = RunningBudget(BULK + RESERVED, 16384, 4096, 0, 0, 0, 0, RESERVED)
+        config = engine.loop_config(
+            budget, lanes=LanePolicy(reserved_slots=RESERVED, extra_steps=extra), guard=SMALL
+        )
+        loop = loops[extra] = RecordingLoop(engine._decoder, engine.tokens, config)
+        loop.add([
+            LoopRow(it.key, engine.preprocess(it), MAX_NEW, interactive=True)
+            for it in (item(64 + 8 * (i % 3), 64, 80 + i) for i in range(BULK + RESERVED))
+        ])
+        done: dict[str, list[int]] = {}
+        slots: set[int] = set()
+        while not loop.idle():
+            for d in loop.run():
+                assert d.row.key not in done
+                done[d.row.key] = d.tokens
+                slots.add(d.row.slot)
+        out[extra] = done
+        assert len(done) == BULK + RESERVED and loop.pool.free_tokens == 16384
+        if extra:
+            assert max(slots) >= 8  # rows above the reserve's bucket were live
+    assert out[EXTRA] == out[0]
+    assert loops[0].extra_k == []
+    assert loops[EXTRA].extra_k and set(loops[EXTRA].extra_k) == {8}, loops[EXTRA].extra_k

@@ -40,8 +40,10 @@ Interactive-only steps (`LanePolicy.extra_steps`, OCRQ_INTERACTIVE_EXTRA_STEPS):
 backlog an interactive row's token waits for a step over every live row plus the bulk passes
 run between steps (~20-30 ms on an H200 against 2.6 ms alone). After each full step, while an
 interactive row is live, the loop runs that many more steps over only the smallest bucket of
-slots holding every live interactive row (the lowest slots: the lane's reserve), ~2 ms each on
-an H200, so such a row makes up to 1 + extra_steps tokens per full step. A step is valid for
+slots holding every live interactive row of the lane's reserve (its lowest slots), ~2 ms each
+on an H200, so such a row makes up to 1 + extra_steps tokens per full step. An interactive row
+that found the reserve full sits among the bulk rows and gets no extra steps: covering it would
+make each one a full step (8-13 ms on the H200 when the reserve overflowed). A step is valid for
 every row it covers, whichever: a bulk row below that bucket simply gets a token more. What
 changes is the host's arithmetic of a row's token count, no longer the steps since its prefill:
 each row counts the tokens it made in such steps (`LoopRow.extra`), and the repetition guard,
@@ -651,17 +653,24 @@ class RunningLoop:
         self.harvest.since_check += 1
 
     def _extra_steps(self) -> None:
-        """After a full step, while an interactive row is live: `LanePolicy.extra_steps` steps
-        over the smallest bucket holding every live interactive row (the module's docstring),
-        fewer once each of them has surely reached its cap. They count as steps everywhere a
-        step counts (stats, the harvest's checks), but not in `_step_no`, the clock of
-        admission (gaps, promotion) and of each row's `first_step`."""
-        if not self.config.lanes.extra_steps or not self._interactive_slots:
+        """After a full step, while an interactive row of the reserve is live:
+        `LanePolicy.extra_steps` steps over the smallest bucket holding every such row (the
+        module's docstring), fewer once each of them has surely reached its cap. They count as
+        steps everywhere a step counts (stats, the harvest's checks), but not in `_step_no`,
+        the clock of admission (gaps, promotion) and of each row's `first_step`."""
+        lanes = self.config.lanes
+        # Only the reserve's rows: an interactive row that found the reserve full sits among
+        # the bulk rows, and covering it would make each extra step a full one (measured on
+        # the H200 at 8-13 ms against 2.2, bench/results/lanes/lanes_h200_extra2_relaxed.md).
+        # It gets its tokens from the full steps alone.
+        slots = [s for s in self._interactive_slots
+                 if not lanes.reserved_slots or s < lanes.reserved_slots]
+        if not lanes.extra_steps or not slots:
             return
-        k = self._bucket(max(self._interactive_slots) + 1)
-        lane = [self.rows[s] for s in self._interactive_slots]
+        k = self._bucket(max(slots) + 1)
+        lane = [self.rows[s] for s in slots]
         stats = self.stats
-        for _ in range(self.config.lanes.extra_steps):
+        for _ in range(lanes.extra_steps):
             if all(self._made(r) >= r.max_new_tokens for r in lane):
                 break
             if self.config.keep_logits:
