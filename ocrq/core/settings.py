@@ -509,8 +509,11 @@ class HunyuanSettings(ModelSettings):
     # slots), so such a row makes up to 1 + this many tokens per full step instead of one
     # (a small step ~2 ms on an H200 against ~9 ms for a full loop's; bulk rows below that
     # bucket get the tokens too). Above 0 the reserved slots are the loop's lowest, bulk rows
-    # take those above. 0: none, the loop as before.
-    interactive_extra_steps: int = Field(default=0, ge=0, le=64)
+    # take those above; an interactive row that finds the reserve full gets no such steps.
+    # 4: on an H200 with a bulk backlog the interactive p95 was 2.6x its latency alone (6.8x
+    # with 0) and the backlog ran at 0.75x its rate alone while the stream lasted (0.88x with
+    # 0; bench/results/lanes/README.md). 0: none, for bulk throughput first.
+    interactive_extra_steps: int = Field(default=4, ge=0, le=64)
     # While an interactive row waits or decodes: bulk prompt tokens per prefill pass (the pass's
     # first bulk row always goes), so no pass between its decode steps is long. 4,096: ~3 A4
     # pages, a quarter of OCRQ_PREFILL_CHUNK_TOKENS, whose passes of A4 pages took ~55 ms on the
