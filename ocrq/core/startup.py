@@ -23,6 +23,7 @@ import gc
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -219,6 +220,23 @@ class Timeline:
         now = time.time()
         after = f", {now - self.ready_at:.2f} s after ready" if self.ready_at is not None else ""
         log.info("startup: first result stored at %.2f s%s", self.at(now), after)
+
+
+def uncached_bytecode(module: Any) -> str | None:
+    """A warning when `module` was compiled from source at import and will be again at the next
+    start: Python writes no bytecode (PYTHONDONTWRITEBYTECODE, common in container images) and
+    none was written at install. On an H200 that made torch + transformers' import 11.4 s
+    instead of 5.0, and a worker's start to its first result 17.6 s instead of 9.5
+    (bench/results/startup/README.md)."""
+    cached = getattr(module, "__cached__", None)
+    if not sys.dont_write_bytecode or not cached or os.path.exists(cached):
+        return None
+    return (
+        f"startup: {module.__name__} has no bytecode cache and Python writes none "
+        "(PYTHONDONTWRITEBYTECODE): it is compiled from source at every start (on an H200 "
+        "~8 s more to the first result); compile site-packages once at install "
+        "(python -m compileall -q DIR) or unset PYTHONDONTWRITEBYTECODE"
+    )
 
 
 def parse(text: str) -> dict[str, Any]:

@@ -9,13 +9,16 @@ ModelNotFound with the exact command that fetches it; the worker stops at start-
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ocrq.core.process import STATE, apply_env_defaults
 from ocrq.core.settings import HunyuanSettings, ModelSettings
-from ocrq.core.startup import gc_paused
+from ocrq.core.startup import gc_paused, uncached_bytecode
+
+log = logging.getLogger(__name__)
 
 REFUSED_ATTENTION = {"eager"}  # 13.1 GiB for one A4 page on the H200, where sdpa takes ~0.35
 DEFAULT_REPO = "tencent/HunyuanOCR"
@@ -135,6 +138,11 @@ def load_checkpoint(settings: HunyuanSettings) -> Checkpoint:
             "the hunyuan engine needs torch, torchvision and transformers>=5.13: "
             "pip install 'ocrq[hunyuan]'"
         ) from exc
+    import transformers
+
+    for module in (torch, transformers):
+        if note := uncached_bytecode(module):
+            log.warning("%s", note)
 
     # The entry points set the process's environment defaults first (ocrq/core/process.py);
     # again here for code that loads an engine without one (tests, benches, a library user):
