@@ -138,11 +138,8 @@ def load_checkpoint(settings: HunyuanSettings) -> Checkpoint:
             "the hunyuan engine needs torch, torchvision and transformers>=5.13: "
             "pip install 'ocrq[hunyuan]'"
         ) from exc
-    import transformers
-
-    for module in (torch, transformers):
-        if note := uncached_bytecode(module):
-            log.warning("%s", note)
+    if note := uncached_bytecode(torch):  # transformers is a lazy module: torch tells for both
+        log.warning("%s", note)
 
     # The entry points set the process's environment defaults first (ocrq/core/process.py);
     # again here for code that loads an engine without one (tests, benches, a library user):
