@@ -17,13 +17,19 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ocrq.models.hunyuan.attention import KernelConfig, TritonDecodeAttention  # noqa: E402
+from ocrq.models.hunyuan.attention import (  # noqa: E402
+    WIDEN_MODES,
+    KernelConfig,
+    TritonDecodeAttention,
+    attend_torch,
+)
 
 CONFIGS = (
     KernelConfig(),
@@ -32,6 +38,15 @@ CONFIGS = (
     KernelConfig(block_n=256, num_warps=8, num_stages=2),
     KernelConfig(block_n=64, num_warps=8, num_stages=4),
     KernelConfig(block_n=128, num_warps=4, num_stages=4),
+)
+# --widen: the fp8 pool's ways to its operands (KernelConfig.widen), each at the launch
+# parameters an fp8 pool measured best with and a few beside them.
+WIDEN_CONFIGS = (
+    KernelConfig(block_n=128),
+    KernelConfig(block_n=64),
+    KernelConfig(block_n=128, num_stages=4),
+    KernelConfig(block_n=256, num_warps=8, num_stages=2),
+    KernelConfig(block_n=128, num_warps=8),
 )
 
 
@@ -52,6 +67,7 @@ def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, 
     attention = TritonDecodeAttention(rows, heads, kv_heads, dim, width, "cuda", config)
     call = lambda: attention(q, pool_k.expand(shape), pool_v.expand(shape), starts, ends,  # noqa: E731
                              dim**-0.5)
+    error = accuracy(torch, call(), q, pool_k, pool_v, starts, ends, dim**-0.5)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -65,7 +81,23 @@ def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, 
     read = int(lengths.sum()) * kv_heads * dim * 2 * pool_k.element_size()
     return {"rows": rows, "context": context, "dtype": str(dtype).replace("torch.", ""),
             "config": str(config).replace("KernelConfig", ""), "us": us,
-            "us_per_row": us / rows, "gb_per_s": read / us / 1e3, "splits": attention.splits}
+            "us_per_row": us / rows, "gb_per_s": read / us / 1e3, "splits": attention.splits,
+            "rel_error": error}
+
+
+def accuracy(torch: Any, out: Any, q: Any, pool_k: Any, pool_v: Any, starts: Any, ends: Any,
+             scale: float, rows: int = 16) -> float:
+    """Relative L2 error of the first rows' output against the float32 reference over the same
+    stored keys and values: bf16 rounding for "cvt"/"bits", more where queries are rounded."""
+    errs = []
+    for b in range(min(rows, q.shape[0])):
+        lo, hi = int(starts[b]), int(ends[b])
+        k = pool_k[:, :, lo:hi].float()
+        v = pool_v[:, :, lo:hi].float()
+        valid = torch.ones(1, hi - lo, dtype=torch.bool, device=q.device)
+        ref = attend_torch(q[b:b + 1].float(), k, v, valid, scale)
+        errs.append(float((out[b:b + 1].float() - ref).norm() / ref.norm()))
+    return max(errs)
 
 
 def main() -> None:
@@ -75,6 +107,8 @@ def main() -> None:
     ap.add_argument("--rows", default="176,256,512")
     ap.add_argument("--context", type=int, default=2800)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--widen", action="store_true",
+                    help="fp8 pools only: every KernelConfig.widen mode at WIDEN_CONFIGS")
     args = ap.parse_args()
 
     import torch
@@ -83,22 +117,35 @@ def main() -> None:
     results = []
     t0 = time.perf_counter()
     for rows in (int(x) for x in args.rows.split(",")):
-        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            for config in CONFIGS:
+        if args.widen:
+            plan = [(torch.float8_e4m3fn, replace(c, widen=w))
+                    for c in WIDEN_CONFIGS for w in WIDEN_MODES]
+        else:
+            plan = [(d, c) for d in (torch.bfloat16, torch.float8_e4m3fn) for c in CONFIGS]
+        for dtype, config in plan:
+            try:
                 r = case(torch, rows, args.context, dtype, config, args.reps)
-                results.append(r)
-                print(r, flush=True)
-                torch.cuda.empty_cache()
+            except Exception as exc:  # a mode that does not compile here is a finding too
+                r = {"rows": rows, "context": args.context, "config": str(config),
+                     "dtype": str(dtype).replace("torch.", ""), "error": repr(exc)[:300]}
+            results.append(r)
+            print(r, flush=True)
+            torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name()
     lines = [f"# Decode attention alone over the running loop's pool ({gpu})",
              "", f"torch {torch.__version__}; one layer's call; rows' contexts {args.context} "
              "+-20%; HunyuanOCR's 16 query / 8 KV heads of 128. Command: `python "
              f"bench/kv_attention.py {' '.join(sys.argv[1:])}`.", "",
-             "| rows | KV dtype | config | us | us per row | GB/s read | splits |",
-             "|---:|---|---|---:|---:|---:|---:|"]
+             "| rows | KV dtype | config | us | us per row | GB/s read | splits | rel. error |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
+        if "error" in r:
+            lines.append(f"| {r['rows']} | {r['dtype']} | {r['config']} | failed: "
+                         f"{r['error'][:120]} | | | | |")
+            continue
         lines.append(f"| {r['rows']} | {r['dtype']} | {r['config']} | {r['us']:.0f} | "
-                     f"{r['us_per_row']:.2f} | {r['gb_per_s']:.0f} | {r['splits']} |")
+                     f"{r['us_per_row']:.2f} | {r['gb_per_s']:.0f} | {r['splits']} | "
+                     f"{r['rel_error']:.4f} |")
     (args.out / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
     (args.out / f"{args.stem}.json").write_text(json.dumps(
         {"results": results, "seconds": time.perf_counter() - t0}, indent=1))

@@ -338,6 +338,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     from ocrq.intake import images
     from ocrq.models.base import PreparedImage
     from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan.attention import FP8_CONFIG
     from ocrq.scheduling.batcher import StaticBatcher as Batcher
     from ocrq.scheduling.engine_side import batch_config
     from ocrq.scheduling.streaming import StreamingBatcher
@@ -422,6 +423,10 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
         batch_size_mean=round(mean(sizes), 1) if sizes else 0,
         errors=len(errors),
         first_errors=errors[:3],
+        vision_attention=engine.vision_attention,
+        prefill_attention=engine.prefill_attention,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        fp8_decode_kernel=str(FP8_CONFIG),
     )
     engine.close()
     return out

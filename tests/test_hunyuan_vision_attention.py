@@ -180,3 +180,66 @@ def test_the_varlen_path_refuses_bounds_that_miss_the_pass(engine: HunyuanEngine
     hidden = torch.randn(1, 10, attn.q_proj.in_features)
     with pytest.raises(ValueError, match="do not cover 10 patches"):
         varlen_forward(attn, hidden, torch.tensor([0, 4, 8]), kernel=reference_varlen)
+
+
+# -- the packed text prefill's causal attention (`Settings.prefill_attention`) -----------------
+
+
+class CausalRecording:
+    """The causal reference, recording the heads and bounds each call was handed."""
+
+    def __init__(self, causal: bool = True) -> None:
+        self.calls: list[tuple[list[int], int, int, int]] = []
+        self.causal = causal
+
+    def __call__(self, q: Any, k: Any, v: Any, cu_seqlens: Any, max_seqlen: int,
+                 scale: float) -> Any:
+        self.calls.append((cu_seqlens.tolist(), max_seqlen, q.shape[1], k.shape[1]))
+        return reference_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal=self.causal)
+
+
+def test_prefill_attention_auto_keeps_torch_where_fa4_cannot_run(
+    engine: HunyuanEngine, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert Settings().prefill_attention == "auto"
+    assert engine.prefill_attention == "sdpa"
+    assert engine._decoder.text.causal_kernel is None
+    monkeypatch.setenv("OCRQ_PREFILL_ATTENTION", "fa4")
+    settings = Settings(model=str(checkpoint), model_subfolder=None, device="cpu",
+                        dtype="float32", max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="prefill_attention=fa4, but FlashAttention-4 cannot"):
+        HunyuanEngine(settings, decode="fast").load()
+
+
+def test_the_packed_prefill_through_a_varlen_kernel_equals_todays(engine: HunyuanEngine) -> None:
+    """The kernel gets the grouped key/value heads (not repeated) and the pass's bounds once a
+    layer; the keys, values and logits equal torch's path. A kernel that is not causal differs
+    (the check can fail)."""
+    import torch
+
+    from ocrq.models.hunyuan.packed import pack, prefill_packed
+
+    text = engine._decoder.text
+    encoded = rows(engine, [*mixed(120), item(64, 64, 130)])
+    batch = pack(encoded, engine.model.model.config.image_token_id, text.device, text.dtype)
+    fused = engine._decoder.fused
+
+    def run(kernel: Any) -> tuple[Any, Any]:
+        text.causal_kernel = kernel
+        try:
+            with torch.inference_mode():
+                return prefill_packed(text, batch, fused)
+        finally:
+            text.causal_kernel = None
+
+    (today_kv, today_logits), kernel = run(None), CausalRecording()
+    kv, logits = run(kernel)
+    _, wrong = run(CausalRecording(causal=False))
+    assert kernel.calls == [(batch.edges, batch.longest, text.heads, text.kv_heads)] * len(
+        text.layers
+    )
+    assert text.kv_heads < text.heads  # grouped: the kernel saw fewer key/value heads
+    assert float((logits - today_logits).abs().max()) < TOLERANCE
+    for (k, v), (k0, v0) in zip(kv, today_kv, strict=True):
+        assert float((k - k0).abs().max()) < TOLERANCE and float((v - v0).abs().max()) < TOLERANCE
+    assert float((wrong - today_logits).abs().max()) > 100 * TOLERANCE

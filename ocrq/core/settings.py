@@ -465,6 +465,10 @@ class HunyuanSettings(ModelSettings):
     # SM80/SM90/SM100 GPU, else SDPA; "fa4" fails to load where it cannot run; "sdpa" is
     # PyTorch's SDPA (cuDNN on Hopper), one call per run of equal-sized images.
     vision_attention: VisionAttention = "auto"
+    # The running loop's packed text prefill, its causal attention: "auto" is FlashAttention-4
+    # where the vision tower could use it (the same install and GPUs), else torch's flash
+    # varlen kernel; "fa4" fails to load where it cannot run; "sdpa" is torch's kernel.
+    prefill_attention: VisionAttention = "auto"
     # The running loop's KV pool: "auto" (the model's dtype) or "fp8" (e4m3, no scale: half the
     # bytes a decode step reads and twice the rows a pool holds; ocrq/models/hunyuan/kv_cache.py).
     kv_cache_dtype: KvCacheDtype = "auto"

@@ -79,7 +79,7 @@ from ocrq.models.hunyuan.versions import (
     RepetitionGuard,
     version_of_checkpoint,
 )
-from ocrq.models.hunyuan.vision_attention import choose, fa4_kernel
+from ocrq.models.hunyuan.vision_attention import choose, fa4_causal_kernel, fa4_kernel
 from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget, capacity_of
 
@@ -139,6 +139,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         self._items: dict[str, PreparedImage] = {}  # rows in the loop, by key
         self._failed: list[Finished] = []  # rows that failed before reaching the loop
         self.vision_attention: str = "sdpa"  # the kernel `load` chose for the vision tower
+        self.prefill_attention: str = "sdpa"  # and for the packed text prefill's attention
 
     @classmethod
     def from_settings(cls, settings: HunyuanSettings) -> HunyuanEngine:
@@ -190,10 +191,14 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             for prompt in self.version.prompts.values():  # shows at start-up, not per job
                 self.preprocess_row.spans.pieces(self.templates(prompt)[0])
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
+        self.prefill_attention = self._prefill_kernel(model)
+        if self._decoder is not None and self.prefill_attention == "fa4":
+            self._decoder.text.causal_kernel = fa4_causal_kernel()
         STATE.timeline.since("engine set-up", set_up)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, %s vision "
-            "attention, repetition penalty %s, max %d pixels, %s preprocessing, RoPE layout %s, "
+            "attention, %s prefill attention, repetition penalty %s, max %d pixels, %s "
+            "preprocessing, RoPE layout %s, "
             "ViT positions %s) in %.1f s",
             self.version.name,
             ckpt.path,
@@ -201,6 +206,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             ckpt.dtype,
             self.settings.attention,
             self.vision_attention,
+            self.prefill_attention,
             self.repetition_penalty,
             self.geometry.max_pixels,
             self.settings.preprocess,
@@ -219,6 +225,13 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         attn = tower.layers[0].self_attn
         param = next(tower.parameters())
         return choose(self.settings.vision_attention, param.device, param.dtype, attn.head_dim)
+
+    def _prefill_kernel(self, model: Any) -> str:
+        """`Settings.prefill_attention` resolved for the text decoder ("fa4" or "sdpa")."""
+        param = next(model.model.language_model.parameters())
+        head_dim = int(model.model.language_model.layers[0].self_attn.head_dim)
+        return choose(self.settings.prefill_attention, param.device, param.dtype, head_dim,
+                      name="prefill_attention")
 
     def close(self) -> None:
         self._drop_loop()

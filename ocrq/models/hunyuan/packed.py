@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from ocrq.models.hunyuan.inputs import EncodedImage
     from ocrq.models.hunyuan.text import TextModel
+    from ocrq.models.hunyuan.vision_attention import VarlenKernel
 
 
 @dataclass
@@ -96,20 +97,24 @@ def prefill_packed(text: TextModel, batch: PackedBatch, fused: bool
     n = h.shape[0]
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any]:
-        o = causal_varlen(q, k, v, batch, text.scale)
+        o = causal_varlen(q, k, v, batch, text.scale, text.causal_kernel)
         return o.reshape(n, text.heads * text.head_dim), (k.transpose(0, 1), v.transpose(0, 1))
 
     return text_layers(text, h, batch.positions, attend, batch.last, fused=fused)
 
 
 def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch,
-                  scale: float) -> torch.Tensor:
-    """(tokens, heads, D) causal attention of each row over its own tokens. Key/value heads are
-    repeated to the query heads first (a prefill's keys are small beside its activations), as
-    transformers' sdpa integration does with a mask."""
+                  scale: float, kernel: VarlenKernel | None = None) -> torch.Tensor:
+    """(tokens, heads, D) causal attention of each row over its own tokens: through `kernel`
+    where given (FlashAttention-4, `Settings.prefill_attention`; it groups the query heads over
+    the key/value heads itself), else with the key/value heads repeated to the query heads first
+    (a prefill's keys are small beside its activations), as transformers' sdpa integration does
+    with a mask."""
     import torch
     import torch.nn.functional as F
 
+    if kernel is not None:
+        return kernel(q, k, v, batch.bounds, batch.longest, scale)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)

@@ -19,6 +19,8 @@ from ocrq.models.hunyuan.kv_cache import store
 if TYPE_CHECKING:
     import torch
 
+    from ocrq.models.hunyuan.vision_attention import VarlenKernel
+
 
 class TextModel:
     """The loaded model's text decoder: modules, shapes and RoPE tables, read once."""
@@ -40,6 +42,9 @@ class TextModel:
         self.scale = float(first.scaling)
         self.device = model.device
         self.dtype = model.dtype
+        # The packed prefill's causal attention where the engine chose FlashAttention-4 for it
+        # (`Settings.prefill_attention`); None: torch's flash varlen kernel, or SDPA per row.
+        self.causal_kernel: VarlenKernel | None = None
 
         # RoPE: which position axis drives each rotary dimension, in the layout installed on
         # this model instance (ocrq/models/hunyuan/fidelity.py: the training code's by default,

@@ -65,17 +65,19 @@ def fa4_unusable(device: Any, dtype: Any, head_dim: int) -> str | None:
     return None
 
 
-def choose(setting: str, device: Any, dtype: Any, head_dim: int) -> Kernel:
-    """The kernel for `Settings.vision_attention` on this device (see the module doc)."""
+def choose(setting: str, device: Any, dtype: Any, head_dim: int,
+           name: str = "vision_attention") -> Kernel:
+    """The kernel for `Settings.vision_attention` (or the setting `name`, with the same three
+    values: `Settings.prefill_attention`) on this device (see the module doc)."""
     if setting == "sdpa":
         return "sdpa"
     if setting not in ("auto", "fa4"):
-        raise ValueError(f"vision_attention must be auto, fa4 or sdpa, not {setting!r}")
+        raise ValueError(f"{name} must be auto, fa4 or sdpa, not {setting!r}")
     reason = fa4_unusable(device, dtype, head_dim)
     if reason is None:
         return "fa4"
     if setting == "fa4":
-        raise RuntimeError(f"vision_attention=fa4, but FlashAttention-4 cannot run: {reason}")
+        raise RuntimeError(f"{name}=fa4, but FlashAttention-4 cannot run: {reason}")
     return "sdpa"
 
 
@@ -96,10 +98,30 @@ def fa4_kernel() -> VarlenKernel:
     return kernel
 
 
+@lru_cache(maxsize=1)
+def fa4_causal_kernel() -> VarlenKernel:
+    """FlashAttention-4's varlen forward, causal, for the running loop's packed text prefill
+    (ocrq/models/hunyuan/packed.py). Its keys and values keep their own (fewer) heads: the
+    kernel groups query heads over them, where torch's flash path needs them repeated first."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+               max_seqlen: int, scale: float) -> torch.Tensor:
+        out = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    return kernel
+
+
 def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, scale: float) -> torch.Tensor:
-    """A `VarlenKernel` in plain torch: each sequence through SDPA over its own rows. It reads
-    the cumulative lengths it is given, so a wrong bound or length fails against it too."""
+                     max_seqlen: int, scale: float, causal: bool = False) -> torch.Tensor:
+    """A `VarlenKernel` in plain torch: each sequence through SDPA over its own rows (causal
+    where asked, with fewer key/value heads than query heads grouped as FlashAttention-4 groups
+    them). It reads the cumulative lengths it is given, so a wrong bound or length fails
+    against it too."""
     import torch
     import torch.nn.functional as F
 
@@ -108,11 +130,19 @@ def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError("a sequence is longer than max_seqlen")
     parts = [
         F.scaled_dot_product_attention(
-            *(t[lo:hi].transpose(0, 1)[None] for t in (q, k, v)), scale=scale
+            *(t[lo:hi].transpose(0, 1)[None] for t in (q, k, v)), scale=scale, is_causal=causal,
+            enable_gqa=k.shape[1] != q.shape[1],
         )[0].transpose(0, 1)
         for lo, hi in itertools.pairwise(edges)
     ]
     return torch.cat(parts, dim=0)
+
+
+def reference_causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+                            ) -> torch.Tensor:
+    """`reference_varlen`, causal: `fa4_causal_kernel`'s stand-in where FA4 cannot run."""
+    return reference_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal=True)
 
 
 @lru_cache(maxsize=256)
