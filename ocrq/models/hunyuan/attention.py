@@ -58,16 +58,8 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 4  # split the key range until about this many programs run per SM
-    # How an fp8 pool's bytes become operands of the products (bench/kv_attention.py measures
-    # each): "cvt" converts each byte to fp16 (one hardware conversion per two values); "bits"
-    # places the byte's sign, exponent and mantissa into an fp16 by integer shifts (exact, 2^-8
-    # of the value, folded back into the scale); "qk_fp8" multiplies the keys as they are stored,
-    # against the queries rounded to e4m3 with a scale per head (FlashAttention-3's fp8 product;
-    # not exact: the queries lose bits), and converts only the values.
-    widen: str = "cvt"
 
 
-WIDEN_MODES = ("cvt", "bits", "qk_fp8", "bits16")
 DEFAULT_CONFIG = KernelConfig()
 # An fp8 pool: 128 keys a loop iteration were 5-6% faster than 64 for 176-512 rows on an H200
 # (bench/results/kv_attention/kv_attention_h200.md); bf16 is at the bandwidth with either.
@@ -96,7 +88,6 @@ def _kernels() -> tuple[Any, Any]:
         scale, split_len,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, SINGLE: tl.constexpr, CAST_KV: tl.constexpr,
-        WIDEN: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -118,14 +109,6 @@ def _kernels() -> tuple[Any, Any]:
         # (bench/results/kv_attention/kv_attention_h200_before.md); one to fp16 does not. q after
         # its RMSNorm is far inside fp16's range, and fp16 keeps more of its bits than bf16.
         q16 = q.to(tl.float16)
-        v_scale = 1.0
-        if CAST_KV and (WIDEN == 1 or WIDEN == 3):  # "bits": fp16 operands hold 2^-8 of each
-            scale = scale * 256.0
-            v_scale = 256.0
-        if CAST_KV and WIDEN == 2:  # "qk_fp8": queries in e4m3, scaled per head to its range
-            q_max = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-6)
-            q_fp8 = (q.to(tl.float32) * (448.0 / q_max)[:, None]).to(tl.float8e4nv)
-            q_back = q_max / 448.0
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -141,19 +124,6 @@ def _kernels() -> tuple[Any, Any]:
                         other=0.0)
             if UPCAST:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            elif CAST_KV and WIDEN == 1:
-                # e4m3 bytes as fp16 holding 2^-8 of each value: sign to bit 15, exponent and
-                # mantissa shifted under fp16's wider exponent (bias 15 against 7); normals
-                # and subnormals both land exactly.
-                kb = k.to(tl.int32)
-                k16 = (((kb & 0x80) << 8) | ((kb & 0x7F) << 7)).to(tl.int16)
-                scores = tl.dot(q16, tl.trans(k16.to(tl.float16, bitcast=True)))
-            elif CAST_KV and WIDEN == 3:  # "bits" in 16-bit integers throughout
-                kb = k.to(tl.int16)
-                k16 = ((kb & 0x80) << 8) | ((kb & 0x7F) << 7)
-                scores = tl.dot(q16, tl.trans(k16.to(tl.float16, bitcast=True)))
-            elif CAST_KV and WIDEN == 2:
-                scores = tl.dot(q_fp8, tl.trans(k)) * q_back[:, None]
             elif CAST_KV:  # an fp8 pool: one conversion to fp16 (fp8 -> bf16 is two)
                 scores = tl.dot(q16, tl.trans(k.to(tl.float16)))
             else:
@@ -167,21 +137,12 @@ def _kernels() -> tuple[Any, Any]:
                         other=0.0)
             if UPCAST:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            elif CAST_KV and WIDEN == 1:
-                vb = v.to(tl.int32)
-                v16 = (((vb & 0x80) << 8) | ((vb & 0x7F) << 7)).to(tl.int16)
-                pv = tl.dot(p.to(tl.float16), v16.to(tl.float16, bitcast=True))
-            elif CAST_KV and WIDEN == 3:
-                vb = v.to(tl.int16)
-                v16 = ((vb & 0x80) << 8) | ((vb & 0x7F) << 7)
-                pv = tl.dot(p.to(tl.float16), v16.to(tl.float16, bitcast=True))
             elif CAST_KV:
                 pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        acc = acc * v_scale
         if SINGLE:  # one key range: normalise here, no merge kernel
             out = acc / l_i[:, None]
             tl.store(Out + b * s_ob + heads[:, None] * s_oh + offs_d[None, :],
@@ -269,12 +230,6 @@ class TritonDecodeAttention:
         out = torch.empty_like(q)
         c = self.config
         single = self.splits == 1
-        cast = k.dtype != q.dtype
-        widen = WIDEN_MODES.index(c.widen) if cast and k.dtype.is_floating_point else 0
-        if widen and q.dtype == torch.float32:
-            widen = 0  # the reference's float32 queries widen the pool in float32 anyway
-        if widen in (1, 3):  # the bytes as bytes: the kernel places them itself
-            k, v = k.view(torch.uint8), v.view(torch.uint8)
         split_kernel[self.grid](
             q, k, v, start, end, self.acc, self.mx, self.sm, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
@@ -284,7 +239,7 @@ class TritonDecodeAttention:
             end.stride(0) if end.numel() > 1 else 0,
             scale, self.split_len,
             G=self.group, GP=self.group_pad, D=self.head_dim, BLOCK_N=c.block_n,
-            UPCAST=q.dtype == torch.float32, SINGLE=single, CAST_KV=cast, WIDEN=widen,
+            UPCAST=q.dtype == torch.float32, SINGLE=single, CAST_KV=k.dtype != q.dtype,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
         if single:
