@@ -70,6 +70,11 @@ def decode_bytes(s: Shape, prompt: int, new: float, kv_bytes: int) -> float:
     return kv + weights / 250 * new
 
 
+def per_page(run: dict, key: str) -> float:
+    """A service_gpu run's loop GPU seconds of `key` per page done, in ms."""
+    return run["loop"][key] / run["jobs_done"] * 1e3
+
+
 def load(path: str) -> dict:
     return json.loads((RESULTS / path).read_text())
 
@@ -87,6 +92,13 @@ def main() -> None:
     loop = run19["engine_alone_kv_cache_dtype_fp8"]["loop"]
     pages = run19["engine_alone_kv_cache_dtype_fp8"]["jobs_done"]
     new = run19["workload"]["a4"]["tokens_mean"]
+    run20 = load("service_gpu/service_gpu_h200_run20_a4_fp8_fa4.json")
+    fp8_fa4 = run20["engine_alone_kv_cache_dtype_fp8_prefill_attention_auto"]
+    run21 = load("service_gpu/service_gpu_h200_run21_a4_bf16_fa4.json")
+    bf16_fa4 = run21["engine_alone"]
+    # fp8: the kernel's default since (2 warps, 64-key blocks; the first run had 4 and 128).
+    profiles = {"fp8": load("loop_profile/loop_profile_h200_fp8_w2_r1.json"),
+                "bf16": load("loop_profile/loop_profile_h200_bf16.json")}
     prompt = patches // s.merge + 30  # image tokens + the template's (~30; ±5% moves 0.1 ms)
 
     out = args.out.resolve()
@@ -107,9 +119,26 @@ def main() -> None:
          "service_gpu/service_gpu_h200_run19_a4_fp8_2500.json"),
         ("decode per page in the running loop, fp8 pool", loop["decode_gpu_s"] / pages * 1e3,
          fp8_ms, "service_gpu/service_gpu_h200_run19_a4_fp8_2500.json"),
-        ("decode per page, bf16 pool (the issue's run, 900 pages)", 89.0, bf16_ms,
-         "issue 29's table (no committed JSON)"),
+        ("prefill per page in the running loop, fp8 pool, FA4 (tower and text)",
+         per_page(fp8_fa4, "prefill_gpu_s"), vision_ms + text_ms,
+         "service_gpu/service_gpu_h200_run20_a4_fp8_fa4.json"),
+        ("decode per page in the running loop, fp8 pool (FA4 run)",
+         per_page(fp8_fa4, "decode_gpu_s"), fp8_ms,
+         "service_gpu/service_gpu_h200_run20_a4_fp8_fa4.json"),
+        ("prefill per page in the running loop, bf16 pool, FA4 (tower and text)",
+         per_page(bf16_fa4, "prefill_gpu_s"), vision_ms + text_ms,
+         "service_gpu/service_gpu_h200_run21_a4_bf16_fa4.json"),
+        ("decode per page in the running loop, bf16 pool",
+         per_page(bf16_fa4, "decode_gpu_s"), bf16_ms,
+         "service_gpu/service_gpu_h200_run21_a4_bf16_fa4.json"),
     ]
+    for kv, itemsize in (("fp8", 1), ("bf16", 2)):
+        pr = profiles[kv]
+        row_layer = pr["mean_context"] * 2 * s.kv_heads * s.head_dim * itemsize / READ_BPS * 1e6
+        rows.append((f"decode attention, one row and layer ({kv} pool, context "
+                     f"{pr['mean_context']}), us", pr["attention_us_per_row_layer"], row_layer,
+                     "loop_profile/" + ("loop_profile_h200_fp8_w2_r1.json" if kv == "fp8"
+                                        else "loop_profile_h200_bf16.json")))
     lines = [
         "# An A4 page's GPU time against its physical floor (bench/floors.py)",
         "",
@@ -135,14 +164,17 @@ def main() -> None:
                      f"`{source}` |")
         table.append({"part": name, "measured_ms": measured, "floor_ms": floor,
                       "source": source})
-    total = (loop["prefill_gpu_s"] + loop["decode_gpu_s"]) / pages * 1e3
-    floor_total = vision_ms + text_ms + fp8_ms
-    lines += [
-        "",
-        f"A page in the loop (fp8 pool, SDPA tower): {total:.0f} ms of GPU against a floor of "
-        f"{floor_total:.0f} ms: {1e3 / total:.1f} pages/s measured, {1e3 / floor_total:.1f} at "
-        "the floor. 12 pages/s needs 83 ms a page.",
-    ]
+    lines.append("")
+    for label, run, kv_ms in (("fp8 pool, SDPA tower (run 19)", run19[
+            "engine_alone_kv_cache_dtype_fp8"], fp8_ms), ("fp8 pool, FA4 (run 20)", fp8_fa4,
+            fp8_ms), ("bf16 pool, FA4 (run 21)", bf16_fa4, bf16_ms)):
+        total = per_page(run, "prefill_gpu_s") + per_page(run, "decode_gpu_s")
+        floor_total = vision_ms + text_ms + kv_ms
+        lines.append(
+            f"- A page in the loop, {label}: {total:.0f} ms of GPU against a floor of "
+            f"{floor_total:.0f} ms: {1e3 / total:.1f} pages/s of GPU time, "
+            f"{1e3 / floor_total:.1f} at the floor.")
+    lines.append("- 12 pages/s needs 83 ms a page; 9 pages/s, 111 ms.")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "floors_h200.md").write_text("\n".join(lines) + "\n")
     (args.out / "floors_h200.json").write_text(json.dumps(

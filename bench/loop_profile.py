@@ -77,7 +77,7 @@ def main() -> None:
 
     cuda = args.device.startswith("cuda")
     ckpt = random_checkpoint(args.work, args, args.version)
-    new_tokens = 2048
+    new_tokens = 1200  # rows' capacity: 400 A4 rows fit an fp8 pool, 250 a bf16 one
     settings = Settings(model=str(ckpt), model_subfolder=None, device=args.device,
                         dtype=args.dtype, max_new_tokens=new_tokens, kv_cache_dtype=args.kv_dtype)
     engine = HunyuanEngine(settings, decode="fast")
@@ -97,8 +97,12 @@ def main() -> None:
     loop.add([LoopRow(str(i), item.encoded, new_tokens, min_new_tokens=new_tokens)
               for i in range(rows)])
     t0 = time.perf_counter()
-    while loop.waiting or loop.live < rows:  # admit all (prefill passes between steps)
+    for _ in range(2000):  # admit all (prefill passes between steps)
+        if not loop.waiting and loop.live >= rows:
+            break
         loop.run(0.0)
+    else:
+        raise SystemExit(f"the pool admitted {loop.live} of {rows} rows: ask for fewer")
     for _ in range(10):  # every bucket's graph seen, the pipeline full
         loop.run(0.0)
     fill_s = time.perf_counter() - t0

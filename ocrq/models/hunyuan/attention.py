@@ -61,9 +61,11 @@ class KernelConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
-# An fp8 pool: 128 keys a loop iteration were 5-6% faster than 64 for 176-512 rows on an H200
-# (bench/results/kv_attention/kv_attention_h200.md); bf16 is at the bandwidth with either.
-FP8_CONFIG = KernelConfig(block_n=128)
+# An fp8 pool: 64 keys a loop iteration over 2 warps. Alone, 3-6% faster than 128 keys over 4
+# (bench/results/kv_attention/kv_attention_h200_sweep.md); in a full running loop of 250 A4 rows,
+# 1.30 against 1.45 us a row and layer and a decode step 7.9% shorter, in both rounds of an
+# alternated run (bench/results/loop_profile/README.md). bf16 is at the bandwidth with the default.
+FP8_CONFIG = KernelConfig(block_n=64, num_warps=2)
 
 
 def triton_available() -> bool:
