@@ -1,4 +1,5 @@
-"""Which kernel runs the vision tower's attention, and the one-call varlen path over a pass.
+"""Which kernel runs the vision tower's attention (and the packed text prefill's), and the
+one-call varlen path over a pass.
 
 Why: 83% of an A4 page's prefill is the vision tower, and its attention runs on cuDNN through
 SDPA, one call per run of equal-sized images (ocrq/models/hunyuan/patches.py). FlashAttention-4
@@ -13,6 +14,11 @@ only, SM80/SM90/SM100 only.
 * "auto": FlashAttention-4 where `choose` finds it usable, else today's SDPA path;
 * "fa4": FlashAttention-4, and loading fails with the reason where it is not usable;
 * "sdpa": today's path (one SDPA call per run of equal-sized images).
+
+`Settings.prefill_attention` takes the same three values for the running loop's packed text
+prefill (ocrq/models/hunyuan/packed.py): `fa4_causal_kernel` is its causal kernel, which takes
+the text decoder's 8 key/value heads as they are (1.30x torch's flash path on 6 A4 pages on the
+H200, bench/results/prefill_fa4/README.md).
 
 `varlen_forward` is the attention forward the "fa4" choice installs on each vision layer. The
 kernel is a parameter so that the packing around it (cumulative lengths on the device, the
