@@ -97,6 +97,9 @@ ocr_documents = Table(
     Column("error", Text),  # why it failed, or which pages failed (partial)
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("finished_at", DateTime(timezone=True)),
+    # When a worker took the document's webhook to send (migrations/0010): set once, by the
+    # one call that finds it NULL, so two page jobs ending together send it once.
+    Column("notified_at", DateTime(timezone=True)),
 )
 
 # One row per live worker process (migrations/versions/0002): `name` is what claim() writes to

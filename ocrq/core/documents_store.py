@@ -152,6 +152,22 @@ class DocumentStore:
             )
             return str(fields["status"]), True
 
+    def claim_notice(self, document_id: str) -> bool:
+        """Whether this call takes the final document's webhook to send: True for exactly one
+        call per document (the row's `notified_at` set from NULL), False for every other and
+        while the document is not final."""
+        stmt = (
+            update(ocr_documents)
+            .where(
+                ocr_documents.c.id == document_id,
+                ocr_documents.c.notified_at.is_(None),
+                ocr_documents.c.status.in_(FINAL),
+            )
+            .values(notified_at=now())
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount == 1
+
     def get(self, document_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:
             rows = conn.execute(

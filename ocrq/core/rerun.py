@@ -71,10 +71,11 @@ def reopen_failed(
         rows = conn.execute(stmt).all()
         pages_of = {r.document_id for r in rows if r.page is not None and r.document_id}
         if pages_of:  # assembled again from its pages once the re-run page is final
-            conn.execute(
+            conn.execute(  # and its webhook sent again with the new outcome
                 update(ocr_documents)
                 .where(ocr_documents.c.id.in_(pages_of))
-                .values(status="running", text=None, result=None, error=None, finished_at=None)
+                .values(status="running", text=None, result=None, error=None, finished_at=None,
+                        notified_at=None)
             )
         split = [r.id for r in rows if r.page is None and r.document_id == r.id]
         if split:

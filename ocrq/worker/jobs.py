@@ -206,7 +206,7 @@ class JobRunner:
             if request.image.page is not None:
                 # Also on a redelivery that finds the page done: its first delivery may have
                 # died between storing the page and completing the document.
-                ended = self._db(self._complete_document)(request.job_id, outcome.already_done)
+                ended = self._db(self._complete_document)(request.job_id)
                 if ended is not None:
                     self._document_webhook(*ended)
             self._batch_hooks.job_ended(request.batch)
@@ -296,9 +296,12 @@ class JobRunner:
 
     def _document_webhook(self, document_id: str, status: str) -> None:
         """The document's own job's webhook, with the document's outcome (document.finished),
-        sent by the page job whose end assembled it: once per document."""
+        sent by the first page job to find it final and claim it (`claim_notice`): once per
+        document, also when two pages end together or a copy of a page is redelivered."""
         row = self._db(self.store.get)([document_id]).get(document_id)
         if row is None or not row.get("callback_url"):
+            return
+        if not self._db(self.documents.claim_notice)(document_id):
             return
         document = self._db(self.documents.get)([document_id]).get(document_id) or {}
         body = {
@@ -491,17 +494,16 @@ class JobRunner:
         self._count("done")
         return JobOutcome(request.job_id, source, "done", pages=pages)
 
-    def _complete_document(self, job_id: str, copy: bool = False) -> tuple[str, str] | None:
+    def _complete_document(self, job_id: str) -> tuple[str, str] | None:
         """The page's document assembled if this was its last page: (its id, its status) when
-        it is final and either this call assembled it or this delivery ran the page (`copy`
-        False: the api may have assembled it in between), else None. So a document's webhook
-        goes once, not again for every copy of a page message (cancelled pages' included)."""
+        it is final (assembled by this call, another page job or the api), else None. Which
+        caller sends its webhook is decided by `_document_webhook`'s claim, not here."""
         row = self.store.get([job_id]).get(job_id)
         if row is not None and row.get("document_id") and row.get("page") is not None:
             status, now_final = self.documents.assemble(row["document_id"])
-            if status is not None:
+            if status is not None and now_final:
                 log.info("document %s %s", row["document_id"], status)
-            if status is not None and (now_final or not copy):
+            if status is not None:
                 return row["document_id"], status
         return None
 
