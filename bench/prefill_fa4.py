@@ -38,7 +38,7 @@ from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
 from ocrq.models.hunyuan.packed import causal_varlen, pack, prefill_packed  # noqa: E402
 from ocrq.models.hunyuan.vision_attention import (  # noqa: E402
     choose,
-    fa4_causal_kernel,
+    fa4_kernel,
     reference_causal_varlen,
 )
 
@@ -216,7 +216,7 @@ def main() -> None:
         if args.kernel == "fa4":
             from importlib.metadata import version
 
-            kernel = fa4_causal_kernel()
+            kernel = fa4_kernel(causal=True)
             d["meta"]["fa4"] = version("flash-attn-4")
         else:
             kernel = reference_causal_varlen

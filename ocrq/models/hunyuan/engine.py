@@ -79,7 +79,7 @@ from ocrq.models.hunyuan.versions import (
     RepetitionGuard,
     version_of_checkpoint,
 )
-from ocrq.models.hunyuan.vision_attention import choose, fa4_causal_kernel, fa4_kernel
+from ocrq.models.hunyuan.vision_attention import choose, fa4_kernel
 from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget, capacity_of
 
@@ -193,7 +193,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         self._decoder = fast_decoder(model, gen, attention=self.settings.decode_attention)
         self.prefill_attention = self._prefill_kernel(model)
         if self._decoder is not None and self.prefill_attention == "fa4":
-            self._decoder.text.causal_kernel = fa4_causal_kernel()
+            self._decoder.text.causal_kernel = fa4_kernel(causal=True)
         STATE.timeline.since("engine set-up", set_up)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, %s vision "

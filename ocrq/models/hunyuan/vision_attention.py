@@ -16,7 +16,7 @@ only, SM80/SM90/SM100 only.
 * "sdpa": today's path (one SDPA call per run of equal-sized images).
 
 `Settings.prefill_attention` takes the same three values for the running loop's packed text
-prefill (ocrq/models/hunyuan/packed.py): `fa4_causal_kernel` is its causal kernel, which takes
+prefill (ocrq/models/hunyuan/packed.py): `fa4_kernel(causal=True)` is its kernel, which takes
 the text decoder's 8 key/value heads as they are (1.30x torch's flash path on 6 A4 pages on the
 H200, bench/results/prefill_fa4/README.md).
 
@@ -87,35 +87,20 @@ def choose(setting: str, device: Any, dtype: Any, head_dim: int,
     return "sdpa"
 
 
-@lru_cache(maxsize=1)
-def fa4_kernel() -> VarlenKernel:
+@lru_cache(maxsize=2)
+def fa4_kernel(causal: bool = False) -> VarlenKernel:
     """FlashAttention-4's varlen forward as a `VarlenKernel` (imported once: the import pulls in
-    the CuTe DSL compiler). Raises ImportError where the package is missing."""
+    the CuTe DSL compiler): bidirectional for the vision tower, `causal` for the running loop's
+    packed text prefill (ocrq/models/hunyuan/packed.py), whose keys and values keep their own
+    (fewer) heads: the kernel groups query heads over them, where torch's flash path needs them
+    repeated first. Raises ImportError where the package is missing."""
     from flash_attn.cute import flash_attn_varlen_func
 
     def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                max_seqlen: int, scale: float) -> torch.Tensor:
         out = flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=False,
-        )
-        return out[0] if isinstance(out, tuple) else out
-
-    return kernel
-
-
-@lru_cache(maxsize=1)
-def fa4_causal_kernel() -> VarlenKernel:
-    """FlashAttention-4's varlen forward, causal, for the running loop's packed text prefill
-    (ocrq/models/hunyuan/packed.py). Its keys and values keep their own (fewer) heads: the
-    kernel groups query heads over them, where torch's flash path needs them repeated first."""
-    from flash_attn.cute import flash_attn_varlen_func
-
-    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-               max_seqlen: int, scale: float) -> torch.Tensor:
-        out = flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True,
+            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=causal,
         )
         return out[0] if isinstance(out, tuple) else out
 
@@ -147,7 +132,7 @@ def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 def reference_causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
                             ) -> torch.Tensor:
-    """`reference_varlen`, causal: `fa4_causal_kernel`'s stand-in where FA4 cannot run."""
+    """`reference_varlen`, causal: `fa4_kernel(causal=True)`'s stand-in where FA4 cannot run."""
     return reference_varlen(q, k, v, cu_seqlens, max_seqlen, scale, causal=True)
 
 
