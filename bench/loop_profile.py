@@ -83,7 +83,10 @@ def main() -> None:
     engine = HunyuanEngine(settings, decode="fast")
     engine.load()
     model = engine.cost_model()
-    running = RunningBudget.plan(model, int(args.budget_gib * GiB) - model.fixed_bytes,
+    # The pool token in the loop's KV dtype, as `HunyuanEngine.open` plans it (the committed
+    # runs planned with the model dtype's: a smaller pool than fp8 allows, which 250 rows fit).
+    running = RunningBudget.plan(engine.loop_cost_model(model),
+                                 int(args.budget_gib * GiB) - model.fixed_bytes,
                                  slots=args.slots, prefill_tokens=settings.prefill_chunk_tokens,
                                  state_bytes_per_slot=engine.state_bytes_per_slot())
     loop = RunningLoop(engine._decoder, engine.tokens, engine.loop_config(running))
