@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import add_model_args, page_image, random_checkpoint, run_meta  # noqa: E402
+from bench.vision_fa4 import rel  # noqa: E402
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
@@ -50,11 +51,6 @@ SPEED_SETS = {
     "1 A4 page + 12 scene photos": [A4] + [(640, 480), (512, 384), (820, 300)] * 4,
 }
 MODES = ("torch", "fa4")
-
-
-def rel(a: Any, b: Any) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 class Bench:
