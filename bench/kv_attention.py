@@ -48,17 +48,38 @@ SWEEP_CONFIGS = (
     KernelConfig(block_n=128, num_stages=2),
     KernelConfig(block_n=64, num_stages=2, programs_per_sm=8),
 )
+# --stages: the sweep's trend (fewer keys and warps a program, three stages beating two) carried
+# on: deeper pipelines and narrower programs, for both pools.
+STAGE_CONFIGS = (
+    KernelConfig(block_n=64, num_warps=2),
+    KernelConfig(block_n=64, num_warps=2, num_stages=4),
+    KernelConfig(block_n=64, num_warps=2, num_stages=5),
+    KernelConfig(block_n=64, num_warps=2, num_stages=6),
+    KernelConfig(block_n=32, num_warps=1, num_stages=4),
+    KernelConfig(block_n=32, num_warps=1, num_stages=6),
+    KernelConfig(block_n=32, num_warps=2, num_stages=6),
+    KernelConfig(block_n=64, num_warps=4, num_stages=4),
+    KernelConfig(),
+    KernelConfig(num_stages=4),
+)
 
 
-def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, reps: int
-         ) -> dict[str, Any]:
+def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, reps: int,
+         pool_slots: int = 0, capacity: int = 0) -> dict[str, Any]:
+    """`pool_slots` > 0: the rows sit in random slots of a pool of that many slots of
+    `capacity` tokens, as the running loop's rows do (else packed one after another)."""
     heads, kv_heads, dim = 16, 8, 128  # HunyuanOCR's text decoder
     g = torch.Generator(device="cuda").manual_seed(rows)
     lengths = (context + (torch.rand(rows, generator=g, device="cuda") - 0.5) * context * 0.4)
     lengths = lengths.int()
-    starts = torch.cat([torch.zeros(1, device="cuda", dtype=torch.int64),
-                        lengths.long().cumsum(0)[:-1]]).int()
-    width = int(lengths.sum()) + 1
+    if pool_slots:
+        slots = torch.randperm(pool_slots, generator=g, device="cuda")[:rows]
+        starts = (slots * capacity).int()
+        width = pool_slots * capacity + 1
+    else:
+        starts = torch.cat([torch.zeros(1, device="cuda", dtype=torch.int64),
+                            lengths.long().cumsum(0)[:-1]]).int()
+        width = int(lengths.sum()) + 1
     pool_k = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
     pool_v = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
     q = torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -80,6 +101,7 @@ def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, 
     us = a.elapsed_time(b) * 1000 / reps
     read = int(lengths.sum()) * kv_heads * dim * 2 * pool_k.element_size()
     return {"rows": rows, "context": context, "dtype": str(dtype).replace("torch.", ""),
+            "pool": f"{pool_slots} slots x {capacity}" if pool_slots else "packed",
             "config": str(config).replace("KernelConfig", ""), "us": us,
             "us_per_row": us / rows, "gb_per_s": read / us / 1e3, "splits": attention.splits,
             "rel_error": error}
@@ -109,6 +131,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--sweep", action="store_true",
                     help="fp8 pools only, at SWEEP_CONFIGS")
+    ap.add_argument("--spread", default="",
+                    help="SLOTSxCAPACITY: each case also with its rows in random slots of a pool "
+                         "of that shape, as the running loop places them (e.g. 512x4400)")
+    ap.add_argument("--stages", action="store_true",
+                    help="both pools at STAGE_CONFIGS (deeper pipelines, narrower programs)")
     args = ap.parse_args()
 
     import torch
@@ -119,32 +146,41 @@ def main() -> None:
     for rows in (int(x) for x in args.rows.split(",")):
         if args.sweep:
             plan = [(torch.float8_e4m3fn, c) for c in SWEEP_CONFIGS]
+        elif args.stages:
+            plan = [(d, c) for d in (torch.float8_e4m3fn, torch.bfloat16) for c in STAGE_CONFIGS]
         else:
             plan = [(d, c) for d in (torch.bfloat16, torch.float8_e4m3fn) for c in CONFIGS]
+        pools = [(0, 0)]
+        if args.spread:
+            slots, capacity = (int(x) for x in args.spread.split("x"))
+            pools.append((slots, capacity))
         for dtype, config in plan:
-            try:
-                r = case(torch, rows, args.context, dtype, config, args.reps)
-            except Exception as exc:  # a mode that does not compile here is a finding too
-                r = {"rows": rows, "context": args.context, "config": str(config),
-                     "dtype": str(dtype).replace("torch.", ""), "error": repr(exc)[:300]}
-            results.append(r)
-            print(r, flush=True)
-            torch.cuda.empty_cache()
+            for pool_slots, capacity in pools:
+                try:
+                    r = case(torch, rows, args.context, dtype, config, args.reps, pool_slots,
+                             capacity)
+                except Exception as exc:  # a mode that does not compile here is a finding too
+                    r = {"rows": rows, "context": args.context, "config": str(config),
+                         "dtype": str(dtype).replace("torch.", ""), "error": repr(exc)[:300]}
+                results.append(r)
+                print(r, flush=True)
+                torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name()
     lines = [f"# Decode attention alone over the running loop's pool ({gpu})",
              "", f"torch {torch.__version__}; one layer's call; rows' contexts {args.context} "
              "+-20%; HunyuanOCR's 16 query / 8 KV heads of 128. Command: `python "
              f"bench/kv_attention.py {' '.join(sys.argv[1:])}`.", "",
-             "| rows | KV dtype | config | us | us per row | GB/s read | splits | rel. error |",
-             "|---:|---|---|---:|---:|---:|---:|---:|"]
+             "| rows | KV dtype | pool | config | us | us per row | GB/s read | splits "
+             "| rel. error |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['rows']} | {r['dtype']} | {r['config']} | failed: "
+            lines.append(f"| {r['rows']} | {r['dtype']} | | {r['config']} | failed: "
                          f"{r['error'][:120]} | | | | |")
             continue
-        lines.append(f"| {r['rows']} | {r['dtype']} | {r['config']} | {r['us']:.0f} | "
-                     f"{r['us_per_row']:.2f} | {r['gb_per_s']:.0f} | {r['splits']} | "
-                     f"{r['rel_error']:.4f} |")
+        lines.append(f"| {r['rows']} | {r['dtype']} | {r['pool']} | {r['config']} | "
+                     f"{r['us']:.0f} | {r['us_per_row']:.2f} | {r['gb_per_s']:.0f} | "
+                     f"{r['splits']} | {r['rel_error']:.4f} |")
     (args.out / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
     (args.out / f"{args.stem}.json").write_text(json.dumps(
         {"results": results, "seconds": time.perf_counter() - t0}, indent=1))

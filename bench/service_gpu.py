@@ -479,9 +479,25 @@ def gap_summary(spans: list[tuple[float, float, str]]) -> dict[str, Any]:
         if length >= 20:
             after[nxt[:80]] = after.get(nxt[:80], 0.0) + length
             prior[prev[:80]] = prior.get(prev[:80], 0.0) + length
+    # What the busy time was: each kernel's summed time, and the loop profile's groups
+    # (bench/loop_profile.py), so a steady service window reads like a profiled loop's step.
+    from bench.loop_profile import group_of
+
+    by_name: dict[str, list[float]] = {}
+    for start, stop, name in spans:
+        entry = by_name.setdefault(name[:110], [0.0, 0])
+        entry[0] += stop - start
+        entry[1] += 1
+    groups: dict[str, float] = {}
+    for name, (us, _) in by_name.items():
+        groups[group_of(name)] = groups.get(group_of(name), 0.0) + us
     return {
         "window_ms": round(window / 1000, 1), "busy_share": round(busy / window, 4),
         "kernels": len(spans), "gaps": len(gaps),
+        "kernel_ms_by_group": {k: round(v / 1000, 1)
+                               for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": k, "ms": round(us / 1000, 2), "calls": n}
+                        for k, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]],
         "idle_ms_by_gap_length": {k: round(v / 1000, 1) for k, v in buckets.items()},
         "idle_ms_before_kernel": dict(sorted(((k, round(v / 1000, 1)) for k, v in after.items()),
                                              key=lambda kv: -kv[1])[:15]),
