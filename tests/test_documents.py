@@ -31,6 +31,7 @@ from ocrq.core.db import get_engine, ocr_jobs
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
+from tests.broker_probe import where
 from tests.conftest import BIN, FIGURES, WorkerProcess, eval_data
 from tests.pdfs import TEST_DPI, encrypted_pdf, image_pdf, multipage_tiff, text_pdf
 from tests.test_rapid_bounds import MEMORY_FAILURES, CappedWorker
@@ -330,13 +331,20 @@ def test_kill_9_mid_document_loses_and_duplicates_nothing(
         )
         before = {r["id"]: (r["text"], r["finished_at"]) for r in done}
         os.kill(child_pids(worker)[-1], signal.SIGKILL)
+
+        def stuck() -> str:  # where the pages not final are, as the recovery sweep sees them
+            rows = client.documents.page_rows(document_id)
+            ids = [r["id"] for r in rows if r["status"] not in ("done", "failed")]
+            probe = Settings(broker_url=broker_url, database_url=database_url, queue=queue)
+            return page_states() + "\n" + where(probe, ids) + "\n" + worker.text()[-3000:]
+
         budget.until(
             "the document final after the kill",
             lambda: all(
                 r["status"] in ("done", "failed") for r in client.documents.page_rows(document_id)
             ),
             240,
-            lambda: page_states() + "\n" + worker.text()[-3000:],
+            stuck,
             poll_s=0.25,
         )
         (doc,) = wait_documents(client, [document_id], 30)

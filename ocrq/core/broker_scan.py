@@ -27,6 +27,7 @@ read, and it would look lost.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ from celery import Celery
 # Delivery tag -> "worker name<TAB>job id", written by ocrq's workers next to kombu's `unacked`.
 HOLDERS_KEY = "ocrq.unacked_holders"
 PAGE = 500  # messages per LRANGE
+# How long a holder entry without its `unacked` entry is given to get one before it is dropped
+# as stale (`BrokerView.held`): the two are written one Redis round trip apart.
+STALE_RECHECK_S = 0.05
 
 
 def holder_entry(worker: str, job_id: str | None) -> str:
@@ -101,9 +105,22 @@ class BrokerView:
             worker, _, job_id = _text(entry).partition("\t")
             holders[_text(tag)] = (worker, job_id or None)
         tags = [_text(t) for t in self.client.hkeys(self.unacked_key)]
-        stale = set(holders) - set(tags)
+        stale = sorted(set(holders) - set(tags))
         if stale:
-            self.client.hdel(HOLDERS_KEY, *stale)
+            # A worker writes its holder entry first and kombu's `unacked` entry a round trip
+            # later (ocrq/worker/broker.py): an entry read between the two looks stale. Dropped
+            # then, the message would sit in `unacked` with no holder, where no sweep puts it
+            # back when that worker dies (only kombu's visibility timeout does). So an entry is
+            # dropped only if its message is still not in `unacked` a moment later.
+            time.sleep(STALE_RECHECK_S)
+            pipe = self.client.pipeline()
+            for tag in stale:
+                pipe.hexists(self.unacked_key, tag)
+            arrived = {t for t, there in zip(stale, pipe.execute(), strict=True) if there}
+            gone = [t for t in stale if t not in arrived]
+            if gone:
+                self.client.hdel(HOLDERS_KEY, *gone)
+            tags += sorted(arrived)
         out = []
         for tag in tags:
             if tag in holders:

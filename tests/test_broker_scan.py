@@ -1,0 +1,64 @@
+"""Reading the broker as the recovery sweep does (ocrq/core/broker_scan.py), and the fault
+tests' probe built on it (tests/broker_probe.py), against the session's real Redis."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import redis
+
+from ocrq.api.client import Client
+from ocrq.core.broker_scan import HOLDERS_KEY, broker_view, holder_entry
+from ocrq.core.requeue import producer_app
+from ocrq.core.settings import Settings
+from tests.broker_probe import where
+
+
+def test_probe_finds_a_waiting_message_and_misses_a_lost_one(
+    broker_url: str, database_url: str, text_images: dict[str, Path]
+) -> None:
+    """A test that times out must say where its stuck message is, not fail in its message."""
+    queue = f"ocr-probe-{uuid.uuid4().hex[:6]}"  # no worker consumes it
+    settings = Settings(broker_url=broker_url, database_url=database_url, queue=queue)
+    waiting = Client(settings).submit({"path": str(text_images["word"])})
+    lost = str(uuid.uuid4())
+    lines = where(settings, [waiting, lost]).splitlines()
+    assert lines[0] == f"{waiting}: in a queue's list"
+    assert lines[1].startswith(f"{lost}: nowhere in Redis")
+    assert lines[2].startswith("queued rows older than 5 s:")
+
+
+def test_a_holder_written_just_before_its_unacked_entry_is_kept(
+    broker_url: str, database_url: str
+) -> None:
+    """A worker records the holder, then kombu the `unacked` entry, a round trip apart. A sweep
+    reading between the two used to drop the holder as stale, and the message of a worker that
+    then died was put back by nobody but the visibility timeout (1 h by default). A holder whose
+    message never arrives is still dropped."""
+    settings = Settings(broker_url=broker_url, database_url=database_url, queue="ocr-scan")
+    r = redis.Redis.from_url(broker_url)
+    arriving, never = f"t-{uuid.uuid4().hex}", f"t-{uuid.uuid4().hex}"
+    job = str(uuid.uuid4())
+    r.hset(HOLDERS_KEY, arriving, holder_entry("w-alive", job))
+    r.hset(HOLDERS_KEY, never, holder_entry("w-alive", None))
+
+    message = b'[{"headers": {"id": "%s"}}, "", "ocr-scan"]' % job.encode()
+    try:
+        with broker_view(producer_app(settings), "ocr-scan") as view:
+            assert view is not None
+            original = view.client.hkeys
+
+            def hkeys_then_kombu_writes(key: str) -> list[bytes]:  # the race, made certain
+                keys = original(key)
+                r.hset("unacked", arriving, message)
+                return keys
+
+            view.client.hkeys = hkeys_then_kombu_writes  # type: ignore[method-assign]
+            held = {h.tag: h for h in view.held()}
+        assert held[arriving].worker == "w-alive" and held[arriving].job_id == job
+        assert r.hexists(HOLDERS_KEY, arriving)  # kept: a later sweep can restore it
+        assert never not in held and not r.hexists(HOLDERS_KEY, never)  # dropped
+    finally:
+        r.hdel("unacked", arriving)
+        r.hdel(HOLDERS_KEY, arriving, never)
