@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 
 from ocrq.api.client import Client
 from ocrq.core.broker_scan import HOLDERS_KEY, message_job_id
-from ocrq.core.contract import TASK_NAME, JobRequest
+from ocrq.core.contract import TASK_NAME, JobRequest, queue_for
 from ocrq.core.db import get_engine
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, NewJob
@@ -104,6 +104,34 @@ def test_requeue_resends_only_what_the_broker_lost(
     waiting = queue_ids(r, queue)
     assert len(waiting) == 30 and sorted(waiting) == sorted(ids)
     FIGURES.append(f"[requeue-backlog] waiting 27 + lost 3: re-sent {len(cli.stdout.split())}")
+
+
+def test_a_bulk_backlog_does_not_hide_a_lost_interactive_job(
+    own_services: tuple[dict[str, str], str], image_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep checks the oldest queued rows of each lane for a lost message. It checked the
+    oldest of all: behind a bulk backlog longer than that, every one of them a bulk job waiting
+    in its queue, an interactive job whose message was lost was never looked for. Here the
+    sweep checks 3 a lane, behind 6 waiting bulk jobs."""
+    from ocrq.core import requeue
+
+    service_env, database_url = own_services
+    queue = f"ocr-lanes-{uuid.uuid4().hex[:6]}"
+    settings = Settings(broker_url=service_env["OCRQ_BROKER_URL"], database_url=database_url,
+                        queue=queue)  # fmt: skip
+    client = Client(settings)
+    r = redis.Redis.from_url(settings.broker_url)
+    images = make_images(image_root / "lanes", 7)
+    bulk = [client.submit({"path": str(p)}) for p in images[:6]]
+    lost = client.submit({"path": str(images[6])}, priority="interactive")
+    interactive = queue_for("interactive", queue)
+    assert lose(r, interactive, 1) == [lost] and r.llen(queue) == 6
+    monkeypatch.setattr(requeue, "LOST_CANDIDATES", 3)
+    app = requeue.producer_app(settings)
+    found = requeue.recover(JobStore(get_engine(database_url)), app, settings, stalled_after_s=0.0)
+    assert found.failed is None and found.lost == [lost], found
+    assert queue_ids(r, interactive) == [lost]  # sent again, to its own lane's queue
+    assert sorted(queue_ids(r, queue)) == sorted(bulk)  # the backlog untouched
 
 
 def test_lost_and_unstarted_messages_recovered_by_a_live_worker(

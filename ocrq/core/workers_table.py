@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy import Engine, delete, exists, func, literal, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from ocrq.core.contract import BULK
 from ocrq.core.db import ocr_jobs, ocr_workers
 from ocrq.core.store import now
 
@@ -153,19 +154,35 @@ def alive(engine: Engine, stalled_after_s: float) -> set[str]:
 def queued_before(engine: Engine, age_s: float, limit: int | None) -> list[StalledJob]:
     """`queued` rows created more than `age_s` ago, oldest first, that can be re-sent from their
     row: those with a `reference` (not inline b64 images, nor rows from before it was kept).
-    `worker` is empty: no worker holds them."""
-    stmt = (
-        select(
-            ocr_jobs.c.id, ocr_jobs.c.task, ocr_jobs.c.source, ocr_jobs.c.page, ocr_jobs.c.reference
-        )
-        .where(
-            ocr_jobs.c.status == "queued",
-            ocr_jobs.c.created_at < _cutoff(engine, age_s),
-            ocr_jobs.c.reference.is_not(None),
-        )
-        .order_by(ocr_jobs.c.created_at)
-        .limit(limit)
+    `worker` is empty: no worker holds them.
+
+    `limit`: the oldest `limit` rows of each lane. Why each lane's own: the lanes are queues of
+    their own, and a bulk backlog is older than the interactive jobs behind it; the oldest rows
+    of all would all be bulk ones, waiting in their queue, and an interactive job whose message
+    was lost would be looked for only once the whole bulk backlog ahead of it had run."""
+    columns = (
+        ocr_jobs.c.id,
+        ocr_jobs.c.task,
+        ocr_jobs.c.source,
+        ocr_jobs.c.page,
+        ocr_jobs.c.reference,
     )
+    where = (
+        ocr_jobs.c.status == "queued",
+        ocr_jobs.c.created_at < _cutoff(engine, age_s),
+        ocr_jobs.c.reference.is_not(None),
+    )
+    if limit is None:
+        stmt = select(*columns).where(*where).order_by(ocr_jobs.c.created_at)
+    else:
+        lane = func.coalesce(ocr_jobs.c.priority, BULK)
+        rank = func.row_number().over(partition_by=lane, order_by=ocr_jobs.c.created_at)
+        ranked = select(*columns, ocr_jobs.c.created_at, rank.label("n")).where(*where).subquery()
+        stmt = (
+            select(*(ranked.c[c.name] for c in columns))
+            .where(ranked.c.n <= limit)
+            .order_by(ranked.c.created_at)
+        )
     with engine.connect() as conn:
         return [
             StalledJob(i, task, source, "", page, reference)
