@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -395,8 +396,8 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     profiler = None
     if args.profile_for and args.device.startswith("cuda"):
         profiler = threading.Thread(target=gap_profile, args=(
-            args.profile_at, args.profile_for, args.out / f"{args.stem}_gpu_gaps.json"),
-            daemon=True)
+            args.profile_at, args.profile_for, args.out / f"{args.stem}_gpu_gaps.json",
+            engine.loop_counts), daemon=True)
     with gpus:
         if profiler is not None:
             profiler.start()
@@ -432,25 +433,39 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     return out
 
 
-def gap_profile(at_s: float, for_s: float, path: Path) -> None:
+def gap_profile(
+    at_s: float, for_s: float, path: Path, counts: Callable[[], dict[str, float]] | None = None
+) -> None:
     """Where a steady GPU waits: `for_s` seconds of device activity (CUPTI, every stream, every
     thread's launches; kernels inside CUDA graphs included) from `at_s` after the start, reduced
     to the busy share of that window and its idle gaps, by length and by the kernel each gap
     preceded. NVML's "busy" is a kernel running at all; this says what the GPU was waiting
-    to start when it was not."""
+    to start when it was not. `counts` (the engine's `loop_counts`): the loop's steps and live
+    rows over the window, so its kernel time reads per row (the host counts a few steps ahead
+    of the GPU: a window of hundreds of steps is off by a few)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     time.sleep(at_s)
+    before = counts() if counts is not None else {}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         time.sleep(for_s)
+    after = counts() if counts is not None else {}
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
     )
     out = gap_summary(spans) if spans else {"error": "no device events"}
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    if steps > 0:
+        row_steps = after.get("row_steps", 0) - before.get("row_steps", 0)
+        out["loop_in_window"] = {"steps": steps, "live_rows_per_step": round(row_steps / steps, 1)}
+        attention = out.get("kernel_ms_by_group", {}).get("attention")
+        if attention and row_steps:  # every layer's calls: divide by the layers for one
+            out["loop_in_window"]["attention_us_per_row_step"] = round(
+                attention * 1000 / row_steps, 2)
     out["torch"] = torch.__version__
     path.write_text(json.dumps(out, indent=1))
     print("gpu gaps:", json.dumps(out), flush=True)

@@ -56,6 +56,19 @@ def test_gap_summary_counts_idle_once_across_overlapping_streams() -> None:
     assert out["idle_ms_after_kernel"]["d"] == 2.0
 
 
+def test_gap_summary_sums_kernels_by_the_loop_profiles_groups() -> None:
+    """A service window's kernel time by group (bench/loop_profile.py's), so the decode
+    attention's share of a saturated window reads without a separate profile."""
+    from bench.service_gpu import gap_summary
+
+    spans = [(0, 1000, "split_kernel"), (1000, 1500, "nvjet_sm90_tst"),
+             (1500, 3500, "split_kernel"), (3500, 3600, "merge_kernel"),
+             (3600, 3700, "rope_rms_norm_kernel")]  # fmt: skip
+    out = gap_summary(spans)
+    assert out["kernel_ms_by_group"] == {"attention": 3.1, "gemm": 0.5, "norm/rope": 0.1}
+    assert out["top_kernels"][0] == {"name": "split_kernel", "ms": 3.0, "calls": 2}
+
+
 def test_stack_sampler_names_the_line_a_thread_sits_on(tmp_path: Path) -> None:
     """bench/stack_sample.py: a thread that spends its time in one function is found there."""
     import threading
