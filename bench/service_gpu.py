@@ -338,8 +338,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     from ocrq.core.settings import Settings
     from ocrq.intake import images
     from ocrq.models.base import PreparedImage
-    from ocrq.models.hunyuan import HunyuanEngine
-    from ocrq.models.hunyuan.attention import FP8_CONFIG
+    from ocrq.models.hunyuan import HunyuanEngine, attention
     from ocrq.scheduling.batcher import StaticBatcher as Batcher
     from ocrq.scheduling.engine_side import batch_config
     from ocrq.scheduling.streaming import StreamingBatcher
@@ -354,6 +353,13 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     finally:
         os.environ.clear()
         os.environ.update(old)
+    # BENCH_FP8_KERNEL=BLOCK_N/WARPS/STAGES (an --alone-env variant's, not a setting): the fp8
+    # pool's decode kernel config for this part, so configs are compared in the service, where
+    # they were found not to follow the kernel bench (service_gpu_reading.md, runs 22-25).
+    default_fp8 = attention.FP8_CONFIG
+    if env.get("BENCH_FP8_KERNEL"):
+        block_n, warps, stages = (int(x) for x in env["BENCH_FP8_KERNEL"].split("/"))
+        attention.FP8_CONFIG = attention.KernelConfig(block_n, warps, stages)
     # The worker's engine (create_engine's), with this bench's scripted lengths handed in.
     engine = HunyuanEngine(
         settings, hooks=ScriptedLengths.for_checkpoint(Path(env["OCRQ_MODEL"]))
@@ -427,9 +433,10 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
         vision_attention=engine.vision_attention,
         prefill_attention=engine.prefill_attention,
         kv_cache_dtype=settings.kv_cache_dtype,
-        fp8_decode_kernel=str(FP8_CONFIG),
+        fp8_decode_kernel=str(attention.FP8_CONFIG),
     )
     engine.close()
+    attention.FP8_CONFIG = default_fp8
     return out
 
 
@@ -862,7 +869,9 @@ def render(d: dict[str, Any]) -> str:
 def _variant(spec: str) -> tuple[dict[str, str], str]:
     """"NAME=VALUE,..." -> the settings it sets and the label a part's name takes from them."""
     extra = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
-    return extra, "".join(f"_{k.removeprefix('OCRQ_').lower()}_{v}" for k, v in extra.items())
+    return extra, "".join(
+        f"_{k.removeprefix('OCRQ_').lower()}_{v.replace('/', 'x')}" for k, v in extra.items()
+    )
 
 
 def main() -> None:
@@ -891,7 +900,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--alone-env", nargs="*", default=[""],
-        help='engine-alone variants, as --service-env: "" = the settings of the environment',
+        help='engine-alone variants, as --service-env: "" = the settings of the environment; '
+        "BENCH_FP8_KERNEL=64/2/3 (block_n/warps/stages) sets the fp8 decode kernel's config",
     )
     ap.add_argument("--skip-engine-alone", action="store_true")
     ap.add_argument("--service-timeout-s", type=float, default=400)
