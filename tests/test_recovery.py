@@ -134,6 +134,33 @@ def test_a_bulk_backlog_does_not_hide_a_lost_interactive_job(
     assert sorted(queue_ids(r, queue)) == sorted(bulk)  # the backlog untouched
 
 
+def test_a_backlog_in_another_queue_does_not_hide_a_lost_job(
+    own_services: tuple[dict[str, str], str], image_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog no worker takes (another engine's queue, one whose workers are gone) is older
+    than anything lost after it, in the same lane. The sweep looked only at the oldest rows, all
+    of them that backlog's: a job whose message was lost was never re-sent. It looks at the
+    newest too now. Here 3 a lane, behind 6 waiting in another queue."""
+    from ocrq.core import requeue
+
+    service_env, database_url = own_services
+    waiting_queue, queue = (f"ocr-{n}-{uuid.uuid4().hex[:6]}" for n in ("idle", "busy"))
+    broker = service_env["OCRQ_BROKER_URL"]
+    images = make_images(image_root / "queues", 7)
+    idle = Client(Settings(broker_url=broker, database_url=database_url, queue=waiting_queue))
+    waiting = [idle.submit({"path": str(p)}) for p in images[:6]]
+    settings = Settings(broker_url=broker, database_url=database_url, queue=queue)
+    lost = Client(settings).submit({"path": str(images[6])})
+    r = redis.Redis.from_url(broker)
+    assert lose(r, queue, 1) == [lost]
+    monkeypatch.setattr(requeue, "LOST_CANDIDATES", 3)
+    app = requeue.producer_app(settings)
+    found = requeue.recover(JobStore(get_engine(database_url)), app, settings, stalled_after_s=0.0)
+    assert found.failed is None and lost in found.lost, found
+    assert queue_ids(r, queue) == [lost]
+    assert sorted(queue_ids(r, waiting_queue)) == sorted(waiting)  # the backlog untouched
+
+
 def test_lost_and_unstarted_messages_recovered_by_a_live_worker(
     own_services: tuple[dict[str, str], str], image_root: Path, tmp_path: Path
 ) -> None:

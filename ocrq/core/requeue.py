@@ -41,10 +41,9 @@ from ocrq.core.store import JobStore
 
 log = logging.getLogger(__name__)
 
-# The oldest queued rows of each lane a sweep checks for a lost message, and the most queued
-# messages it reads to look for them: bounded work every OCRQ_STALLED_SWEEP_S, whatever the
-# backlog. Behind a deeper backlog of its own lane a lost message is found once that backlog is
-# shorter than this (a bulk backlog does not hide an interactive job: workers_table.queued_before).
+# The oldest and the newest queued rows of each lane a sweep checks for a lost message
+# (workers_table.queued_before says why both), and the most queued messages it reads to look
+# for them: bounded work every OCRQ_STALLED_SWEEP_S, whatever the backlog.
 LOST_CANDIDATES = 1000
 SCAN_LIMIT = 20_000
 # A message is declared lost only when two readings this far apart both miss it: between

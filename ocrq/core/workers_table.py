@@ -156,10 +156,14 @@ def queued_before(engine: Engine, age_s: float, limit: int | None) -> list[Stall
     row: those with a `reference` (not inline b64 images, nor rows from before it was kept).
     `worker` is empty: no worker holds them.
 
-    `limit`: the oldest `limit` rows of each lane. Why each lane's own: the lanes are queues of
-    their own, and a bulk backlog is older than the interactive jobs behind it; the oldest rows
-    of all would all be bulk ones, waiting in their queue, and an interactive job whose message
-    was lost would be looked for only once the whole bulk backlog ahead of it had run."""
+    `limit`: the oldest `limit` and the newest `limit` rows of each lane. Why each lane's own:
+    the lanes are queues of their own, and a bulk backlog is older than the interactive jobs
+    behind it; the oldest rows of all would all be bulk ones, waiting in their queue, and an
+    interactive job whose message was lost would be looked for only once the whole bulk backlog
+    ahead of it had run. Why the newest too: a message is lost at the moment it is taken or
+    sent, so it is found soon after among the newest, however long a backlog is waiting, also
+    in another queue of the lane (another engine's, or one no worker consumes); the oldest
+    find what is lost behind a backlog, as it drains."""
     columns = (
         ocr_jobs.c.id,
         ocr_jobs.c.task,
@@ -176,11 +180,16 @@ def queued_before(engine: Engine, age_s: float, limit: int | None) -> list[Stall
         stmt = select(*columns).where(*where).order_by(ocr_jobs.c.created_at)
     else:
         lane = func.coalesce(ocr_jobs.c.priority, BULK)
-        rank = func.row_number().over(partition_by=lane, order_by=ocr_jobs.c.created_at)
-        ranked = select(*columns, ocr_jobs.c.created_at, rank.label("n")).where(*where).subquery()
+        oldest = func.row_number().over(partition_by=lane, order_by=ocr_jobs.c.created_at)
+        newest = func.row_number().over(partition_by=lane, order_by=ocr_jobs.c.created_at.desc())
+        ranked = (
+            select(*columns, ocr_jobs.c.created_at, oldest.label("old"), newest.label("new"))
+            .where(*where)
+            .subquery()
+        )
         stmt = (
             select(*(ranked.c[c.name] for c in columns))
-            .where(ranked.c.n <= limit)
+            .where((ranked.c.old <= limit) | (ranked.c.new <= limit))
             .order_by(ranked.c.created_at)
         )
     with engine.connect() as conn:
