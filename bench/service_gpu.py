@@ -328,6 +328,9 @@ def worker_env(args: argparse.Namespace, ckpt: Path, work: Path, data: Path) -> 
     return env
 
 
+_FP8_DEFAULT: Any = None  # the engine's own fp8 kernel config, kept while a variant sets another
+
+
 def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
                  label: str = "") -> dict:
     """The same engine, batcher and prefetch threads as a worker, fed in-process."""
@@ -356,7 +359,10 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     # BENCH_FP8_KERNEL=BLOCK_N/WARPS/STAGES (an --alone-env variant's, not a setting): the fp8
     # pool's decode kernel config for this part, so configs are compared in the service, where
     # they were found not to follow the kernel bench (service_gpu_reading.md, runs 22-25).
-    default_fp8 = attention.FP8_CONFIG
+    global _FP8_DEFAULT
+    if _FP8_DEFAULT is None:
+        _FP8_DEFAULT = attention.FP8_CONFIG
+    attention.FP8_CONFIG = _FP8_DEFAULT  # a variant before this one may have failed mid-way
     if env.get("BENCH_FP8_KERNEL"):
         block_n, warps, stages = (int(x) for x in env["BENCH_FP8_KERNEL"].split("/"))
         attention.FP8_CONFIG = attention.KernelConfig(block_n, warps, stages)
@@ -436,7 +442,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
         fp8_decode_kernel=str(attention.FP8_CONFIG),
     )
     engine.close()
-    attention.FP8_CONFIG = default_fp8
+    attention.FP8_CONFIG = _FP8_DEFAULT
     return out
 
 
@@ -469,10 +475,10 @@ def gap_profile(
     if steps > 0:
         row_steps = after.get("row_steps", 0) - before.get("row_steps", 0)
         out["loop_in_window"] = {"steps": steps, "live_rows_per_step": round(row_steps / steps, 1)}
-        attention = out.get("kernel_ms_by_group", {}).get("attention")
-        if attention and row_steps:  # every layer's calls: divide by the layers for one
+        attention_ms = out.get("kernel_ms_by_group", {}).get("attention")
+        if attention_ms and row_steps:  # every layer's calls: divide by the layers for one
             out["loop_in_window"]["attention_us_per_row_step"] = round(
-                attention * 1000 / row_steps, 2)
+                attention_ms * 1000 / row_steps, 2)
     out["torch"] = torch.__version__
     path.write_text(json.dumps(out, indent=1))
     print("gpu gaps:", json.dumps(out), flush=True)
