@@ -518,7 +518,8 @@ def gap_summary(spans: list[tuple[float, float, str]]) -> dict[str, Any]:
         entry[1] += 1
     groups: dict[str, float] = {}
     for name, (us, _) in by_name.items():
-        groups[group_of(name)] = groups.get(group_of(name), 0.0) + us
+        group = group_of(name)
+        groups[group] = groups.get(group, 0.0) + us
     return {
         "window_ms": round(window / 1000, 1), "busy_share": round(busy / window, 4),
         "kernels": len(spans), "gaps": len(gaps),
