@@ -3,7 +3,8 @@
 A fault test that times out with a row still `queued` says little by itself: the recovery sweep
 (ocrq/core/requeue.py) leaves a message alone when it sees it in a queue's list or in kombu's
 `unacked` under a live holder, and re-sends a row only when its message is nowhere and the row
-is among the oldest queued ones. This reads the same places the sweep reads, through the same
+is among the queued rows it checks (`workers_table.queued_before`: the oldest and newest of
+each lane). This reads the same places the sweep reads, through the same
 BrokerView, and says for each id which one holds it.
 """
 
@@ -22,7 +23,7 @@ from ocrq.core.settings import Settings
 
 def where(settings: Settings, job_ids: list[str]) -> str:
     """One line per id: in a list, in `unacked` (holder, its heartbeat age, taken how long ago),
-    or nowhere; then the queued rows the lost sweep would consider first."""
+    or nowhere; then whether the lost sweep checks each id's row."""
     if not job_ids:
         return "broker: no ids asked"
     engine = get_engine(settings.database_url)
@@ -56,10 +57,9 @@ def where(settings: Settings, job_ids: list[str]) -> str:
             else:
                 lines.append(f"{job_id}: nowhere in Redis (lists read whole: {whole})")
     older = workers_table.queued_before(engine, 5.0, None)
-    rank = {r.id: i for i, r in enumerate(older)}
+    checked = {r.id for r in workers_table.queued_before(engine, 5.0, LOST_CANDIDATES)}
     lines.append(
-        f"queued rows older than 5 s: {len(older)} (the lost sweep reads the oldest "
-        f"{LOST_CANDIDATES}); ranks of these ids: "
-        + ", ".join(f"{j[:8]}={rank.get(j, '-')}" for j in job_ids)
+        f"queued rows older than 5 s: {len(older)}; among those the lost sweep checks: "
+        + ", ".join(f"{j[:8]}={'yes' if j in checked else 'no'}" for j in job_ids)
     )
     return "\n".join(lines)
