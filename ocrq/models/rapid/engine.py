@@ -59,7 +59,7 @@ REC_MAX_CALL_COLUMNS = 15_360
 # loaded, the workspace of one run whatever its size (one detection at the detector's pixel
 # cap), and per image terms by detector input pixel and by image pixel, in `estimate`.
 LOADED_RSS_BYTES = 192 * 1024**2
-RUN_WORKSPACE_BYTES = 720 * 1024**2
+RUN_WORKSPACE_BYTES = 832 * 1024**2
 DET_BYTES_PER_PIXEL = 16
 IMAGE_BYTES_PER_PIXEL = 8
 
@@ -255,14 +255,17 @@ class RapidEngine(Engine):
         The largest part is the detector's activations, about 160 bytes per input pixel (666 MiB
         at its 4 MP cap, measured alone). Images are detected one after the other, so that is a
         per-run maximum, not a per-image sum: RUN_WORKSPACE_BYTES covers one detection at the
-        cap, and also one recogniser call (at most REC_MAX_CALL_COLUMNS columns: 320 MiB). What
-        grows with the batch is per image: the BGR copy and full-resolution crops while it is
-        cut up, and its lines until they are read. On the 2-core CI VM single images grew by
-        140-925 MiB (a 40 MP 400x100000 page the most; repeated runs vary by up to 20%) and were
-        predicted at least 1.27x that (pages 1.27-1.65x, small strips 2.4-3.2x); batches (8
-        receipts, 4 A4 pages, 8 40 MP pages, 125 word crops) 1.6-4.8x, the safe side. The estimate
-        by detector pixels alone (512 MiB + 64 KiB per 1024) had predicted 0.84-0.96 of what a
-        40 MP page or a 4961x7016 receipt took.
+        cap and one recogniser call (at most REC_MAX_CALL_COLUMNS columns: 320 MiB), with room
+        for what the allocator still holds, which varies from run to run with onnxruntime's
+        thread timing: on the loaded 2-core CI VM the same 13340x124 line grew by 620 MiB in most
+        runs and by 710-760 MiB in about one in five, which the 720 MiB workspace used before
+        covered by only 1.03x. What grows with the batch is per image: the BGR copy and
+        full-resolution crops while it is cut up, and its lines until they are read. Single
+        images grew by 140-930 MiB (a 40 MP 400x100000 page the most) and were predicted at
+        least 1.25x that (that line in a 720 MiB run; pages 1.32-1.8x, small strips 3.2-3.7x);
+        batches (8 receipts, 4 A4 pages, 8 40 MP pages, 125 word crops) 1.8-4.7x, the safe side.
+        The estimate by detector pixels alone (512 MiB + 64 KiB per 1024) had predicted
+        0.84-0.96 of what a 40 MP page or a 4961x7016 receipt took.
         `ocrq tune` refits it on the host.
         """
         return CostModel(fixed_bytes=LOADED_RSS_BYTES + RUN_WORKSPACE_BYTES, per_patch_bytes=1024.0)
