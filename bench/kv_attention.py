@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ocrq.models.hunyuan.attention import (  # noqa: E402
+    DEFAULT_CONFIG,
+    FP8_CONFIG,
+    PAD_KEYS,
     KernelConfig,
     TritonDecodeAttention,
     attend_torch,
@@ -65,9 +68,11 @@ STAGE_CONFIGS = (
 
 
 def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, reps: int,
-         pool_slots: int = 0, capacity: int = 0) -> dict[str, Any]:
+         pool_slots: int = 0, capacity: int = 0, layout: str = "rows") -> dict[str, Any]:
     """`pool_slots` > 0: the rows sit in random slots of a pool of that many slots of
-    `capacity` tokens, as the running loop's rows do (else packed one after another)."""
+    `capacity` tokens, as the running loop's rows do (else packed one after another).
+    `layout` "pool": the running loop's pool (values stored transposed, PAD_KEYS readable keys
+    past the end, the kernel's `padded` loads); "rows": values token-major, masked loads."""
     heads, kv_heads, dim = 16, 8, 128  # HunyuanOCR's text decoder
     g = torch.Generator(device="cuda").manual_seed(rows)
     lengths = (context + (torch.rand(rows, generator=g, device="cuda") - 0.5) * context * 0.4)
@@ -80,12 +85,22 @@ def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, 
         starts = torch.cat([torch.zeros(1, device="cuda", dtype=torch.int64),
                             lengths.long().cumsum(0)[:-1]]).int()
         width = int(lengths.sum()) + 1
-    pool_k = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
-    pool_v = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
+    padded = layout == "pool"
+    if padded:  # as ocrq/models/hunyuan/running.py allocates it
+        full = -(-(width + PAD_KEYS) // 128) * 128
+        pool_k = torch.zeros(1, kv_heads, full, dim, device="cuda", dtype=dtype)
+        pool_k[:, :, :width] = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
+        pool_v = torch.zeros(1, kv_heads, dim, full, device="cuda", dtype=dtype).transpose(2, 3)
+        pool_v[:, :, :width] = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
+        width = full
+    else:
+        pool_k = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
+        pool_v = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
     q = torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16)
     ends = (starts + lengths).int()
     shape = (rows, kv_heads, width, dim)
-    attention = TritonDecodeAttention(rows, heads, kv_heads, dim, width, "cuda", config)
+    attention = TritonDecodeAttention(rows, heads, kv_heads, dim, width, "cuda", config,
+                                      padded=padded)
     call = lambda: attention(q, pool_k.expand(shape), pool_v.expand(shape), starts, ends,  # noqa: E731
                              dim**-0.5)
     error = accuracy(torch, call(), q, pool_k, pool_v, starts, ends, dim**-0.5)
@@ -101,7 +116,8 @@ def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, 
     us = a.elapsed_time(b) * 1000 / reps
     read = int(lengths.sum()) * kv_heads * dim * 2 * pool_k.element_size()
     return {"rows": rows, "context": context, "dtype": str(dtype).replace("torch.", ""),
-            "pool": f"{pool_slots} slots x {capacity}" if pool_slots else "packed",
+            "pool": (f"{pool_slots} slots x {capacity}" if pool_slots else "packed")
+            + (", transposed values, padded" if padded else ""),
             "config": str(config).replace("KernelConfig", ""), "us": us,
             "us_per_row": us / rows, "gb_per_s": read / us / 1e3, "splits": attention.splits,
             "rel_error": error}
@@ -136,6 +152,11 @@ def main() -> None:
                          "of that shape, as the running loop places them (e.g. 512x4400)")
     ap.add_argument("--stages", action="store_true",
                     help="both pools at STAGE_CONFIGS (deeper pipelines, narrower programs)")
+    ap.add_argument("--loop-configs", action="store_true",
+                    help="each pool dtype at the config the running loop gives it only")
+    ap.add_argument("--layouts", default="rows",
+                    help="comma-separated: rows (values token-major, masked loads), pool (the "
+                         "running loop's: values transposed, padded); side by side")
     args = ap.parse_args()
 
     import torch
@@ -148,6 +169,8 @@ def main() -> None:
             plan = [(torch.float8_e4m3fn, c) for c in SWEEP_CONFIGS]
         elif args.stages:
             plan = [(d, c) for d in (torch.float8_e4m3fn, torch.bfloat16) for c in STAGE_CONFIGS]
+        elif args.loop_configs:
+            plan = [(torch.bfloat16, DEFAULT_CONFIG), (torch.float8_e4m3fn, FP8_CONFIG)]
         else:
             plan = [(d, c) for d in (torch.bfloat16, torch.float8_e4m3fn) for c in CONFIGS]
         pools = [(0, 0)]
@@ -155,10 +178,12 @@ def main() -> None:
             slots, capacity = (int(x) for x in args.spread.split("x"))
             pools.append((slots, capacity))
         for dtype, config in plan:
-            for pool_slots, capacity in pools:
+            for (pool_slots, capacity), layout in (
+                (p, lay) for p in pools for lay in args.layouts.split(",")
+            ):
                 try:
                     r = case(torch, rows, args.context, dtype, config, args.reps, pool_slots,
-                             capacity)
+                             capacity, layout)
                 except Exception as exc:  # a mode that does not compile here is a finding too
                     r = {"rows": rows, "context": args.context, "config": str(config),
                          "dtype": str(dtype).replace("torch.", ""), "error": repr(exc)[:300]}

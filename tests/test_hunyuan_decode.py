@@ -247,6 +247,38 @@ KERNEL_CHECK = textwrap.dedent(
     print("fp8 slot", float((vc8[:, :, 6].float() - to_cache(vexact, fp8).float()).abs().max()),
           float(vc8.float().abs().max()),
           float(((kc8[:, :, 6].float() - want).abs() / want.abs().clamp(min=1e-2)).max()))
+
+    # The running loop's pool: one pool expanded over the rows, each row its own [start, end),
+    # values stored transposed, PAD_KEYS readable keys past the end; blocks load unmasked from
+    # 16-key boundaries. Keys outside a row's range are NaN here: the scores mask must hold.
+    from ocrq.models.hunyuan.attention import PAD_KEYS
+    W = L + PAD_KEYS
+    pool_k = torch.full((1, KVH, W, D), float("nan"))
+    pool_k[:, :, :L] = k[0]
+    pool_v = torch.zeros(1, KVH, D, W).transpose(2, 3)  # the loop's layout: (1, KVH, W, D) view
+    pool_v[:, :, :L] = v[0]
+    ends = torch.tensor([121, 90, 150], dtype=torch.int32)
+    seen = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        seen[b, int(start[b]):int(ends[b])] = True
+    shape = (B, KVH, W, D)
+    ref_pool = attend_torch(q, k[:1].expand(B, -1, -1, -1), v[:1].expand(B, -1, -1, -1), seen,
+                            0.3)
+    for config in (KernelConfig(block_n=16, programs_per_sm=1), KernelConfig(block_n=32)):
+        pooled = TritonDecodeAttention(B, H, KVH, D, L, "cpu", config, sm_count=4, padded=True)
+        got = pooled(q, pool_k.expand(shape), pool_v.expand(shape), start, ends, 0.3)
+        print("pool", pooled.splits, float((got - ref_pool).abs().max()))
+    pool_k8 = to_cache(pool_k.nan_to_num(), fp8)
+    pool_v8 = to_cache(pool_v, fp8)
+    got8 = pooled(q, pool_k8.expand(shape), pool_v8.expand(shape), start, ends, 0.3)
+    ref8_pool = attend_torch(q, pool_k8[:, :, :L].expand(B, -1, -1, -1),
+                             pool_v8[:, :, :L].expand(B, -1, -1, -1), seen, 0.3)
+    print("pool fp8", float((got8 - ref8_pool).abs().max()))
+    vt = torch.zeros(B, H, D, 10).transpose(2, 3)  # a transposed value cache, written by slot
+    rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon, cache=kc, slot=torch.tensor([3]),
+                  v=vrow, v_cache=vt)
+    print("slot transposed", float((vt[:, :, 3] - vrow).abs().max()
+                                   + vt[:, :, :3].abs().sum() + vt[:, :, 4:].abs().sum()))
     """
 )
 
@@ -332,6 +364,13 @@ def test_triton_kernels_match_references_in_interpreter(interpreted: list[str]) 
         float(x) for x in next(ln for ln in lines if ln.startswith("fp8 slot")).split()[2:]
     )
     assert written == 0.0 and largest == 448.0 and key_error <= 0.5
+    pool = [(int(ln.split()[1]), float(ln.split()[2])) for ln in lines if ln.startswith("pool ")
+            and not ln.startswith("pool fp8")]
+    assert [s for s, _ in pool] == [1, 2] and all(d < 1e-5 for _, d in pool), pool
+    pool_fp8 = float(next(ln for ln in lines if ln.startswith("pool fp8")).split()[-1])
+    assert pool_fp8 < 1e-5
+    transposed = float(next(ln for ln in lines if ln.startswith("slot transposed")).split()[-1])
+    assert transposed < 1e-6
 
 
 def test_triton_decode_path_equals_generate_in_interpreter(interpreted: list[str]) -> None:

@@ -66,6 +66,9 @@ DEFAULT_CONFIG = KernelConfig()
 # 1.30 against 1.45 us a row and layer and a decode step 7.9% shorter, in both rounds of an
 # alternated run (bench/results/loop_profile/README.md). bf16 is at the bandwidth with the default.
 FP8_CONFIG = KernelConfig(block_n=64, num_warps=2)
+# Keys past the end a padded pool keeps readable (TritonDecodeAttention's `padded`): a block of
+# up to this many keys may start at the last key written.
+PAD_KEYS = 256
 
 
 def triton_available() -> bool:
@@ -85,11 +88,11 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit
     def split_kernel(
         Q, K, V, Start, End, Acc, Mx, Sm, Out,
-        s_qb, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+        s_qb, s_qh, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd,
         s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, s_eb,
         scale, split_len,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, SINGLE: tl.constexpr, CAST_KV: tl.constexpr,
+        UPCAST: tl.constexpr, SINGLE: tl.constexpr, CAST_KV: tl.constexpr, PADDED: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -119,11 +122,23 @@ def _kernels() -> tuple[Any, Any]:
         b64, kvh64 = b.to(tl.int64), kvh.to(tl.int64)
         k_base = K + b64 * s_kb + kvh64 * s_kh
         v_base = V + b64 * s_vb + kvh64 * s_vh
-        for n0 in range(lo, hi, BLOCK_N):
+        # A padded pool (see TritonDecodeAttention): blocks start at a multiple of 16 keys and
+        # load unmasked, so values that lie key after key (s_vl == 1) are read in 16-byte
+        # vectors; the keys outside [lo, hi) are masked in the scores instead.
+        first = lo
+        if PADDED:
+            first = tl.multiple_of((lo // 16) * 16, 16)
+        for n0 in range(first, hi, BLOCK_N):
+            if PADDED:
+                n0 = tl.multiple_of(n0, 16)
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < hi
-            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=n_ok[:, None],
-                        other=0.0)
+            if PADDED:
+                n_ok = (offs_n >= lo) & (offs_n < hi)
+                k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :])
+            else:
+                n_ok = offs_n < hi
+                k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :],
+                            mask=n_ok[:, None], other=0.0)
             if UPCAST:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             elif CAST_KV:  # an fp8 pool: one conversion to fp16 (fp8 -> bf16 is two)
@@ -135,8 +150,9 @@ def _kernels() -> tuple[Any, Any]:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + offs_n[:, None] * s_vl + offs_d[None, :], mask=n_ok[:, None],
-                        other=0.0)
+            v_at = v_base + offs_n[:, None] * s_vl + offs_d[None, :] * s_vd
+            # padded: finite there (see TritonDecodeAttention), so p = 0 keeps it out
+            v = tl.load(v_at) if PADDED else tl.load(v_at, mask=n_ok[:, None], other=0.0)
             if UPCAST:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             elif CAST_KV:
@@ -190,13 +206,25 @@ class TritonDecodeAttention:
     the last key written, the same for every row since rows advance in lockstep; or `end` (B,):
     each row's own (the running loop, whose rows live at their own offsets of one KV pool that
     is passed expanded over the rows with batch stride 0).
+
+    `padded`: the caller promises PAD_KEYS readable keys past `cache_len` and finite values
+    at every key (the running loop's pool: zeroed at allocation, written only with finite,
+    saturated values). Blocks then load unmasked from 16-key boundaries, which is what lets a
+    pool that stores its values transposed (`values_transposed`) be read in vectors: with an
+    fp8 pool, values laid out token-major reach the second product only through one-byte
+    shared-memory loads (Hopper has no transposing load for 8-bit data), 128 a thread for
+    every 64 keys; transposed, a loop iteration compiles to 721 instructions instead of 1,099
+    (sm_90 SASS, `bench/kv_sass.py`).
     """
 
     def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, cache_len: int,
-                 device: Any, config: KernelConfig = DEFAULT_CONFIG, sm_count: int | None = None
-                 ) -> None:
+                 device: Any, config: KernelConfig = DEFAULT_CONFIG, sm_count: int | None = None,
+                 padded: bool = False) -> None:
         import torch
 
+        if padded and config.block_n > PAD_KEYS:
+            raise ValueError(f"block_n {config.block_n} reads past the pool's {PAD_KEYS} "
+                             "padding keys")
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads do not group over {kv_heads} KV heads")
         if head_dim != _pow2(head_dim) or head_dim < 16:
@@ -217,6 +245,7 @@ class TritonDecodeAttention:
         self.splits = -(-cache_len // self.split_len)
         self.grid = (batch, kv_heads, self.splits)
         self.heads, self.head_dim = heads, head_dim
+        self.padded = padded
         f32 = torch.float32
         self.acc = torch.empty(batch, heads, self.splits, head_dim, dtype=f32, device=device)
         self.mx = torch.empty(batch, heads, self.splits, dtype=f32, device=device)
@@ -225,8 +254,12 @@ class TritonDecodeAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
                  end: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, H, D) with unit last stride; k, v (B, KVH, L, D), in q's dtype or fp8 (the
-        running loop's `OCRQ_KV_CACHE_DTYPE=fp8` pool); returns (B, H, D) in q's dtype."""
+        running loop's `OCRQ_KV_CACHE_DTYPE=fp8` pool); k with unit last stride, v with unit
+        stride along D or along L (a transposed pool); returns (B, H, D) in q's dtype."""
         import torch
+
+        if k.stride(3) != 1 or 1 not in (v.stride(2), v.stride(3)):
+            raise ValueError("keys need unit stride along D, values along D or L")
 
         split_kernel, merge_kernel = _kernels()
         out = torch.empty_like(q)
@@ -235,14 +268,14 @@ class TritonDecodeAttention:
         split_kernel[self.grid](
             q, k, v, start, end, self.acc, self.mx, self.sm, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), v.stride(3),
             self.acc.stride(0), self.acc.stride(1), self.acc.stride(2),
             self.mx.stride(0), self.mx.stride(1), out.stride(0), out.stride(1),
             end.stride(0) if end.numel() > 1 else 0,
             scale, self.split_len,
             G=self.group, GP=self.group_pad, D=self.head_dim, BLOCK_N=c.block_n,
             UPCAST=q.dtype == torch.float32, SINGLE=single, CAST_KV=k.dtype != q.dtype,
-            num_warps=c.num_warps, num_stages=c.num_stages,
+            PADDED=self.padded, num_warps=c.num_warps, num_stages=c.num_stages,
         )
         if single:
             return out

@@ -51,7 +51,7 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit
     def rope_rms_norm_kernel(
         X, Cos, Sin, W, Out, Slot, V, VOut, heads, eps,
-        s_xb, s_xh, s_cb, s_ob, s_oh, s_ol, s_vb, s_vh, s_vob, s_voh, s_vol, s_sb,
+        s_xb, s_xh, s_cb, s_ob, s_oh, s_ol, s_vb, s_vh, s_vob, s_voh, s_vol, s_vod, s_sb,
         HALF: tl.constexpr, TO_SLOT: tl.constexpr, COPY_V: tl.constexpr, SAT: tl.constexpr,
         FP8_MAX: tl.constexpr,
     ):
@@ -95,8 +95,8 @@ def _kernels() -> tuple[Any, Any]:
             if SAT:
                 v1 = tl.minimum(tl.maximum(v1.to(tl.float32), -FP8_MAX), FP8_MAX)
                 v2 = tl.minimum(tl.maximum(v2.to(tl.float32), -FP8_MAX), FP8_MAX)
-            tl.store(v_out + offs, v1.to(VOut.dtype.element_ty))
-            tl.store(v_out + HALF + offs, v2.to(VOut.dtype.element_ty))
+            tl.store(v_out + offs * s_vod, v1.to(VOut.dtype.element_ty))
+            tl.store(v_out + (HALF + offs) * s_vod, v2.to(VOut.dtype.element_ty))
 
     return add_rms_norm_kernel, rope_rms_norm_kernel
 
@@ -131,10 +131,11 @@ def rope_rms_norm(
     """RoPE then per-head RMSNorm of x (B, heads, D); cos, sin (B, D) float32.
 
     Returns the result, or with `cache` (B, heads, L, D) and `slot` (1,) writes it into the cache
-    at that column (and `v` into `v_cache` there) and returns None. An fp8 cache gets both
-    saturated and rounded to it (ocrq/models/hunyuan/kv_cache.py). A `slot` of shape (B,) gives
-    each row its own column (the running loop's pool, ocrq/models/hunyuan/running.py: there the
-    cache is one pool expanded over the rows, batch stride 0).
+    at that column (and `v` into `v_cache` there, whose values may lie transposed: any strides)
+    and returns None. An fp8 cache gets both saturated and rounded to it
+    (ocrq/models/hunyuan/kv_cache.py). A `slot` of shape (B,) gives each row its own column
+    (the running loop's pool, ocrq/models/hunyuan/running.py: there the cache is one pool
+    expanded over the rows, batch stride 0).
     """
     import torch
 
@@ -152,6 +153,7 @@ def rope_rms_norm(
         x, cos, sin, weight, out, slot if to_slot else x, vv, vo, heads, eps,
         x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1), s_ol,
         vv.stride(0), vv.stride(1), vo.stride(0), vo.stride(1), vo.stride(2) if copy_v else 0,
+        vo.stride(3) if copy_v else 1,
         slot.stride(0) if to_slot and slot is not None and slot.numel() > 1 else 0,
         HALF=dim // 2, TO_SLOT=to_slot, COPY_V=copy_v, SAT=is_fp8(out.dtype),
         FP8_MAX=FP8_MAX, num_warps=1,

@@ -11,9 +11,13 @@ ocrq/models/hunyuan/passes.py).
 
 Layout (ocrq/models/slots.py says why a pool of ranges):
 
-* one KV pool per layer, (1, KV heads, pool tokens + 1, head dim), allocated once; row r holds
-  [start_r, start_r + capacity_r); the last column is scratch, where slots without a live row
-  write and read, so a step needs no branch on which slots are live;
+* one KV pool per layer, (1, KV heads, pool tokens + 1 + PAD_KEYS, head dim) rounded up to
+  128 columns, allocated once, zeroed; row r holds [start_r, start_r + capacity_r); column
+  `pool tokens` is scratch, where slots without a live row write and read, so a step needs no
+  branch on which slots are live; the columns past it are never written and let the decode
+  kernel load whole blocks unmasked. The values are stored transposed (head dim, then tokens;
+  the tensors seen are views with the usual shape), which an fp8 pool needs to be read in
+  vectors (ocrq/models/hunyuan/attention.py, `TritonDecodeAttention`);
 * every per-slot tensor (token fed, RoPE positions, the column written, visible range, token
   count, own cap, finished, output tokens, repetition-penalty mask) has a fixed address, so a
   step over the first `k` slots can be captured in a CUDA graph once per bucket `k` and replayed
@@ -61,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.admission import AdmissionPolicy
+from ocrq.models.hunyuan.attention import PAD_KEYS
 from ocrq.models.hunyuan.harvest import Harvest
 from ocrq.models.hunyuan.hooks import DecodeHooks, ForcedEos
 from ocrq.models.hunyuan.inputs import EncodedImage
@@ -256,11 +261,16 @@ class RunningLoop:
         s, n, dev = config.slots, config.max_new_tokens, self.device
         text = self.text
         self.scratch = config.pool_tokens  # the column every slot without a live row uses
-        width = config.pool_tokens + 1
+        # a multiple of 128 columns: each value row of a transposed pool starts 16-byte aligned
+        width = -(-(config.pool_tokens + 1 + PAD_KEYS) // 128) * 128
         shape = (1, text.kv_heads, width, text.head_dim)
         self.kv_dtype = kv_dtype(config.kv_dtype, text.dtype)
         self.keys = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
-        self.values = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
+        transposed = (1, text.kv_heads, text.head_dim, width)
+        self.values = [
+            torch.zeros(transposed, dtype=self.kv_dtype, device=dev).transpose(2, 3)
+            for _ in text.layers
+        ]
         self.use_triton = decoder.attention == "triton"
         self.track_valid = not self.use_triton
         # The torch attention's per-slot key mask; the Triton kernel reads [start, end) instead.
@@ -600,7 +610,7 @@ class RunningLoop:
                     config = FP8_CONFIG
                 self._kernels[k] = TritonDecodeAttention(
                     k, self.text.heads, self.text.kv_heads, self.text.head_dim,
-                    self.config.pool_tokens + 1, self.device, config,
+                    self.config.pool_tokens + 1, self.device, config, padded=True,
                 )
             kernel = self._kernels[k]
             start, end, scale = self.start[:k], self.end[:k], self.text.scale
