@@ -320,6 +320,23 @@ ENGINE_CHECK = textwrap.dedent(
     for key, a in done[False].items():
         b = done[True][key]
         print("packed", int(a.tokens == b.tokens), float((a.logits - b.logits).abs().max()))
+
+    # An fp8 pool (values transposed, the kernel's padded loads) against the torch attention
+    # reading the same pool.
+    decoder = engine._decoder
+    fp8 = {}
+    for attention in ("triton", "torch"):
+        decoder.attention = attention
+        config = engine.loop_config(RunningBudget(3, 1024, 4096, 0, 0, 0, 0), keep_logits=True,
+                                    packed=True, kv_dtype="fp8")
+        loop = RunningLoop(decoder, engine.tokens, config)
+        loop.add([LoopRow(it.key, engine.preprocess(it), 3, min_new_tokens=3) for it in batch])
+        fp8[attention] = ({d.row.key: d for d in loop.drain()}, loop.values_transposed)
+    decoder.attention = "triton"
+    for key, a in fp8["triton"][0].items():
+        b = fp8["torch"][0][key]
+        print("fp8 loop", int(fp8["triton"][1]), int(a.tokens == b.tokens),
+              float((a.logits - b.logits).abs().max()))
     """
 )
 
@@ -387,6 +404,10 @@ def test_triton_decode_path_equals_generate_in_interpreter(interpreted: list[str
               if ln.startswith("packed")]
     assert len(packed) == 3
     assert all(same == 1 and diff < TOLERANCE for same, diff in packed), packed
+    fp8 = [[float(x) for x in ln.split()[2:]] for ln in lines if ln.startswith("fp8 loop")]
+    assert len(fp8) == 3
+    assert all(transposed == 1 and same == 1 and diff < TOLERANCE
+               for transposed, same, diff in fp8), fp8
 
 
 def test_grouped_vision_attention_equals_the_per_image_loop(engine: HunyuanEngine) -> None:

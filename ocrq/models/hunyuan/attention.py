@@ -61,11 +61,12 @@ class KernelConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
-# An fp8 pool: 64 keys a loop iteration over 2 warps. Alone, 3-6% faster than 128 keys over 4
-# (bench/results/kv_attention/kv_attention_h200_sweep.md); in a full running loop of 250 A4 rows,
-# 1.30 against 1.45 us a row and layer and a decode step 7.9% shorter, in both rounds of an
-# alternated run (bench/results/loop_profile/README.md). bf16 is at the bandwidth with the default.
-FP8_CONFIG = KernelConfig(block_n=64, num_warps=2)
+# An fp8 pool, which the running loop stores with its values transposed and reads padded: 128
+# keys a loop iteration over 4 warps. On an H200, 400 rows at contexts of 2,824 +-20%: 577 us a
+# layer against 636-644 us for the token-major pool at its best config (64 keys over 2 warps),
+# every other config slower (bench/results/kv_attention/kv_attention_h200_pool_configs.md).
+# bf16 pools stay token-major at the default: transposed they were 5-9% slower at every config.
+FP8_CONFIG = KernelConfig(block_n=128, num_warps=4)
 # Keys past the end a padded pool keeps readable (TritonDecodeAttention's `padded`): a block of
 # up to this many keys may start at the last key written.
 PAD_KEYS = 256
@@ -208,13 +209,14 @@ class TritonDecodeAttention:
     is passed expanded over the rows with batch stride 0).
 
     `padded`: the caller promises PAD_KEYS readable keys past `cache_len` and finite values
-    at every key (the running loop's pool: zeroed at allocation, written only with finite,
-    saturated values). Blocks then load unmasked from 16-key boundaries, which is what lets a
-    pool that stores its values transposed (`values_transposed`) be read in vectors: with an
-    fp8 pool, values laid out token-major reach the second product only through one-byte
-    shared-memory loads (Hopper has no transposing load for 8-bit data), 128 a thread for
-    every 64 keys; transposed, a loop iteration compiles to 721 instructions instead of 1,099
-    (sm_90 SASS, `bench/kv_sass.py`).
+    at every key (the running loop's fp8 pool: zeroed at allocation, written only with
+    saturated values). Blocks then load unmasked from 16-key boundaries, which is what lets
+    values stored transposed (unit stride along L) be read in vectors. Why transposed: values
+    laid out token-major reach the second product of an fp8 pool only through one-byte
+    shared-memory loads (Hopper has no transposing load for 8-bit data), 128 a thread for every
+    64 keys; transposed and padded, a loop iteration compiles to 722 instructions instead of
+    1,106 (sm_90 SASS, bench/results/kv_attention/kv_sass_sm90.md) and a layer of 400 rows
+    takes 577 us instead of 636-644 on an H200 (FP8_CONFIG).
     """
 
     def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, cache_len: int,

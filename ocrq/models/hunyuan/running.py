@@ -14,10 +14,11 @@ Layout (ocrq/models/slots.py says why a pool of ranges):
 * one KV pool per layer, (1, KV heads, pool tokens + 1 + PAD_KEYS, head dim) rounded up to
   128 columns, allocated once, zeroed; row r holds [start_r, start_r + capacity_r); column
   `pool tokens` is scratch, where slots without a live row write and read, so a step needs no
-  branch on which slots are live; the columns past it are never written and let the decode
-  kernel load whole blocks unmasked. The values are stored transposed (head dim, then tokens;
-  the tensors seen are views with the usual shape), which an fp8 pool needs to be read in
-  vectors (ocrq/models/hunyuan/attention.py, `TritonDecodeAttention`);
+  branch on which slots are live; the columns past it are never written. An fp8 pool stores
+  its values transposed (head dim, then tokens; the tensors seen are views with the usual
+  shape) and is read padded, unmasked past the scratch column: on an H200 its decode attention
+  10% faster than token-major (ocrq/models/hunyuan/attention.py, `TritonDecodeAttention`);
+  a bf16 pool is faster token-major and keeps that layout;
 * every per-slot tensor (token fed, RoPE positions, the column written, visible range, token
   count, own cap, finished, output tokens, repetition-penalty mask) has a fixed address, so a
   step over the first `k` slots can be captured in a CUDA graph once per bucket `k` and replayed
@@ -266,11 +267,15 @@ class RunningLoop:
         shape = (1, text.kv_heads, width, text.head_dim)
         self.kv_dtype = kv_dtype(config.kv_dtype, text.dtype)
         self.keys = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
-        transposed = (1, text.kv_heads, text.head_dim, width)
-        self.values = [
-            torch.zeros(transposed, dtype=self.kv_dtype, device=dev).transpose(2, 3)
-            for _ in text.layers
-        ]
+        self.values_transposed = is_fp8(self.kv_dtype)
+        if self.values_transposed:
+            transposed = (1, text.kv_heads, text.head_dim, width)
+            self.values = [
+                torch.zeros(transposed, dtype=self.kv_dtype, device=dev).transpose(2, 3)
+                for _ in text.layers
+            ]
+        else:
+            self.values = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
         self.use_triton = decoder.attention == "triton"
         self.track_valid = not self.use_triton
         # The torch attention's per-slot key mask; the Triton kernel reads [start, end) instead.
@@ -610,7 +615,8 @@ class RunningLoop:
                     config = FP8_CONFIG
                 self._kernels[k] = TritonDecodeAttention(
                     k, self.text.heads, self.text.kv_heads, self.text.head_dim,
-                    self.config.pool_tokens + 1, self.device, config, padded=True,
+                    self.config.pool_tokens + 1, self.device, config,
+                    padded=self.values_transposed,
                 )
             kernel = self._kernels[k]
             start, end, scale = self.start[:k], self.end[:k], self.text.scale
