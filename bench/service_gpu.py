@@ -341,7 +341,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     from ocrq.core.settings import Settings
     from ocrq.intake import images
     from ocrq.models.base import PreparedImage
-    from ocrq.models.hunyuan import HunyuanEngine, attention
+    from ocrq.models.hunyuan import HunyuanEngine, attention, running
     from ocrq.scheduling.batcher import StaticBatcher as Batcher
     from ocrq.scheduling.engine_side import batch_config
     from ocrq.scheduling.streaming import StreamingBatcher
@@ -366,6 +366,9 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     if env.get("BENCH_FP8_KERNEL"):
         block_n, warps, stages = (int(x) for x in env["BENCH_FP8_KERNEL"].split("/"))
         attention.FP8_CONFIG = attention.KernelConfig(block_n, warps, stages)
+    # BENCH_FP8_VALUES=rows: the fp8 pool's values token-major, as before the transposed pool
+    # (with BENCH_FP8_KERNEL=64/2/3, that layout's best config).
+    running.FP8_VALUES_TRANSPOSED = env.get("BENCH_FP8_VALUES", "transposed") != "rows"
     # The worker's engine (create_engine's), with this bench's scripted lengths handed in.
     engine = HunyuanEngine(
         settings, hooks=ScriptedLengths.for_checkpoint(Path(env["OCRQ_MODEL"]))
@@ -440,9 +443,11 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
         prefill_attention=engine.prefill_attention,
         kv_cache_dtype=settings.kv_cache_dtype,
         fp8_decode_kernel=str(attention.FP8_CONFIG),
+        fp8_values_transposed=running.FP8_VALUES_TRANSPOSED,
     )
     engine.close()
     attention.FP8_CONFIG = _FP8_DEFAULT
+    running.FP8_VALUES_TRANSPOSED = True
     return out
 
 
@@ -908,7 +913,8 @@ def main() -> None:
     ap.add_argument(
         "--alone-env", nargs="*", default=[""],
         help='engine-alone variants, as --service-env: "" = the settings of the environment; '
-        "BENCH_FP8_KERNEL=64/2/3 (block_n/warps/stages) sets the fp8 decode kernel's config",
+        "BENCH_FP8_KERNEL=64/2/3 (block_n/warps/stages) sets the fp8 decode kernel's config; "
+        "BENCH_FP8_VALUES=rows stores the fp8 pool's values token-major (as before)",
     )
     ap.add_argument("--skip-engine-alone", action="store_true")
     ap.add_argument("--service-timeout-s", type=float, default=400)

@@ -90,6 +90,10 @@ SCHEDULES = ("alternate", "chunked")
 BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # graphed slot counts
 
 
+# An fp8 pool's values stored transposed (see the module's docstring). A constant, not a
+# setting: bench/service_gpu.py flips it (BENCH_FP8_VALUES) to compare both layouts in one run.
+FP8_VALUES_TRANSPOSED = True
+
 @dataclass
 class LoopRow:
     """One image in the running loop. `max_new_tokens` is the row's own cap (at most the loop's):
@@ -267,7 +271,7 @@ class RunningLoop:
         shape = (1, text.kv_heads, width, text.head_dim)
         self.kv_dtype = kv_dtype(config.kv_dtype, text.dtype)
         self.keys = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
-        self.values_transposed = is_fp8(self.kv_dtype)
+        self.values_transposed = is_fp8(self.kv_dtype) and FP8_VALUES_TRANSPOSED
         if self.values_transposed:
             transposed = (1, text.kv_heads, text.head_dim, width)
             self.values = [
