@@ -756,3 +756,40 @@ def test_first_pass_counts_the_tokens_each_image_produces(tmp_path: Path) -> Non
     assert lengths.source == "first pass, capped at 6"
     assert lengths.tokens == (6, 6, 6)
     assert [row.max_new_tokens for row in rows] == [6, 6, 6]
+
+
+@pytest.mark.hunyuan
+def test_first_pass_stops_at_the_deadline_and_gives_the_rest_the_median(tmp_path: Path) -> None:
+    """--max-seconds bounds the first pass too: past the deadline it stops after its first call
+    (FIRST_PASS_ROWS images), and the images it did not reach take the median of the others."""
+    import time
+
+    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan.checkpoint import RANDOM_MARK
+    from ocrq.tuning.lengths import FIRST_PASS_ROWS, output_lengths
+    from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    del config[RANDOM_MARK]
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = HunyuanEngine(cpu_settings(str(folder), max_new_tokens=5))
+    engine.load()
+    rows = [item(48 + 8 * i, 48, i) for i in range(FIRST_PASS_ROWS + 2)]
+    for row in rows:
+        engine.prepare(row)
+    calls: list[int] = []
+    real_run = engine.run
+
+    def counted(batch):  # type: ignore[no-untyped-def]
+        calls.append(len(batch))
+        return real_run(batch)
+
+    engine.run = counted  # type: ignore[method-assign]
+    lengths = output_lengths(engine, rows, deadline=time.monotonic())
+    assert calls == [FIRST_PASS_ROWS]
+    assert f"after {FIRST_PASS_ROWS} of {len(rows)} images" in lengths.source
+    assert lengths.tokens == (5,) * len(rows)
+    calls.clear()
+    assert output_lengths(engine, rows).tokens == (5,) * len(rows)  # no deadline: every image
+    assert calls == [FIRST_PASS_ROWS, 2]

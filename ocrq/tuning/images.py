@@ -143,7 +143,7 @@ def tune_images(
         rows = [PreparedImage(s.name, s.image, s.image.size, task=task) for s in sample.images]
         for row in rows:
             engine.prepare(row)
-        lengths = output_lengths(engine, rows)
+        lengths = output_lengths(engine, rows, deadline=deadline)
         say(lengths.describe())
         max_batch = settings.max_batch or engine.preferred_max_batch()
         say(f"sweeping max batch {', '.join(map(str, settings_to_try(max_batch)))} within "
