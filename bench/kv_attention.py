@@ -71,8 +71,9 @@ def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, 
          pool_slots: int = 0, capacity: int = 0, layout: str = "rows") -> dict[str, Any]:
     """`pool_slots` > 0: the rows sit in random slots of a pool of that many slots of
     `capacity` tokens, as the running loop's rows do (else packed one after another).
-    `layout` "pool": the running loop's pool (values stored transposed, PAD_KEYS readable keys
-    past the end, the kernel's `padded` loads); "rows": values token-major, masked loads."""
+    `layout` "pool": the running loop's fp8 pool (values stored transposed, PAD_KEYS readable
+    keys past the end, the kernel's `padded` loads), whatever the dtype; "rows": values
+    token-major, masked loads (the loop's bf16 pool)."""
     heads, kv_heads, dim = 16, 8, 128  # HunyuanOCR's text decoder
     g = torch.Generator(device="cuda").manual_seed(rows)
     lengths = (context + (torch.rand(rows, generator=g, device="cuda") - 0.5) * context * 0.4)
@@ -155,8 +156,9 @@ def main() -> None:
     ap.add_argument("--loop-configs", action="store_true",
                     help="each pool dtype at the config the running loop gives it only")
     ap.add_argument("--layouts", default="rows",
-                    help="comma-separated: rows (values token-major, masked loads), pool (the "
-                         "running loop's: values transposed, padded); side by side")
+                    help="comma-separated: rows (values token-major, masked loads: the loop's "
+                         "bf16 pool), pool (values transposed, padded: the loop's fp8 pool), "
+                         "each for both dtypes; side by side")
     args = ap.parse_args()
 
     import torch
