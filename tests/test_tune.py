@@ -733,22 +733,30 @@ def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> No
     assert f"OCRQ_MAX_BATCH={knee}" in proc.stdout
 
 
-@pytest.mark.hunyuan
-def test_first_pass_counts_the_tokens_each_image_produces(tmp_path: Path) -> None:
-    """A checkpoint without the random mark is taken for trained: a first pass over the sample,
-    capped at OCRQ_MAX_NEW_TOKENS, counts each image's tokens (these weights never end a row,
-    so every row reaches the cap and says so), and the rows then end there."""
+def _trained_tiny_engine(tmp_path: Path, max_new_tokens: int) -> Any:
+    """A tiny checkpoint without the random mark, loaded: taken for trained (a first pass)."""
     from ocrq.models.hunyuan import HunyuanEngine
     from ocrq.models.hunyuan.checkpoint import RANDOM_MARK
-    from ocrq.tuning.lengths import output_lengths
-    from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
+    from tests.tiny_hunyuan import cpu_settings, tiny_checkpoint
 
     folder = tiny_checkpoint(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     del config[RANDOM_MARK]
     (folder / "config.json").write_text(json.dumps(config))
-    engine = HunyuanEngine(cpu_settings(str(folder), max_new_tokens=6))
+    engine = HunyuanEngine(cpu_settings(str(folder), max_new_tokens=max_new_tokens))
     engine.load()
+    return engine
+
+
+@pytest.mark.hunyuan
+def test_first_pass_counts_the_tokens_each_image_produces(tmp_path: Path) -> None:
+    """A checkpoint without the random mark is taken for trained: a first pass over the sample,
+    capped at OCRQ_MAX_NEW_TOKENS, counts each image's tokens (these weights never end a row,
+    so every row reaches the cap and says so), and the rows then end there."""
+    from ocrq.tuning.lengths import output_lengths
+    from tests.tiny_hunyuan import item
+
+    engine = _trained_tiny_engine(tmp_path, max_new_tokens=6)
     rows = [item(64, 48, 0), item(96, 64, 1), item(48, 80, 2)]
     for row in rows:
         engine.prepare(row)
@@ -764,17 +772,10 @@ def test_first_pass_stops_at_the_deadline_and_gives_the_rest_the_median(tmp_path
     (FIRST_PASS_ROWS images), and the images it did not reach take the median of the others."""
     import time
 
-    from ocrq.models.hunyuan import HunyuanEngine
-    from ocrq.models.hunyuan.checkpoint import RANDOM_MARK
     from ocrq.tuning.lengths import FIRST_PASS_ROWS, output_lengths
-    from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
+    from tests.tiny_hunyuan import item
 
-    folder = tiny_checkpoint(tmp_path)
-    config = json.loads((folder / "config.json").read_text())
-    del config[RANDOM_MARK]
-    (folder / "config.json").write_text(json.dumps(config))
-    engine = HunyuanEngine(cpu_settings(str(folder), max_new_tokens=5))
-    engine.load()
+    engine = _trained_tiny_engine(tmp_path, max_new_tokens=5)
     rows = [item(48 + 8 * i, 48, i) for i in range(FIRST_PASS_ROWS + 2)]
     for row in rows:
         engine.prepare(row)
