@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,9 @@ def main() -> None:
                     help="both pools at STAGE_CONFIGS (deeper pipelines, narrower programs)")
     ap.add_argument("--loop-configs", action="store_true",
                     help="each pool dtype at the config the running loop gives it only")
+    ap.add_argument("--exp2", action="store_true",
+                    help="each pool dtype at the loop's config, with exp of scaled scores and "
+                         "with exp2 (KernelConfig.exp2), alternated twice")
     ap.add_argument("--layouts", default="rows",
                     help="comma-separated: rows (values token-major, masked loads: the loop's "
                          "bf16 pool), pool (values transposed, padded: the loop's fp8 pool), "
@@ -171,6 +175,10 @@ def main() -> None:
             plan = [(torch.float8_e4m3fn, c) for c in SWEEP_CONFIGS]
         elif args.stages:
             plan = [(d, c) for d in (torch.float8_e4m3fn, torch.bfloat16) for c in STAGE_CONFIGS]
+        elif args.exp2:
+            plan = [(d, replace(c, exp2=e)) for e in (False, True, False, True)
+                    for d, c in ((torch.bfloat16, DEFAULT_CONFIG),
+                                 (torch.float8_e4m3fn, FP8_CONFIG))]
         elif args.loop_configs:
             plan = [(torch.bfloat16, DEFAULT_CONFIG), (torch.float8_e4m3fn, FP8_CONFIG)]
         else:

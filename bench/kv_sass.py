@@ -24,7 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +49,22 @@ class Case:
         c = self.config
         return (f"{'fp8' if self.kv.startswith('fp8') else self.kv} {self.layout}"
                 f"{' padded' if self.padded else ''} block_n={c.block_n} warps={c.num_warps} "
-                f"stages={c.num_stages}")
+                f"stages={c.num_stages}{'' if c.exp2 else ' exp'}")
 
 
-TWO_WARPS = KernelConfig(block_n=64, num_warps=2)  # FP8_CONFIG with the token-major pool
+# Up to the transposed pool, the kernel took exp of scaled scores ("exp" in a case's name);
+# since, exp2 of scores in log2 units (KernelConfig.exp2).
+TWO_WARPS = KernelConfig(block_n=64, num_warps=2, exp2=False)  # the token-major fp8 pool's
 CASES = (
     Case("fp8e4nv", "rows", False, TWO_WARPS),  # the running loop's fp8 pool before
     Case("fp8e4nv", "rows", True, TWO_WARPS),
     Case("fp8e4nv", "transposed", False, TWO_WARPS),
     Case("fp8e4nv", "transposed", True, TWO_WARPS),
+    Case("fp8e4nv", "transposed", True, replace(FP8_CONFIG, exp2=False)),
     Case("fp8e4nv", "transposed", True, FP8_CONFIG),  # the running loop's fp8 pool now
+    Case("bf16", "rows", False, KernelConfig(exp2=False)),
     Case("bf16", "rows", False, KernelConfig()),  # the running loop's bf16 pool
-    Case("bf16", "transposed", True, KernelConfig()),
+    Case("bf16", "transposed", True, KernelConfig(exp2=False)),
 )
 
 
@@ -76,6 +80,7 @@ def compile_sass(case: Case, workdir: Path) -> str:
     const: dict[str, Any] = {
         "G": GROUP, "GP": 16, "D": HEAD_DIM, "BLOCK_N": case.config.block_n, "UPCAST": False,
         "SINGLE": False, "CAST_KV": case.kv != "bf16", "PADDED": case.padded,
+        "EXP2": case.config.exp2, "FOLD_Q": case.config.exp2 and case.kv != "bf16",
         "s_eb": 1,  # each row its own end (the running loop)
         "s_vl" if case.layout == "transposed" else "s_vd": 1,
     }

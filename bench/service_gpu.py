@@ -356,16 +356,19 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     finally:
         os.environ.clear()
         os.environ.update(old)
-    # BENCH_FP8_KERNEL=BLOCK_N/WARPS/STAGES (an --alone-env variant's, not a setting): the fp8
+    # BENCH_FP8_KERNEL=BLOCK_N/WARPS/STAGES[/exp] (an --alone-env variant's, not a setting): the fp8
     # pool's decode kernel config for this part, so configs are compared in the service, where
     # they were found not to follow the kernel bench (service_gpu_reading.md, runs 22-25).
     global _FP8_DEFAULT
     if _FP8_DEFAULT is None:
         _FP8_DEFAULT = attention.FP8_CONFIG
     attention.FP8_CONFIG = _FP8_DEFAULT  # a variant before this one may have failed mid-way
+    # A fourth field "exp": the kernel's exp of scaled scores, as before KernelConfig.exp2.
     if env.get("BENCH_FP8_KERNEL"):
-        block_n, warps, stages = (int(x) for x in env["BENCH_FP8_KERNEL"].split("/"))
-        attention.FP8_CONFIG = attention.KernelConfig(block_n, warps, stages)
+        fields = env["BENCH_FP8_KERNEL"].split("/")
+        block_n, warps, stages = (int(x) for x in fields[:3])
+        attention.FP8_CONFIG = attention.KernelConfig(
+            block_n, warps, stages, exp2=fields[3:] != ["exp"])
     # BENCH_FP8_VALUES=rows: the fp8 pool's values token-major, as before the transposed pool
     # (with BENCH_FP8_KERNEL=64/2/3, that layout's best config).
     running.FP8_VALUES_TRANSPOSED = env.get("BENCH_FP8_VALUES", "transposed") != "rows"
