@@ -1,13 +1,11 @@
 """The prefill's write of a pass's prompt keys and values into the running loop's pool, per layout.
 
-Why: with the fp8 pool's values transposed (ocrq/models/hunyuan/running.py), the A4 service run's
-prefill GPU time rose from 85.7 to 98.0 s over 2,000 pages while decode fell
-(bench/results/service_gpu/service_gpu_h200_run26_a4_fp8_transposed.md). Indexed along the
-view's token axis, which is unit-stride in memory, the copy writes each byte of a value a pool
-width from its neighbour; `kv_cache.store` now writes through the view that matches memory. This
-times one layer's write of one prefill pass (rows' prompts at their own column ranges) for:
-token-major (how keys and bf16 values are stored), transposed written through the tokens view
-(before), transposed written through the memory view (now).
+Why: the fp8 pool's values lie transposed (ocrq/models/hunyuan/running.py), so the tokens axis
+the prefill indexes is unit-stride in memory; indexed through that view, a copy writes each byte
+of a value a pool width from its neighbour. `kv_cache.store` now writes through the view that
+matches memory. This times one layer's write of one prefill pass (rows' prompts at their own
+column ranges, from bf16) for: token-major (how keys and bf16 values are stored), transposed
+written through the tokens view (before), transposed written through the memory view (now).
 
     python bench/kv_store.py --out OUT
 """

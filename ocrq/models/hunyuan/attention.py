@@ -61,7 +61,9 @@ class KernelConfig:
     # Scores in log2 units, exponentials by exp2: the softmax scale times log2(e) folded into q
     # where q is converted anyway (fp8 pools, fp32), into the scores otherwise. tl.exp is exp2
     # of x * log2(e), one multiply a score more; folding saves it and the scale's multiply (sm_90
-    # SASS: 747 -> 660 instructions a 128-key iteration of the fp8 pool, kv_sass_sm90.md).
+    # SASS: 747 -> 660 instructions a 128-key iteration of the fp8 pool, kv_sass_sm90.md). On an
+    # H200 it timed the same, alone and in the service (kv_attention/README.md); kept as the
+    # default for its fewer instructions, False for the bench's side-by-side runs.
     exp2: bool = True
 
 
