@@ -30,6 +30,7 @@ from bench.common import add_model_args, page_image, random_checkpoint  # noqa: 
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
+from ocrq.models.hunyuan import running as running_module  # noqa: E402
 from ocrq.models.hunyuan.running import LoopRow, RunningLoop  # noqa: E402
 from ocrq.models.slots import RunningBudget  # noqa: E402
 
@@ -39,7 +40,8 @@ GROUPS = (  # first match wins: (group, substrings of a kernel's name)
     ("attention", ("split_kernel", "merge_kernel")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "splitkreduce")),
     ("norm/rope", ("rms_norm",)),
-    ("sampling", ("argmax", "reduce_kernel", "scatter", "gather", "index", "sort", "topk")),
+    ("sampling", ("greedy", "argmax", "reduce_kernel", "scatter", "gather", "index", "sort",
+                  "topk")),
 )
 
 
@@ -65,6 +67,9 @@ def main() -> None:
     ap.add_argument("--size", default="1248x1760", help="each row's page, WxH")
     ap.add_argument("--work", type=Path, default=Path("/tmp/loop_profile_work"))
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--greedy", choices=("triton", "torch"), default="triton",
+                    help="the step's greedy choice: one kernel (ocrq/models/hunyuan/greedy.py, "
+                         "the default) or the torch ops before it")
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.device, args.dtype = "tiny", "cpu", "float32"
@@ -89,6 +94,7 @@ def main() -> None:
                                  int(args.budget_gib * GiB) - model.fixed_bytes,
                                  slots=args.slots, prefill_tokens=settings.prefill_chunk_tokens,
                                  state_bytes_per_slot=engine.state_bytes_per_slot())
+    running_module.FUSED_GREEDY = args.greedy == "triton"
     loop = RunningLoop(engine._decoder, engine.tokens, engine.loop_config(running))
     w, h = (int(x) for x in args.size.split("x"))
     item = PreparedImage(key="page", image=page_image(w, h), original_size=(w, h), task="parse")
@@ -144,7 +150,7 @@ def main() -> None:
         "command": " ".join(["python", "bench/loop_profile.py", *sys.argv[1:]]),
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
-        "kv_dtype": args.kv_dtype, "rows": rows, "slots": running.slots,
+        "kv_dtype": args.kv_dtype, "greedy": args.greedy, "rows": rows, "slots": running.slots,
         "prompt_tokens": prompt, "mean_context": round(context), "layers": layers,
         "steps_profiled": steps, "fill_s": round(fill_s, 1),
         "loop_gpu_ms_per_step": round((after.decode_s - decode0) * 1000 / max(steps, 1), 3),
@@ -165,7 +171,8 @@ def main() -> None:
     lines = [
         "# A decode step of the running loop, full of A4 pages (bench/loop_profile.py)", "",
         f"`{r['command']}`", "",
-        f"{r['gpu']}, torch {r['torch']}; {r['kv_dtype']} KV pool; {r['rows']} rows of "
+        f"{r['gpu']}, torch {r['torch']}; {r['kv_dtype']} KV pool; greedy choice: "
+        f"{r['greedy']}; {r['rows']} rows of "
         f"{r['prompt_tokens']} prompt tokens ({args.size}), mean context {r['mean_context']}; "
         f"{r['steps_profiled']} decode steps profiled, no prefill pass among them.", "",
         f"GPU per step: {r['loop_gpu_ms_per_step']} ms by the loop's CUDA events, "

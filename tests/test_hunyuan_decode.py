@@ -281,6 +281,25 @@ KERNEL_CHECK = textwrap.dedent(
                   v=vrow, v_cache=vt)
     print("slot transposed", float((vt[:, :, 3] - vrow).abs().max()
                                    + vt[:, :, :3].abs().sum() + vt[:, :, 4:].abs().sum()))
+
+    # The decode step's greedy choice in one kernel against the torch path's scores: ties
+    # across and within vocabulary blocks, penalised ids, banned and allowed eos.
+    from ocrq.models.hunyuan.greedy import BLOCK, greedy_next, greedy_scores
+    R, V = 6, 2 * BLOCK + 900
+    logits = (torch.randn(R, V) * 3).to(torch.bfloat16)
+    logits[0, 100] = logits[0, BLOCK + 5] = 50  # the first maximum wins, blocks apart
+    logits[1, 7] = logits[1, 8] = 40
+    logits[2, 9] = -60  # a penalised negative score
+    seen = torch.rand(R, V) < 0.3
+    eos = torch.tensor([3, BLOCK + 1])
+    logits[3, BLOCK + 1] = 60  # banned below min_new: not chosen
+    logits[4, 3] = 60  # allowed: chosen
+    count, min_new = torch.tensor([5, 5, 5, 0, 9, 0]), torch.tensor([0, 0, 0, 4, 4, 0])
+    for mask in (seen, None):
+        want = greedy_scores(logits, mask, 1.05, count, min_new, eos).argmax(-1)
+        got = greedy_next(logits, mask, 1.05, count, min_new, eos)
+        print("greedy", int(torch.equal(got, want)), int(want[3] != BLOCK + 1),
+              int(want[4] == 3), int(want[0] == 100))
     """
 )
 
@@ -391,6 +410,8 @@ def test_triton_kernels_match_references_in_interpreter(interpreted: list[str]) 
     assert pool_fp8 < 1e-5
     transposed = float(next(ln for ln in lines if ln.startswith("slot transposed")).split()[-1])
     assert transposed < 1e-6
+    greedy = [ln.split()[1:] for ln in lines if ln.startswith("greedy")]
+    assert greedy == [["1"] * 4] * 2, greedy
 
 
 def test_triton_decode_path_equals_generate_in_interpreter(interpreted: list[str]) -> None:

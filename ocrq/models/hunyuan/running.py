@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.admission import AdmissionPolicy
 from ocrq.models.hunyuan.attention import PAD_KEYS
+from ocrq.models.hunyuan.greedy import greedy_next, greedy_scores
 from ocrq.models.hunyuan.harvest import Harvest
 from ocrq.models.hunyuan.hooks import DecodeHooks, ForcedEos
 from ocrq.models.hunyuan.inputs import EncodedImage
@@ -93,6 +94,10 @@ BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # graphed slot count
 # An fp8 pool's values stored transposed (see the module's docstring). A constant, not a
 # setting: bench/service_gpu.py flips it (BENCH_FP8_VALUES) to compare both layouts in one run.
 FP8_VALUES_TRANSPOSED = True
+# The decode step's greedy choice by one Triton kernel where the loop's attention is Triton's
+# (ocrq/models/hunyuan/greedy.py; the same tokens as `_scores` + argmax). A constant, not a
+# setting: bench/loop_profile.py flips it (--greedy torch) to time both in one call.
+FUSED_GREEDY = True
 
 @dataclass
 class LoopRow:
@@ -281,6 +286,7 @@ class RunningLoop:
         else:
             self.values = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
         self.use_triton = decoder.attention == "triton"
+        self.fused_greedy = self.use_triton and FUSED_GREEDY
         self.track_valid = not self.use_triton
         # The torch attention's per-slot key mask; the Triton kernel reads [start, end) instead.
         self.valid = (
@@ -564,24 +570,15 @@ class RunningLoop:
     # -- choosing tokens ------------------------------------------------------------------------
 
     def _scores(self, logits: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-        """Float32 scores as transformers' processors make them, per row: the repetition
-        penalty over the ids the row has seen, eos banned before its min_new_tokens."""
-        import torch
-
-        scores = logits.float()
+        """Float32 scores as transformers' processors make them, for the rows at `slots` (None:
+        the first rows, as many as `logits` has)."""
+        n = logits.shape[0]
         seen = self.seen if slots is None or self.seen is None else self.seen[slots]
-        if seen is not None:
-            p = self.config.penalty
-            if slots is None:
-                seen = seen[: scores.shape[0]]
-            scores = torch.where(seen, torch.where(scores < 0, scores * p, scores / p), scores)
         count = self.count if slots is None else self.count[slots]
         min_new = self.min_new if slots is None else self.min_new[slots]
-        count, min_new = count[: scores.shape[0]], min_new[: scores.shape[0]]
-        banned = (count < min_new)[:, None]
-        eos_scores = scores.index_select(1, self.eos)
-        return scores.index_copy(
-            1, self.eos, torch.where(banned, torch.full_like(eos_scores, float("-inf")), eos_scores)
+        return greedy_scores(
+            logits, None if seen is None else seen[:n], self.config.penalty, count[:n],
+            min_new[:n], self.eos,
         )
 
     def _choose(self, logits: torch.Tensor, slots: torch.Tensor, rows: list[LoopRow]) -> None:
@@ -747,8 +744,12 @@ class RunningLoop:
         )
         if self.config.keep_logits:
             self._kept = logits.float()
-        scores = self._scores(logits, None)
-        nxt = scores.argmax(-1)
+        if self.fused_greedy:
+            seen = self.seen[:k] if self.seen is not None else None
+            nxt = greedy_next(logits, seen, self.config.penalty, self.count[:k],
+                              self.min_new[:k], self.eos)
+        else:
+            nxt = self._scores(logits, None).argmax(-1)
         if self.forced is not None:  # hooks only: captured in the graph with the rest
             nxt = self.forced.step(nxt, self.count[:k])
         nxt = torch.where(live, nxt, torch.full_like(nxt, self.tokens.pad))
