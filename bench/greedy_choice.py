@@ -1,4 +1,4 @@
-"""The decode step's greedy choice: one Triton kernel against the torch ops it replaced.
+"""The decode step's greedy choice: the Triton kernels against the torch ops they replaced.
 
 Why: at 256 slots the torch path's float32 passes over the (slots, vocab) logits took ~0.55 ms
 of a 10.3 ms decode step (bench/results/loop_profile/), and they grow with the slots. This times

@@ -284,21 +284,21 @@ KERNEL_CHECK = textwrap.dedent(
 
     # The decode step's greedy choice in one kernel against the torch path's scores: ties
     # across and within vocabulary blocks, penalised ids, banned and allowed eos.
-    from ocrq.models.hunyuan.greedy import BLOCK, greedy_next, greedy_scores
-    R, V = 6, 2 * BLOCK + 900
+    from ocrq.models.hunyuan.greedy import BLOCK, CHUNK, greedy_next, greedy_scores
+    R, V = 6, CHUNK + BLOCK + 900
     logits = (torch.randn(R, V) * 3).to(torch.bfloat16)
-    logits[0, 100] = logits[0, BLOCK + 5] = 50  # the first maximum wins, blocks apart
+    logits[0, 100] = logits[0, BLOCK + 5] = logits[0, CHUNK + 5] = 50  # the first wins
     logits[1, 7] = logits[1, 8] = 40
     logits[2, 9] = -60  # a penalised negative score
     seen = torch.rand(R, V) < 0.3
-    eos = torch.tensor([3, BLOCK + 1])
-    logits[3, BLOCK + 1] = 60  # banned below min_new: not chosen
+    eos = torch.tensor([3, CHUNK + 1])
+    logits[3, CHUNK + 1] = 60  # banned below min_new: not chosen
     logits[4, 3] = 60  # allowed: chosen
     count, min_new = torch.tensor([5, 5, 5, 0, 9, 0]), torch.tensor([0, 0, 0, 4, 4, 0])
     for mask in (seen, None):
         want = greedy_scores(logits, mask, 1.05, count, min_new, eos).argmax(-1)
         got = greedy_next(logits, mask, 1.05, count, min_new, eos)
-        print("greedy", int(torch.equal(got, want)), int(want[3] != BLOCK + 1),
+        print("greedy", int(torch.equal(got, want)), int(want[3] != CHUNK + 1),
               int(want[4] == 3), int(want[0] == 100))
     """
 )

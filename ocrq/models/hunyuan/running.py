@@ -94,7 +94,7 @@ BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # graphed slot count
 # An fp8 pool's values stored transposed (see the module's docstring). A constant, not a
 # setting: bench/service_gpu.py flips it (BENCH_FP8_VALUES) to compare both layouts in one run.
 FP8_VALUES_TRANSPOSED = True
-# The decode step's greedy choice by one Triton kernel where the loop's attention is Triton's
+# The decode step's greedy choice by Triton kernels where the loop's attention is Triton's
 # (ocrq/models/hunyuan/greedy.py; the same tokens as `_scores` + argmax). A constant, not a
 # setting: bench/loop_profile.py flips it (--greedy torch) to time both in one call.
 FUSED_GREEDY = True
