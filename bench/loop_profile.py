@@ -31,6 +31,7 @@ from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
 from ocrq.models.hunyuan import running as running_module  # noqa: E402
+from ocrq.models.hunyuan import text as text_module  # noqa: E402
 from ocrq.models.hunyuan.running import LoopRow, RunningLoop  # noqa: E402
 from ocrq.models.slots import RunningBudget  # noqa: E402
 
@@ -70,6 +71,9 @@ def main() -> None:
     ap.add_argument("--greedy", choices=("triton", "torch"), default="triton",
                     help="the step's greedy choice: one kernel (ocrq/models/hunyuan/greedy.py, "
                          "the default) or the torch ops before it")
+    ap.add_argument("--merged", choices=("on", "off"), default="on",
+                    help="the fused step's merged q/k/v and gate/up projections "
+                         "(ocrq/models/hunyuan/merged.py) or the modules one by one")
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.device, args.dtype = "tiny", "cpu", "float32"
@@ -85,6 +89,7 @@ def main() -> None:
     new_tokens = 1200  # rows' capacity: 400 A4 rows fit an fp8 pool, 250 a bf16 one
     settings = Settings(model=str(ckpt), model_subfolder=None, device=args.device,
                         dtype=args.dtype, max_new_tokens=new_tokens, kv_cache_dtype=args.kv_dtype)
+    text_module.MERGED_PROJECTIONS = args.merged == "on"
     engine = HunyuanEngine(settings, decode="fast")
     engine.load()
     model = engine.cost_model()
@@ -150,7 +155,8 @@ def main() -> None:
         "command": " ".join(["python", "bench/loop_profile.py", *sys.argv[1:]]),
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
-        "kv_dtype": args.kv_dtype, "greedy": args.greedy, "rows": rows, "slots": running.slots,
+        "kv_dtype": args.kv_dtype, "greedy": args.greedy, "merged": args.merged, "rows": rows,
+        "slots": running.slots,
         "prompt_tokens": prompt, "mean_context": round(context), "layers": layers,
         "steps_profiled": steps, "fill_s": round(fill_s, 1),
         "loop_gpu_ms_per_step": round((after.decode_s - decode0) * 1000 / max(steps, 1), 3),
@@ -172,7 +178,7 @@ def main() -> None:
         "# A decode step of the running loop, full of A4 pages (bench/loop_profile.py)", "",
         f"`{r['command']}`", "",
         f"{r['gpu']}, torch {r['torch']}; {r['kv_dtype']} KV pool; greedy choice: "
-        f"{r['greedy']}; {r['rows']} rows of "
+        f"{r['greedy']}; merged projections: {r['merged']}; {r['rows']} rows of "
         f"{r['prompt_tokens']} prompt tokens ({args.size}), mean context {r['mean_context']}; "
         f"{r['steps_profiled']} decode steps profiled, no prefill pass among them.", "",
         f"GPU per step: {r['loop_gpu_ms_per_step']} ms by the loop's CUDA events, "

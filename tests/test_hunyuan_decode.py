@@ -291,6 +291,7 @@ KERNEL_CHECK = textwrap.dedent(
     logits[1, 7] = logits[1, 8] = 40
     logits[2, 9] = -60  # a penalised negative score
     seen = torch.rand(R, V) < 0.3
+    seen[0] = False  # row 0's tie unpenalised
     eos = torch.tensor([3, CHUNK + 1])
     logits[3, CHUNK + 1] = 60  # banned below min_new: not chosen
     logits[4, 3] = 60  # allowed: chosen
@@ -300,6 +301,12 @@ KERNEL_CHECK = textwrap.dedent(
         got = greedy_next(logits, mask, 1.05, count, min_new, eos)
         print("greedy", int(torch.equal(got, want)), int(want[3] != CHUNK + 1),
               int(want[4] == 3), int(want[0] == 100))
+
+    # The merged gate/up projections' activation against transformers' act_fn(gate) * up.
+    from ocrq.models.hunyuan.kernels import silu_mul
+    gu = torch.randn(5, 2 * 1500) * 4
+    want = torch.nn.functional.silu(gu[:, :1500]) * gu[:, 1500:]
+    print("silu_mul", float(((silu_mul(gu) - want).abs() / want.abs().clamp(min=1)).max()))
     """
 )
 
@@ -412,6 +419,8 @@ def test_triton_kernels_match_references_in_interpreter(interpreted: list[str]) 
     assert transposed < 1e-6
     greedy = [ln.split()[1:] for ln in lines if ln.startswith("greedy")]
     assert greedy == [["1"] * 4] * 2, greedy
+    silu = float(next(ln for ln in lines if ln.startswith("silu_mul")).split()[-1])
+    assert silu < 1e-5
 
 
 def test_triton_decode_path_equals_generate_in_interpreter(interpreted: list[str]) -> None:

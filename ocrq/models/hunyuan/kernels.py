@@ -101,6 +101,42 @@ def _kernels() -> tuple[Any, Any]:
     return add_rms_norm_kernel, rope_rms_norm_kernel
 
 
+@lru_cache(maxsize=1)
+def _silu_mul_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def silu_mul_kernel(GU, Out, n, s_g, s_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n
+        g = tl.load(GU + row * s_g + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * s_g + n + cols, mask=ok, other=0.0)
+        # torch's silu: x / (1 + exp(-x)) in float32 (expf, IEEE division), then the dtype;
+        # the product in float32 of the two rounded operands, then the dtype
+        act = tl.math.div_rn(g, 1.0 + tl.math.exp(-g)).to(GU.dtype.element_ty)
+        y = act.to(tl.float32) * u.to(tl.float32)
+        tl.store(Out + row * s_o + cols, y.to(Out.dtype.element_ty), mask=ok)
+
+    return silu_mul_kernel
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `gate_up` (rows, 2n): the merged gate and up projections' output
+    (ocrq/models/hunyuan/merged.py), rounded as transformers' `act_fn(gate) * up` rounds."""
+    import torch
+
+    rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel()[(rows, -(-n // block))](
+        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+    )
+    return out
+
+
 def _pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 

@@ -13,13 +13,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.fidelity import axis_of_dim, rope_layout_of
-from ocrq.models.hunyuan.kernels import add_rms_norm, rope_rms_norm
+from ocrq.models.hunyuan.kernels import add_rms_norm, rope_rms_norm, silu_mul
 from ocrq.models.hunyuan.kv_cache import store
+from ocrq.models.hunyuan.merged import merge_linears
 
 if TYPE_CHECKING:
     import torch
 
     from ocrq.models.hunyuan.vision_attention import VarlenKernel
+
+# The fused step's merged projections (ocrq/models/hunyuan/merged.py). A constant, not a
+# setting: bench/loop_profile.py flips it (--merged off) to time both in one call.
+MERGED_PROJECTIONS = True
 
 
 class TextModel:
@@ -45,6 +50,19 @@ class TextModel:
         # The packed prefill's causal attention where the engine chose FlashAttention-4 for it
         # (`Settings.prefill_attention`); None: torch's flash varlen kernel, or SDPA per row.
         self.causal_kernel: VarlenKernel | None = None
+        # The fused step's merged projections (ocrq/models/hunyuan/merged.py): q, k, v as one
+        # GEMM, gate and up as one with the activation fused after it (silu only); None where
+        # a layer's modules cannot be merged, which then run one by one.
+        merge = MERGED_PROJECTIONS
+        self.qkv = [
+            merge_linears(a.q_proj, a.k_proj, a.v_proj) if merge else None
+            for a in (layer.self_attn for layer in self.layers)
+        ]
+        self.gate_up = [
+            merge_linears(m.gate_proj, m.up_proj)
+            if merge and str(getattr(cfg, "hidden_act", "")) == "silu" else None
+            for m in (layer.mlp for layer in self.layers)
+        ]
 
         # RoPE: which position axis drives each rotary dimension, in the layout installed on
         # this model instance (ocrq/models/hunyuan/fidelity.py: the training code's by default,
@@ -138,7 +156,9 @@ class TextModel:
         pooled: bool = False,
     ) -> torch.Tensor:
         """The same decoder with RMSNorm (+ residual add) and RoPE + q/k norm (+ KV write)
-        fused: ~16 kernels per layer instead of ~64."""
+        fused: ~16 kernels per layer instead of ~64; q/k/v and gate/up as merged GEMMs."""
+        import torch.nn.functional as F
+
         batch = tok.shape[0]
         cos, sin = self.rope(pos)
         cos = cos[:, 0].float().contiguous()
@@ -149,9 +169,7 @@ class TextModel:
             attn = layer.self_attn
             norm = layer.input_layernorm
             h, x = add_rms_norm(h, pending, norm.weight, norm.variance_epsilon)
-            q = attn.q_proj(x).view(batch, self.heads, self.head_dim)
-            k = attn.k_proj(x).view(batch, self.kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(batch, self.kv_heads, self.head_dim)
+            q, k, v = self._qkv(li, attn, x)
             qn, kn = attn.query_layernorm, attn.key_layernorm
             q = rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon)
             kc, vc = keys[li], values[li]
@@ -174,9 +192,30 @@ class TextModel:
                 post.weight,
                 post.variance_epsilon,
             )
-            pending = layer.mlp(x)
+            gate_up = self.gate_up[li]
+            if gate_up is None:
+                pending = layer.mlp(x)
+            else:
+                pending = layer.mlp.down_proj(silu_mul(F.linear(x, gate_up)))
         h, x = add_rms_norm(h, pending, self.norm.weight, self.norm.variance_epsilon)
         return self.lm_head(x)
+
+    def _qkv(self, li: int, attn: Any, x: torch.Tensor) -> tuple[Any, Any, Any]:
+        """Layer `li`'s q (B, heads, D), k and v (B, KV heads, D) of the normalised rows `x`:
+        one GEMM where merged (views into its output, unit stride along D), else three."""
+        import torch.nn.functional as F
+
+        batch, d = x.shape[0], self.head_dim
+        merged = self.qkv[li]
+        if merged is None:
+            return (attn.q_proj(x).view(batch, self.heads, d),
+                    attn.k_proj(x).view(batch, self.kv_heads, d),
+                    attn.v_proj(x).view(batch, self.kv_heads, d))
+        out = F.linear(x, merged)
+        nq, nk = self.heads * d, self.kv_heads * d
+        return (out[:, :nq].view(batch, self.heads, d),
+                out[:, nq:nq + nk].view(batch, self.kv_heads, d),
+                out[:, nq + nk:].view(batch, self.kv_heads, d))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
