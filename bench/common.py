@@ -114,6 +114,21 @@ def cuda_ms(torch: Any, fn: Any, reps: int, warm: int = 2) -> float:
     return times[len(times) // 2]
 
 
+def cuda_us_back_to_back(torch: Any, fn: Any, reps: int, warm: int = 3) -> float:
+    """Mean microseconds of fn() over `reps` calls queued back to back between two CUDA events:
+    the GPU's time with the launches overlapped, as inside a graphed step."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / reps
+
+
 def kernel_events(prof: Any) -> tuple[list[Any], list[Any]]:
     """(device events, host events) of a torch.profiler run."""
     from torch.autograd import DeviceType

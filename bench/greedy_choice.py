@@ -18,6 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import cuda_us_back_to_back  # noqa: E402
 from ocrq.models.hunyuan.greedy import greedy_next, greedy_scores  # noqa: E402
 
 
@@ -49,15 +50,8 @@ def main() -> None:
         row = {"slots": slots, "same_tokens": same}
         for _ in range(2):  # alternated twice
             for name, fn in cases.items():
-                for _ in range(3):
-                    fn()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(args.reps):
-                    fn()
-                b.record()
-                torch.cuda.synchronize()
-                row.setdefault(name, []).append(round(a.elapsed_time(b) * 1000 / args.reps, 1))
+                us = cuda_us_back_to_back(torch, fn, args.reps)
+                row.setdefault(name, []).append(round(us, 1))
         results.append(row)
         print(json.dumps(row), flush=True)
     gpu = torch.cuda.get_device_name()

@@ -24,6 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import cuda_us_back_to_back  # noqa: E402
 from ocrq.models.hunyuan.attention import (  # noqa: E402
     DEFAULT_CONFIG,
     FP8_CONFIG,
@@ -106,16 +107,7 @@ def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, 
     call = lambda: attention(q, pool_k.expand(shape), pool_v.expand(shape), starts, ends,  # noqa: E731
                              dim**-0.5)
     error = accuracy(torch, call(), q, pool_k, pool_v, starts, ends, dim**-0.5)
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        call()
-    b.record()
-    b.synchronize()
-    us = a.elapsed_time(b) * 1000 / reps
+    us = cuda_us_back_to_back(torch, call, reps)
     read = int(lengths.sum()) * kv_heads * dim * 2 * pool_k.element_size()
     return {"rows": rows, "context": context, "dtype": str(dtype).replace("torch.", ""),
             "pool": (f"{pool_slots} slots x {capacity}" if pool_slots else "packed")

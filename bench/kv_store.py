@@ -21,6 +21,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import cuda_us_back_to_back  # noqa: E402
 from ocrq.models.hunyuan.kv_cache import store, to_cache  # noqa: E402
 
 
@@ -64,16 +65,7 @@ def main() -> None:
     }
     results = []
     for name, fn in cases.items():
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(args.reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        us = a.elapsed_time(b) * 1000 / args.reps
+        us = cuda_us_back_to_back(torch, fn, args.reps)
         results.append({"case": name, "us_per_layer": round(us, 1),
                         "bytes": len(cols) * heads * dim})
         print(json.dumps(results[-1]), flush=True)
