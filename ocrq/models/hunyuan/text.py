@@ -4,8 +4,9 @@ Why not the model's forward: a step of one token per row through transformers' m
 ~64 small kernels a layer plus the library's per-step Python; here the same modules (norms,
 projections, MLP, lm_head) are called directly with transformers' float arithmetic, so outputs
 match the plain path, and with `fused` the norms and RoPE become the Triton kernels of
-ocrq/models/hunyuan/kernels.py (~16 kernels a layer). The step's attention is handed in (`attend`):
-the decode loop picks the Triton kernel or the torch reference per batch.
+ocrq/models/hunyuan/kernels.py and the projections are merged (merged.py): ~12 kernels a layer.
+The step's attention is handed in (`attend`): the decode loop picks the Triton kernel or the
+torch reference per batch.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class TextModel:
         pooled: bool = False,
     ) -> torch.Tensor:
         """The same decoder with RMSNorm (+ residual add) and RoPE + q/k norm (+ KV write)
-        fused: ~16 kernels per layer instead of ~64; q/k/v and gate/up as merged GEMMs."""
+        fused (~16 kernels a layer instead of ~64), and q/k/v and gate/up as merged GEMMs (~12)."""
         import torch.nn.functional as F
 
         batch = tok.shape[0]
