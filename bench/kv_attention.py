@@ -151,6 +151,10 @@ def main() -> None:
     ap.add_argument("--exp2", action="store_true",
                     help="each pool dtype at the loop's config, with exp of scaled scores and "
                          "with exp2 (KernelConfig.exp2), alternated twice")
+    ap.add_argument("--row-splits", action="store_true",
+                    help="the fp8 pool at its loop config, key ranges split at fixed pool "
+                         "columns and within each row (KernelConfig.row_splits), alternated "
+                         "twice")
     ap.add_argument("--layouts", default="rows",
                     help="comma-separated: rows (values token-major, masked loads: the loop's "
                          "bf16 pool), pool (values transposed, padded: the loop's fp8 pool), "
@@ -171,6 +175,9 @@ def main() -> None:
             plan = [(d, replace(c, exp2=e)) for e in (False, True, False, True)
                     for d, c in ((torch.bfloat16, DEFAULT_CONFIG),
                                  (torch.float8_e4m3fn, FP8_CONFIG))]
+        elif args.row_splits:
+            plan = [(torch.float8_e4m3fn, replace(FP8_CONFIG, row_splits=r))
+                    for r in (False, True, False, True)]
         elif args.loop_configs:
             plan = [(torch.bfloat16, DEFAULT_CONFIG), (torch.float8_e4m3fn, FP8_CONFIG)]
         else:

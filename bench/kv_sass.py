@@ -81,6 +81,7 @@ def compile_sass(case: Case, workdir: Path) -> str:
         "G": GROUP, "GP": 16, "D": HEAD_DIM, "BLOCK_N": case.config.block_n, "UPCAST": False,
         "SINGLE": False, "CAST_KV": case.kv != "bf16", "PADDED": case.padded,
         "EXP2": case.config.exp2, "FOLD_Q": case.config.exp2 and case.kv != "bf16",
+        "ROW_SPLITS": case.config.row_splits,
         "s_eb": 1,  # each row its own end (the running loop)
         "s_vl" if case.layout == "transposed" else "s_vd": 1,
     }

@@ -65,6 +65,11 @@ class KernelConfig:
     # H200 it timed the same, alone and in the service (kv_attention/README.md); kept as the
     # default for its fewer instructions, False for the bench's side-by-side runs.
     exp2: bool = True
+    # Key ranges split within each row's own keys [start, end), so every split of every row has
+    # work. False: splits are fixed column ranges of the cache, as before: in the running loop's
+    # pool a row's keys then fall in one or two of them, and with few rows most programs are
+    # idle (8 rows: ~9 splits, 1-2 working; bench/results/loop_profile/README.md).
+    row_splits: bool = True
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -102,15 +107,20 @@ def _kernels() -> tuple[Any, Any]:
         scale, split_len,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, SINGLE: tl.constexpr, CAST_KV: tl.constexpr, PADDED: tl.constexpr,
-        EXP2: tl.constexpr, FOLD_Q: tl.constexpr,
+        EXP2: tl.constexpr, FOLD_Q: tl.constexpr, ROW_SPLITS: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
         start = tl.load(Start + b)
         end = tl.load(End + b * s_eb)
-        lo = tl.maximum(start, s * split_len)
-        hi = tl.minimum(end, (s + 1) * split_len)
+        if ROW_SPLITS:  # this row's keys in num_programs(2) ranges of whole blocks
+            per = tl.cdiv(tl.cdiv(end - start, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+            lo = start + s * per
+            hi = tl.minimum(end, lo + per)
+        else:
+            lo = tl.maximum(start, s * split_len)
+            hi = tl.minimum(end, (s + 1) * split_len)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         heads = kvh * G + offs_g
@@ -301,7 +311,8 @@ class TritonDecodeAttention:
             scale * LOG2E if c.exp2 else scale, self.split_len,
             G=self.group, GP=self.group_pad, D=self.head_dim, BLOCK_N=c.block_n,
             UPCAST=upcast, SINGLE=single, CAST_KV=cast_kv, PADDED=self.padded, EXP2=c.exp2,
-            FOLD_Q=c.exp2 and (upcast or cast_kv), num_warps=c.num_warps,
+            FOLD_Q=c.exp2 and (upcast or cast_kv), ROW_SPLITS=c.row_splits,
+            num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
         if single:
