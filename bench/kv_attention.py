@@ -33,6 +33,7 @@ from ocrq.models.hunyuan.attention import (  # noqa: E402
     TritonDecodeAttention,
     attend_torch,
 )
+from ocrq.models.hunyuan.kv_cache import padded_width, zero_pool  # noqa: E402
 
 CONFIGS = (
     KernelConfig(),
@@ -90,10 +91,10 @@ def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, 
         width = int(lengths.sum()) + 1
     padded = layout == "pool"
     if padded:  # as ocrq/models/hunyuan/running.py allocates it
-        full = -(-(width + PAD_KEYS) // 128) * 128
-        pool_k = torch.zeros(1, kv_heads, full, dim, device="cuda", dtype=dtype)
+        full = padded_width(width, PAD_KEYS)
+        pool_k = zero_pool(kv_heads, full, dim, dtype, "cuda")
         pool_k[:, :, :width] = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
-        pool_v = torch.zeros(1, kv_heads, dim, full, device="cuda", dtype=dtype).transpose(2, 3)
+        pool_v = zero_pool(kv_heads, full, dim, dtype, "cuda", transposed=True)
         pool_v[:, :, :width] = torch.randn(1, kv_heads, width, dim, device="cuda").to(dtype)
         width = full
     else:

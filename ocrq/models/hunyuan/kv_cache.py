@@ -51,6 +51,24 @@ def to_cache(x: torch.Tensor, dtype: Any) -> torch.Tensor:
     return x.to(dtype)
 
 
+def padded_width(columns: int, pad: int) -> int:
+    """A pool's width for `columns` written ones and `pad` readable past them, rounded up to a
+    multiple of 128: each value row of a transposed pool then starts 16-byte aligned."""
+    return -(-(columns + pad) // 128) * 128
+
+
+def zero_pool(kv_heads: int, width: int, head_dim: int, dtype: Any, device: Any,
+              transposed: bool = False) -> torch.Tensor:
+    """A zeroed (1, KV heads, width, D) pool; `transposed`: laid out (1, KV heads, D, width)
+    in memory, the running loop's fp8 values (ocrq/models/hunyuan/running.py)."""
+    import torch
+
+    if transposed:
+        return torch.zeros(1, kv_heads, head_dim, width, dtype=dtype,
+                           device=device).transpose(2, 3)
+    return torch.zeros(1, kv_heads, width, head_dim, dtype=dtype, device=device)
+
+
 def store(pool: torch.Tensor, dim: int, index: torch.Tensor, x: torch.Tensor) -> None:
     """`pool.index_copy_(dim, index, x)` with `x` converted as the pool stores it. An fp8 pool
     is copied into as bytes: torch has no fp8 `index_copy_` on the CPU.

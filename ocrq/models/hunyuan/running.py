@@ -71,7 +71,7 @@ from ocrq.models.hunyuan.greedy import greedy_next, greedy_scores
 from ocrq.models.hunyuan.harvest import Harvest
 from ocrq.models.hunyuan.hooks import DecodeHooks, ForcedEos
 from ocrq.models.hunyuan.inputs import EncodedImage
-from ocrq.models.hunyuan.kv_cache import is_fp8, kv_dtype
+from ocrq.models.hunyuan.kv_cache import is_fp8, kv_dtype, padded_width, zero_pool
 from ocrq.models.hunyuan.passes import PrefillPasses
 from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
 from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
@@ -271,20 +271,13 @@ class RunningLoop:
         s, n, dev = config.slots, config.max_new_tokens, self.device
         text = self.text
         self.scratch = config.pool_tokens  # the column every slot without a live row uses
-        # a multiple of 128 columns: each value row of a transposed pool starts 16-byte aligned
-        width = -(-(config.pool_tokens + 1 + PAD_KEYS) // 128) * 128
-        shape = (1, text.kv_heads, width, text.head_dim)
+        width = padded_width(config.pool_tokens + 1, PAD_KEYS)
         self.kv_dtype = kv_dtype(config.kv_dtype, text.dtype)
-        self.keys = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
         self.values_transposed = is_fp8(self.kv_dtype) and FP8_VALUES_TRANSPOSED
-        if self.values_transposed:
-            transposed = (1, text.kv_heads, text.head_dim, width)
-            self.values = [
-                torch.zeros(transposed, dtype=self.kv_dtype, device=dev).transpose(2, 3)
-                for _ in text.layers
-            ]
-        else:
-            self.values = [torch.zeros(shape, dtype=self.kv_dtype, device=dev) for _ in text.layers]
+        heads, dim, kv = text.kv_heads, text.head_dim, self.kv_dtype
+        self.keys = [zero_pool(heads, width, dim, kv, dev) for _ in text.layers]
+        self.values = [zero_pool(heads, width, dim, kv, dev, transposed=self.values_transposed)
+                       for _ in text.layers]
         self.use_triton = decoder.attention == "triton"
         self.fused_greedy = self.use_triton and FUSED_GREEDY
         self.track_valid = not self.use_triton
