@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +104,10 @@ def wait_all(
     ids: list[str],
     timeout: float,
     budget: Budget | None = None,
-    log: WorkerProcess | None = None,
+    log: WorkerProcess | Sequence[WorkerProcess] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every job's final row, waited for within `timeout` (and the test's `budget`); out of
-    time, the error lists the jobs still not final and the tail of the worker's `log`."""
+    time, the error lists the jobs still not final and the tail of each worker's `log`."""
     budget = budget or Budget(timeout, "wait_all", checked=False)
 
     def final() -> dict[str, dict[str, Any]] | None:
@@ -114,8 +115,9 @@ def wait_all(
         return rows if len(rows) == len(ids) else None
 
     def detail() -> str:
-        tail = f"\nworker log tail:\n{log.text()[-2000:]}" if log is not None else ""
-        return not_final(store, ids) + tail
+        logs = [] if log is None else [log] if isinstance(log, WorkerProcess) else list(log)
+        tails = "".join(f"\nworker log tail:\n{w.text()[-2000:]}" for w in logs)
+        return not_final(store, ids) + tails
 
     return budget.until(f"{len(ids)} jobs final", final, timeout, detail, poll_s=0.5)
 

@@ -35,3 +35,21 @@ def test_linears_that_cannot_share_a_weight_are_left_alone() -> None:
     assert merge_linears(a, b) is None and a.weight.data_ptr() == weight
     assert merge_linears(torch.nn.Linear(8, 4, bias=False),
                          torch.nn.Linear(6, 4, bias=False)) is None
+
+
+def test_a_loaded_decoder_merges_at_its_first_fused_step_only(tmp_path) -> None:
+    """The real engine load on a tiny checkpoint: the CPU engine never runs the fused step, so
+    loading it leaves the modules' weights alone; the first fused step merges them."""
+    from ocrq.models.hunyuan.engine import HunyuanEngine
+    from tests.tiny_hunyuan import cpu_settings, tiny_checkpoint
+
+    engine = HunyuanEngine(cpu_settings(str(tiny_checkpoint(tmp_path, "1.5")), 4), decode="fast")
+    engine.load()
+    text = engine._decoder.text
+    attn = text.layers[0].self_attn
+    separate = attn.q_proj.weight.data_ptr()
+    assert text.qkv is None and getattr(attn.q_proj, "_ocrq_merged", None) is None
+    qkv, gate_up = text._merge()
+    assert qkv[0] is not None and gate_up[0] is not None
+    assert attn.q_proj.weight.data_ptr() == qkv[0].data_ptr() != separate
+    assert text._merge()[0] is qkv  # once

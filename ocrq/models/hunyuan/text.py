@@ -51,19 +51,11 @@ class TextModel:
         # The packed prefill's causal attention where the engine chose FlashAttention-4 for it
         # (`Settings.prefill_attention`); None: torch's flash varlen kernel, or SDPA per row.
         self.causal_kernel: VarlenKernel | None = None
-        # The fused step's merged projections (ocrq/models/hunyuan/merged.py): q, k, v as one
-        # GEMM, gate and up as one with the activation fused after it (silu only); None where
-        # a layer's modules cannot be merged, which then run one by one.
-        merge = MERGED_PROJECTIONS
-        self.qkv = [
-            merge_linears(a.q_proj, a.k_proj, a.v_proj) if merge else None
-            for a in (layer.self_attn for layer in self.layers)
-        ]
-        self.gate_up = [
-            merge_linears(m.gate_proj, m.up_proj)
-            if merge and str(getattr(cfg, "hidden_act", "")) == "silu" else None
-            for m in (layer.mlp for layer in self.layers)
-        ]
+        # The fused step's merged projections (ocrq/models/hunyuan/merged.py), made at its first
+        # step (`_merge`): a decoder that never runs the fused step (the CPU engine, `generate()`)
+        # never copies those weights.
+        self.qkv: list[torch.Tensor | None] | None = None
+        self.gate_up: list[torch.Tensor | None] | None = None
 
         # RoPE: which position axis drives each rotary dimension, in the layout installed on
         # this model instance (ocrq/models/hunyuan/fidelity.py: the training code's by default,
@@ -160,6 +152,7 @@ class TextModel:
         fused (~16 kernels a layer instead of ~64), and q/k/v and gate/up as merged GEMMs (~12)."""
         import torch.nn.functional as F
 
+        qkv, gate_ups = self._merge()
         batch = tok.shape[0]
         cos, sin = self.rope(pos)
         cos = cos[:, 0].float().contiguous()
@@ -170,7 +163,7 @@ class TextModel:
             attn = layer.self_attn
             norm = layer.input_layernorm
             h, x = add_rms_norm(h, pending, norm.weight, norm.variance_epsilon)
-            q, k, v = self._qkv(li, attn, x)
+            q, k, v = self._qkv(qkv[li], attn, x)
             qn, kn = attn.query_layernorm, attn.key_layernorm
             q = rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon)
             kc, vc = keys[li], values[li]
@@ -193,7 +186,7 @@ class TextModel:
                 post.weight,
                 post.variance_epsilon,
             )
-            gate_up = self.gate_up[li]
+            gate_up = gate_ups[li]
             if gate_up is None:
                 pending = layer.mlp(x)
             else:
@@ -201,13 +194,29 @@ class TextModel:
         h, x = add_rms_norm(h, pending, self.norm.weight, self.norm.variance_epsilon)
         return self.lm_head(x)
 
-    def _qkv(self, li: int, attn: Any, x: torch.Tensor) -> tuple[Any, Any, Any]:
-        """Layer `li`'s q (B, heads, D), k and v (B, KV heads, D) of the normalised rows `x`:
-        one GEMM where merged (views into its output, unit stride along D), else three."""
+    def _merge(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Each layer's merged q/k/v weight and its merged gate/up weight (silu only): None where
+        a layer's modules cannot be merged (they then run one by one) or MERGED_PROJECTIONS is
+        off. Made once; the modules' weights become views of them (merged.py)."""
+        if self.qkv is None or self.gate_up is None:
+            merge = MERGED_PROJECTIONS
+            silu = str(getattr(self.model.config.text_config, "hidden_act", "")) == "silu"
+            self.qkv = [
+                merge_linears(a.q_proj, a.k_proj, a.v_proj) if merge else None
+                for a in (layer.self_attn for layer in self.layers)
+            ]
+            self.gate_up = [
+                merge_linears(m.gate_proj, m.up_proj) if merge and silu else None
+                for m in (layer.mlp for layer in self.layers)
+            ]
+        return self.qkv, self.gate_up
+
+    def _qkv(self, merged: torch.Tensor | None, attn: Any, x: torch.Tensor) -> tuple[Any, Any, Any]:
+        """A layer's q (B, heads, D), k and v (B, KV heads, D) of the normalised rows `x`: one
+        GEMM where `merged` (views into its output, unit stride along D), else three."""
         import torch.nn.functional as F
 
         batch, d = x.shape[0], self.head_dim
-        merged = self.qkv[li]
         if merged is None:
             return (attn.q_proj(x).view(batch, self.heads, d),
                     attn.k_proj(x).view(batch, self.kv_heads, d),
