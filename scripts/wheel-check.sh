@@ -53,6 +53,8 @@ unset PYTHONPATH
 export OCRQ_DATABASE_URL=${PG%/*}/$DB OCRQ_BROKER_URL=$BROKER OCRQ_QUEUE=$QUEUE
 export OCRQ_CONSUME_DEFAULT_QUEUE=false OCRQ_ALLOWED_ROOTS=$TMP/images OCRQ_ENGINE=rapid
 "$TMP/venv/bin/python" -c "import ocrq, sys; assert '$REPO' not in ocrq.__file__, ocrq.__file__; print('wheel-check: ocrq', ocrq.__version__, 'from', ocrq.__file__)"
+# The viewer's static files and the typing marker ship as package data (setup.py).
+"$TMP/venv/bin/python" -c "import ocrq, pathlib; root = pathlib.Path(ocrq.__file__).parent; missing = [n for n in ('api/viewer_static/viewer.html', 'api/viewer_static/viewer.css', 'api/viewer_static/viewer.js', 'py.typed') if not (root / n).is_file()]; assert not missing, f'not in the wheel: {missing}'"
 "$TMP/venv/bin/ocrq" migrate
 mkdir -p images
 "$TMP/venv/bin/ocrq" samples images >/dev/null
