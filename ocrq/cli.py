@@ -61,7 +61,13 @@ class _App(typer.Typer):
             sys.exit(code[problem.kind])
 
 
-app = _App(add_completion=False, no_args_is_help=True, help=__doc__, epilog=EPILOG)
+app = _App(
+    add_completion=False,
+    no_args_is_help=True,
+    help=__doc__,
+    epilog=EPILOG,
+    rich_markup_mode="markdown",
+)
 err = Console(stderr=True)
 
 

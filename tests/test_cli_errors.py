@@ -53,6 +53,16 @@ def test_help_lists_the_exit_codes() -> None:
         assert code in done.stdout
 
 
+def test_help_reflows_docstrings_and_keeps_brackets() -> None:
+    """Command help reads as paragraphs at a terminal's width (the docstrings' own line breaks
+    cut sentences in two at 80 columns), and text in brackets is not eaten as rich markup."""
+    top = ocrq_cli({**os.environ, "COLUMNS": "200"}, "--help")
+    jobs = next(ln for ln in top.stdout.splitlines() if "List recent jobs" in ln)
+    assert "When more jobs match than --limit shows" in jobs
+    export = ocrq_cli({**os.environ, "COLUMNS": "200"}, "export", "--help")
+    assert "ocrq[parquet]" in export.stdout
+
+
 @pytest.mark.parametrize("command", [["jobs"], ["status", str(uuid.uuid4())], ["migrate"]])
 def test_database_unreachable(service_env: dict[str, str], command: list[str]) -> None:
     url = f"postgresql+psycopg://postgres@127.0.0.1:{closed_port()}/ocrq"
