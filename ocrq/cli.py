@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT, PRIORITIES, TASKS
+from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT, PRIORITIES, TASKS, queue_for
 from ocrq.core.process import STATE, setup_process
 from ocrq.core.settings import Settings
 from ocrq.models.registry import ENGINES
@@ -69,6 +69,7 @@ app = _App(
     rich_markup_mode="markdown",
 )
 err = Console(stderr=True)
+log = logging.getLogger("ocrq.cli")
 
 
 def _version(value: bool) -> None:
@@ -102,6 +103,38 @@ def _progress() -> Progress:
         console=err,
         transient=False,
     )
+
+
+# Seconds into a wait with nothing finished before asking the workers whether any consumes
+# the jobs' queue (ocrq/api/consumers.py): past a worker's usual start, before a user gives up.
+CONSUMER_CHECK_S = 10.0
+
+
+class _ConsumerCheck:
+    """Called with the finished count as a wait polls; once, after CONSUMER_CHECK_S with none
+    finished, warns when no live worker consumes any of `queues`."""
+
+    def __init__(self, client: Any, queues: list[str]) -> None:
+        self.client, self.queues = client, queues
+        self.started = time.monotonic()
+        self.asked = False
+
+    def __call__(self, finished: int) -> None:
+        if self.asked or finished or time.monotonic() - self.started < CONSUMER_CHECK_S:
+            return
+        self.asked = True
+        from ocrq.api.consumers import missing_consumer, queue_consumers
+        from ocrq.core.contract import redact_url
+
+        try:
+            consumers = queue_consumers(self.client.app)
+        except Exception as exc:  # the wait goes on; this was only advice
+            log.debug("asking the workers for their queues failed: %s", exc)
+            return
+        broker = redact_url(self.client.settings.broker_url)
+        warning = missing_consumer(consumers, self.queues, broker)
+        if warning:
+            err.print(f"[yellow]ocrq:[/] {escape(warning)}", soft_wrap=True, highlight=False)
 
 
 def _settings(**overrides: object) -> Settings:
@@ -364,11 +397,15 @@ def submit(
         for job_id in ids:
             typer.echo(json.dumps({"job_id": job_id}) if as_json else job_id)
         return
+    check = _ConsumerCheck(client, [queue_for(priority, settings.queue)])
     with _progress() as progress:
         bar = progress.add_task("waiting", total=len(ids))
-        results = client.wait(
-            ids, timeout, on_progress=lambda d, t: progress.update(bar, completed=d, total=t)
-        )
+
+        def on_progress(finished: int, total: int) -> None:
+            progress.update(bar, completed=finished, total=total)
+            check(finished)
+
+        results = client.wait(ids, timeout, on_progress=on_progress)
     counts: dict[str, int] = {}
     for row in results:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
@@ -554,6 +591,7 @@ def wait_for(
         raise typer.Exit(EXIT_UNKNOWN)
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
+    check = _ConsumerCheck(client, [queue_for(p, client.settings.queue) for p in PRIORITIES])
     with _progress() as progress:
         bar = progress.add_task("waiting", total=None)
         while True:
@@ -570,6 +608,7 @@ def wait_for(
             progress.update(bar, completed=done, total=total, description=f"waiting{eta}")
             if final or (deadline is not None and time.monotonic() > deadline):
                 break
+            check(done)
             time.sleep(poll)
     counts: dict[str, int] = {}
     for s in summaries:
