@@ -137,6 +137,14 @@ class _ConsumerCheck:
             err.print(f"[yellow]ocrq:[/] {escape(warning)}", soft_wrap=True, highlight=False)
 
 
+def _db_url(db: str) -> str:
+    """`ocrq run --db`: a URL as given; a plain path (`--db rows.sqlite`, the natural first
+    try, which SQLAlchemy refused with a traceback) as the SQLite file it names."""
+    if "://" in db:
+        return db
+    return f"sqlite:///{Path(db).expanduser().resolve()}"
+
+
 def _settings(**overrides: object) -> Settings:
     """Settings from OCRQ_* and the options given; an unknown engine is refused here, before
     any model, broker or database is touched."""
@@ -192,7 +200,10 @@ def run(
     task: Annotated[str, typer.Option(help=TASK_HELP)] = "text",
     db: Annotated[
         str | None,
-        typer.Option(help="SQLite (or other) URL for the job rows; default: a temporary file."),
+        typer.Option(
+            help="Where the job rows go: a SQLAlchemy URL, or a file path (a SQLite file); "
+            "default: a temporary file."
+        ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="Logging level on stderr.")] = "WARNING",
 ) -> None:
@@ -222,7 +233,7 @@ def run(
                 out.flush()
                 progress.advance(bar)
 
-            db_url = db or f"sqlite:///{Path(scratch) / 'run.sqlite'}"
+            db_url = _db_url(db) if db else f"sqlite:///{Path(scratch) / 'run.sqlite'}"
             counts = run_paths(paths, settings, db_url, emit, task=task)
     finally:
         if output:

@@ -12,6 +12,7 @@ import json
 import os
 import pty
 import re
+import sqlite3
 import struct
 import subprocess
 import termios
@@ -174,6 +175,13 @@ def test_run_on_a_terminal_writes_a_results_file(
     assert piped.returncode == 1
     assert len([json.loads(line) for line in piped.stdout.splitlines()]) == 4
     assert sorted(p.name for p in cwd.iterdir()) == [results.name]
+
+    # --db as a plain file path keeps the rows there (a SQLAlchemy URL works too).
+    kept = ocrq(env, "run", str(folder), "--db", "rows.sqlite", cwd=cwd)
+    assert kept.returncode == 1, kept.stderr
+    with sqlite3.connect(cwd / "rows.sqlite") as conn:
+        statuses = sorted(s for (s,) in conn.execute("select status from ocr_jobs"))
+    assert statuses == ["done", "done", "done", "failed"]
 
 
 LONG_FOLDER = "a-folder-name-that-every-scan-of-this-batch-shares"

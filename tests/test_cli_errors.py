@@ -109,3 +109,24 @@ def test_bad_settings(
     assert done.returncode == EXIT_CONFIG
     line = one_line(done)
     assert ("unknown engine 'nope'" in line and "rapid" in line) or "OCRQ_MAX_BATCH" in line
+
+
+def test_run_without_the_model_says_how_to_get_it(tmp_path: Path) -> None:
+    """`ocrq run --engine hunyuan` on a host without the weights: the way to fetch them in one
+    line and EXIT_CONFIG, not a 170-line traceback ending in 1 (a failed job's code)."""
+    from ocrq.core.samples import draw_text_image
+
+    image = tmp_path / "word.png"
+    draw_text_image(["HELLO"]).save(image)
+    (tmp_path / "hub").mkdir()
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    env.pop("OCRQ_MODEL", None)
+    done = subprocess.run(
+        [str(BIN / "ocrq"), "run", str(image), "--engine", "hunyuan",
+         "--db", str(tmp_path / "run.sqlite")],
+        env=env, capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )
+    assert done.returncode == EXIT_CONFIG, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ocrq: HunyuanOCR weights") and "hf download" in last, done.stderr
