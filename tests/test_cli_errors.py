@@ -111,22 +111,34 @@ def test_bad_settings(
     assert ("unknown engine 'nope'" in line and "rapid" in line) or "OCRQ_MAX_BATCH" in line
 
 
-def test_run_without_the_model_says_how_to_get_it(tmp_path: Path) -> None:
-    """`ocrq run --engine hunyuan` on a host without the weights: the way to fetch them in one
-    line and EXIT_CONFIG, not a 170-line traceback ending in 1 (a failed job's code)."""
+@pytest.mark.parametrize(
+    ("engine", "env", "said"),
+    [
+        ("hunyuan", {}, "ocrq: HunyuanOCR weights"),  # and how: `hf download ...`
+        ("openai", {"OCRQ_OPENAI_URL": ""}, "ocrq: OCRQ_OPENAI_URL is not set"),
+    ],
+)
+def test_run_with_an_engine_that_cannot_start_says_why(
+    tmp_path: Path, engine: str, env: dict[str, str], said: str
+) -> None:
+    """`ocrq run` whose engine cannot start on this host (the weights not here, no server URL):
+    one line saying why and EXIT_CONFIG, not a traceback of up to 170 lines ending in 1 (a
+    failed job's code)."""
     from ocrq.core.samples import draw_text_image
 
     image = tmp_path / "word.png"
     draw_text_image(["HELLO"]).save(image)
     (tmp_path / "hub").mkdir()
-    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    env.pop("OCRQ_MODEL", None)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OCRQ_")}
+    env = {**base, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", **env}
     done = subprocess.run(
-        [str(BIN / "ocrq"), "run", str(image), "--engine", "hunyuan",
+        [str(BIN / "ocrq"), "run", str(image), "--engine", engine,
          "--db", str(tmp_path / "run.sqlite")],
         env=env, capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )
     assert done.returncode == EXIT_CONFIG, done.stderr
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ocrq: HunyuanOCR weights") and "hf download" in last, done.stderr
+    assert last.startswith(said), done.stderr
+    if engine == "hunyuan":
+        assert "hf download" in last

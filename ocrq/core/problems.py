@@ -92,6 +92,7 @@ def infrastructure_problem(exc: BaseException) -> Problem | None:
             return Problem("config", f"invalid settings: {errors}")
         if type(link).__name__ == "ConfigProblem":  # the CLI's own (core does not import it)
             return Problem("config", str(link))
-        if type(link).__name__ == "ModelNotFound":  # an engine's (core imports no engine)
+        # an engine's (core imports no engine): ocrq/models/base.py, hunyuan/checkpoint.py
+        if type(link).__name__ in ("ModelNotFound", "EngineMisconfigured"):
             return Problem("config", " ".join(str(link).split()))
     return None

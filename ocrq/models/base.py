@@ -99,6 +99,12 @@ class UnsupportedTask(ValueError):
     """The engine cannot do what the job asks (a free prompt on the CPU engine, say)."""
 
 
+class EngineMisconfigured(ValueError):
+    """The engine cannot start with these settings (a server URL missing, a model its server
+    does not serve): the CLI prints it in one line and exits 78 (ocrq/core/problems.py reads
+    it by name, as core imports no engine), since no retry or other job would fare better."""
+
+
 class EngineFront(Protocol):
     """What the worker side (claiming, decoding, splitting documents, shutting down) asks of an
     engine, wherever the engine runs: in this process (every `EngineCore`) or in an engine

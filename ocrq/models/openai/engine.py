@@ -38,7 +38,14 @@ from urllib.parse import urlsplit
 
 from ocrq.core.pixel_budget import PixelBudget
 from ocrq.core.settings import OpenAISettings
-from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
+from ocrq.models.base import (
+    Engine,
+    EngineMisconfigured,
+    Finished,
+    OcrResult,
+    PreparedImage,
+    StreamingEngine,
+)
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.served import ServedModel
 from ocrq.models.hunyuan.versions import VERSIONS
@@ -80,7 +87,9 @@ class OpenAIEngine(Engine, StreamingEngine):
     def load(self) -> None:
         s = self.settings
         if not s.openai_url:
-            raise ValueError("OCRQ_OPENAI_URL is not set: the openai engine needs a server URL")
+            raise EngineMisconfigured(
+                "OCRQ_OPENAI_URL is not set: the openai engine needs a server URL"
+            )
         key = s.openai_api_key.get_secret_value() if s.openai_api_key else None
         self.client = ChatClient(
             s.openai_url,
@@ -96,7 +105,7 @@ class OpenAIEngine(Engine, StreamingEngine):
             log.warning("openai engine: %s does not answer yet (%s)", self._where(), exc)
         else:
             if s.model not in served:
-                raise ValueError(
+                raise EngineMisconfigured(
                     f"{self._where()} does not serve OCRQ_MODEL={s.model!r}; it serves: "
                     f"{', '.join(served) or 'nothing'}"
                 )
