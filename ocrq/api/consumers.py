@@ -35,8 +35,9 @@ def missing_consumer(
     if not consumers:
         return (
             f"no worker answered on {broker} within {REPLY_S:.0f} s, so nothing consumes "
-            f"queue {wanted} yet: start one with `ocrq worker` (same OCRQ_BROKER_URL); the "
-            "jobs wait in Redis until one runs"
+            f"queue {wanted} yet: start one with `ocrq worker` (same OCRQ_BROKER_URL), or "
+            "check the log of one that is starting (it answers once ready); the jobs wait in "
+            "Redis until one runs"
         )
     seen = "; ".join(f"{w}: {', '.join(qs)}" for w, qs in sorted(consumers.items()))
     return (
