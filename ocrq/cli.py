@@ -69,7 +69,6 @@ app = _App(
     rich_markup_mode="markdown",
 )
 err = Console(stderr=True)
-log = logging.getLogger("ocrq.cli")
 
 
 def _version(value: bool) -> None:
@@ -105,36 +104,19 @@ def _progress() -> Progress:
     )
 
 
-# Seconds into a wait with nothing finished before asking the workers whether any consumes
-# the jobs' queue (ocrq/api/consumers.py): past a worker's usual start, before a user gives up.
-CONSUMER_CHECK_S = 10.0
+def _consumer_check(client: Any, queues: list[str]) -> Any:
+    """A wait's callback that prints, once, the warning when no live worker consumes the jobs'
+    queue (ocrq/api/consumers.py)."""
+    from ocrq.api.consumers import ConsumerCheck
 
+    check = ConsumerCheck(client.app, client.settings.broker_url, queues)
 
-class _ConsumerCheck:
-    """Called with the finished count as a wait polls; once, after CONSUMER_CHECK_S with none
-    finished, warns when no live worker consumes any of `queues`."""
-
-    def __init__(self, client: Any, queues: list[str]) -> None:
-        self.client, self.queues = client, queues
-        self.started = time.monotonic()
-        self.asked = False
-
-    def __call__(self, finished: int) -> None:
-        if self.asked or finished or time.monotonic() - self.started < CONSUMER_CHECK_S:
-            return
-        self.asked = True
-        from ocrq.api.consumers import missing_consumer, queue_consumers
-        from ocrq.core.contract import redact_url
-
-        try:
-            consumers = queue_consumers(self.client.app)
-        except Exception as exc:  # the wait goes on; this was only advice
-            log.debug("asking the workers for their queues failed: %s", exc)
-            return
-        broker = redact_url(self.client.settings.broker_url)
-        warning = missing_consumer(consumers, self.queues, broker)
+    def on_finished(finished: int) -> None:
+        warning = check(finished)
         if warning:
             err.print(f"[yellow]ocrq:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+
+    return on_finished
 
 
 def _db_url(db: str) -> str:
@@ -408,7 +390,7 @@ def submit(
         for job_id in ids:
             typer.echo(json.dumps({"job_id": job_id}) if as_json else job_id)
         return
-    check = _ConsumerCheck(client, [queue_for(priority, settings.queue)])
+    check = _consumer_check(client, [queue_for(priority, settings.queue)])
     with _progress() as progress:
         bar = progress.add_task("waiting", total=len(ids))
 
@@ -602,7 +584,7 @@ def wait_for(
         raise typer.Exit(EXIT_UNKNOWN)
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
-    check = _ConsumerCheck(client, [queue_for(p, client.settings.queue) for p in PRIORITIES])
+    check = _consumer_check(client, [queue_for(p, client.settings.queue) for p in PRIORITIES])
     with _progress() as progress:
         bar = progress.add_task("waiting", total=None)
         while True:

@@ -11,8 +11,8 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from ocrq.api.consumers import missing_consumer
-from ocrq.cli import CONSUMER_CHECK_S, EXIT_PENDING
+from ocrq.api.consumers import ASK_AFTER_S, missing_consumer
+from ocrq.cli import EXIT_PENDING
 from ocrq.core.samples import draw_text_image
 from tests.conftest import BIN, WorkerProcess
 
@@ -24,26 +24,31 @@ def test_submit_wait_names_the_queue_no_worker_consumes(
     image = image_root / "consumer-check" / "word.png"
     image.parent.mkdir(parents=True, exist_ok=True)
     draw_text_image(["HELLO"]).save(image)
+    batch = f"cc-batch-{uuid.uuid4().hex[:6]}"
     worker = WorkerProcess({**service_env, "OCRQ_QUEUE": theirs}, tmp_path / "w.log")
-    try:
-        worker.wait_ready(90)
-        done = subprocess.run(
-            [str(BIN / "ocrq"), "submit", str(image), "--wait", "--timeout",
-             str(CONSUMER_CHECK_S + 6)],
+
+    def ocrq(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(BIN / "ocrq"), *args, "--timeout", str(ASK_AFTER_S + 6)],
             env={**service_env, "OCRQ_QUEUE": ours},
             capture_output=True,
             text=True,
-            timeout=CONSUMER_CHECK_S + 60,
+            timeout=ASK_AFTER_S + 60,
             check=False,
         )
+
+    try:
+        worker.wait_ready(90)
+        submitted = ocrq("submit", str(image), "--wait", "--batch", batch)
+        waited = ocrq("wait", batch)  # resuming the wait: the same advice
     finally:
         worker.stop()
-    assert done.returncode == EXIT_PENDING, done.stderr
-    warning = " ".join(ln for ln in done.stderr.splitlines() if "no worker consumes" in ln)
-    assert f"queue '{ours}'" in warning and theirs in warning and "OCRQ_QUEUE" in warning, (
-        done.stderr
-    )
-    assert "queued" in done.stdout  # the job waits; nothing was lost or failed
+    for done, queues in ((submitted, f"queue '{ours}'"),
+                         (waited, f"queue '{ours}' or '{ours}.interactive'")):
+        assert done.returncode == EXIT_PENDING, done.stderr
+        warning = " ".join(ln for ln in done.stderr.splitlines() if "no worker consumes" in ln)
+        assert queues in warning and theirs in warning and "OCRQ_QUEUE" in warning, done.stderr
+    assert "queued" in submitted.stdout  # the job waits; nothing was lost or failed
 
 
 def test_the_warning_branches() -> None:

@@ -9,13 +9,42 @@ broker (its pidbox), as Flower asks it.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Collection
 from typing import Any
+
+from ocrq.core.contract import redact_url
 
 # How long a broadcast waits for replies: a worker answers from its consumer loop, which a
 # busy task pool does not hold up; one that is still starting may miss it, and the warning
 # says so rather than claiming there is no worker.
 REPLY_S = 2.0
+# Seconds into a wait with nothing finished before asking: past a worker's usual start, before
+# a user gives up.
+ASK_AFTER_S = 10.0
+log = logging.getLogger(__name__)
+
+
+class ConsumerCheck:
+    """Called with the finished count each time a wait polls: once, after ASK_AFTER_S with none
+    finished, the warning when no live worker consumes any of `queues` (else None)."""
+
+    def __init__(self, app: Any, broker_url: str, queues: Collection[str]) -> None:
+        self.app, self.broker, self.queues = app, redact_url(broker_url), list(queues)
+        self.started = time.monotonic()
+        self.asked = False
+
+    def __call__(self, finished: int) -> str | None:
+        if self.asked or finished or time.monotonic() - self.started < ASK_AFTER_S:
+            return None
+        self.asked = True
+        try:
+            consumers = queue_consumers(self.app)
+        except Exception as exc:  # the wait goes on; this was only advice
+            log.debug("asking the workers for their queues failed: %s", exc)
+            return None
+        return missing_consumer(consumers, self.queues, self.broker)
 
 
 def queue_consumers(app: Any, reply_s: float = REPLY_S) -> dict[str, list[str]]:
