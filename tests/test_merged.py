@@ -37,9 +37,10 @@ def test_linears_that_cannot_share_a_weight_are_left_alone() -> None:
                          torch.nn.Linear(6, 4, bias=False)) is None
 
 
-def test_a_loaded_decoder_merges_at_its_first_fused_step_only(tmp_path) -> None:
+def test_only_a_fused_decoder_merges(tmp_path) -> None:
     """The real engine load on a tiny checkpoint: the CPU engine never runs the fused step, so
-    loading it leaves the modules' weights alone; the first fused step merges them."""
+    loading it leaves the modules' weights alone; a decoder that runs it merges at once."""
+    from ocrq.models.hunyuan.decode import HunyuanDecoder
     from ocrq.models.hunyuan.engine import HunyuanEngine
     from tests.tiny_hunyuan import cpu_settings, tiny_checkpoint
 
@@ -49,7 +50,9 @@ def test_a_loaded_decoder_merges_at_its_first_fused_step_only(tmp_path) -> None:
     attn = text.layers[0].self_attn
     separate = attn.q_proj.weight.data_ptr()
     assert text.qkv is None and getattr(attn.q_proj, "_ocrq_merged", None) is None
-    qkv, gate_up = text._merge()
-    assert qkv[0] is not None and gate_up[0] is not None
+    fused = HunyuanDecoder(engine.model, attention="torch", fused=True)
+    qkv, gate_up = fused.text.qkv, fused.text.gate_up
+    assert qkv is not None and gate_up is not None and qkv[0] is not None
+    assert gate_up[0] is not None
     assert attn.q_proj.weight.data_ptr() == qkv[0].data_ptr() != separate
-    assert text._merge()[0] is qkv  # once
+    assert fused.text.merge()[0] is qkv  # once

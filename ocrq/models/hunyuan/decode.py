@@ -111,6 +111,8 @@ class HunyuanDecoder:
         self.attention = attention
         self.fused = attention == "triton" if fused is None else fused
         self.kernel = kernel
+        if self.fused:  # now, not in a first step the memory plan did not count (text.py)
+            self.text.merge()
 
     # -- one batch ---------------------------------------------------------------------------
 

@@ -51,9 +51,10 @@ class TextModel:
         # The packed prefill's causal attention where the engine chose FlashAttention-4 for it
         # (`Settings.prefill_attention`); None: torch's flash varlen kernel, or SDPA per row.
         self.causal_kernel: VarlenKernel | None = None
-        # The fused step's merged projections (ocrq/models/hunyuan/merged.py), made at its first
-        # step (`_merge`): a decoder that never runs the fused step (the CPU engine, `generate()`)
-        # never copies those weights.
+        # The fused step's merged projections (ocrq/models/hunyuan/merged.py), made by `merge`:
+        # at load by a decoder that runs the fused step (before the engine plans its memory, as
+        # when they were made here), else at a first fused step; the CPU engine, which never
+        # runs one, never copies those weights.
         self.qkv: list[torch.Tensor | None] | None = None
         self.gate_up: list[torch.Tensor | None] | None = None
 
@@ -152,7 +153,7 @@ class TextModel:
         fused (~16 kernels a layer instead of ~64), and q/k/v and gate/up as merged GEMMs (~12)."""
         import torch.nn.functional as F
 
-        qkv, gate_ups = self._merge()
+        qkv, gate_ups = self.merge()
         batch = tok.shape[0]
         cos, sin = self.rope(pos)
         cos = cos[:, 0].float().contiguous()
@@ -194,7 +195,7 @@ class TextModel:
         h, x = add_rms_norm(h, pending, self.norm.weight, self.norm.variance_epsilon)
         return self.lm_head(x)
 
-    def _merge(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    def merge(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Each layer's merged q/k/v weight and its merged gate/up weight (silu only): None where
         a layer's modules cannot be merged (they then run one by one) or MERGED_PROJECTIONS is
         off. Made once; the modules' weights become views of them (merged.py)."""
