@@ -438,6 +438,7 @@ class JobRunner:
             with metrics.stage_timer("store"):
                 stored = self._db(self.store.finish)(
                     request.job_id,
+                    worker=self.worker_name,
                     status="done",
                     text=outcome.result.text,
                     lines=lines,
@@ -490,7 +491,9 @@ class JobRunner:
                 )
         except documents.DocumentError as exc:
             return self._fail(request.job_id, source, str(exc))
-        self._db(self.store.finish)(request.job_id, status="done", error=None)
+        self._db(self.store.finish)(
+            request.job_id, status="done", error=None, worker=self.worker_name
+        )
         self._count("done")
         return JobOutcome(request.job_id, source, "done", pages=pages)
 
@@ -559,7 +562,13 @@ class JobRunner:
     def _fail(self, job_id: str, source: str, message: str, **fields: Any) -> JobOutcome:
         log.warning("job %s failed: %s", job_id, message)
         with metrics.stage_timer("store"):
-            stored = self._db(self.store.finish)(job_id, status="failed", error=message, **fields)
+            # The finisher's name: a job whose message had two copies about (one re-sent after
+            # a kill) can be claimed again by a second worker while the first still runs it;
+            # finish() stores whichever ends first, and the row then names that worker, the
+            # one whose ocrq_jobs_total counted it, not the last to claim it.
+            stored = self._db(self.store.finish)(
+                job_id, status="failed", error=message, worker=self.worker_name, **fields
+            )
         if not stored:  # cancelled (or finished by another delivery) meanwhile: the row stands
             return self._final_row(job_id, source)
         self._count("failed")
