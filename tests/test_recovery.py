@@ -24,9 +24,11 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from ocrq.api.client import Client
-from ocrq.core.broker_scan import HOLDERS_KEY, message_job_id
+from ocrq.core import workers_table
+from ocrq.core.broker_scan import HOLDERS_KEY, broker_view, holder_entry, message_job_id
 from ocrq.core.contract import TASK_NAME, JobRequest, queue_for
 from ocrq.core.db import get_engine
+from ocrq.core.requeue import recover
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, NewJob
 from tests import conftest
@@ -271,3 +273,51 @@ def test_redis_restarted_empty_jobs_finish_by_themselves(
     assert waiting == 0 and queued > 0
     assert figures["done"] == len(ids) and figures["lost"] == 0 and figures["duplicated"] == 0
     assert "whose message was nowhere in the broker" in worker.text()
+
+
+def test_a_dead_workers_last_message_is_put_back_not_copied(
+    own_services: tuple[dict[str, str], str], image_root: Path
+) -> None:
+    """A worker takes a message, claims its job and dies before its next heartbeat: the sweep
+    that finds it dead sees that message taken under OCRQ_STALLED_AFTER_S ago. The job must end
+    with one message, the original, put back at once; it was re-sent from its row, and the
+    original put back by a later sweep as well, and the two copies met two live workers (the
+    job ran twice: test_gpus, after a kill -9). The worker is stood in for by kombu's own
+    basic_get and the holder entry ocrq's transport writes beside it; the sweep is the real
+    one, against a real Redis and PostgreSQL."""
+    service_env, database_url = own_services
+    queue = f"ocr-young-{uuid.uuid4().hex[:6]}"
+    settings = Settings(
+        broker_url=service_env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue
+    )
+    store = JobStore(get_engine(database_url))
+    client = Client(settings)
+    r = redis.Redis.from_url(settings.broker_url)
+    dead = f"w-dead-{uuid.uuid4().hex[:6]}"
+    job_id = client.submit({"path": str(make_images(image_root / "young", 1)[0])})
+    row = store.get([job_id])[job_id]
+    with broker_view(client.app, queue) as view:
+        assert view is not None
+        message = view.channel.basic_get(queue, no_ack=False)  # a worker's take: now in unacked
+        tag = message.delivery_tag
+        r.hset(HOLDERS_KEY, tag, holder_entry(dead, job_id))
+        # Killed with it: no channel close puts it back (kombu restores what a channel it
+        # closes still holds).
+        view.channel.qos._delivered.clear()
+    workers_table.beat(store.engine, dead)
+    assert store.claim(job_id, row["task"], row["source"], dead).run
+    workers_table.retire(store.engine, dead)  # a job still running: its heartbeat goes stale
+    try:
+        first = recover(store, client.app, settings, stalled_after_s=60.0)
+        assert first.stalled == [job_id] and first.failed is None, first
+        # One copy: the original, back in the queue; nothing held, nothing rebuilt.
+        assert queue_ids(r, queue) == [job_id]
+        assert not r.hexists("unacked", tag) and not r.hexists(HOLDERS_KEY, tag)
+        assert store.get([job_id])[job_id]["status"] == "queued"
+        again = recover(store, client.app, settings, stalled_after_s=60.0)
+        assert again.stalled == [] and job_id not in again.orphaned + again.lost
+        assert queue_ids(r, queue) == [job_id]
+    finally:
+        r.delete(queue)
+        with store.engine.begin() as conn:
+            conn.execute(text("DELETE FROM ocr_jobs WHERE id = :id"), {"id": job_id})
