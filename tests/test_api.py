@@ -55,6 +55,9 @@ def api(settings: Settings) -> Iterator[TestClient]:
 def test_every_endpoint_but_healthz_needs_the_token(api: TestClient, image_root: Path) -> None:
     job = {"image": {"path": str(image_root / "a.png")}}
     assert api.get("/healthz").json() == {"status": "ok"}
+    # The root says where things are, without the token (it was a 401, a 404 with it).
+    index = api.get("/")
+    assert index.status_code == 200 and index.json()["docs"] == "/docs", index.text
     assert api.post("/jobs", json=job).status_code == 401
     assert api.post("/jobs", json=job, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert api.post("/jobs", json=job, headers={"Authorization": TOKEN}).status_code == 401

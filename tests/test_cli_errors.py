@@ -138,6 +138,8 @@ def test_run_with_an_engine_that_cannot_start_says_why(
     )
     assert done.returncode == EXIT_CONFIG, done.stderr
     assert "Traceback" not in done.stderr
+    # The reason once: no log line before it that says only "engine failed to start".
+    assert "failed to start" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(said), done.stderr
     if engine == "hunyuan":

@@ -38,6 +38,7 @@ from sqlalchemy import exc as sa_exc
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ocrq import __version__
 from ocrq.api import docs, documents, health, routes, viewer
 from ocrq.api.client import Client, NotSent
 from ocrq.api.json_budget import JsonBudget
@@ -46,7 +47,7 @@ from ocrq.core.store import REUSED_ID, JobIdReused
 
 MIN_TOKEN_CHARS = 16
 MAX_ERRORS = 20  # a 422 lists at most this many problems
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/", "/healthz", "/readyz"})
 RETRY_AFTER_S = "5"
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     viewer.mount(app)
     if settings.api_docs != "off":
         docs.mount(app)
+
+    @app.get("/", include_in_schema=False)
+    def index() -> dict[str, Any]:
+        """Where things are, for a browser or `curl` pointed at the server's root (it was a
+        401, or a 404 with the token); open, as /healthz is: it names no job."""
+        return {
+            "service": "ocrq api",
+            "version": __version__,
+            "docs": docs.DOCS if settings.api_docs != "off" else None,
+            "health": "/healthz",
+            "ready": "/readyz",
+        }
+
     return app
 
 

@@ -47,10 +47,14 @@ class Components:
             log.info("%s: starting %s", self.owner, component.name)
             try:
                 component.start()
-            except BaseException:
-                log.error(
-                    "%s: %s failed to start; stopping %s",
-                    self.owner, component.name, ", ".join(reversed(self.started)) or "nothing",
+            except BaseException as exc:
+                # INFO: the exception goes on up, and whoever catches it says why in its own
+                # words (the worker's CRITICAL line, `ocrq run`'s one-line reason); an ERROR
+                # here printed a second, vaguer line before that reason.
+                log.info(
+                    "%s: %s failed to start (%s); stopping %s",
+                    self.owner, component.name, type(exc).__name__,
+                    ", ".join(reversed(self.started)) or "nothing",
                 )
                 self.stop()
                 raise
