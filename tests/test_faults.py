@@ -367,3 +367,67 @@ def test_postgres_down_30s(
         assert "retrying" in worker.text().lower() or "Retrying" in worker.text()
     finally:
         pg.destroy()
+
+
+def test_postgres_down_past_the_retry_window(
+    service_env: dict[str, str], broker_url: str, image_root: Path, tmp_path: Path
+) -> None:
+    """PostgreSQL away for longer than OCRQ_DB_RETRY_S (3 s here, 300 by default): the jobs that
+    waited it out give their messages back instead of failing them. Acked as a failed task, a
+    job whose row the worker had claimed stayed `running` under a worker that was alive, which
+    no sweep re-sends: lost for good."""
+    budget = Budget(420, "postgres-down-past-retry")
+    pg = PrivatePostgres()
+    pg.init()
+    try:
+        subprocess.run(
+            [str(BIN / "ocrq"), "migrate"], check=True, timeout=120,
+            env={**os.environ, "OCRQ_DATABASE_URL": pg.url},
+        )
+        store = JobStore(get_engine(pg.url))
+        queue = f"ocr-pgw-{uuid.uuid4().hex[:6]}"
+        env = worker_env(
+            service_env, database_url=pg.url, queue=queue, max_batch="8", db_retry_s="3"
+        )
+        worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8")
+        app = Celery(broker=broker_url)
+        try:
+            worker.wait_ready(90)
+            ids = []
+            for path in make_images(image_root / "pgw", 60, lines=3):
+                job_id = str(uuid.uuid4())
+                app.send_task(
+                    "ocrq.recognize",
+                    kwargs={"image": {"path": str(path)}, "job_id": job_id},
+                    queue=queue,
+                    task_id=job_id,
+                )
+                ids.append(job_id)
+            t0 = time.monotonic()
+            budget.until(
+                "10 jobs final before the outage",
+                lambda: len(final_rows(store, ids)) >= 10,
+                120,
+                lambda: not_final(store, ids) + worker.text()[-2000:],
+                poll_s=0.05,
+            )
+            pg.stop()
+            budget.until(
+                "a job giving its message back after OCRQ_DB_RETRY_S",
+                lambda: "goes back to the queue" in worker.text(),
+                90,
+                lambda: worker.text()[-3000:],
+            )
+            assert worker.alive()
+            pg.start()
+            rows = wait_all(store, ids, timeout=budget.left(), budget=budget, log=worker)
+            seconds = time.monotonic() - t0
+        finally:
+            worker.stop()
+        figures = report("postgres-down-past-retry", ids, rows, store, seconds)
+        given_back = worker.text().count("goes back to the queue")
+        FIGURES.append(f"[postgres-down-past-retry] messages given back: {given_back}")
+        assert figures["done"] == len(ids) and figures["lost"] == 0
+        assert figures["duplicated"] == 0
+    finally:
+        pg.destroy()

@@ -299,6 +299,9 @@ class DeliverySettings(SettingsGroup):
     # intake, the batch); then it fails with "timed out" and its task thread is free while the
     # batch runs on. Celery's task time limits do not work with the threads pool.
     job_timeout_s: float = Field(default=900.0, ge=1.0, le=86_400.0)
+    # How long a job waits out a database that went away (a restart, a failover) before its
+    # message goes back to the queue, unacked, for a later delivery to run it (docs/faults.md).
+    db_retry_s: float = Field(default=300.0, ge=1.0, le=86_400.0)
 
     # Callbacks and retention (docs/producers.md, docs/operations.md).
     # A job's Celery `link`/`link_error` may call only tasks matching these fnmatch patterns

@@ -98,7 +98,7 @@ class JobOutcome:
         )
 
 
-def _db_unavailable(exc: BaseException) -> bool:
+def db_unavailable(exc: BaseException) -> bool:
     """Connection-level failures are worth waiting out; constraint errors are not."""
     return isinstance(exc, DBAPIError) and (
         exc.connection_invalidated or type(exc.orig).__name__ in ("OperationalError",)
@@ -130,7 +130,6 @@ class JobRunner:
         store: JobStore,
         worker_name: str,
         prefetch_images: int = 64,
-        db_retry_s: float = 300.0,
         send_page: splitting.SendPage | None = None,
     ) -> None:
         self.settings = settings
@@ -149,9 +148,9 @@ class JobRunner:
         # While the database is down, results wait in this thread (and the message stays
         # unacked) rather than being dropped or acked without a row.
         self._db = retry(
-            retry=retry_if_exception(_db_unavailable),
+            retry=retry_if_exception(db_unavailable),
             wait=wait_exponential(multiplier=0.5, max=5),
-            stop=stop_after_delay(db_retry_s),
+            stop=stop_after_delay(settings.db_retry_s),
             before_sleep=before_sleep_log(log, logging.WARNING),
             reraise=True,
         )
@@ -447,7 +446,7 @@ class JobRunner:
                     **common,
                 )
         except Exception as exc:
-            if _db_unavailable(exc):  # down for the whole retry window: no row can be written
+            if db_unavailable(exc):  # down for the whole retry window: no row can be written
                 raise
             # A result the row cannot hold (the store cleans text, but a result is the engine's
             # to shape): the job fails with why, instead of its row staying `running` while its

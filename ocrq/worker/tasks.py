@@ -7,9 +7,11 @@ import logging
 from typing import Any
 
 from celery import Task, shared_task
+from celery.exceptions import Reject
 from celery.signals import task_revoked
 from celery.utils.time import maybe_iso8601
 from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError
 
 from ocrq.core.contract import (
     TASK_NAME,
@@ -21,6 +23,7 @@ from ocrq.core.contract import (
 )
 from ocrq.worker.acking import task_returned
 from ocrq.worker.envelope import REFUSED_HEADER, safe_text
+from ocrq.worker.jobs import db_unavailable
 from ocrq.worker.links import LINK_KEYS, NEVER, link_refusal
 from ocrq.worker.runtime import get_runtime
 
@@ -76,6 +79,19 @@ def recognize(
     except JobFailed as exc:
         _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
         raise
+    except DBAPIError as exc:
+        if not db_unavailable(exc):
+            raise
+        # Away for all of OCRQ_DB_RETRY_S. Acked (a failed task's default), the message was
+        # gone, and a row this worker had claimed stayed `running` under a live worker, which
+        # no sweep re-sends: the job was lost. Put back instead, it runs on a later delivery
+        # (a claimed row's as a retry, alone: docs/faults.md); nothing is stored meanwhile.
+        log.warning(
+            "job %s: the database stayed unreachable for OCRQ_DB_RETRY_S; its message goes "
+            "back to the queue",
+            safe_text(str(job_id), 80),
+        )
+        raise Reject(exc, requeue=True) from exc
     else:
         _also_under_job_id(self, job_id, task_id, result, "SUCCESS")
         return result
