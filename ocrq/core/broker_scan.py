@@ -173,6 +173,23 @@ class BrokerView:
         return there
 
 
+def holds(app: Celery, worker: str, job_id: str) -> bool | None:
+    """Whether `worker` holds a message of job `job_id` now: its holder entry, and kombu's
+    `unacked` entry beside it (an entry alone may be stale). None: the broker is not Redis,
+    there is nothing to look at. One HSCAN of the holders hash (a short entry per message the
+    workers hold), asked only when a claim finds the job running under another worker."""
+    wanted = holder_entry(worker, job_id)
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        if not hasattr(channel, "unacked_key"):
+            return None
+        client = channel.client
+        for tag, entry in client.hscan_iter(HOLDERS_KEY, count=1000):
+            if _text(entry) == wanted and client.hexists(channel.unacked_key, tag):
+                return True
+    return False
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 

@@ -118,6 +118,8 @@ class Claim:
     # process, and its attempt is counted only then (`count_retry`, ocrq/worker/alone.py).
     retry: bool = False
     callback_url: str | None = None  # the job's webhook, posted once its row is final
+    # Not run: the row is `running` under this other worker (a claim with take_running=False).
+    elsewhere: str | None = None
 
 
 class JobStore:
@@ -260,6 +262,7 @@ class JobStore:
         batch: str | None = None,
         rerun: int = 0,
         columns: Mapping[str, Any] | None = None,
+        take_running: bool = True,
     ) -> Claim:
         """Mark the job running (creating its row if the producer did not), unless it must not run.
 
@@ -283,6 +286,9 @@ class JobStore:
         counted from when the current re-run began (`retry_attempts`).
         `columns` (the message's JobRequest.columns()) fill a row the claim creates, so a bare
         producer's job is re-sent with its own caps and lane too.
+        `take_running=False`: a row `running` under another worker is left as it is and named
+        in `Claim.elsewhere`, for the caller to ask whether that worker still holds the job's
+        message (a second copy of a running job) before it claims again with True.
         """
         t = now()
         if self.engine.dialect.update_returning:
@@ -326,6 +332,9 @@ class JobStore:
                 return Claim(run=False, row=row, error=REUSED_ID)
             if row["status"] in FINAL or (row.get("retries") or 0) > rerun:
                 return Claim(run=False, row=row)  # final, or a copy from an older re-run
+            holder = row.get("worker")
+            if not take_running and row["status"] == "running" and holder not in (None, worker):
+                return Claim(run=False, row=row, elsewhere=holder)
             where = ocr_jobs.c.id == job_id
             expires_at = _aware(row.get("expires_at"))
             if expires_at is not None and expires_at <= t:  # past its deadline: never run

@@ -10,6 +10,7 @@ import datetime as dt
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -109,6 +110,17 @@ def _timed_out(seconds: float) -> str:
     return f"timed out after {seconds:g} s (OCRQ_JOB_TIMEOUT_S)"
 
 
+class RunningElsewhere(Exception):
+    """A second copy of a job's message, met while another live worker runs the job and holds
+    its own copy: this one is dropped unrun (the Celery task acks it and stores no result).
+    Nothing is lost: that worker finishes the job, or dies holding its copy, which the sweep
+    puts back (ocrq/core/requeue.py)."""
+
+    def __init__(self, job_id: str, worker: str) -> None:
+        super().__init__(f"job {job_id} is running on {worker}, which holds its message")
+        self.job_id, self.worker = job_id, worker
+
+
 class _IsDocument(Exception):
     """The job's bytes are a document: it is split into page jobs, not run as an image."""
 
@@ -131,8 +143,13 @@ class JobRunner:
         worker_name: str,
         prefetch_images: int = 64,
         send_page: splitting.SendPage | None = None,
+        held_by: Callable[[str, str], bool | None] | None = None,
     ) -> None:
         self.settings = settings
+        # Whether a worker holds a job's message now (ocrq/core/broker_scan.holds): asked
+        # when a claim finds the job running under another worker. None (`ocrq run`): such a
+        # job is taken over as before.
+        self._held_by = held_by
         # Where a document's page jobs go (ocrq/intake/splitting.py): the broker, or `ocrq run`'s
         # own threads; built on first use, so image-only runs never connect for it.
         self._send_page = send_page
@@ -257,18 +274,18 @@ class JobRunner:
     def _process(self, request: JobRequest, source: str) -> JobOutcome:
         task = request.task if request.task in TASKS else "custom"
         started = now()
-        claim = self._db(self.store.claim)(
-            request.job_id,
-            request.task,
-            source,
-            self.worker_name,
-            max_attempts=self.settings.max_attempts,
-            page=request.image.page,
-            reference=request.image.reference(),
-            batch=request.batch,
-            rerun=request.retry,
-            columns=request.columns(),
-        )
+        claim = self._claim(request, source, take_running=self._held_by is None)
+        if claim.elsewhere is not None:
+            # Running under another worker: a second copy of its message (a producer that
+            # sent it twice, a sweep's re-send beside a message still on its way). Taken
+            # over, the job ran twice, the second time alone as if its worker had died.
+            if self._held_elsewhere(claim.elsewhere, request.job_id):
+                log.info(
+                    "job %s runs on %s, which holds its message: this copy is dropped",
+                    request.job_id, claim.elsewhere,
+                )
+                raise RunningElsewhere(request.job_id, claim.elsewhere)
+            claim = self._claim(request, source, take_running=True)  # its worker let it go
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
         outcome = self._run_claimed(request, source, claim, task, started)
@@ -281,6 +298,34 @@ class JobRunner:
             if document is not None and document["status"] in DOCUMENT_FINAL:
                 self._document_webhook(request.job_id, document["status"])
         return outcome
+
+    def _claim(self, request: JobRequest, source: str, take_running: bool) -> Claim:
+        return self._db(self.store.claim)(
+            request.job_id,
+            request.task,
+            source,
+            self.worker_name,
+            max_attempts=self.settings.max_attempts,
+            page=request.image.page,
+            reference=request.image.reference(),
+            batch=request.batch,
+            rerun=request.retry,
+            columns=request.columns(),
+            take_running=take_running,
+        )
+
+    def _held_elsewhere(self, worker: str, job_id: str) -> bool:
+        """Whether `worker` holds the job's message; when the broker cannot say, False: the job
+        is taken over as it was before this check (run twice at worst, never lost)."""
+        assert self._held_by is not None
+        try:
+            return self._held_by(worker, job_id) is True
+        except Exception as exc:
+            log.warning(
+                "job %s: could not ask the broker whether %s holds it (%s: %s); running it",
+                job_id, worker, type(exc).__name__, exc,
+            )
+            return False
 
     def _webhook(self) -> Webhooks:
         if self._webhooks is None:

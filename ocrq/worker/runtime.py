@@ -127,6 +127,8 @@ class _Parts:
         self.runner: JobRunner | None = None
         self.heartbeat: Heartbeat | None = None
         self.retention: RetentionPass | None = None
+        # A Celery worker's: whether another worker holds a job's message (JobRunner).
+        self.held_by: Callable[[str, str], bool | None] | None = None
 
     def start_engine(self) -> None:
         """Load the engine, here or in an engine process (OCRQ_ENGINE_PROCESS), or take the one
@@ -200,7 +202,7 @@ class _Parts:
                 store = self.store or JobStore(engine_for(settings))
                 self.runner = JobRunner(
                     settings, engine, self.batcher, store, self.name, prefetch_images=prefetch,
-                    send_page=self.send_page,
+                    send_page=self.send_page, held_by=self.held_by,
                 )
         except BaseException:  # a component that fails leaves nothing of its own running
             self.batcher.stop()
@@ -243,6 +245,7 @@ def build_runtime(
     parts = _Parts(settings, store, name, on_recycle, send_page)
     order = [Component("engine", parts.start_engine, parts.stop_engine)]
     if liveness:
+        parts.held_by = broker_holds(settings)
         order.append(Component("heartbeat", parts.start_heartbeat, parts.stop_heartbeat))
         if settings.retention_days is not None:
             order.append(Component("retention", parts.start_retention, parts.stop_retention))
@@ -254,6 +257,15 @@ def build_runtime(
         settings, parts.engine, parts.batcher, parts.runner, parts.recycler, parts.heartbeat,
         parts.retention, components,
     )
+
+
+def broker_holds(settings: Settings) -> Callable[[str, str], bool | None]:
+    """Asks the broker whether a worker holds a job's message (ocrq/core/broker_scan.py)."""
+    from ocrq.core.broker_scan import holds
+    from ocrq.core.requeue import producer_app
+
+    app = producer_app(settings)  # connects on first use
+    return lambda worker, job_id: holds(app, worker, job_id)
 
 
 def start_heartbeat(settings: Settings, name: str) -> Heartbeat:

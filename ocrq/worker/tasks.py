@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from celery import Task, shared_task
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 from celery.signals import task_revoked
 from celery.utils.time import maybe_iso8601
 from pydantic import ValidationError
@@ -23,7 +23,7 @@ from ocrq.core.contract import (
 )
 from ocrq.worker.acking import task_returned
 from ocrq.worker.envelope import REFUSED_HEADER, safe_text
-from ocrq.worker.jobs import db_unavailable
+from ocrq.worker.jobs import RunningElsewhere, db_unavailable
 from ocrq.worker.links import LINK_KEYS, NEVER, link_refusal
 from ocrq.worker.runtime import get_runtime
 
@@ -79,6 +79,10 @@ def recognize(
     except JobFailed as exc:
         _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
         raise
+    except RunningElsewhere:
+        # A second copy of a job another worker runs: acked, no result stored (that worker
+        # stores the job's), Flower shows it IGNORED.
+        raise Ignore() from None
     except DBAPIError as exc:
         if not db_unavailable(exc):
             raise
