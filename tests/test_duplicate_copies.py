@@ -40,12 +40,14 @@ def test_a_second_copy_of_a_running_job_is_dropped_and_an_abandoned_one_is_run(
     store = JobStore(get_engine(database_url))
     first_q, second_q = (f"ocr-copy-{k}-{uuid.uuid4().hex[:6]}" for k in "ab")
     app = Celery(broker=broker_url, backend=broker_url)
+    # The frozen worker is never taken for dead (and its job swept to the other) in this test.
+    env = {**service_env, "OCRQ_STALLED_AFTER_S": "600"}
     first = WorkerProcess(
-        {**service_env, "OCRQ_QUEUE": first_q}, tmp_path / "first.log",
+        {**env, "OCRQ_QUEUE": first_q}, tmp_path / "first.log",
         "--concurrency", "2", "--no-supervise",
     )
     second = WorkerProcess(
-        {**service_env, "OCRQ_QUEUE": second_q}, tmp_path / "second.log", "--concurrency", "2"
+        {**env, "OCRQ_QUEUE": second_q}, tmp_path / "second.log", "--concurrency", "2"
     )
     stopped = False
     try:
