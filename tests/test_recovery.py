@@ -275,16 +275,18 @@ def test_redis_restarted_empty_jobs_finish_by_themselves(
     assert "whose message was nowhere in the broker" in worker.text()
 
 
-def test_a_dead_workers_last_message_is_put_back_not_copied(
+def test_a_dead_workers_last_messages_are_put_back_at_once_and_not_copied(
     own_services: tuple[dict[str, str], str], image_root: Path
 ) -> None:
-    """A worker takes a message, claims its job and dies before its next heartbeat: the sweep
-    that finds it dead sees that message taken under OCRQ_STALLED_AFTER_S ago. The job must end
-    with one message, the original, put back at once; it was re-sent from its row, and the
-    original put back by a later sweep as well, and the two copies met two live workers (the
-    job ran twice: test_gpus, after a kill -9). The worker is stood in for by kombu's own
-    basic_get and the holder entry ocrq's transport writes beside it; the sweep is the real
-    one, against a real Redis and PostgreSQL."""
+    """A worker takes two messages, claims one job and dies before its next heartbeat: the sweep
+    that finds it dead sees both taken under OCRQ_STALLED_AFTER_S ago. Each job must end with
+    one message, its original, put back at once. Before, the running job was re-sent from its
+    row and its original put back by a later sweep as well: the two copies met two live
+    workers and the job ran twice (test_gpus, after a kill -9); the unstarted one waited a
+    sweep more. A young message of a worker with no heartbeat on record (one yet to beat) is
+    left alone. The workers are stood in for by kombu's own basic_get and the holder entries
+    ocrq's transport writes beside it; the sweep is the real one, on a real Redis and
+    PostgreSQL."""
     service_env, database_url = own_services
     queue = f"ocr-young-{uuid.uuid4().hex[:6]}"
     settings = Settings(
@@ -293,31 +295,42 @@ def test_a_dead_workers_last_message_is_put_back_not_copied(
     store = JobStore(get_engine(database_url))
     client = Client(settings)
     r = redis.Redis.from_url(settings.broker_url)
-    dead = f"w-dead-{uuid.uuid4().hex[:6]}"
-    job_id = client.submit({"path": str(make_images(image_root / "young", 1)[0])})
-    row = store.get([job_id])[job_id]
+    dead, starting = (f"w-{k}-{uuid.uuid4().hex[:6]}" for k in ("dead", "starting"))
+    running, unstarted, newcomer = (
+        client.submit({"path": str(p)}) for p in make_images(image_root / "young", 3)
+    )
+    tags = {}
     with broker_view(client.app, queue) as view:
         assert view is not None
-        message = view.channel.basic_get(queue, no_ack=False)  # a worker's take: now in unacked
-        tag = message.delivery_tag
-        r.hset(HOLDERS_KEY, tag, holder_entry(dead, job_id))
-        # Killed with it: no channel close puts it back (kombu restores what a channel it
-        # closes still holds).
+        for _ in range(3):  # a worker's take: each now in unacked
+            message = view.channel.basic_get(queue, no_ack=False)
+            job_id = message.headers["id"]  # Celery's task id: the job id
+            holder = starting if job_id == newcomer else dead
+            r.hset(HOLDERS_KEY, message.delivery_tag, holder_entry(holder, job_id))
+            tags[job_id] = message.delivery_tag
+        # Killed holding them: no channel close puts them back (kombu restores what a
+        # channel it closes still holds).
         view.channel.qos._delivered.clear()
     workers_table.beat(store.engine, dead)
-    assert store.claim(job_id, row["task"], row["source"], dead).run
+    row = store.get([running])[running]
+    assert store.claim(running, row["task"], row["source"], dead).run
     workers_table.retire(store.engine, dead)  # a job still running: its heartbeat goes stale
+    ids = [running, unstarted, newcomer]
     try:
         first = recover(store, client.app, settings, stalled_after_s=60.0)
-        assert first.stalled == [job_id] and first.failed is None, first
-        # One copy: the original, back in the queue; nothing held, nothing rebuilt.
-        assert queue_ids(r, queue) == [job_id]
-        assert not r.hexists("unacked", tag) and not r.hexists(HOLDERS_KEY, tag)
-        assert store.get([job_id])[job_id]["status"] == "queued"
+        assert first.failed is None, first
+        assert first.stalled == [running] and first.orphaned == [unstarted], first
+        # One copy of each, the original; nothing held but the newcomer's, nothing rebuilt.
+        assert sorted(queue_ids(r, queue)) == sorted([running, unstarted])
+        assert set(holders(r)) == {newcomer} and r.hexists("unacked", tags[newcomer])
+        assert store.get([running])[running]["status"] == "queued"
         again = recover(store, client.app, settings, stalled_after_s=60.0)
-        assert again.stalled == [] and job_id not in again.orphaned + again.lost
-        assert queue_ids(r, queue) == [job_id]
+        assert again.stalled == [] and not set(ids) & set(again.orphaned + again.lost)
+        assert sorted(queue_ids(r, queue)) == sorted([running, unstarted])
     finally:
+        with broker_view(client.app, queue) as view:
+            assert view is not None
+            view.restore(tags[newcomer])
         r.delete(queue)
         with store.engine.begin() as conn:
-            conn.execute(text("DELETE FROM ocr_jobs WHERE id = :id"), {"id": job_id})
+            conn.execute(text("DELETE FROM ocr_jobs WHERE id = ANY(:ids)"), {"ids": ids})

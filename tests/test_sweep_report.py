@@ -32,8 +32,8 @@ def test_a_sweep_failing_after_its_put_back_still_reports_it(
     app = producer_app(settings)
     gone = OperationalError("UPDATE jobs ...", {}, Exception("server closed the connection"))
 
-    def put_back(*_: object) -> tuple[list[str], dict[str, object]]:
-        return ["job-held-by-a-dead-worker"], {}
+    def put_back(*_: object) -> list[str]:
+        return ["job-held-by-a-dead-worker"]
 
     def flip(*_: object, **__: object) -> list[str]:
         raise gone

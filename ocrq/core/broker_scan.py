@@ -163,14 +163,11 @@ class BrokerView:
                 start += PAGE
         return found, True
 
-    def restore(self, tag: str) -> bool:
+    def restore(self, tag: str) -> None:
         """Put a held message back at the head of its queue, as kombu does at a clean shutdown
-        (one transaction: removed from `unacked` and pushed back, or neither). False: it was no
-        longer held (acked, or put back by kombu's visibility timeout), nothing was pushed."""
-        there = bool(self.client.hexists(self.unacked_key, tag))
+        (one transaction: removed from `unacked` and pushed back, or neither)."""
         self.channel.qos.restore_by_tag(tag, client=self.client)
         self.client.hdel(HOLDERS_KEY, tag)
-        return there
 
 
 def holds(app: Celery, worker: str, job_id: str) -> bool | None:

@@ -26,7 +26,7 @@ import contextlib
 import datetime as dt
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from celery import Celery
@@ -34,7 +34,7 @@ from redis.exceptions import LockError
 
 from ocrq.core import workers_table
 from ocrq.core.broker_redis import celery_options
-from ocrq.core.broker_scan import BrokerView, Held, broker_view
+from ocrq.core.broker_scan import BrokerView, broker_view
 from ocrq.core.contract import DEFAULT_QUEUE, TASK_NAME, JobRequest, queue_for
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
@@ -103,14 +103,13 @@ def recover(
         if not lock.acquire(blocking=not paced, blocking_timeout=max(after, 5.0)):
             return Recovered()
         try:
-            put_back, young = _restore_orphans(view, store, after, exclude_worker)
+            put_back = _restore_orphans(view, store, after, exclude_worker)
             # What was put back is reported even when a later step fails: those messages are
             # back in the queue, and a next sweep would not find them again to say so.
             done = Recovered(orphaned=put_back)
             try:
                 done.stalled = _resend_stalled(
-                    store, app, settings, after, exclude_worker, skip=set(put_back),
-                    held=young, view=view,
+                    store, app, settings, after, exclude_worker, skip=set(put_back)
                 )
                 done.orphaned = [j for j in put_back if j not in set(done.stalled)]
                 if lost:
@@ -155,32 +154,31 @@ def requeue_queued(
 
 def _restore_orphans(
     view: BrokerView, store: JobStore, after: float, exclude: str | None
-) -> tuple[list[str], dict[str, Held]]:
-    """Put back the messages held by workers that are not alive, taken over `after` s ago.
+) -> list[str]:
+    """Put back the messages held by workers that are not alive: at once when the holder is
+    known dead (its heartbeat on record is older than `after`), else once taken over `after` s
+    ago (a holder with no heartbeat on record: one that has not beaten yet, or was forgotten).
 
-    Also returns, by job id, the messages such workers took more recently: a worker's last
-    messages are taken after its last heartbeat, so they are still young when the sweep finds
-    it dead. Why they are not simply left for a later sweep: the job of such a message may
-    already be `running` under the dead worker, and its row is re-sent in this sweep; the
-    original, put back by the next one, was a second copy, which met a live worker running
-    the first and ran the job twice (test_gpus saw it after a kill -9). `_resend_stalled`
-    puts those back instead of rebuilding them."""
+    Why at once: a worker's last messages are taken after its last heartbeat, so they are
+    still young when the sweep finds it dead. Left for a later sweep, the message of a job
+    already `running` under that worker became a second copy: this sweep re-sent the row,
+    the next put the original back, and the two met two live workers (test_gpus saw a job
+    run twice after a kill -9)."""
     alive = workers_table.alive(store.engine, after)
+    dead = workers_table.dead(store.engine, after)
     if exclude is not None:
         alive.add(exclude)
+        dead.discard(exclude)
     orphans = [h for h in view.held() if h.worker and h.worker not in alive]
     taken = view.delivered_at([h.tag for h in orphans])
     cutoff = time.time() - after  # kombu stamps the unacked index with the taker's clock
     put_back = []
-    young: dict[str, Held] = {}
     for held in orphans:
-        if taken.get(held.tag, cutoff) < cutoff:
+        if held.worker in dead or taken.get(held.tag, cutoff) < cutoff:
             view.restore(held.tag)
             if held.job_id:
                 put_back.append(held.job_id)
-        elif held.job_id:
-            young[held.job_id] = held
-    return put_back, young
+    return put_back
 
 
 def _resend_stalled(
@@ -190,28 +188,14 @@ def _resend_stalled(
     after: float,
     exclude: str | None,
     skip: Collection[str] = (),
-    held: Mapping[str, Held] | None = None,
-    view: BrokerView | None = None,
 ) -> list[str]:
     """Flip the running rows of dead workers to `queued` (one UPDATE: each to one sweeper) and
-    re-send those whose original message was not put back.
-
-    `held`: young messages of dead workers (`_restore_orphans`). One whose job is a row just
-    flipped, held by the worker that row names, is that dead worker's own copy: it is put back
-    now, whatever its age (its holder is known dead: a stale heartbeat, not a worker yet to
-    beat), and the row is not rebuilt, so the job has one message, not two."""
+    re-send those whose original message was not put back."""
     stalled = workers_table.flip_stalled(store.engine, after, exclude=exclude)
-    restored: set[str] = set()
-    for job in stalled:
-        copy = (held or {}).get(job.id)
-        if view is None or job.id in skip or copy is None or copy.worker != job.worker:
-            continue
-        if view.restore(copy.tag):
-            restored.add(job.id)
-    rebuild = [j for j in stalled if j.id not in skip and j.id not in restored]
+    rebuild = [j for j in stalled if j.id not in skip]
     sent = _resend_rows(store, app, settings, rebuild, unflip=True)
     workers_table.forget_dead(store.engine, after)
-    return [j.id for j in stalled if j.id in skip or j.id in restored] + sent
+    return [j.id for j in stalled if j.id in skip] + sent
 
 
 def _resend_lost(

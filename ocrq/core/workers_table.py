@@ -151,6 +151,15 @@ def alive(engine: Engine, stalled_after_s: float) -> set[str]:
         return set(conn.execute(stmt).scalars())
 
 
+def dead(engine: Engine, stalled_after_s: float) -> set[str]:
+    """Names of the workers on record whose last beat is older than `stalled_after_s`."""
+    stmt = select(ocr_workers.c.name).where(
+        ocr_workers.c.heartbeat_at < _cutoff(engine, stalled_after_s)
+    )
+    with engine.connect() as conn:
+        return set(conn.execute(stmt).scalars())
+
+
 def queued_before(engine: Engine, age_s: float, limit: int | None) -> list[StalledJob]:
     """`queued` rows created more than `age_s` ago, oldest first, that can be re-sent from their
     row: those with a `reference` (not inline b64 images, nor rows from before it was kept).
