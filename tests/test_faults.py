@@ -60,7 +60,7 @@ def make_images(folder: Path, n: int, lines: int = 1) -> list[Path]:
     return paths
 
 
-def send_all(broker_url: str, paths: list[Path]) -> list[str]:
+def send_all(broker_url: str, paths: list[Path], queue: str = "ocr") -> list[str]:
     app = Celery(broker=broker_url)
     ids = []
     with app.producer_or_acquire() as producer:
@@ -69,7 +69,7 @@ def send_all(broker_url: str, paths: list[Path]) -> list[str]:
             app.send_task(
                 "ocrq.recognize",
                 kwargs={"image": {"path": str(path)}, "job_id": job_id},
-                queue="ocr",
+                queue=queue,
                 task_id=job_id,
                 producer=producer,
             )
@@ -390,19 +390,9 @@ def test_postgres_down_past_the_retry_window(
             service_env, database_url=pg.url, queue=queue, max_batch="8", db_retry_s="3"
         )
         worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8")
-        app = Celery(broker=broker_url)
         try:
             worker.wait_ready(90)
-            ids = []
-            for path in make_images(image_root / "pgw", 60, lines=3):
-                job_id = str(uuid.uuid4())
-                app.send_task(
-                    "ocrq.recognize",
-                    kwargs={"image": {"path": str(path)}, "job_id": job_id},
-                    queue=queue,
-                    task_id=job_id,
-                )
-                ids.append(job_id)
+            ids = send_all(broker_url, make_images(image_root / "pgw", 60, lines=3), queue)
             t0 = time.monotonic()
             budget.until(
                 "10 jobs final before the outage",
