@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -341,7 +342,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     from ocrq.core.settings import Settings
     from ocrq.intake import images
     from ocrq.models.base import PreparedImage
-    from ocrq.models.hunyuan import HunyuanEngine, attention, running
+    from ocrq.models.hunyuan import HunyuanEngine, attention, running, text
     from ocrq.scheduling.batcher import StaticBatcher as Batcher
     from ocrq.scheduling.engine_side import batch_config
     from ocrq.scheduling.streaming import StreamingBatcher
@@ -372,6 +373,14 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     # BENCH_FP8_VALUES=rows: the fp8 pool's values token-major, as before the transposed pool
     # (with BENCH_FP8_KERNEL=64/2/3, that layout's best config).
     running.FP8_VALUES_TRANSPOSED = env.get("BENCH_FP8_VALUES", "transposed") != "rows"
+    # BENCH_STEP=before: the decode step of runs 26-27 (stop 42), to judge what came after it in
+    # one run: q/k/v and gate/up as separate GEMMs, the greedy choice by torch ops, and the fp8
+    # kernel's key splits as fixed pool columns.
+    before = env.get("BENCH_STEP") == "before"
+    text.MERGED_PROJECTIONS = not before
+    running.FUSED_GREEDY = not before
+    if before:
+        attention.FP8_CONFIG = dataclasses.replace(attention.FP8_CONFIG, row_splits=False)
     # The worker's engine (create_engine's), with this bench's scripted lengths handed in.
     engine = HunyuanEngine(
         settings, hooks=ScriptedLengths.for_checkpoint(Path(env["OCRQ_MODEL"]))
@@ -446,11 +455,13 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
         prefill_attention=engine.prefill_attention,
         kv_cache_dtype=settings.kv_cache_dtype,
         fp8_decode_kernel=str(attention.FP8_CONFIG),
+        decode_step="before" if before else "today",
         fp8_values_transposed=running.FP8_VALUES_TRANSPOSED,
     )
     engine.close()
     attention.FP8_CONFIG = _FP8_DEFAULT
     running.FP8_VALUES_TRANSPOSED = True
+    text.MERGED_PROJECTIONS = running.FUSED_GREEDY = True
     return out
 
 
@@ -917,7 +928,9 @@ def main() -> None:
         "--alone-env", nargs="*", default=[""],
         help='engine-alone variants, as --service-env: "" = the settings of the environment; '
         "BENCH_FP8_KERNEL=64/2/3 (block_n/warps/stages) sets the fp8 decode kernel's config; "
-        "BENCH_FP8_VALUES=rows stores the fp8 pool's values token-major (as before)",
+        "BENCH_FP8_VALUES=rows stores the fp8 pool's values token-major (as before); "
+        "BENCH_STEP=before runs the decode step of stop 42 (no merged GEMMs, torch greedy, "
+        "no row splits)",
     )
     ap.add_argument("--skip-engine-alone", action="store_true")
     ap.add_argument("--service-timeout-s", type=float, default=400)
