@@ -9,7 +9,14 @@ from pathlib import Path
 import redis
 
 from ocrq.api.client import Client
-from ocrq.core.broker_scan import HOLDERS_KEY, broker_view, holder_entry
+from ocrq.core.broker_scan import (
+    GIVEN_BACK_KEY,
+    GIVEN_BACK_TTL_S,
+    HOLDERS_KEY,
+    BrokerNotes,
+    broker_view,
+    holder_entry,
+)
 from ocrq.core.requeue import producer_app
 from ocrq.core.settings import Settings
 from tests.broker_probe import where
@@ -62,3 +69,18 @@ def test_a_holder_written_just_before_its_unacked_entry_is_kept(
     finally:
         r.hdel("unacked", arriving)
         r.hdel(HOLDERS_KEY, arriving, never)
+
+
+def test_a_given_back_note_is_read_once(broker_url: str, database_url: str) -> None:
+    """The note a worker leaves when it gives a claimed job's message back (the database away)
+    is taken by the next claim that finds the row running: a later one that finds it running
+    again is a worker that died, and must not read the old note as a give-back too."""
+    settings = Settings(broker_url=broker_url, database_url=database_url, queue="ocr-scan")
+    notes = BrokerNotes(producer_app(settings))
+    job = str(uuid.uuid4())
+    assert notes.given_back(job) is None
+    notes.gave_back(job, "w-1")
+    ttl = redis.Redis.from_url(broker_url).ttl(GIVEN_BACK_KEY + job)
+    assert 0 < ttl <= GIVEN_BACK_TTL_S  # notes of jobs that never come back expire
+    assert notes.given_back(job) == "w-1"
+    assert notes.given_back(job) is None

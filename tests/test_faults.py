@@ -401,7 +401,27 @@ def test_postgres_down_past_the_retry_window(
                 lambda: not_final(store, ids) + worker.text()[-2000:],
                 poll_s=0.05,
             )
-            pg.stop()
+            # The outage begins with claimed jobs inside the worker, never between two of its
+            # batches: its processes are frozen until one of the rows reads `running`, then the
+            # database stops, then they go on. Those jobs have run and cannot store a result.
+            group = worker.proc.pid  # its own session: the supervisor, child and engine process
+
+            def frozen_with_a_claimed_job() -> bool:
+                os.killpg(group, signal.SIGSTOP)
+                rows = store.get(ids)
+                if any(r["status"] == "running" for r in rows.values()):
+                    return True
+                os.killpg(group, signal.SIGCONT)
+                return False
+
+            try:
+                budget.until(
+                    "the worker frozen with a claimed job in it", frozen_with_a_claimed_job,
+                    60, lambda: not_final(store, ids), poll_s=0.02,
+                )
+                pg.stop()
+            finally:
+                os.killpg(group, signal.SIGCONT)
             budget.until(
                 "a job giving its message back after OCRQ_DB_RETRY_S",
                 lambda: "goes back to the queue" in worker.text(),
@@ -415,9 +435,20 @@ def test_postgres_down_past_the_retry_window(
         finally:
             worker.stop()
         figures = report("postgres-down-past-retry", ids, rows, store, seconds)
-        given_back = worker.text().count("goes back to the queue")
-        FIGURES.append(f"[postgres-down-past-retry] messages given back: {given_back}")
+        text = worker.text()
+        given_back = text.count("goes back to the queue")
+        resumed = text.count("while the database was away; running it again (not a retry)")
+        FIGURES.append(
+            f"[postgres-down-past-retry] messages given back: {given_back}, "
+            f"of claimed jobs (resumed): {resumed}"
+        )
         assert figures["done"] == len(ids) and figures["lost"] == 0
         assert figures["duplicated"] == 0
+        # A job given back with its row claimed (it had run, and could not store its result)
+        # runs again beside the others: no worker died, so it is neither run alone nor
+        # charged an attempt (a poison message's budget), and the log does not say it died.
+        assert resumed >= 1, text[-3000:]
+        assert "died with its worker" not in text, text[-3000:]
+        assert figures["rerun"] == 0, {i: r["attempts"] for i, r in rows.items()}
     finally:
         pg.destroy()

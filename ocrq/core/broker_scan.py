@@ -187,6 +187,47 @@ def holds(app: Celery, worker: str, job_id: str) -> bool | None:
     return False
 
 
+# Job id -> the worker that gave the job's message back while the database was away, after it
+# had claimed the job's row (ocrq/worker/jobs.py). The next claim finds the row `running` with
+# an attempt made, which reads as a worker that died mid-run; this note says it did not.
+GIVEN_BACK_KEY = "ocrq.given_back:"
+# A message given back is delivered again within seconds to minutes (or after the visibility
+# timeout, 1 h, if a worker died holding it); a week bounds notes whose job never came back.
+GIVEN_BACK_TTL_S = 7 * 86400
+
+
+class BrokerNotes:
+    """What a Celery worker asks of the broker, and leaves with it, about jobs other workers
+    may hold: `holds` for a second copy of a running job, `gave_back`/`given_back` for a job
+    whose message went back to the queue with its row claimed. A broker that is not Redis
+    answers None: nothing to look at, and a job is then treated as before these checks."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    def holds(self, worker: str, job_id: str) -> bool | None:
+        return holds(self.app, worker, job_id)
+
+    def gave_back(self, job_id: str, worker: str) -> None:
+        with self.app.connection_for_write() as conn:
+            channel = conn.default_channel
+            if hasattr(channel, "unacked_key"):
+                channel.client.set(GIVEN_BACK_KEY + job_id, worker, ex=GIVEN_BACK_TTL_S)
+
+    def given_back(self, job_id: str) -> str | None:
+        """The worker that gave the job back, once: the note is taken (a later claim that finds
+        the row running again is a worker that died, and is charged as one)."""
+        with self.app.connection_for_write() as conn:
+            channel = conn.default_channel
+            if not hasattr(channel, "unacked_key"):
+                return None
+            pipe = channel.client.pipeline()  # MULTI/EXEC: GETDEL needs Redis 6.2
+            pipe.get(GIVEN_BACK_KEY + job_id)
+            pipe.delete(GIVEN_BACK_KEY + job_id)
+            worker = pipe.execute()[0]
+        return None if worker is None else _text(worker)
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 

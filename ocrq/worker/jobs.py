@@ -10,10 +10,9 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import DBAPIError
 from tenacity import (
@@ -40,6 +39,9 @@ from ocrq.worker.batch_hooks import BatchHooks
 from ocrq.worker.cancels import CancelWatch
 from ocrq.worker.envelope import safe_text
 from ocrq.worker.webhooks import Webhooks
+
+if TYPE_CHECKING:
+    from ocrq.core.broker_scan import BrokerNotes
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +145,14 @@ class JobRunner:
         worker_name: str,
         prefetch_images: int = 64,
         send_page: splitting.SendPage | None = None,
-        held_by: Callable[[str, str], bool | None] | None = None,
+        broker: BrokerNotes | None = None,
     ) -> None:
         self.settings = settings
-        # Whether a worker holds a job's message now (ocrq/core/broker_scan.holds): asked
-        # when a claim finds the job running under another worker. None (`ocrq run`): such a
-        # job is taken over as before.
-        self._held_by = held_by
+        # The broker's notes (ocrq/core/broker_scan.py): whether a worker holds a job's message
+        # now, asked when a claim finds the job running under another worker; and which jobs
+        # were given back with their rows claimed. None (`ocrq run`): such a job is taken over
+        # as before, and there is no broker to give a job back to.
+        self._broker = broker
         # Where a document's page jobs go (ocrq/intake/splitting.py): the broker, or `ocrq run`'s
         # own threads; built on first use, so image-only runs never connect for it.
         self._send_page = send_page
@@ -274,7 +277,7 @@ class JobRunner:
     def _process(self, request: JobRequest, source: str) -> JobOutcome:
         task = request.task if request.task in TASKS else "custom"
         started = now()
-        claim = self._claim(request, source, take_running=self._held_by is None)
+        claim = self._claim(request, source, take_running=self._broker is None)
         if claim.elsewhere is not None:
             # Running under another worker: a second copy of its message (a producer that
             # sent it twice, a sweep's re-send beside a message still on its way). Taken
@@ -288,7 +291,12 @@ class JobRunner:
             claim = self._claim(request, source, take_running=True)  # its worker let it go
         if not claim.run:
             return self._not_run(request.job_id, source, claim)
-        outcome = self._run_claimed(request, source, claim, task, started)
+        try:
+            outcome = self._run_claimed(request, source, claim, task, started)
+        except DBAPIError as exc:
+            if db_unavailable(exc):  # the task gives the message back (ocrq/worker/tasks.py)
+                self._note_given_back(request.job_id)
+            raise
         # A document split into pages sends its webhook once it is assembled, not now.
         split = outcome.pages is not None and outcome.status == "done"
         if claim.callback_url and not split:  # the row is committed; sent from its own threads
@@ -317,15 +325,38 @@ class JobRunner:
     def _held_elsewhere(self, worker: str, job_id: str) -> bool:
         """Whether `worker` holds the job's message; when the broker cannot say, False: the job
         is taken over as it was before this check (run twice at worst, never lost)."""
-        assert self._held_by is not None
+        assert self._broker is not None
         try:
-            return self._held_by(worker, job_id) is True
+            return self._broker.holds(worker, job_id) is True
         except Exception as exc:
             log.warning(
                 "job %s: could not ask the broker whether %s holds it (%s: %s); running it",
                 job_id, worker, type(exc).__name__, exc,
             )
             return False
+
+    def _note_given_back(self, job_id: str) -> None:
+        """Tell the broker that this claimed job's message goes back to the queue with the
+        database away: the row stays `running` under this live worker, which the next claim
+        would take for a worker that died mid-run. Without the note (no broker, or it failed)
+        the job still runs again, alone and charged an attempt, as before."""
+        if self._broker is None:
+            return
+        try:
+            self._broker.gave_back(job_id, self.worker_name)
+        except Exception as exc:
+            log.warning("job %s: could not note its message given back (%s: %s)",
+                        job_id, type(exc).__name__, exc)
+
+    def _given_back(self, job_id: str) -> str | None:
+        if self._broker is None:
+            return None
+        try:
+            return self._broker.given_back(job_id)
+        except Exception as exc:
+            log.warning("job %s: could not ask the broker whether it was given back (%s: %s)",
+                        job_id, type(exc).__name__, exc)
+            return None
 
     def _webhook(self) -> Webhooks:
         if self._webhooks is None:
@@ -369,6 +400,17 @@ class JobRunner:
         """A claimed job: a first run beside the others, a retry alone (ocrq/worker/alone.py)."""
         if claim.created_at is not None:  # the producer's row: when the job was enqueued
             metrics.observe_stage("queue_wait", (started - claim.created_at).total_seconds())
+        if claim.retry:
+            # Running already, with an attempt made: its worker died mid-run, unless that worker
+            # gave the message back because the database went away (`_note_given_back`). Then
+            # the run resumes beside the others and is not charged as a retry.
+            gave_back = self._given_back(request.job_id)
+            if gave_back is not None:
+                log.info(
+                    "job %s: %s gave its message back while the database was away; running "
+                    "it again (not a retry)", request.job_id, gave_back,
+                )
+                claim = replace(claim, retry=False)
         if not claim.retry:
             with self._gate.shared():
                 return self._run(request, source, task, claim.created_at)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ocrq.core import metrics
 from ocrq.core.components import Component, Components
@@ -31,6 +32,9 @@ from ocrq.worker.engine_start import engine_in_own_process
 from ocrq.worker.heartbeat import Heartbeat, unique_worker_name
 from ocrq.worker.jobs import JobRunner
 from ocrq.worker.retention_pass import RetentionPass
+
+if TYPE_CHECKING:
+    from ocrq.core.broker_scan import BrokerNotes
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +131,8 @@ class _Parts:
         self.runner: JobRunner | None = None
         self.heartbeat: Heartbeat | None = None
         self.retention: RetentionPass | None = None
-        # A Celery worker's: whether another worker holds a job's message (JobRunner).
-        self.held_by: Callable[[str, str], bool | None] | None = None
+        # A Celery worker's: the broker's notes on jobs other workers hold (JobRunner).
+        self.broker: BrokerNotes | None = None
 
     def start_engine(self) -> None:
         """Load the engine, here or in an engine process (OCRQ_ENGINE_PROCESS), or take the one
@@ -202,7 +206,7 @@ class _Parts:
                 store = self.store or JobStore(engine_for(settings))
                 self.runner = JobRunner(
                     settings, engine, self.batcher, store, self.name, prefetch_images=prefetch,
-                    send_page=self.send_page, held_by=self.held_by,
+                    send_page=self.send_page, broker=self.broker,
                 )
         except BaseException:  # a component that fails leaves nothing of its own running
             self.batcher.stop()
@@ -245,7 +249,7 @@ def build_runtime(
     parts = _Parts(settings, store, name, on_recycle, send_page)
     order = [Component("engine", parts.start_engine, parts.stop_engine)]
     if liveness:
-        parts.held_by = broker_holds(settings)
+        parts.broker = broker_notes(settings)
         order.append(Component("heartbeat", parts.start_heartbeat, parts.stop_heartbeat))
         if settings.retention_days is not None:
             order.append(Component("retention", parts.start_retention, parts.stop_retention))
@@ -259,13 +263,13 @@ def build_runtime(
     )
 
 
-def broker_holds(settings: Settings) -> Callable[[str, str], bool | None]:
-    """Asks the broker whether a worker holds a job's message (ocrq/core/broker_scan.py)."""
-    from ocrq.core.broker_scan import holds
+def broker_notes(settings: Settings) -> BrokerNotes:
+    """The broker, asked whether a worker holds a job's message and told of a job given back
+    (ocrq/core/broker_scan.py)."""
+    from ocrq.core.broker_scan import BrokerNotes
     from ocrq.core.requeue import producer_app
 
-    app = producer_app(settings)  # connects on first use
-    return lambda worker, job_id: holds(app, worker, job_id)
+    return BrokerNotes(producer_app(settings))  # connects on first use
 
 
 def start_heartbeat(settings: Settings, name: str) -> Heartbeat:
