@@ -96,6 +96,11 @@ def main() -> None:
     fp8_fa4 = run20["engine_alone_kv_cache_dtype_fp8_prefill_attention_auto"]
     run21 = load("service_gpu/service_gpu_h200_run21_a4_bf16_fa4.json")
     bf16_fa4 = run21["engine_alone"]
+    # Today's decode step (row splits, merged GEMMs, greedy kernels), both pools in one call;
+    # the fp8 part ran first, so its prefill carries the call's first compiles (~6 ms a page).
+    run28 = load("service_gpu/service_gpu_h200_run28_a4_fp8_bf16.json")
+    fp8_today = run28["engine_alone_kv_cache_dtype_fp8_prefill_attention_auto"]
+    bf16_today = run28["engine_alone_prefill_attention_auto"]
     # fp8: the kernel's default since (2 warps, 64-key blocks; the first run had 4 and 128).
     profiles = {"fp8": load("loop_profile/loop_profile_h200_fp8_w2_r1.json"),
                 "bf16": load("loop_profile/loop_profile_h200_bf16.json")}
@@ -131,6 +136,15 @@ def main() -> None:
         ("decode per page in the running loop, bf16 pool",
          per_page(bf16_fa4, "decode_gpu_s"), bf16_ms,
          "service_gpu/service_gpu_h200_run21_a4_bf16_fa4.json"),
+        ("decode per page in the running loop, fp8 pool, today's step (run 28)",
+         per_page(fp8_today, "decode_gpu_s"), fp8_ms,
+         "service_gpu/service_gpu_h200_run28_a4_fp8_bf16.json"),
+        ("prefill per page in the running loop, bf16 pool, FA4 (run 28)",
+         per_page(bf16_today, "prefill_gpu_s"), vision_ms + text_ms,
+         "service_gpu/service_gpu_h200_run28_a4_fp8_bf16.json"),
+        ("decode per page in the running loop, bf16 pool, today's step (run 28)",
+         per_page(bf16_today, "decode_gpu_s"), bf16_ms,
+         "service_gpu/service_gpu_h200_run28_a4_fp8_bf16.json"),
     ]
     for kv, itemsize in (("fp8", 1), ("bf16", 2)):
         pr = profiles[kv]
@@ -167,7 +181,9 @@ def main() -> None:
     lines.append("")
     for label, run, kv_ms in (("fp8 pool, SDPA tower (run 19)", run19[
             "engine_alone_kv_cache_dtype_fp8"], fp8_ms), ("fp8 pool, FA4 (run 20)", fp8_fa4,
-            fp8_ms), ("bf16 pool, FA4 (run 21)", bf16_fa4, bf16_ms)):
+            fp8_ms), ("bf16 pool, FA4 (run 21)", bf16_fa4, bf16_ms),
+            ("fp8 pool, today's step (run 28, first part of its call)", fp8_today, fp8_ms),
+            ("bf16 pool, today's step (run 28)", bf16_today, bf16_ms)):
         total = per_page(run, "prefill_gpu_s") + per_page(run, "decode_gpu_s")
         floor_total = vision_ms + text_ms + kv_ms
         lines.append(
