@@ -79,6 +79,9 @@ def load(path: str) -> dict:
     return json.loads((RESULTS / path).read_text())
 
 
+RUN28 = "service_gpu/service_gpu_h200_run28_a4_fp8_bf16.json"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=RESULTS / "floors")
@@ -98,7 +101,7 @@ def main() -> None:
     bf16_fa4 = run21["engine_alone"]
     # Today's decode step (row splits, merged GEMMs, greedy kernels), both pools in one call;
     # the fp8 part ran first, so its prefill carries the call's first compiles (~6 ms a page).
-    run28 = load("service_gpu/service_gpu_h200_run28_a4_fp8_bf16.json")
+    run28 = load(RUN28)
     fp8_today = run28["engine_alone_kv_cache_dtype_fp8_prefill_attention_auto"]
     bf16_today = run28["engine_alone_prefill_attention_auto"]
     # fp8: the kernel's default since (2 warps, 64-key blocks; the first run had 4 and 128).
@@ -136,16 +139,16 @@ def main() -> None:
         ("decode per page in the running loop, bf16 pool",
          per_page(bf16_fa4, "decode_gpu_s"), bf16_ms,
          "service_gpu/service_gpu_h200_run21_a4_bf16_fa4.json"),
-        ("decode per page in the running loop, fp8 pool, today's step (run 28)",
-         per_page(fp8_today, "decode_gpu_s"), fp8_ms,
-         "service_gpu/service_gpu_h200_run28_a4_fp8_bf16.json"),
-        ("prefill per page in the running loop, bf16 pool, FA4 (run 28)",
-         per_page(bf16_today, "prefill_gpu_s"), vision_ms + text_ms,
-         "service_gpu/service_gpu_h200_run28_a4_fp8_bf16.json"),
-        ("decode per page in the running loop, bf16 pool, today's step (run 28)",
-         per_page(bf16_today, "decode_gpu_s"), bf16_ms,
-         "service_gpu/service_gpu_h200_run28_a4_fp8_bf16.json"),
     ]
+    run28_parts = (
+        ("decode per page in the running loop, fp8 pool, today's step (run 28)", fp8_today,
+         "decode_gpu_s", fp8_ms),
+        ("prefill per page in the running loop, bf16 pool, FA4 (run 28)", bf16_today,
+         "prefill_gpu_s", vision_ms + text_ms),
+        ("decode per page in the running loop, bf16 pool, today's step (run 28)", bf16_today,
+         "decode_gpu_s", bf16_ms),
+    )
+    rows += [(name, per_page(part, key), floor, RUN28) for name, part, key, floor in run28_parts]
     for kv, itemsize in (("fp8", 1), ("bf16", 2)):
         pr = profiles[kv]
         row_layer = pr["mean_context"] * 2 * s.kv_heads * s.head_dim * itemsize / READ_BPS * 1e6

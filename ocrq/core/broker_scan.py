@@ -176,9 +176,8 @@ def holds(app: Celery, worker: str, job_id: str) -> bool | None:
     there is nothing to look at. One HSCAN of the holders hash (a short entry per message the
     workers hold), asked only when a claim finds the job running under another worker."""
     wanted = holder_entry(worker, job_id)
-    with app.connection_for_write() as conn:
-        channel = conn.default_channel
-        if not hasattr(channel, "unacked_key"):
+    with _redis_channel(app) as channel:
+        if channel is None:
             return None
         client = channel.client
         for tag, entry in client.hscan_iter(HOLDERS_KEY, count=1000):
@@ -209,17 +208,15 @@ class BrokerNotes:
         return holds(self.app, worker, job_id)
 
     def gave_back(self, job_id: str, worker: str) -> None:
-        with self.app.connection_for_write() as conn:
-            channel = conn.default_channel
-            if hasattr(channel, "unacked_key"):
+        with _redis_channel(self.app) as channel:
+            if channel is not None:
                 channel.client.set(GIVEN_BACK_KEY + job_id, worker, ex=GIVEN_BACK_TTL_S)
 
     def given_back(self, job_id: str) -> str | None:
         """The worker that gave the job back, once: the note is taken (a later claim that finds
         the row running again is a worker that died, and is charged as one)."""
-        with self.app.connection_for_write() as conn:
-            channel = conn.default_channel
-            if not hasattr(channel, "unacked_key"):
+        with _redis_channel(self.app) as channel:
+            if channel is None:
                 return None
             pipe = channel.client.pipeline()  # MULTI/EXEC: GETDEL needs Redis 6.2
             pipe.get(GIVEN_BACK_KEY + job_id)
@@ -233,12 +230,16 @@ def _text(value: bytes | str) -> str:
 
 
 @contextmanager
+def _redis_channel(app: Celery) -> Iterator[Any]:
+    """kombu's Redis channel of `app`'s broker, or None for a broker that is not Redis."""
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        yield channel if hasattr(channel, "unacked_key") else None
+
+
+@contextmanager
 def broker_view(app: Celery, queue: str) -> Iterator[BrokerView | None]:
     """The broker of `app` seen through kombu's Redis channel, or None for a broker that is
     not Redis (nothing can then be checked, and nothing is re-sent on a guess)."""
-    with app.connection_for_write() as conn:
-        channel = conn.default_channel
-        if not hasattr(channel, "unacked_key"):
-            yield None
-            return
-        yield BrokerView(channel, queue)
+    with _redis_channel(app) as channel:
+        yield None if channel is None else BrokerView(channel, queue)

@@ -10,9 +10,10 @@ import datetime as dt
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
 from tenacity import (
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from ocrq.core.broker_scan import BrokerNotes
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -326,37 +328,37 @@ class JobRunner:
         """Whether `worker` holds the job's message; when the broker cannot say, False: the job
         is taken over as it was before this check (run twice at worst, never lost)."""
         assert self._broker is not None
-        try:
-            return self._broker.holds(worker, job_id) is True
-        except Exception as exc:
-            log.warning(
-                "job %s: could not ask the broker whether %s holds it (%s: %s); running it",
-                job_id, worker, type(exc).__name__, exc,
-            )
-            return False
+        broker = self._broker
+        return self._ask_broker(
+            job_id, f"ask the broker whether {worker} holds it (running it)",
+            lambda: broker.holds(worker, job_id) is True, False,
+        )
 
     def _note_given_back(self, job_id: str) -> None:
         """Tell the broker that this claimed job's message goes back to the queue with the
         database away: the row stays `running` under this live worker, which the next claim
         would take for a worker that died mid-run. Without the note (no broker, or it failed)
         the job still runs again, alone and charged an attempt, as before."""
-        if self._broker is None:
-            return
-        try:
-            self._broker.gave_back(job_id, self.worker_name)
-        except Exception as exc:
-            log.warning("job %s: could not note its message given back (%s: %s)",
-                        job_id, type(exc).__name__, exc)
+        if self._broker is not None:
+            broker = self._broker
+            self._ask_broker(job_id, "note its message given back",
+                             lambda: broker.gave_back(job_id, self.worker_name), None)
 
     def _given_back(self, job_id: str) -> str | None:
         if self._broker is None:
             return None
+        broker = self._broker
+        return self._ask_broker(job_id, "ask the broker whether it was given back",
+                                lambda: broker.given_back(job_id), None)
+
+    def _ask_broker(self, job_id: str, what: str, call: Callable[[], T], unanswered: T) -> T:
+        """The broker's answer, or `unanswered` when it cannot give one: each question is
+        asked on a rare path, and the job goes on as it did before the question existed."""
         try:
-            return self._broker.given_back(job_id)
+            return call()
         except Exception as exc:
-            log.warning("job %s: could not ask the broker whether it was given back (%s: %s)",
-                        job_id, type(exc).__name__, exc)
-            return None
+            log.warning("job %s: could not %s (%s: %s)", job_id, what, type(exc).__name__, exc)
+            return unanswered
 
     def _webhook(self) -> Webhooks:
         if self._webhooks is None:
