@@ -84,3 +84,28 @@ def test_a_given_back_note_is_read_once(broker_url: str, database_url: str) -> N
     assert 0 < ttl <= GIVEN_BACK_TTL_S  # notes of jobs that never come back expire
     assert notes.given_back(job) == "w-1"
     assert notes.given_back(job) is None
+
+
+def test_a_holder_entry_names_the_job_a_message_runs() -> None:
+    """The job id of the kwargs, else the task id, spelt as the task spells them; a body that
+    does not decode is named by its task id (ocrq/worker/broker.py)."""
+    import json
+
+    from kombu import Message
+
+    from ocrq.worker.broker import delivered_job_id
+
+    def message(body: str, task_id: str | None) -> Message:
+        return Message(
+            body=body, content_type="application/json", content_encoding="utf-8",
+            headers={"id": task_id} if task_id else {},
+        )
+
+    job, task = uuid.uuid4(), str(uuid.uuid4())
+    sent = message(json.dumps([[], {"job_id": str(job).upper()}, {}]), task)
+    assert delivered_job_id(sent) == str(job)
+    assert sent.payload == [[], {"job_id": str(job).upper()}, {}]  # memoised for Celery
+    assert delivered_job_id(message(json.dumps([[], {}, {}]), task.upper())) == task
+    assert delivered_job_id(message("{not json", task)) == task
+    assert delivered_job_id(message(json.dumps([[], {"job_id": "nope"}, {}]), "x")) == "x"
+    assert delivered_job_id(message("[]", None)) is None

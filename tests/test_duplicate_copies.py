@@ -8,6 +8,10 @@ death and ran the job again, alone in its process (a retry). Now a claim that fi
 running under another worker asks the broker whether that worker still holds its message:
 then the copy is acked unrun, with no result stored; otherwise it is taken over as before.
 
+The copies come as a bare Celery producer sends them: `job_id` in the kwargs, and each copy
+under a task id of Celery's own. The workers' note of who holds which message must name the job,
+not the task: under the task id it matched no row, and the second copy ran the job again.
+
 Real `ocrq worker` processes, Redis and PostgreSQL. The first worker is frozen (SIGSTOP) while
 it runs the job, so that the second copy meets it running whatever the machine's speed; each
 copy goes to a queue only one worker consumes, so the copies cannot meet in one process.
@@ -56,7 +60,7 @@ def test_a_second_copy_of_a_running_job_is_dropped_and_an_abandoned_one_is_run(
         page, other = slow_images(image_root / "copies", 2, lines=40)
         job_id = str(uuid.uuid4())
         kwargs = {"image": {"path": str(page)}, "job_id": job_id}
-        app.send_task(TASK_NAME, kwargs=kwargs, queue=first_q, task_id=job_id)
+        app.send_task(TASK_NAME, kwargs=kwargs, queue=first_q)  # a task id of Celery's own
         budget.until(
             "the first worker running the job",
             lambda: (store.get([job_id]).get(job_id) or {}).get("status") == "running",
@@ -67,8 +71,9 @@ def test_a_second_copy_of_a_running_job_is_dropped_and_an_abandoned_one_is_run(
         os.kill(first.proc.pid, signal.SIGSTOP)  # mid-job, holding its message
         stopped = True
         holder = store.get([job_id])[job_id]["worker"]
-        # The same job again, as a producer's retry sends it, to the other worker.
-        app.send_task(TASK_NAME, kwargs=kwargs, queue=second_q, task_id=job_id)
+        # The same job again, as a producer's retry sends it (another task id), to the other
+        # worker.
+        app.send_task(TASK_NAME, kwargs=kwargs, queue=second_q)
         budget.until(
             "the second worker dropping its copy",
             lambda: "this copy is dropped" in second.text(),

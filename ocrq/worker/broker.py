@@ -37,6 +37,7 @@ from typing import Any
 from kombu.transport import redis
 
 from ocrq.core.broker_scan import HOLDERS_KEY, holder_entry
+from ocrq.core.contract import canonical_job_id
 from ocrq.core.process import STATE
 from ocrq.worker.envelope import (
     REFUSED_HEADER,
@@ -50,6 +51,25 @@ from ocrq.worker.envelope import (
 
 log = logging.getLogger(__name__)
 
+def delivered_job_id(message: Any) -> str | None:
+    """The job a delivered message runs, as the task will name it: the `job_id` of its kwargs,
+    else its task id, in their canonical spelling (ocrq/worker/tasks.py).
+
+    Why not the task id alone: a bare producer may send `job_id` with a task id of Celery's
+    own, and two copies of one job then carry two task ids. A holder entry under the task id
+    did not match the job's row, so a second copy took over a job its worker still held and ran
+    it twice. The body is decoded through kombu's memo, the decode Celery's request makes next
+    anyway; anything undecodable is named by its task id (the task refuses it)."""
+    task_id = (message.headers or {}).get("id")
+    try:
+        payload = message.decode()
+        kwargs = payload[1] if isinstance(payload, list | tuple) and len(payload) > 1 else None
+        given = kwargs.get("job_id") if isinstance(kwargs, dict) else None
+        return canonical_job_id(given or task_id)
+    except Exception:  # a name for the holder entry, never a reason to fail
+        return task_id if isinstance(task_id, str) else None
+
+
 class TolerantQoS(redis.QoS):
     def append(self, message: Any, delivery_tag: Any) -> None:
         """Record which worker holds the message (ocrq/core/broker_scan.py), then let kombu
@@ -59,8 +79,7 @@ class TolerantQoS(redis.QoS):
         whose message never reached `unacked` is dropped by the next sweep."""
         holder = STATE.worker_name  # set by ocrq/worker/runtime.py before Celery consumes
         if holder is not None:
-            job_id = (message.headers or {}).get("id")
-            entry = holder_entry(holder, job_id if isinstance(job_id, str) else None)
+            entry = holder_entry(holder, delivered_job_id(message))
             with self.channel.conn_or_acquire() as client:
                 client.hset(HOLDERS_KEY, delivery_tag, entry)
         super().append(message, delivery_tag)
