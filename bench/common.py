@@ -129,6 +129,37 @@ def cuda_us_back_to_back(torch: Any, fn: Any, reps: int, warm: int = 3) -> float
     return a.elapsed_time(b) * 1000 / reps
 
 
+def cuda_us_graphed(torch: Any, fn: Any, reps: int, replays: int = 5, warm: int = 3) -> float:
+    """Mean microseconds of fn() over `reps` calls captured in one CUDA graph, replayed
+    `replays` times between two CUDA events: the GPU's own time, no host launch between calls.
+
+    Why beside `cuda_us_back_to_back`: a call whose GPU work is a few microseconds (a decode
+    attention over a few rows) is timed there by its host launches, and read 7x the running
+    loop's graphed figure (bench/results/loop_profile/README.md, stop 44). fn must be
+    capturable (no host sync), as everything the loop's graphed step calls is."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's docs advise
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()  # the first replay uploads the graph
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    del graph
+    return a.elapsed_time(b) * 1000 / (reps * replays)
+
+
 def kernel_events(prof: Any) -> tuple[list[Any], list[Any]]:
     """(device events, host events) of a torch.profiler run."""
     from torch.autograd import DeviceType

@@ -24,7 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import cuda_us_back_to_back  # noqa: E402
+from bench.common import cuda_us_back_to_back, cuda_us_graphed  # noqa: E402
 from ocrq.models.hunyuan.attention import (  # noqa: E402
     DEFAULT_CONFIG,
     FP8_CONFIG,
@@ -71,12 +71,14 @@ STAGE_CONFIGS = (
 
 
 def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, reps: int,
-         pool_slots: int = 0, capacity: int = 0, layout: str = "rows") -> dict[str, Any]:
+         pool_slots: int = 0, capacity: int = 0, layout: str = "rows",
+         graphed: bool = False) -> dict[str, Any]:
     """`pool_slots` > 0: the rows sit in random slots of a pool of that many slots of
     `capacity` tokens, as the running loop's rows do (else packed one after another).
     `layout` "pool": the running loop's fp8 pool (values stored transposed, PAD_KEYS readable
     keys past the end, the kernel's `padded` loads), whatever the dtype; "rows": values
-    token-major, masked loads (the loop's bf16 pool)."""
+    token-major, masked loads (the loop's bf16 pool). `graphed`: also the time of the same calls
+    replayed from one CUDA graph (`us_graphed`), as the loop runs them."""
     heads, kv_heads, dim = 16, 8, 128  # HunyuanOCR's text decoder
     g = torch.Generator(device="cuda").manual_seed(rows)
     lengths = (context + (torch.rand(rows, generator=g, device="cuda") - 0.5) * context * 0.4)
@@ -110,12 +112,16 @@ def case(torch: Any, rows: int, context: int, dtype: Any, config: KernelConfig, 
     error = accuracy(torch, call(), q, pool_k, pool_v, starts, ends, dim**-0.5)
     us = cuda_us_back_to_back(torch, call, reps)
     read = int(lengths.sum()) * kv_heads * dim * 2 * pool_k.element_size()
+    timed = {}
+    if graphed:
+        us_graphed = cuda_us_graphed(torch, call, reps)
+        timed = {"us_graphed": us_graphed, "gb_per_s_graphed": read / us_graphed / 1e3}
     return {"rows": rows, "context": context, "dtype": str(dtype).replace("torch.", ""),
             "pool": (f"{pool_slots} slots x {capacity}" if pool_slots else "packed")
             + (", transposed values, padded" if padded else ""),
             "config": str(config).replace("KernelConfig", ""), "us": us,
             "us_per_row": us / rows, "gb_per_s": read / us / 1e3, "splits": attention.splits,
-            "rel_error": error}
+            "rel_error": error, **timed}
 
 
 def accuracy(torch: Any, out: Any, q: Any, pool_k: Any, pool_v: Any, starts: Any, ends: Any,
@@ -160,6 +166,9 @@ def main() -> None:
                     help="comma-separated: rows (values token-major, masked loads: the loop's "
                          "bf16 pool), pool (values transposed, padded: the loop's fp8 pool), "
                          "each for both dtypes; side by side")
+    ap.add_argument("--graphed", action="store_true",
+                    help="also time each case's calls replayed from one CUDA graph (the loop's "
+                         "way: no host launch between calls), beside the back-to-back figure")
     args = ap.parse_args()
 
     import torch
@@ -193,7 +202,7 @@ def main() -> None:
             ):
                 try:
                     r = case(torch, rows, args.context, dtype, config, args.reps, pool_slots,
-                             capacity, layout)
+                             capacity, layout, args.graphed)
                 except Exception as exc:  # a mode that does not compile here is a finding too
                     r = {"rows": rows, "context": args.context, "config": str(config),
                          "dtype": str(dtype).replace("torch.", ""), "error": repr(exc)[:300]}
@@ -206,16 +215,19 @@ def main() -> None:
              "+-20%; HunyuanOCR's 16 query / 8 KV heads of 128. Command: `python "
              f"bench/kv_attention.py {' '.join(sys.argv[1:])}`.", "",
              "| rows | KV dtype | pool | config | us | us per row | GB/s read | splits "
-             "| rel. error |",
-             "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+             "| rel. error |" + (" us graphed | GB/s graphed |" if args.graphed else ""),
+             "|---:|---|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.graphed
+                                                             else "")]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['rows']} | {r['dtype']} | | {r['config']} | failed: "
-                         f"{r['error'][:120]} | | | | |")
+                         f"{r['error'][:120]} | | | | |" + (" | |" if args.graphed else ""))
             continue
+        graphed = (f" {r['us_graphed']:.1f} | {r['gb_per_s_graphed']:.0f} |"
+                   if args.graphed else "")
         lines.append(f"| {r['rows']} | {r['dtype']} | {r['pool']} | {r['config']} | "
                      f"{r['us']:.0f} | {r['us_per_row']:.2f} | {r['gb_per_s']:.0f} | "
-                     f"{r['splits']} | {r['rel_error']:.4f} |")
+                     f"{r['splits']} | {r['rel_error']:.4f} |{graphed}")
     (args.out / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
     (args.out / f"{args.stem}.json").write_text(json.dumps(
         {"results": results, "seconds": time.perf_counter() - t0}, indent=1))
