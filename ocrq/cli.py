@@ -757,9 +757,10 @@ def prune(
     settings = _settings()
     cutoff = older_than_cutoff(older_than)
     pruned = prune_rows(engine_for(settings), cutoff, settings.upload_dir)
+    hooks = f", {pruned.batch_hooks} unsent batch webhook(s)" if pruned.batch_hooks else ""
     err.print(
         f"deleted {pruned.jobs} job(s), {pruned.documents} document(s) and {pruned.uploads} "
-        f"upload(s) finished before {cutoff.isoformat(timespec='seconds')}"
+        f"upload(s) finished before {cutoff.isoformat(timespec='seconds')}{hooks}"
     )
 
 

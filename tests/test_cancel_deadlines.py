@@ -26,12 +26,14 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from celery import Celery, signature
 from sqlalchemy import text
 
 from ocrq.api.client import Client, Delivery
 from ocrq.client import Client as HttpClient
 from ocrq.client import OcrqError
+from ocrq.core import batch_hooks
 from ocrq.core.contract import JobRequest
 from ocrq.core.db import get_engine
 from ocrq.core.requeue import resend
@@ -71,12 +73,14 @@ def failed(task_id):  # link_error of a task this worker does not know: called w
 
 @dataclass
 class Hooks:
-    """A local HTTP server: POST /hook answers 500 first, then 200, recording every call;
-    GET /slow.png serves `image` once `gate` is set."""
+    """A local HTTP server: POST /hook answers 500 first, then 200, recording every call
+    (POSTs to any other path: 200, recorded in `elsewhere`); GET /slow.png serves `image` once
+    `gate` is set."""
 
     image: bytes
     gate: threading.Event = field(default_factory=threading.Event)
     calls: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
+    elsewhere: list[tuple[str, bytes]] = field(default_factory=list)
     slow_requested: threading.Event = field(default_factory=threading.Event)
 
     def serve(self) -> ThreadingHTTPServer:
@@ -85,6 +89,12 @@ class Hooks:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.path != "/hook":
+                    hooks.elsewhere.append((self.path, body))
+                    self.send_response(200)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 hooks.calls.append((dict(self.headers.items()), body))
                 self.send_response(500 if len(hooks.calls) == 1 else 200)
                 self.send_header("Content-Length", "0")
@@ -236,6 +246,27 @@ def scene(
         ids[name] = str(uuid.uuid4())
         store.enqueue(ids[name], "text", src)
         _backdate(store, ids[name], status, finished)
+
+    # Batch webhooks waiting when the worker starts: one an older ocrq kept in the broker's
+    # Redis, one whose batch ended in a worker that died before it looked (both batches done
+    # an hour ago: the worker's first sweep sends them), and one registered 40 days ago for a
+    # batch no job ever named (retention drops it).
+    hooked = {k: f"{k}-{uuid.uuid4().hex[:6]}" for k in ("legacy", "orphan", "stale")}
+    for kind in ("legacy", "orphan"):
+        ids[f"{kind}_job"] = str(uuid.uuid4())
+        store.enqueue(ids[f"{kind}_job"], "text", "/gone/hooked.png", batch=hooked[kind])
+        _backdate(store, ids[f"{kind}_job"], "done", started - dt.timedelta(hours=1))
+    redis.Redis.from_url(env["OCRQ_BROKER_URL"]).hset(
+        batch_hooks.LEGACY_KEY, hooked["legacy"], f"{base}/start-hook"
+    )
+    for kind, age in (("orphan", dt.timedelta(minutes=2)), ("stale", 40 * DAY)):
+        batch_hooks.register(store.engine, hooked[kind], f"{base}/start-hook")
+        with store.engine.begin() as conn:
+            conn.execute(
+                text("UPDATE ocr_batch_hooks SET registered_at = :t WHERE batch = :b"),
+                {"t": started - age, "b": hooked[kind]},
+            )
+    ids.update({f"{k}_batch": v for k, v in hooked.items()})
 
     budget.until("the first deadline to pass", lambda: dt.datetime.now(dt.UTC) > soon, 10)
     worker = WorkerProcess(env, tmp / "ocrq.worker.log", "--concurrency", "4").wait_ready(
@@ -500,6 +531,39 @@ def test_celery_links_call_the_producers_tasks(scene: Scene, tmp_path: Path) -> 
     assert row["status"] == "failed" and "OCRQ_LINK_TASKS" in row["error"]
     assert row["started_at"] is not None and row["text"] is None  # refused before any intake
     assert len(calls()) == 2  # nothing was called for it
+
+
+def test_batch_webhooks_waiting_at_a_workers_start_are_sent_or_pruned(scene: Scene) -> None:
+    """Kept in PostgreSQL since migrations/0011: one left in Redis by an older ocrq is moved
+    there, and a worker's first sweep sends those whose batch ended while no worker looked."""
+    ids = scene.ids
+    sent = {ids["legacy_batch"], ids["orphan_batch"]}
+
+    def finished() -> list[str]:
+        return [
+            json.loads(body)["batch"] for path, body in list(scene.hooks.elsewhere)
+            if path == "/start-hook" and json.loads(body)["event"] == "batch.finished"
+        ]
+
+    scene.budget.until(
+        "the webhooks of the batches that ended before the worker started",
+        lambda: sent <= set(finished()), 60, scene.worker.text,
+    )
+    scene.budget.until(
+        "the worker's retention pass at start-up",
+        lambda: "retention (older than 30 days): deleted" in scene.worker.text(), 60,
+        scene.worker.text,
+    )
+    assert sorted(finished()) == sorted(sent)  # once each, and not the stale one
+    assert "moved 1 batch webhook(s) from the broker's Redis" in scene.worker.text()
+    broker = redis.Redis.from_url(scene.env["OCRQ_BROKER_URL"])
+    assert not broker.hexists(batch_hooks.LEGACY_KEY, ids["legacy_batch"])
+    with scene.store.engine.connect() as conn:
+        left = conn.execute(
+            text("SELECT batch FROM ocr_batch_hooks WHERE batch IN (:a, :b, :c)"),
+            {"a": ids["legacy_batch"], "b": ids["orphan_batch"], "c": ids["stale_batch"]},
+        ).all()
+    assert left == []
 
 
 def test_retention_deletes_only_old_final_rows_and_unreferenced_uploads(scene: Scene) -> None:

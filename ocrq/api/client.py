@@ -16,7 +16,6 @@ from typing import Any
 
 from ocrq.api import document_status
 from ocrq.core import batch_hooks, batches, requeue, rerun
-from ocrq.core.broker_redis import broker_client
 from ocrq.core.contract import (
     NAME_REFUSED,
     JobRequest,
@@ -156,7 +155,7 @@ class Client:
 
     def register_batch_webhook(self, batch: str, url: str) -> None:
         """The batch's webhook, sent by a worker once the batch is final (core/batch_hooks.py)."""
-        batch_hooks.register(broker_client(self.settings, socket_timeout=10), batch, url)
+        batch_hooks.register(self.store.engine, batch, url)
 
     def cancel_batch(self, batch: str) -> tuple[list[str], batches.BatchSummary | None]:
         """Cancel every job of the batch not final yet (store.cancel_batch); the ids cancelled

@@ -1,40 +1,104 @@
 """A batch's webhook (`callback_url` on POST /jobs/batch): where it waits until the batch ends.
 
-Kept in the broker's Redis, one hash field per batch (`KEY`), not in PostgreSQL: a batch has no
-row of its own (it is a name on job rows), and the api already reaches that Redis to send the
-jobs. The api registers the URL before it sends the batch's jobs, so a batch cannot end before
-its webhook is known. Workers fire it (ocrq/worker/batch_hooks.py): `take` reads and deletes
-the field in one MULTI, so of all the workers that see the batch final exactly one gets the URL
-and sends it. What is lost: the registration with a Redis that loses its data (no persistence,
-a failover before the replica had it); the batch's rows, `GET /batches/{id}`, remain the record.
+Kept in PostgreSQL (`ocr_batch_hooks`, migrations/0011), beside the rows it waits on. Until
+that revision it lived in the broker's Redis, and a Redis that lost its data lost it while the
+sweep re-sent the batch's lost jobs from their rows: the batch ended and no webhook came. The
+api registers the URL before it sends the batch's jobs, so a batch cannot end before its
+webhook is known. Workers fire it (ocrq/worker/batch_hooks.py): `take` deletes the row and
+returns its URL in one statement, so of all the workers that find the batch final exactly one
+gets the URL and sends it.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import TYPE_CHECKING
+
+from sqlalchemy import Engine, delete, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ocrq.core.db import ocr_batch_hooks
 
 if TYPE_CHECKING:
     import redis
 
-KEY = "ocrq:batch-callbacks"
+# Where registrations lived before migrations/0011: a hash, batch name -> URL.
+LEGACY_KEY = "ocrq:batch-callbacks"
 
 
-def register(client: redis.Redis, batch: str, url: str) -> None:
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def register(engine: Engine, batch: str, url: str) -> None:
     """The batch's webhook: the last one registered for a batch name wins."""
-    client.hset(KEY, batch, url)
+    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+    stmt = insert(ocr_batch_hooks).values(batch=batch, url=url, registered_at=_now())
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["batch"],
+        set_={"url": stmt.excluded.url, "registered_at": stmt.excluded.registered_at},
+    )
+    with engine.begin() as conn:
+        conn.execute(stmt)
 
 
-def waiting(client: redis.Redis, batch: str) -> bool:
-    """Whether the batch has a webhook not sent yet."""
-    return bool(client.hexists(KEY, batch))
+def waiting(engine: Engine, batch: str) -> bool:
+    """Whether the batch has a webhook not sent yet (a primary-key lookup)."""
+    with engine.connect() as conn:
+        found = conn.execute(
+            select(ocr_batch_hooks.c.batch).where(ocr_batch_hooks.c.batch == batch)
+        ).first()
+    return found is not None
 
 
-def take(client: redis.Redis, batch: str) -> str | None:
+def take(engine: Engine, batch: str) -> str | None:
     """The batch's webhook, removed: for one caller only, however many ask at once."""
-    with client.pipeline(transaction=True) as pipe:
-        pipe.hget(KEY, batch)
-        pipe.hdel(KEY, batch)
-        url, deleted = pipe.execute()
-    if not deleted or url is None:
-        return None
-    return url.decode() if isinstance(url, bytes) else str(url)
+    stmt = (
+        delete(ocr_batch_hooks)
+        .where(ocr_batch_hooks.c.batch == batch)
+        .returning(ocr_batch_hooks.c.url)
+    )
+    with engine.begin() as conn:
+        row = conn.execute(stmt).first()
+    return None if row is None else str(row[0])
+
+
+def pending(engine: Engine, older_than_s: float, limit: int) -> list[str]:
+    """The batches whose webhooks were registered more than `older_than_s` ago and are not
+    sent yet, oldest first: what a worker's periodic look re-checks, so a batch whose last job
+    ended in a worker that died before it looked still fires."""
+    cutoff = _now() - dt.timedelta(seconds=older_than_s)
+    stmt = (
+        select(ocr_batch_hooks.c.batch)
+        .where(ocr_batch_hooks.c.registered_at < cutoff)
+        .order_by(ocr_batch_hooks.c.registered_at)
+        .limit(limit)
+    )
+    with engine.connect() as conn:
+        return [r[0] for r in conn.execute(stmt)]
+
+
+# The registration time given to one moved out of Redis, which kept none: it was registered
+# before the upgrade, so the workers' sweep (older ones only) looks at it at once.
+LEGACY_REGISTERED_AT = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def adopt_legacy(client: redis.Redis, engine: Engine) -> int:
+    """Move registrations an older ocrq left in the broker's Redis into the table; how many.
+    One that the table already has for the batch is newer there, and is kept."""
+    moved = 0
+    for raw_batch, raw_url in client.hgetall(LEGACY_KEY).items():
+        batch, url = _text(raw_batch), _text(raw_url)
+        insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        stmt = insert(ocr_batch_hooks).values(
+            batch=batch, url=url, registered_at=LEGACY_REGISTERED_AT
+        )
+        with engine.begin() as conn:
+            conn.execute(stmt.on_conflict_do_nothing(index_elements=["batch"]))
+        client.hdel(LEGACY_KEY, raw_batch)
+        moved += 1
+    return moved
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

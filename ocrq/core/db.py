@@ -102,6 +102,16 @@ ocr_documents = Table(
     Column("notified_at", DateTime(timezone=True)),
 )
 
+# A batch's webhook until a worker sends it (migrations/0011; ocrq/core/batch_hooks.py): one row
+# per batch name, deleted by the one worker that takes it.
+ocr_batch_hooks = Table(
+    "ocr_batch_hooks",
+    metadata,
+    Column("batch", String(128), primary_key=True),
+    Column("url", Text, nullable=False),
+    Column("registered_at", DateTime(timezone=True), nullable=False),
+)
+
 # One row per live worker process (migrations/versions/0002): `name` is what claim() writes to
 # ocr_jobs.worker; a stale `heartbeat_at` marks the process dead and its running jobs stalled.
 ocr_workers = Table(

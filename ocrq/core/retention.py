@@ -4,8 +4,11 @@
 `prune`. Deleted: job rows in a final status (done, failed, cancelled, expired) that finished
 before the cutoff, except page jobs of a document still running (its result is assembled from
 them); document rows final before the cutoff with no page left in flight; and files in
-OCRQ_UPLOAD_DIR older than the cutoff that no remaining row names. Queued and running rows are
-never touched, whatever their age (`ocrq requeue` is for those).
+OCRQ_UPLOAD_DIR older than the cutoff that no remaining row names; and batch webhooks
+registered before the cutoff whose batch has no job in flight and none that finished after the
+cutoff (its jobs were never sent, or it ended that long ago and the webhook could not be sent
+since). Queued and running rows are never touched, whatever their age (`ocrq requeue` is for
+those).
 
 One pass at a time across workers: the daily pass takes a PostgreSQL advisory lock
 (`pg_try_advisory_lock`) and a worker that does not get it skips that day's pass.
@@ -22,7 +25,7 @@ from pathlib import Path
 from sqlalchemy import Engine, and_, delete, exists, or_, select, text
 
 from ocrq.core.contract import PAGE_MARK
-from ocrq.core.db import ocr_documents, ocr_jobs
+from ocrq.core.db import ocr_batch_hooks, ocr_documents, ocr_jobs
 from ocrq.core.store import FINAL
 from ocrq.core.upload_paths import upload_folder_of
 
@@ -38,6 +41,7 @@ class Pruned:
     jobs: int
     documents: int
     uploads: int
+    batch_hooks: int = 0
 
 
 def prune(db: Engine, cutoff: dt.datetime, upload_dir: Path | None = None) -> Pruned:
@@ -56,11 +60,21 @@ def prune(db: Engine, cutoff: dt.datetime, upload_dir: Path | None = None) -> Pr
             and_(pages.c.document_id == ocr_documents.c.id, pages.c.status.not_in(FINAL))
         ),
     )
+    stale_hooks = delete(ocr_batch_hooks).where(
+        ocr_batch_hooks.c.registered_at < cutoff,
+        ~exists().where(
+            and_(
+                ocr_jobs.c.batch == ocr_batch_hooks.c.batch,
+                or_(ocr_jobs.c.status.not_in(FINAL), ocr_jobs.c.finished_at >= cutoff),
+            )
+        ),
+    )
     with db.begin() as conn:
         jobs = conn.execute(old_jobs).rowcount
         documents = conn.execute(old_documents).rowcount
+        hooks = conn.execute(stale_hooks).rowcount
     uploads = _prune_uploads(db, upload_dir, cutoff) if upload_dir is not None else 0
-    return Pruned(jobs, documents, uploads)
+    return Pruned(jobs, documents, uploads, hooks)
 
 
 def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> int:

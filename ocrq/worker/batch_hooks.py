@@ -6,19 +6,22 @@ finished`) once its last page is final and it is assembled. A batch's webhook (o
 batch_hooks.py) is sent once every unit of the batch is final (`batch.finished`, with its
 counts, as GET /batches/{id} has them).
 
-Who sends a batch's: a worker that ends one of its jobs notes the batch (one Redis HEXISTS per
-job of a batch) when it has a webhook waiting; a thread of that worker looks at each noted batch
-at most once every `POLL_S` (one grouped query, ocrq/core/batches.py), and when it is final takes
-the webhook (one taker among all workers) and hands it to the job webhooks' sender, which signs,
-retries with backoff and applies the URL-image address policy (ocrq/worker/webhooks.py).
-So the task threads never wait on a summary or a POST, and a batch of N jobs costs N HEXISTS
-and at most one summary a second per worker while it runs.
+Who sends a batch's: a worker that ends one of its jobs notes the batch when it has a webhook
+waiting (one primary-key lookup in `ocr_batch_hooks` per job of a batch); a thread of that
+worker looks at each noted batch at most once every `POLL_S` (one grouped query,
+ocrq/core/batches.py), and when it is final takes the webhook (one taker among all workers) and
+hands it to the job webhooks' sender, which signs, retries with backoff and applies the
+URL-image address policy (ocrq/worker/webhooks.py). So the task threads never wait on a summary
+or a POST. Every `SWEEP_S` the thread also notes the webhooks registered longer ago than that:
+a batch whose last job ended in a worker that died (or was recycled) before it looked fires
+from another worker's sweep instead of never.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +35,8 @@ from ocrq.worker.webhooks import Webhooks
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0
+SWEEP_S = 60.0  # how often a worker re-checks webhooks older than this
+SWEEP_LIMIT = 100  # the oldest this many a sweep looks at
 
 
 class BatchHooks:
@@ -41,32 +46,36 @@ class BatchHooks:
         self.settings = settings
         self.engine = engine
         self.webhooks = webhooks
-        self._redis = (
-            broker_client(settings, socket_timeout=5) if is_redis(settings.broker_url) else None
-        )
         self._noted: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def start(self) -> BatchHooks:
+        """The thread that looks at noted batches and sweeps old webhooks, after moving an older
+        ocrq's registrations out of the broker's Redis (core/batch_hooks.adopt_legacy)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ocrq-batch-hooks", daemon=True
+                )
+                self._thread.start()
+        return self
+
     def job_ended(self, batch: str | None) -> None:
         """A job of `batch` ended in this worker (or was refused as final): look at the batch
         soon, if it has a webhook waiting."""
-        if batch is None or self._redis is None:
+        if batch is None:
             return
         try:
-            if not batch_hooks.waiting(self._redis, batch):
+            if not batch_hooks.waiting(self.engine, batch):
                 return
         except Exception:
             log.warning("could not look up batch %s's webhook", batch, exc_info=True)
             return
         with self._lock:
             self._noted.add(batch)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="ocrq-batch-hooks", daemon=True
-                )
-                self._thread.start()
+        self.start()
 
     def check(self) -> list[str]:
         """One look at the noted batches; those whose webhook this worker sent."""
@@ -77,8 +86,7 @@ class BatchHooks:
             summary = batches.summary(self.engine, batch)
             if summary is None or not summary.final:
                 continue  # a later job of it notes it again
-            assert self._redis is not None
-            url = batch_hooks.take(self._redis, batch)
+            url = batch_hooks.take(self.engine, batch)
             if url is None:
                 continue  # another worker took it
             body: dict[str, Any] = summary.as_json()
@@ -89,9 +97,37 @@ class BatchHooks:
     def close(self) -> None:
         self._stop.set()
 
+    def sweep(self, older_than_s: float = SWEEP_S) -> None:
+        """Note the webhooks registered more than `older_than_s` ago (the next `check` looks)."""
+        found = batch_hooks.pending(self.engine, older_than_s, SWEEP_LIMIT)
+        with self._lock:
+            self._noted.update(found)
+
+    def _adopt_legacy(self) -> None:
+        if not is_redis(self.settings.broker_url):
+            return
+        try:
+            moved = batch_hooks.adopt_legacy(
+                broker_client(self.settings, socket_timeout=5), self.engine
+            )
+        except Exception:  # Redis or the database away: the next worker start tries again
+            log.warning("could not move batch webhooks out of Redis", exc_info=True)
+            return
+        if moved:
+            log.info("moved %d batch webhook(s) from the broker's Redis to the database", moved)
+
     def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
+        """A sweep at once (a worker that starts fires what ended while none looked), then one
+        every SWEEP_S; the noted batches every POLL_S."""
+        self._adopt_legacy()
+        swept = -SWEEP_S
+        while True:
             try:
+                if time.monotonic() - swept >= SWEEP_S:
+                    swept = time.monotonic()
+                    self.sweep()
                 self.check()
-            except Exception:  # the database or Redis away: the batch is noted again later
+            except Exception:  # the database away: the batch is noted again later
                 log.warning("could not look at batches with webhooks", exc_info=True)
+            if self._stop.wait(POLL_S):
+                return

@@ -196,6 +196,12 @@ class JobRunner:
         if self._webhooks is not None:
             self._webhooks.close()
 
+    def watch_batches(self) -> None:
+        """Start the batch webhooks' thread now (a Celery worker), not at the first job of a
+        batch: its sweep fires the webhook of a batch whose last job ended in a worker that
+        died before it looked, also when no job of that batch comes here."""
+        self._batch_hooks.start()
+
     def _in_flight_ids(self) -> list[str]:
         with self._in_flight_lock:
             return list(self._in_flight)

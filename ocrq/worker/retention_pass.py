@@ -52,10 +52,11 @@ class RetentionPass:
                 else:
                     log.info(
                         "retention (older than %g days): deleted %d jobs, %d documents, "
-                        "%d uploads",
+                        "%d uploads, %d unsent batch webhooks",
                         self.days,
                         pruned.jobs,
                         pruned.documents,
                         pruned.uploads,
+                        pruned.batch_hooks,
                     )
             self._stop.wait(DAY_S)

@@ -208,6 +208,8 @@ class _Parts:
                     settings, engine, self.batcher, store, self.name, prefetch_images=prefetch,
                     send_page=self.send_page, broker=self.broker,
                 )
+                if self.broker is not None:  # a Celery worker (build_runtime's `liveness`)
+                    self.runner.watch_batches()
         except BaseException:  # a component that fails leaves nothing of its own running
             self.batcher.stop()
             raise
