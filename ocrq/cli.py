@@ -431,6 +431,8 @@ def _print_rows(rows: list[dict[str, Any]], as_json: bool, detail: bool = False)
         for row in rows:
             typer.echo(json.dumps(row, ensure_ascii=False))
         return
+    if not rows:  # a table of no rows is no table (its column widths have nothing to fit)
+        return
     console = Console()
     if detail and len(rows) == 1:
         print_detail(rows[0], console)
@@ -518,6 +520,8 @@ def jobs(
         _print_rows(rows, as_json)
         shown += len(rows)
         if after is None:
+            if not shown:
+                err.print("no job matches", soft_wrap=True)
             return
         if not every:
             err.print(
@@ -571,7 +575,7 @@ def wait_for(
     """Wait for batches (`ocrq submit --batch`, or the name `submit` printed) or jobs to
     finish, with a progress bar: resumes a `submit --wait --timeout` that ran out.
     Exit code 3 when --timeout passes first, 4 for a name that is neither, 1 when any job
-    failed."""
+    ended other than done (failed, cancelled, expired), as `submit --wait`."""
     from ocrq.api.client import Client
 
     client = Client(_settings())
@@ -619,7 +623,7 @@ def wait_for(
     if not final:
         err.print(f"[yellow]not finished within {timeout} s")
         raise typer.Exit(EXIT_PENDING)
-    if counts.get("failed", 0):
+    if any(counts.get(k, 0) for k in NOT_DONE):  # as `submit --wait`, which this resumes
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -681,9 +685,16 @@ def export(
         )
     if batch is None and since is None:
         raise typer.BadParameter("name --batch or --since (or both)")
+    if fmt != "md" and out.is_dir():
+        raise typer.BadParameter(
+            f"{out} is a folder; {fmt} is written to a file", param_hint="--out"
+        )
     created_after = since_time(since) if since else None
     engine = engine_for(_settings())
     total = exporting.count(engine, batch, created_after)
+    if batch is not None and not total and not exporting.count(engine, batch, None):
+        err.print(f"[red]no job names batch {batch}[/]", soft_wrap=True)  # as `ocrq wait`
+        raise typer.Exit(EXIT_UNKNOWN)
     with _progress() as progress:
         bar = progress.add_task("export", total=total)
         written = exporting.write(
@@ -712,7 +723,8 @@ def cancel(
     from ocrq.api.client import Client
 
     if bool(job_ids) == (batch is not None):
-        raise typer.BadParameter("give job ids or --batch, not both", param_hint="JOB_IDS")
+        why = "not both" if job_ids else "one of them"
+        raise typer.BadParameter(f"give job ids or --batch, {why}", param_hint="JOB_IDS")
     client = Client(_settings())
     if batch is not None:
         ids, found = client.cancel_batch(batch)
@@ -942,8 +954,16 @@ def api(
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    if loopback and "OCRQ_API_DOCS" not in os.environ:
-        os.environ["OCRQ_API_DOCS"] = "public"
+    public_docs = loopback and "OCRQ_API_DOCS" not in os.environ
+    if public_docs:
+        os.environ["OCRQ_API_DOCS"] = "public"  # before the app module reads its settings
+    from ocrq.api.http import auth_problem
+
+    problem = auth_problem(_settings())
+    if problem is not None:  # the app would refuse it at start-up, in a uvicorn traceback
+        err.print(f"[red]ocrq api cannot start:[/] {problem}", soft_wrap=True)
+        raise typer.Exit(EXIT_CONFIG)
+    if public_docs:
         err.print(f"api docs: http://{host}:{port}/docs (open on loopback; OCRQ_API_DOCS=token "
                   "puts them behind the token)")
     err.print(f"results viewer: http://{host}:{port}/view/JOB_ID#token=... (docs/api.md#viewer)")

@@ -104,8 +104,8 @@ def test_batch_wait_export_and_retry(
     every = ocrq(service_env, "jobs", "--batch", batch, "--all", "--json")
     assert len(every.stdout.splitlines()) == 7 and "more jobs" not in every.stderr
 
-    # Export in every format.
-    out = tmp_path / "out.jsonl"
+    # Export in every format (into a folder that does not exist yet).
+    out = tmp_path / "new" / "out.jsonl"
     exported = ocrq(service_env, "export", "--batch", batch, "--format", "jsonl", "--out", str(out))
     assert exported.returncode == 0, exported.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -119,6 +119,10 @@ def test_batch_wait_export_and_retry(
     assert texts["hello.png"] == "HELLO WORLD" and texts[missing.name] is None
     assert all(r["batch"] == batch and r["lines"] is not None for r in records)
 
+    unknown = ocrq(service_env, "export", "--batch", f"nope-{uuid.uuid4().hex[:6]}", "--out",
+                   str(tmp_path / "none.jsonl"))
+    assert unknown.returncode == 4 and "no job names batch" in unknown.stderr, unknown.stderr
+    assert ocrq(service_env, "export", "--batch", batch, "--out", str(tmp_path)).returncode == 2
     table = tmp_path / "out.csv"
     assert ocrq(service_env, "export", "--batch", batch, "--format", "csv", "--out", str(table))
     with table.open(newline="") as fh:
@@ -130,8 +134,8 @@ def test_batch_wait_export_and_retry(
     made = ocrq(service_env, "export", "--batch", batch, "--format", "md", "--out", str(md))
     assert made.returncode == 0, made.stderr
     assert sorted(p.name for p in md.iterdir()) == ["hello.md", "invoice.md", "report.md"]
-    assert (md / "report.md").read_text() == "FIRST PAGE\n\nSECOND PAGE"
-    assert (md / "invoice.md").read_text() == "INVOICE 2026\nTOTAL 134.90"
+    assert (md / "report.md").read_text() == "FIRST PAGE\n\nSECOND PAGE\n"
+    assert (md / "invoice.md").read_text() == "INVOICE 2026\nTOTAL 134.90\n"
     assert "2 not done (no file)" in made.stderr
     pq_out = tmp_path / "out.parquet"
     parquet = ocrq(service_env, "export", "--batch", batch, "--format", "parquet", "--out",

@@ -315,6 +315,9 @@ def test_cancelled_queued_jobs_never_run(scene: Scene) -> None:
     again = _ocrq(scene.env, "cancel", "--json", ids["kept"])
     assert again.returncode == 1 and json.loads(again.stdout)["status"] == "done"
     assert _ocrq(scene.env, "cancel", str(uuid.uuid4())).returncode == 4
+    for args, why in (([], "one of them"), ([ids["kept"], "--batch", "b"], "not both")):
+        usage = _ocrq(scene.env, "cancel", *args)
+        assert usage.returncode == 2 and why in usage.stderr, usage.stderr
     status = _ocrq(scene.env, "status", "--json", ids["cancel_a"])
     assert status.returncode == 1 and json.loads(status.stdout)["status"] == "cancelled"
     listed = _ocrq(scene.env, "jobs", "--status", "cancelled", "--json", "--limit", "100")
@@ -347,6 +350,10 @@ def test_a_cancelled_batch_never_runs_and_no_other_batch_is_touched(scene: Scene
     assert spared.json()["jobs"] == {"done": 1}
     assert httpx.delete(f"{base}/batches/nope-{uuid.uuid4()}", headers=headers).status_code == 404
     assert _ocrq(scene.env, "cancel", "--batch", f"nope-{uuid.uuid4()}").returncode == 4
+    # `ocrq wait` exits as `submit --wait` would: 1 for a batch that ended cancelled.
+    waited = _ocrq(scene.env, "wait", ids["doomed"], "--timeout", "30")
+    assert waited.returncode == 1 and "cancelled: 2" in waited.stderr, waited.stderr
+    assert _ocrq(scene.env, "wait", ids["spared_batch"], "--timeout", "30").returncode == 0
 
     # Through the api: a batch whose jobs wait in a queue no worker reads (still queued).
     idle = Client(

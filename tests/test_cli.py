@@ -139,6 +139,12 @@ def test_jobs_lists_and_filters(
     assert [json.loads(line)["job_id"] for line in newest.stdout.splitlines()] == [good_id]
     code, out, _ = ocrq_on_tty(service_env, "jobs", "--limit", "2", columns=60)
     assert code == 0 and good_id in out and bad_id in out
+    for columns in (60, 120):  # nothing matches: no table, a line saying so, exit 0
+        code, out, err = ocrq_on_tty(
+            service_env, "jobs", "--batch", f"none-{uuid.uuid4().hex[:6]}", columns=columns
+        )
+        assert (code, out.strip()) == (0, ""), (columns, out, err)
+        assert "no job matches" in err, (columns, err)
     assert ocrq(service_env, "jobs", "--status", "lost").returncode == 2
     assert ocrq(service_env, "jobs", "--since", "yesterday").returncode == 2
 

@@ -142,6 +142,7 @@ def write(
     records = _ticks(records, advance)
     if fmt == "md":
         return _write_md(records, out)
+    out.parent.mkdir(parents=True, exist_ok=True)  # as md makes its folder
     if fmt == "parquet":
         return _write_parquet(records, out)
     done = Exported(files=1)
@@ -247,6 +248,7 @@ def _write_md(records: Iterator[dict[str, Any]], folder: Path) -> Exported:
             if rec["kind"] == "page":
                 if rec["document_id"] != document:
                     if fh is not None:
+                        fh.write("\n")  # a text file ends with its newline
                         fh.close()
                     document = rec["document_id"]
                     fh = names.new(rec["path"], document or rec["job_id"]).open(
@@ -264,11 +266,13 @@ def _write_md(records: Iterator[dict[str, Any]], folder: Path) -> Exported:
                     fh.write(f"<!-- page {rec['page']} {rec['status']}: {why} -->")
                 written_pages += 1
             elif rec["status"] == "done":
-                names.new(rec["path"], rec["job_id"]).write_text(rec["text"] or "", "utf-8")
+                text = rec["text"] or ""
+                names.new(rec["path"], rec["job_id"]).write_text(text + "\n", "utf-8")
                 done.files += 1
             else:
                 done.skipped += 1
     finally:
         if fh is not None:
+            fh.write("\n")
             fh.close()
     return done
