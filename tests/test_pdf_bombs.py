@@ -17,6 +17,7 @@ import pytest
 
 from ocrq.api.client import Client
 from ocrq.core.contract import ImageRef
+from ocrq.core.pixel_budget import PixelBudget
 from ocrq.core.settings import Settings
 from ocrq.intake.documents import Document, DocumentError, load_page, render_pdf_page
 from tests.conftest import FIGURES
@@ -133,7 +134,12 @@ def test_each_budget_stops_its_bomb_and_the_pool_goes_on(tmp_path: Path) -> None
         assert "possible PDF bomb" in str(caught.value) and setting in str(caught.value)
         assert time.monotonic() - t0 < timeout_s + 30
         page = load_page(ImageRef(path=str(healthy), page=1), settings, None)
-        assert page.image.mode == "RGB" and page.image.size == (1167, 834)
+        assert page.image.mode == "RGB" and page.image.size == (1167, 834)  # 200 dpi
+        # The CPU engine's own budget (no view of its own, the intake's ceiling) draws the
+        # same 200 dpi; the ceiling as a target drew it at the 300 dpi cap.
+        cpu = PixelBudget(intake_limit=settings.max_image_pixels)
+        drawn = load_page(ImageRef(path=str(healthy), page=1), settings, cpu)
+        assert drawn.image.size == (1167, 834)
         with healthy.open("rb") as fh:  # bytes (a URL or inline page) draw the same pixels
             inline = render_pdf_page(Document("pdf", fh.read(), "inline"), 1, settings, None)
         assert inline.tobytes() == page.image.tobytes()

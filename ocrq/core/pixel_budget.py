@@ -86,6 +86,14 @@ class PixelBudget:
             cap = self.view()
         return _least(cap, self.intake_limit)
 
+    def render_target(self) -> int | None:
+        """The pixels a document page is drawn at: the render stage's answer where the model
+        has a view; None where it has none (the CPU engine), and the page is drawn at the
+        default DPI, within the render stage's answer as a ceiling. Why apart from `at`: that
+        answer is a most-allowed, and drawn to as a target it put the CPU engine's pages at the
+        intake limit (40 MP: the 300 dpi cap) instead of 200 dpi."""
+        return None if self.model_limit is None else self.at(Stage.RENDER)
+
     def fitted(self, pixels: int) -> PixelBudget:
         """This budget with the planner's fit at `pixels`: never below the model's floor (the
         processor would scale the image back up), never above what the model sees already."""

@@ -224,30 +224,40 @@ def _pdf_refusal(error: str, source: str) -> str:
 # ------------------------------------------------------------------------------------ pages
 
 
-def page_dpi(width_pt: float, height_pt: float, pixels: int | None, settings: Settings) -> float:
+def page_dpi(
+    width_pt: float,
+    height_pt: float,
+    pixels: int | None,
+    settings: Settings,
+    ceiling: int | None = None,
+) -> float:
     """The DPI a PDF page renders at: OCRQ_PDF_DPI, else the one that draws the page at
-    `pixels` (its pixel budget's render stage: what the model sees), else DEFAULT_DPI; within
-    the min/max DPI."""
+    `pixels` (its pixel budget's render target: what the model sees), else DEFAULT_DPI, at
+    most the one that draws it at `ceiling` pixels; within the min/max DPI."""
     if settings.pdf_dpi is not None:
         return settings.pdf_dpi
-    if pixels:
-        area_in2 = (width_pt / POINTS_PER_INCH) * (height_pt / POINTS_PER_INCH)
-        dpi = math.sqrt(pixels / max(area_in2, 1e-6))
-    else:
-        dpi = DEFAULT_DPI
+    area_in2 = max((width_pt / POINTS_PER_INCH) * (height_pt / POINTS_PER_INCH), 1e-6)
+    dpi = math.sqrt(pixels / area_in2) if pixels else DEFAULT_DPI
+    if ceiling:
+        dpi = min(dpi, math.sqrt(ceiling / area_in2))
     return min(max(dpi, settings.pdf_min_dpi), settings.pdf_max_dpi)
 
 
 def render_pdf_page(
-    document: Document, page: int, settings: Settings, pixels: int | None
+    document: Document,
+    page: int,
+    settings: Settings,
+    pixels: int | None,
+    ceiling: int | None = None,
 ) -> Image.Image:
-    """Page `page` (1-based) as RGB, its rendered size checked against the image caps first,
-    drawn in a render process within OCRQ_PDF_RENDER_MAX_BYTES and OCRQ_PDF_RENDER_TIMEOUT_S."""
+    """Page `page` (1-based) as RGB, drawn at about `pixels` (None: DEFAULT_DPI) and at most
+    `ceiling` (`page_dpi`), its rendered size checked against the image caps first, drawn in a
+    render process within OCRQ_PDF_RENDER_MAX_BYTES and OCRQ_PDF_RENDER_TIMEOUT_S."""
     with _pdf(document) as pdf:
         count = len(pdf)  # type: ignore[arg-type]
         _check_page_number(page, count, document.source)
         width_pt, height_pt = pdf.get_page_size(page - 1)  # type: ignore[attr-defined]
-        dpi = page_dpi(width_pt, height_pt, pixels, settings)
+        dpi = page_dpi(width_pt, height_pt, pixels, settings, ceiling)
         scale = dpi / POINTS_PER_INCH
         # pypdfium2 sizes its bitmap as ceil(points x scale): the same arithmetic here.
         size = (math.ceil(width_pt * scale), math.ceil(height_pt * scale))
@@ -303,8 +313,9 @@ def _check_page_size(size: tuple[int, int], page: int, dpi: float, settings: Set
 
 def load_page(ref: ImageRef, settings: Settings, budget: PixelBudget | None) -> LoadedImage:
     """A page job's image: page `ref.page` of its document, rendered here (this is the
-    prefetch thread) at the pixels `budget` gives the render stage, then kept within its decode
-    stage like an image (ocrq/core/pixel_budget.py; None: the default DPI, full size). Page 1
+    prefetch thread) at the pixels `budget` targets (`render_target`; None: the default DPI),
+    within its render stage, then kept within its decode stage like an image
+    (ocrq/core/pixel_budget.py). Page 1
     of a plain image is the image itself (one-frame TIFF pages travel as such)."""
     assert ref.page is not None
     budget = budget or PixelBudget()
@@ -317,7 +328,9 @@ def load_page(ref: ImageRef, settings: Settings, budget: PixelBudget | None) -> 
         return images.decode(taken, settings, source, keep)
     with taken:
         if taken.kind == "pdf":
-            image = render_pdf_page(taken, ref.page, settings, budget.at(Stage.RENDER))
+            image = render_pdf_page(
+                taken, ref.page, settings, budget.render_target(), budget.at(Stage.RENDER)
+            )
         else:
             image = tiff_frame(taken, ref.page, settings)
     # The page's pixels identify what the engine saw (hashing a large document per page
