@@ -638,7 +638,8 @@ def retry(
     batch: Annotated[str | None, typer.Option(help="Only this batch's jobs.")] = None,
 ) -> None:
     """Run failed jobs again, as a new attempt each (the row's attempts and retries count
-    it); a document with a re-run page is assembled again. Prints the re-sent job ids."""
+    it); a document with a re-run page is assembled again. Prints the re-sent job ids; says
+    which named jobs were not failed. Exit code 4 for an id (or a batch) with no row."""
     from ocrq.api.client import Client
 
     if status != "failed":
@@ -647,8 +648,20 @@ def retry(
             "`ocrq requeue --stalled` the running jobs of dead workers",
             param_hint="--status",
         )
-    sent = Client(_settings()).retry_failed(batch, job_ids or None)
+    client = Client(_settings())
+    named = client.status(job_ids) if job_ids else []
+    unknown = [r["job_id"] for r in named if r["status"] == "unknown"]
+    if unknown:
+        err.print(f"[red]no such job:[/] {', '.join(unknown)}", soft_wrap=True)
+        raise typer.Exit(EXIT_UNKNOWN)
+    if batch is not None and not client.known_batches([batch]):
+        err.print(f"[red]no job names batch {batch}[/]", soft_wrap=True)
+        raise typer.Exit(EXIT_UNKNOWN)
+    sent = client.retry_failed(batch, job_ids or None)
     err.print(f"re-sent {len(sent)} failed job(s)")
+    left = [f"{r['job_id']} ({r['status']})" for r in named if r["job_id"] not in set(sent)]
+    if left:
+        err.print(f"not failed, left as they are: {', '.join(left)}", soft_wrap=True)
     for job_id in sent:
         typer.echo(job_id)
 

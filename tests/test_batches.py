@@ -170,6 +170,11 @@ def test_batch_wait_export_and_retry(
     assert after["jobs"] == {"done": 6} and after["documents"] == {"done": 2}  # 3 images, 3 pages
     # Nothing failed is left to re-run, through the api too.
     assert api.post("/jobs/retry", json={"batch": batch}).json() == {"job_ids": []}
+    done_again = ocrq(service_env, "retry", ids[-2])
+    assert done_again.returncode == 0 and done_again.stdout == "", done_again.stderr
+    assert f"not failed, left as they are: {ids[-2]} (done)" in done_again.stderr
+    for unknown in ([str(uuid.uuid4())], ["--batch", f"nope-{uuid.uuid4().hex[:6]}"]):
+        assert ocrq(service_env, "retry", *unknown).returncode == 4, unknown
     assert api.post("/jobs/retry", json={}).status_code == 422
 
 

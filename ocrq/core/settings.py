@@ -390,6 +390,8 @@ class ApiSettings(SettingsGroup):
     upload_dir: Path | None = None
     # /docs, /redoc and /openapi.json (assets served from the fastapi-offline wheel, no CDN):
     # "token" behind the bearer token like every path, "public" without it, "off" not served.
+    # `ocrq api` on a loopback address sets "public" when this is not set (only this machine
+    # reaches it).
     api_docs: Literal["token", "public", "off"] = "token"
     # Longest a long-poll (GET /jobs/{id}?wait=S, POST /jobs/lookup with wait) is held open.
     api_max_wait_s: float = Field(default=60.0, ge=0, le=3600)
