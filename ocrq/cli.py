@@ -168,7 +168,12 @@ def _results_file() -> Path:
 
 @app.command()
 def run(
-    paths: Annotated[list[Path], typer.Argument(help="Image files or folders of images.")],
+    paths: Annotated[
+        list[Path],
+        # A path that names nothing is a typo on the command line: said at once (exit 2),
+        # not as a failed job blaming OCRQ_ALLOWED_ROOTS, which `run` does not apply.
+        typer.Argument(help="Image files or folders of images.", exists=True),
+    ],
     engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
     output: Annotated[
         Path | None,

@@ -105,10 +105,20 @@ def test_broker_down(service_env: dict[str, str], text_images: dict[str, Path]) 
 def test_bad_settings(
     service_env: dict[str, str], command: list[str], env: dict[str, str], tmp_path: Path
 ) -> None:
+    (tmp_path / "x.png").write_bytes(b"")  # `run` names an existing file: the settings fail
+    command = [str(tmp_path / a) if a == "x.png" else a for a in command]
     done = ocrq_cli({**service_env, **env}, *command)
     assert done.returncode == EXIT_CONFIG
     line = one_line(done)
     assert ("unknown engine 'nope'" in line and "rapid" in line) or "OCRQ_MAX_BATCH" in line
+
+
+def test_run_names_a_path_that_is_not_there(tmp_path: Path) -> None:
+    """A typo on `ocrq run`'s command line: exit 2 naming the path, before any work (it was a
+    failed job blaming OCRQ_ALLOWED_ROOTS, which `run` does not apply)."""
+    (tmp_path / "here.png").write_bytes(b"")
+    done = ocrq_cli(dict(os.environ), "run", str(tmp_path / "here.png"), str(tmp_path / "nope.png"))
+    assert done.returncode == 2 and "nope.png" in done.stderr and "does not exist" in done.stderr
 
 
 @pytest.mark.parametrize(
