@@ -34,7 +34,8 @@ EXIT_CONFIG = 78  # invalid settings, e.g. an unknown engine (EX_CONFIG; also `o
 EPILOG = (
     "Exit codes: 0 ok; 1 a job failed; 2 bad usage; 3 jobs still pending at --timeout; "
     "4 unknown job id; 5 database unreachable, missing or not migrated; 6 broker unreachable; "
-    "78 invalid settings (an unknown engine, a bad OCRQ_* value)."
+    "78 invalid settings (an unknown engine, a bad OCRQ_* value); 75 a worker process's "
+    "recycle (its supervisor starts the next)."
 )
 
 

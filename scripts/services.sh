@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Make sure Redis and PostgreSQL answer at the OCRQ_* URLs' hosts (default: localhost).
 # Where one is not running, start the local one, installing Debian's package if missing.
-# And PgBouncer's binary for tests/test_pgbouncer.py.
+# With --for-tests (scripts/test.sh), also PgBouncer's binary for tests/test_pgbouncer.py.
 set -euo pipefail
+for_tests=""
+[ "${1:-}" = "--for-tests" ] && for_tests=1
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 apt_updated=""
@@ -46,7 +48,7 @@ fi
 
 # PgBouncer: tests/test_pgbouncer.py starts one of its own in front of PostgreSQL (the setup
 # docs/operations.md recommends for GPU hosts); only the binary is needed, never its service.
-if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then
+if [ -n "$for_tests" ] && ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then
   apt_install pgbouncer
 fi
 

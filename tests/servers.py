@@ -281,7 +281,9 @@ class PrivatePostgres:
 def _pgbouncer_bin() -> str:
     found = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin:/usr/bin")
     if not found:
-        raise RuntimeError("pgbouncer not found (Debian package pgbouncer: scripts/services.sh)")
+        raise RuntimeError(
+            "pgbouncer not found (Debian package pgbouncer: scripts/services.sh --for-tests)"
+        )
     return found
 
 
