@@ -37,6 +37,7 @@ from ocrq.api.schemas import (
     JobIn,
     JobList,
     JobOut,
+    JobsFound,
     Retried,
     RetryIn,
     Status,
@@ -358,7 +359,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
 
     @api.post(
         "/jobs/lookup",
-        response_model=JobList,
+        response_model=JobsFound,
         max_body_size=lookup_bytes,
         responses={413: {"description": "body over its limit, or too many JSON values"}},
     )

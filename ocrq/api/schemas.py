@@ -279,3 +279,9 @@ class JobList(BaseModel):
     jobs: list[JobOut]
     # Pass as `cursor` for the next page; None on the last one.
     next_cursor: str | None = None
+
+
+class JobsFound(BaseModel):
+    """POST /jobs/lookup's answer: the ids asked for, all of them (no pages, so no cursor)."""
+
+    jobs: list[JobOut]
