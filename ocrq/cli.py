@@ -271,6 +271,7 @@ def worker(
     """Consume OCR jobs from the broker, batch them through the engine, store rows."""
     from ocrq.worker.exit_state import STARTUP_FAILED_EXIT_CODE
     from ocrq.worker.gpus import GpuSelectionError, select
+    from ocrq.worker.main import log_to_stderr
     from ocrq.worker.main import run as run_worker
     from ocrq.worker.supervisor import supervise as run_supervised
     from ocrq.worker.supervisor import worker_children
@@ -316,6 +317,7 @@ def worker(
                 soft_wrap=True,
             )
             raise typer.Exit(STARTUP_FAILED_EXIT_CODE)
+        log_to_stderr()
         raise typer.Exit(run_worker([*argv, "--hostname", node], settings))
     # A child interpreter per worker process (per GPU with --gpus), its options in its
     # environment. GPUs are found without CUDA: this process never initialises it.
@@ -391,7 +393,7 @@ def submit(
         )
         for t in refs
     ]
-    err.print(f"batch: {batch}", highlight=False, soft_wrap=True)
+    err.print(f"batch: {escape(batch)}", highlight=False, soft_wrap=True)
     if not wait:
         for job_id in ids:
             typer.echo(json.dumps({"job_id": job_id}) if as_json else job_id)
@@ -420,7 +422,7 @@ def submit(
     if pending:
         err.print(
             f"[yellow]{pending} job(s) not finished within {timeout} s: "
-            f"`ocrq wait {batch}` goes on waiting",
+            f"`ocrq wait {escape(batch)}` goes on waiting",
             soft_wrap=True,
         )
         raise typer.Exit(EXIT_PENDING)
@@ -661,7 +663,7 @@ def retry(
         err.print(f"[red]no such job:[/] {', '.join(unknown)}", soft_wrap=True)
         raise typer.Exit(EXIT_UNKNOWN)
     if batch is not None and not client.known_batches([batch]):
-        err.print(f"[red]no job names batch {batch}[/]", soft_wrap=True)
+        err.print(f"[red]no job names batch {escape(batch)}[/]", soft_wrap=True)
         raise typer.Exit(EXIT_UNKNOWN)
     sent = client.retry_failed(batch, job_ids or None)
     err.print(f"re-sent {len(sent)} failed job(s)")
@@ -712,7 +714,7 @@ def export(
     engine = engine_for(_settings())
     total = exporting.count(engine, batch, created_after)
     if batch is not None and not total and not exporting.count(engine, batch, None):
-        err.print(f"[red]no job names batch {batch}[/]", soft_wrap=True)  # as `ocrq wait`
+        err.print(f"[red]no job names batch {escape(batch)}[/]", soft_wrap=True)  # as `ocrq wait`
         raise typer.Exit(EXIT_UNKNOWN)
     with _progress() as progress:
         bar = progress.add_task("export", total=total)
@@ -793,6 +795,8 @@ def prune(
         f"deleted {pruned.jobs} job(s), {pruned.documents} document(s) and {pruned.uploads} "
         f"upload(s) finished before {cutoff.isoformat(timespec='seconds')}{hooks}"
     )
+    if pruned.uploads_left:
+        err.print(f"[yellow]{escape(pruned.uploads_left)}", soft_wrap=True)
 
 
 @app.command()
@@ -854,7 +858,9 @@ def tune(
     try:  # checked before minutes of probing, not after
         import matplotlib  # noqa: F401
     except ImportError:
-        err.print("ocrq tune draws its plot with matplotlib: pip install 'ocrq[tune]'")
+        err.print(
+            "ocrq tune draws its plot with matplotlib: pip install 'ocrq[tune]'", markup=False
+        )
         raise typer.Exit(2) from None
     if not 0 < knee <= 1 or not 0 <= headroom < 1:
         raise typer.BadParameter("--knee must be within (0, 1] and --headroom within [0, 1)")
@@ -967,7 +973,7 @@ def api(
     try:
         import uvicorn
     except ImportError:
-        err.print("the api needs its extra: pip install 'ocrq[api]'")
+        err.print("the api needs its extra: pip install 'ocrq[api]'", markup=False)
         raise typer.Exit(78) from None
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback

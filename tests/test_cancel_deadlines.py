@@ -593,3 +593,40 @@ def test_retention_deletes_only_old_final_rows_and_unreferenced_uploads(scene: S
     assert uploads["old_referenced"].exists()
     bad = _ocrq(scene.env, "prune", "--older-than", "soon")
     assert bad.returncode == 2 and "--older-than" in bad.stderr
+
+
+def test_prune_where_the_upload_folder_is_read_only_prunes_rows_and_says_why(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped workers mount the upload folder read-only: a prune there deletes the rows,
+    leaves the files (a prune where the folder is writable deletes them later: unreferenced
+    by then) and says why, instead of failing the pass after the rows were gone. The
+    read-only mount itself cannot be made here (no mount rights): `os.unlink` answers as on
+    one (EROFS)."""
+    import errno
+
+    from ocrq.core import retention
+
+    store = JobStore(get_engine(database_url))
+    old = str(uuid.uuid4())
+    store.enqueue(old, "text", "/gone/ro.png")
+    _backdate(store, old, "done", now() - 40 * DAY)
+    files = [_upload(tmp_path / "uploads", 40 * DAY) for _ in range(2)]
+
+    def read_only(path: Any) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(retention.os, "unlink", read_only)
+    pruned = retention.prune(store.engine, now() - 30 * DAY, tmp_path / "uploads")
+    assert _status_of(store, old) is None and pruned.jobs >= 1
+    assert pruned.uploads == 0 and all(f.exists() for f in files)
+    assert pruned.uploads_left is not None and "Read-only file system" in pruned.uploads_left
+    monkeypatch.undo()  # where the folder is writable: the same files go
+    again = retention.prune(store.engine, now() - 30 * DAY, tmp_path / "uploads")
+    assert again.uploads == 2 and again.uploads_left is None
+    assert not any(f.exists() for f in files)
+
+
+def _status_of(store: JobStore, job_id: str) -> str | None:
+    row = store.get([job_id]).get(job_id)
+    return row["status"] if row else None

@@ -405,6 +405,19 @@ def test_systemd_unit_serves_health_and_waits_for_warm_shutdown() -> None:
     assert seconds(dict(entries)["TimeoutStopSec"] + "s") >= 120
 
 
+def test_systemd_worker_hostname_is_one_celery_accepts() -> None:
+    """The node name as Celery gets it once systemd has expanded the unit's specifiers (%i the
+    instance, %% a lone %): Celery formats it with its own specifiers, and one it does not know
+    (`%H`, from a `%%H` in the unit) killed every start in a loop."""
+    from celery.utils.nodenames import host_format
+
+    start = dict(unit_entries())["ExecStart"].split()
+    given = start[start.index("--hostname") + 1]
+    expanded = re.sub(r"%(.)", lambda m: {"i": "0", "%": "%"}[m.group(1)], given)
+    name = host_format(expanded)
+    assert name.startswith("ocrq-gpu0@") and "%" not in name, name
+
+
 def test_grafana_dashboard_queries_only_metrics_the_worker_exports() -> None:
     """Every series a panel queries is one ocrq/core/metrics.py defines (a renamed metric
     would leave a panel silently empty)."""
@@ -482,9 +495,12 @@ def test_kubernetes_api_and_workers_mount_one_shared_upload_claim() -> None:
     ((folder, claim),) = set(shared.values())
     # Pods on several nodes mount it at once: ReadWriteMany.
     assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"]
-    # The api's root file system is read-only: the uploads volume is where it writes.
+    # The api's root file system is read-only: the uploads volume is where it writes, and a
+    # writable /tmp where multipart uploads over 1 MiB are spooled first.
     api = pod_of(docs, "ocrq-api")
     assert api["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    (tmp,) = [m for m in api["containers"][0]["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert "emptyDir" in next(v for v in api["volumes"] if v["name"] == tmp["name"])
     assert api["securityContext"]["fsGroup"] == api["securityContext"]["runAsGroup"]
 
 

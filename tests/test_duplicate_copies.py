@@ -57,6 +57,8 @@ def test_a_second_copy_of_a_running_job_is_dropped_and_an_abandoned_one_is_run(
     try:
         first.wait_ready(min(90, budget.left()))
         second.wait_ready(min(90, budget.left()))
+        # Start-up lines logged before Celery sets up logging, under --no-supervise too.
+        assert "cost model:" in first.text() and "cost model:" in second.text()
         page, other = slow_images(image_root / "copies", 2, lines=40)
         job_id = str(uuid.uuid4())
         kwargs = {"image": {"path": str(page)}, "job_id": job_id}

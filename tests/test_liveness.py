@@ -7,9 +7,11 @@ only the heartbeat sweep can.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -407,3 +409,23 @@ def test_a_killed_supervisor_takes_its_worker_along(
     text = worker.text()
     assert text.count("Warm shutdown") == 1, text[-3000:]
     assert not names & set(workers_table.heartbeats(store.engine))  # retired on the way out
+
+
+def test_a_database_still_away_is_waited_for_out_loud(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker started before its database (compose, Kubernetes) says it is waiting, once,
+    then exits 1 for its supervisor to start it again (78 is kept for a schema not at head,
+    which no restart mends)."""
+    from ocrq.worker import exit_state
+
+    monkeypatch.setattr(exit_state, "DATABASE_WAIT_S", 1.5)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = Settings(database_url=f"postgresql+psycopg://postgres@127.0.0.1:{port}/ocrq")
+    with caplog.at_level(logging.WARNING, logger=exit_state.__name__):
+        assert exit_state.check_database(settings) == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("waiting up to 2 s" in m for m in said) == 1, said
+    assert any("database unreachable or missing" in m for m in said), said

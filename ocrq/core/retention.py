@@ -42,6 +42,9 @@ class Pruned:
     documents: int
     uploads: int
     batch_hooks: int = 0
+    # Why old unreferenced uploads were left where they are (the folder read-only here), or
+    # None: they stay unreferenced, and a prune where the folder is writable deletes them.
+    uploads_left: str | None = None
 
 
 def prune(db: Engine, cutoff: dt.datetime, upload_dir: Path | None = None) -> Pruned:
@@ -73,13 +76,15 @@ def prune(db: Engine, cutoff: dt.datetime, upload_dir: Path | None = None) -> Pr
         jobs = conn.execute(old_jobs).rowcount
         documents = conn.execute(old_documents).rowcount
         hooks = conn.execute(stale_hooks).rowcount
-    uploads = _prune_uploads(db, upload_dir, cutoff) if upload_dir is not None else 0
-    return Pruned(jobs, documents, uploads, hooks)
+    uploads, left = _prune_uploads(db, upload_dir, cutoff) if upload_dir is not None else (0, None)
+    return Pruned(jobs, documents, uploads, hooks, left)
 
 
-def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> int:
+def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> tuple[int, str | None]:
     """Files with an upload's shape under `folder`, older than `cutoff` (mtime: the api
-    touches a file again when the same bytes are uploaded), named by no row."""
+    touches a file again when the same bytes are uploaded), named by no row; how many were
+    deleted, and why the rest were not when the folder cannot be written here (the shipped
+    workers mount it read-only: the first refusal ends the pass over the files)."""
     root = folder  # as the api spells it in the rows it writes (not resolved: a symlinked
     # folder resolved would match no row, and every upload would look unreferenced)
     candidates = [
@@ -90,7 +95,7 @@ def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> int:
         and dt.datetime.fromtimestamp(p.stat().st_mtime, dt.UTC) < cutoff
     ]
     if not candidates:
-        return 0
+        return 0, None
     named = {str(p) for p in candidates}
     referenced: set[str] = set()
     with db.connect() as conn:
@@ -98,13 +103,19 @@ def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> int:
             query = select(table.c.source).where(table.c.source.like(f"{root}/%"))
             referenced.update(s.split(PAGE_MARK, 1)[0] for s in conn.execute(query).scalars())
     removed = 0
-    for path in named - referenced:
+    for path in sorted(named - referenced):
         try:
             os.unlink(path)
             removed += 1
         except FileNotFoundError:
             pass
-    return removed
+        except OSError as exc:  # read-only here (EROFS), or not ours to delete (EACCES)
+            return removed, (
+                f"uploads in {root} cannot be deleted here ({exc.strerror or exc}); run "
+                "`ocrq prune` where the folder is writable (where the api runs), or expire "
+                "them with the storage's lifecycle rule"
+            )
+    return removed, None
 
 
 def prune_once_locked(db: Engine, cutoff: dt.datetime, upload_dir: Path | None) -> Pruned | None:

@@ -20,7 +20,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ocrq.core import metrics
 from ocrq.core.process import STATE
@@ -74,11 +74,20 @@ def check_database(settings: Settings) -> int | None:
 
     from ocrq.core.migrate import SchemaNotAtHead, check_at_head
 
+    def waiting(state: Any) -> None:  # once, so a wait of up to a minute is not silent
+        if state.attempt_number == 1:
+            error = state.outcome.exception() if state.outcome is not None else None
+            log.warning(
+                "database not reachable yet; waiting up to %.0f s for it: %s",
+                DATABASE_WAIT_S, getattr(error, "orig", None) or error,
+            )
+
     check = retry(
         retry=retry_if_exception_type(OperationalError),
         wait=wait_exponential(multiplier=0.5, max=5),
         stop=stop_after_delay(DATABASE_WAIT_S),
         reraise=True,
+        before_sleep=waiting,
     )(check_at_head)
     try:
         check(settings.database_url)

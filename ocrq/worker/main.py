@@ -144,8 +144,17 @@ def main(argv: Sequence[str]) -> int:
     return run(argv, settings)
 
 
-if __name__ == "__main__":
+def log_to_stderr() -> None:
+    """INFO lines on stderr until Celery takes the root logger over as it starts: the start-up
+    lines before that (the cost model and its recommended batch, the task threads, a database
+    still away) are the ones an operator reads first. Every way a worker process starts sets
+    it: a supervisor's child here, `ocrq worker --no-supervise` in the CLI (before, that one
+    set none and they were lost, under every shipped unit and manifest)."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+if __name__ == "__main__":
+    log_to_stderr()
     sys.exit(main(sys.argv[1:]))

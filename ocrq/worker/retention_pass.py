@@ -59,4 +59,6 @@ class RetentionPass:
                         pruned.uploads,
                         pruned.batch_hooks,
                     )
+                    if pruned.uploads_left:
+                        log.warning("retention: %s", pruned.uploads_left)
             self._stop.wait(DAY_S)
