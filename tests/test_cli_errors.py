@@ -100,6 +100,7 @@ def test_broker_down(service_env: dict[str, str], text_images: dict[str, Path]) 
         (["jobs"], {"OCRQ_ENGINE": "nope"}),
         (["worker", "--engine", "nope"], {}),
         (["run", "x.png"], {"OCRQ_MAX_BATCH": "-3"}),
+        (["jobs"], {"OCRQ_STALLED_AFTER_S": "15", "OCRQ_HEARTBEAT_S": "10"}),  # across fields
     ],
 )
 def test_bad_settings(
@@ -110,7 +111,12 @@ def test_bad_settings(
     done = ocrq_cli({**service_env, **env}, *command)
     assert done.returncode == EXIT_CONFIG
     line = one_line(done)
-    assert ("unknown engine 'nope'" in line and "rapid" in line) or "OCRQ_MAX_BATCH" in line
+    assert (
+        ("unknown engine 'nope'" in line and "rapid" in line)
+        or "OCRQ_MAX_BATCH" in line
+        or "settings: OCRQ_STALLED_AFTER_S (15.0) must be" in line
+    ), line
+    assert "OCRQ_:" not in line, line
 
 
 def test_run_names_a_path_that_is_not_there(tmp_path: Path) -> None:

@@ -85,8 +85,12 @@ def infrastructure_problem(exc: BaseException) -> Problem | None:
                 "OCRQ_BROKER_URL",
             )
         if isinstance(link, ValidationError) and link.title == "Settings":
+            # A field's error is named by its variable; a check across fields (no `loc`) names
+            # its variables in its own message ("OCRQ_STALLED_AFTER_S (15.0) must be ...").
             errors = "; ".join(
                 f"OCRQ_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+                if e["loc"]
+                else str(e["msg"]).removeprefix("Value error, ")
                 for e in link.errors()
             )
             return Problem("config", f"invalid settings: {errors}")
