@@ -12,7 +12,7 @@ gets the URL and sends it.
 from __future__ import annotations
 
 import datetime as dt
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -30,10 +30,15 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+def _insert(engine: Engine, batch: str, url: str, at: dt.datetime) -> Any:
+    """An INSERT of one registration, in the dialect that has ON CONFLICT for it."""
+    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+    return insert(ocr_batch_hooks).values(batch=batch, url=url, registered_at=at)
+
+
 def register(engine: Engine, batch: str, url: str) -> None:
     """The batch's webhook: the last one registered for a batch name wins."""
-    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
-    stmt = insert(ocr_batch_hooks).values(batch=batch, url=url, registered_at=_now())
+    stmt = _insert(engine, batch, url, _now())
     stmt = stmt.on_conflict_do_update(
         index_elements=["batch"],
         set_={"url": stmt.excluded.url, "registered_at": stmt.excluded.registered_at},
@@ -88,11 +93,7 @@ def adopt_legacy(client: redis.Redis, engine: Engine) -> int:
     One that the table already has for the batch is newer there, and is kept."""
     moved = 0
     for raw_batch, raw_url in client.hgetall(LEGACY_KEY).items():
-        batch, url = _text(raw_batch), _text(raw_url)
-        insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
-        stmt = insert(ocr_batch_hooks).values(
-            batch=batch, url=url, registered_at=LEGACY_REGISTERED_AT
-        )
+        stmt = _insert(engine, _text(raw_batch), _text(raw_url), LEGACY_REGISTERED_AT)
         with engine.begin() as conn:
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["batch"]))
         client.hdel(LEGACY_KEY, raw_batch)
