@@ -219,6 +219,8 @@ def test_unsupervised_worker_serves_its_own_metrics_and_readiness_follows_the_sc
     db = create_engine(own_database.replace("postgresql://", "postgresql+psycopg://", 1))
     try:
         wait_for(lambda: probe(port, "/readyz") == 200, 30, "/readyz 200")
+        asked = httpx.head(f"http://127.0.0.1:{port}/readyz", timeout=5)  # as a load balancer asks
+        assert asked.status_code == 200 and asked.content == b"", asked
         loopback_only(port)
         ids = submit(env, [text_images["hello"], text_images["word"]])
         wait_all(JobStore(get_engine(own_database)), ids, timeout=120)

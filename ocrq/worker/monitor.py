@@ -109,26 +109,35 @@ def serve(monitor: Monitor, port: int, address: str = "127.0.0.1") -> ThreadingH
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            self._answer(with_body=True)
+
+        def do_HEAD(self) -> None:  # load balancers' and some probes' way: the GET's status
+            self._answer(with_body=False)
+
+        def _answer(self, with_body: bool) -> None:
             path = self.path.split("?", 1)[0]
             try:
                 if path == "/metrics":
-                    self._send(200, CONTENT_TYPE_LATEST, monitor.metrics())
+                    self._send(200, CONTENT_TYPE_LATEST, monitor.metrics(), with_body)
                 elif path in ("/healthz", "/readyz"):
                     verdict = monitor.live()[1] if path == "/healthz" else monitor.ready()
                     body = json.dumps(verdict.as_json()).encode()
-                    self._send(200 if verdict.ok else 503, "application/json", body)
+                    self._send(200 if verdict.ok else 503, "application/json", body, with_body)
                 else:
-                    self._send(404, "text/plain", b"not found: /metrics /healthz /readyz\n")
+                    self._send(
+                        404, "text/plain", b"not found: /metrics /healthz /readyz\n", with_body
+                    )
             except Exception as exc:  # a broken probe must answer, not hang the prober
                 log.exception("monitor: %s failed", path)
-                self._send(500, "text/plain", f"{type(exc).__name__}\n".encode())
+                self._send(500, "text/plain", f"{type(exc).__name__}\n".encode(), with_body)
 
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
+        def _send(self, code: int, content_type: str, body: bytes, with_body: bool) -> None:
             self.send_response(code)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if with_body:
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args: object) -> None:  # probes: no access log
             pass
