@@ -12,6 +12,7 @@ gets the URL and sends it.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, delete, select
@@ -47,13 +48,15 @@ def register(engine: Engine, batch: str, url: str) -> None:
         conn.execute(stmt)
 
 
-def waiting(engine: Engine, batch: str) -> bool:
-    """Whether the batch has a webhook not sent yet (a primary-key lookup)."""
+def waiting(engine: Engine, names: Collection[str]) -> set[str]:
+    """Which of these batches have a webhook not sent yet (one primary-key lookup for all)."""
+    if not names:
+        return set()
     with engine.connect() as conn:
         found = conn.execute(
-            select(ocr_batch_hooks.c.batch).where(ocr_batch_hooks.c.batch == batch)
-        ).first()
-    return found is not None
+            select(ocr_batch_hooks.c.batch).where(ocr_batch_hooks.c.batch.in_(list(names)))
+        )
+        return {r[0] for r in found}
 
 
 def take(engine: Engine, batch: str) -> str | None:

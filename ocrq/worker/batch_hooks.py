@@ -6,15 +6,16 @@ finished`) once its last page is final and it is assembled. A batch's webhook (o
 batch_hooks.py) is sent once every unit of the batch is final (`batch.finished`, with its
 counts, as GET /batches/{id} has them).
 
-Who sends a batch's: a worker that ends one of its jobs notes the batch when it has a webhook
-waiting (one primary-key lookup in `ocr_batch_hooks` per job of a batch); a thread of that
-worker looks at each noted batch at most once every `POLL_S` (one grouped query,
-ocrq/core/batches.py), and when it is final takes the webhook (one taker among all workers) and
-hands it to the job webhooks' sender, which signs, retries with backoff and applies the
-URL-image address policy (ocrq/worker/webhooks.py). So the task threads never wait on a summary
-or a POST. Every `SWEEP_S` the thread also notes the webhooks registered longer ago than that:
-a batch whose last job ended in a worker that died (or was recycled) before it looked fires
-from another worker's sweep instead of never.
+Who sends a batch's: a worker that ends one of its jobs notes the batch's name (in memory: the
+task thread asks nothing); a thread of that worker looks, at most once every `POLL_S`, which
+noted batches have a webhook waiting (one query in `ocr_batch_hooks` for all of them), sums up
+each of those (one grouped query, ocrq/core/batches.py), and when one is final takes its
+webhook (one taker among all workers) and hands it to the job webhooks' sender, which signs,
+retries with backoff and applies the URL-image address policy (ocrq/worker/webhooks.py). So
+the task threads never wait on the database, a summary or a POST for a batch. Every
+`SWEEP_S` the thread also notes the webhooks registered longer ago than that: a batch whose
+last job ended in a worker that died (or was recycled) before it looked fires from another
+worker's sweep instead of never.
 """
 
 from __future__ import annotations
@@ -64,25 +65,20 @@ class BatchHooks:
 
     def job_ended(self, batch: str | None) -> None:
         """A job of `batch` ended in this worker (or was refused as final): look at the batch
-        soon, if it has a webhook waiting."""
+        soon (the thread asks whether it has a webhook waiting)."""
         if batch is None:
-            return
-        try:
-            if not batch_hooks.waiting(self.engine, batch):
-                return
-        except Exception:
-            log.warning("could not look up batch %s's webhook", batch, exc_info=True)
             return
         with self._lock:
             self._noted.add(batch)
         self.start()
 
     def check(self) -> list[str]:
-        """One look at the noted batches; those whose webhook this worker sent."""
+        """One look at the noted batches that have a webhook waiting; those whose webhook this
+        worker sent."""
         with self._lock:
             noted, self._noted = self._noted, set()
         sent = []
-        for batch in noted:
+        for batch in batch_hooks.waiting(self.engine, noted):
             summary = batches.summary(self.engine, batch)
             if summary is None or not summary.final:
                 continue  # a later job of it notes it again
