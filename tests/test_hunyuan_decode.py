@@ -279,6 +279,22 @@ KERNEL_CHECK = textwrap.dedent(
     ref8_pool = attend_torch(q, pool_k8[:, :, :L].expand(B, -1, -1, -1),
                              pool_v8[:, :, :L].expand(B, -1, -1, -1), seen, 0.3)
     print("pool fp8", float((got8 - ref8_pool).abs().max()))
+    # fp8 products (KernelConfig.fp8_products): queries and probabilities rounded to e4m3. The
+    # interpreter's fp32 -> fp8 rounding loses carries (above), so the queries are ones e4m3
+    # holds exactly and large enough that each row attends to few keys (probabilities near 0
+    # or 1): what is left checks the plumbing (operands, P_SCALE), not the GPU's accuracy,
+    # which bench/kv_attention.py --fp8-products reports. Relative to the output's scale, with
+    # the widening kernel's distance from the same reference beside it.
+    from dataclasses import replace
+    qb = (q * 6).to(fp8).bfloat16()
+    products = TritonDecodeAttention(B, H, KVH, D, L, "cpu", replace(config, fp8_products=True),
+                                     sm_count=4, padded=True)
+    args = (pool_k8.expand(shape), pool_v8.expand(shape), start, ends, 0.3)
+    ref8_q = attend_torch(qb.float().to(fp8).float(), pool_k8[:, :, :L].expand(B, -1, -1, -1),
+                          pool_v8[:, :, :L].expand(B, -1, -1, -1), seen, 0.3)
+    scale8 = float(ref8_q.abs().max())
+    print("pool fp8 products", float((products(qb, *args).float() - ref8_q).abs().max()) / scale8,
+          float((pooled(qb, *args).float() - ref8_q).abs().max()) / scale8)
     vt = torch.zeros(B, H, D, 10).transpose(2, 3)  # a transposed value cache, written by slot
     rope_rms_norm(q, cos, sin, qn.weight, qn.variance_epsilon, cache=kc, slot=torch.tensor([3]),
                   v=vrow, v_cache=vt)
@@ -418,6 +434,11 @@ def test_triton_kernels_match_references_in_interpreter(interpreted: list[str]) 
     assert [s for s, _ in pool] == [1, 2, 2] and all(d < 1e-5 for _, d in pool), pool
     pool_fp8 = float(next(ln for ln in lines if ln.startswith("pool fp8")).split()[-1])
     assert pool_fp8 < 1e-5
+    products, widened = (float(x) for x in next(
+        ln for ln in lines if ln.startswith("pool fp8 products")).split()[3:])
+    # e4m3 probabilities cost ~1% here (a lost P_SCALE would be 256x off), and the result is
+    # not the widening kernel's (the path ran)
+    assert products < 2e-2 and widened < 1e-2 and products != widened, (products, widened)
     transposed = float(next(ln for ln in lines if ln.startswith("slot transposed")).split()[-1])
     assert transposed < 1e-6
     greedy = [ln.split()[1:] for ln in lines if ln.startswith("greedy")]

@@ -477,6 +477,10 @@ class HunyuanSettings(ModelSettings):
     # The running loop's KV pool: "auto" (the model's dtype) or "fp8" (e4m3, no scale: half the
     # bytes a decode step reads and twice the rows a pool holds; ocrq/models/hunyuan/kv_cache.py).
     kv_cache_dtype: KvCacheDtype = "auto"
+    # With an fp8 pool: the decode kernel multiplies in e4m3 (queries and probabilities rounded
+    # to it too) instead of widening every key and value to fp16; two more roundings for a
+    # kernel nearer its bandwidth floor (ocrq/models/hunyuan/attention.py, fp8_products).
+    kv_fp8_products: bool = False
     # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
     # output, GIL released) or "processor" (transformers' processor, for comparison).
     preprocess: PreprocessMode = "tensor"

@@ -70,6 +70,15 @@ class KernelConfig:
     # pool a row's keys then fall in one or two of them, and with few rows most programs are
     # idle (8 rows: ~9 splits, 1-2 working; bench/results/loop_profile/README.md).
     row_splits: bool = True
+    # An fp8 pool multiplied in fp8 (Hopper's e4m3 tensor-core products): the queries rounded to
+    # e4m3 for the first product, the probabilities (times P_SCALE, kept in e4m3's normal range)
+    # for the second, so the keys and values are used as stored, with no conversion. Why: the
+    # fp8 kernel reached ~77% of its bandwidth floor where bf16 reaches 95%
+    # (bench/results/loop_profile/README.md); its extra work per byte is the widening of every
+    # key and value to fp16 and products over twice the elements a byte holds. The price is two
+    # more roundings (vLLM's FlashAttention-3 path with an fp8 cache also rounds its queries):
+    # off by default, its error measured beside its time (bench/kv_attention.py --fp8-products).
+    fp8_products: bool = False
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -83,6 +92,9 @@ FP8_CONFIG = KernelConfig(block_n=128, num_warps=4)
 # up to this many keys may start at the last key written.
 PAD_KEYS = 256
 LOG2E = math.log2(math.e)
+# fp8_products: probabilities in [0, 1] times this before their e4m3 rounding (normal down to
+# 2^-14 instead of 2^-6); the sums they are divided by carry the same factor.
+P_SCALE = 256.0
 
 
 def triton_available() -> bool:
@@ -108,6 +120,7 @@ def _kernels() -> tuple[Any, Any]:
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, SINGLE: tl.constexpr, CAST_KV: tl.constexpr, PADDED: tl.constexpr,
         EXP2: tl.constexpr, FOLD_Q: tl.constexpr, ROW_SPLITS: tl.constexpr,
+        F8DOT: tl.constexpr, P_SCALE: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -141,6 +154,8 @@ def _kernels() -> tuple[Any, Any]:
             q16 = (q.to(tl.float32) * scale).to(tl.float16)
             if UPCAST:
                 q = q * scale
+        if F8DOT:  # unscaled: after its RMSNorm a query lies in e4m3's normal range (scaled, not)
+            q8 = q.to(tl.float32).to(K.dtype.element_ty)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -168,6 +183,8 @@ def _kernels() -> tuple[Any, Any]:
                             mask=n_ok[:, None], other=0.0)
             if UPCAST:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            elif F8DOT:
+                scores = tl.dot(q8, tl.trans(k))
             elif CAST_KV:  # an fp8 pool: one conversion to fp16 (fp8 -> bf16 is two)
                 scores = tl.dot(q16, tl.trans(k.to(tl.float16)))
             else:
@@ -182,12 +199,14 @@ def _kernels() -> tuple[Any, Any]:
             else:
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + tl.sum(p, 1) * P_SCALE  # P_SCALE 1.0 unless F8DOT
             v_at = v_base + offs_n[:, None] * s_vl + offs_d[None, :] * s_vd
             # padded: finite there (see TritonDecodeAttention), so p = 0 keeps it out
             v = tl.load(v_at) if PADDED else tl.load(v_at, mask=n_ok[:, None], other=0.0)
             if UPCAST:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            elif F8DOT:
+                pv = tl.dot((p * P_SCALE).to(V.dtype.element_ty), v)
             elif CAST_KV:
                 pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
             else:
@@ -301,6 +320,7 @@ class TritonDecodeAttention:
         c = self.config
         single = self.splits == 1
         upcast, cast_kv = q.dtype == torch.float32, k.dtype != q.dtype
+        f8dot = c.fp8_products and cast_kv and not upcast and k.dtype == v.dtype
         split_kernel[self.grid](
             q, k, v, start, end, self.acc, self.mx, self.sm, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
@@ -311,7 +331,8 @@ class TritonDecodeAttention:
             scale * LOG2E if c.exp2 else scale, self.split_len,
             G=self.group, GP=self.group_pad, D=self.head_dim, BLOCK_N=c.block_n,
             UPCAST=upcast, SINGLE=single, CAST_KV=cast_kv, PADDED=self.padded, EXP2=c.exp2,
-            FOLD_Q=c.exp2 and (upcast or cast_kv), ROW_SPLITS=c.row_splits,
+            FOLD_Q=c.exp2 and (upcast or cast_kv) and not f8dot, ROW_SPLITS=c.row_splits,
+            F8DOT=f8dot, P_SCALE=P_SCALE if f8dot else 1.0,
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )

@@ -585,6 +585,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             "penalty": self.repetition_penalty,
             "guard": self.version.guard,
             "kv_dtype": s.kv_cache_dtype,
+            "fp8_products": s.kv_fp8_products,
             "packed": s.prefill_packed,
             "prefill_stream": s.prefill_stream,
             "lanes": LanePolicy(

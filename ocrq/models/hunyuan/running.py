@@ -62,7 +62,7 @@ import time
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.admission import AdmissionPolicy
@@ -156,6 +156,8 @@ class LoopConfig:
     keep_logits: bool = False  # tests: every token's raw logits per row (a host sync per step)
     # The pool's dtype: "auto" (the model's) or "fp8" (ocrq/models/hunyuan/kv_cache.py).
     kv_dtype: str = "auto"
+    # An fp8 pool's decode products in e4m3 (KernelConfig.fp8_products).
+    fp8_products: bool = False
     # Prefill passes with the rows packed end to end, no padding (ocrq/models/hunyuan/packed.py):
     # a pass then costs the tokens it holds, not rows x the longest prompt.
     packed: bool = False
@@ -606,7 +608,7 @@ class RunningLoop:
             if k not in self._kernels:
                 config = self.decoder.kernel
                 if is_fp8(self.kv_dtype) and config == DEFAULT_CONFIG:
-                    config = FP8_CONFIG
+                    config = replace(FP8_CONFIG, fp8_products=self.config.fp8_products)
                 self._kernels[k] = TritonDecodeAttention(
                     k, self.text.heads, self.text.kv_heads, self.text.head_dim,
                     self.config.pool_tokens + 1, self.device, config,
