@@ -188,6 +188,17 @@ def canonical_job_id(value: object) -> str:
     return str(uuid.UUID(value))
 
 
+def message_job_id(kwargs: object, task_id: object) -> str:
+    """The job an `ocrq.recognize` message runs: its kwargs' `job_id` when given, else its
+    Celery task id, canonical (`canonical_job_id`). Raises ValueError when that is no UUID.
+
+    One rule for every place that names a message's job before the task runs (the holder
+    entry, ocrq/worker/broker.py; an expired message's row, ocrq/worker/tasks.py): two
+    spellings of it could name one message's job two ways."""
+    given = kwargs.get("job_id") if isinstance(kwargs, dict) else None
+    return canonical_job_id(given or task_id)
+
+
 def require_storable(value: str, what: str) -> str:
     """PostgreSQL text holds neither NUL nor a lone surrogate (not UTF-8): refuse them here, so
     the job fails with a clear error instead of its row failing to be written at all."""
