@@ -340,3 +340,49 @@ def test_openapi_describes_every_route_behind_the_token(
     assert denied.status_code == 401
     assert upload.status_code == 202 and required <= set(upload.json()), upload.text
     assert upload.json()["document_id"] == upload.json()["job_id"]
+
+
+def test_invalid_base64_is_a_422_and_nothing_is_queued(
+    service_env: dict[str, str], broker_url: str, tmp_path: Path
+) -> None:
+    """Inline bytes that are not base64 were recorded and sent, and failed only in the worker:
+    through `ocrq api` they are a 422 naming `image.b64`, with no row and no message, alone or
+    in a batch. Every form a worker decodes (MIME-wrapped, a data: URL, URL-safe, unpadded)
+    is still accepted."""
+    import base64
+
+    import redis
+
+    queue = f"ocr-b64-{uuid.uuid4().hex[:6]}"
+    server = Uvicorn(api_env(service_env, queue, OCRQ_API_TOKEN=TOKEN), tmp_path / "api.log")
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4).decode()
+    urlsafe = base64.urlsafe_b64encode(b"\xfb\xff" + bytes(range(200))).decode().rstrip("=")
+    good = [png, "\n".join(png[i : i + 76] for i in range(0, len(png), 76)),
+            "data:image/png;base64," + png, urlsafe]
+    bad = ["@@not base64@@", "data:image/png,iVBORw0KGgo", png[:-5] + "!" + png[-4:], "A"]
+    ids = [str(uuid.uuid4()) for _ in bad]
+    try:
+        base = f"http://127.0.0.1:{server.wait_up().port}"
+        with httpx.Client(base_url=base, headers=AUTH, timeout=30) as api:
+            refused = [
+                api.post("/jobs", json={"image": {"b64": text}, "job_id": job_id})
+                for text, job_id in zip(bad, ids, strict=True)
+            ]
+            batch = api.post("/jobs/batch", json={"jobs": [
+                {"image": {"b64": png}, "job_id": str(uuid.uuid4())},
+                {"image": {"b64": bad[0]}, "job_id": ids[0]},
+            ]})
+            unknown = [api.get(f"/jobs/{job_id}").status_code for job_id in ids]
+            left = redis.Redis.from_url(broker_url).llen(queue)
+            accepted = [api.post("/jobs", json={"image": {"b64": text}}) for text in good]
+    finally:
+        server.stop()
+    for r in refused:
+        assert r.status_code == 422, r.text
+        (error,) = r.json()["detail"]
+        assert error["loc"] == ["body", "image"], error
+        assert "image.b64: invalid base64 image" in error["msg"], error
+    assert batch.status_code == 422 and "image.b64" in batch.text, batch.text
+    assert batch.json()["detail"][0]["loc"] == ["body", "jobs", 1, "image"], batch.text
+    assert unknown == [404] * len(ids) and left == 0  # no row, no message
+    assert [r.status_code for r in accepted] == [202] * len(good), [r.text for r in accepted]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
 
 from ocrq.api.client import Client
@@ -109,3 +110,16 @@ def test_a_holder_entry_names_the_job_a_message_runs() -> None:
     assert delivered_job_id(message("{not json", task)) == task
     assert delivered_job_id(message(json.dumps([[], {"job_id": "nope"}, {}]), "x")) == "x"
     assert delivered_job_id(message("[]", None)) is None
+
+
+def test_one_job_id_rule_for_the_broker_and_the_task() -> None:
+    """The rule both the holder entry and an expired message's row use (ocrq/core/contract.py):
+    the kwargs' job_id when given (an empty one is not), else the task id, canonical."""
+    from ocrq.core.contract import message_job_id
+
+    job, task = uuid.uuid4(), uuid.uuid4()
+    assert message_job_id({"job_id": f"{{{str(job).upper()}}}"}, str(task)) == str(job)
+    assert message_job_id({"job_id": ""}, task.hex) == str(task)
+    assert message_job_id({}, f"urn:uuid:{task}") == message_job_id(None, str(task)) == str(task)
+    with pytest.raises(ValueError):
+        message_job_id({"job_id": "nope"}, str(task))

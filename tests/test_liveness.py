@@ -320,6 +320,89 @@ def test_concurrent_sweeps_resend_each_job_once(database_url: str) -> None:
     assert dead not in workers_table.heartbeats(engine)
 
 
+def _stalled_row(engine: object, image: Path) -> tuple[str, str]:
+    """A job `running` under a worker whose last heartbeat is long past (killed with -9):
+    its row and its worker's, as the dead worker left them. Returns (job id, worker name)."""
+    dead = f"dead-{uuid.uuid4().hex[:6]}"
+    job_id = str(uuid.uuid4())
+    long_ago = now().replace(year=2000)
+    with engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(insert(ocr_workers).values(
+            name=dead, hostname="h", pid=1, started_at=long_ago, heartbeat_at=long_ago
+        ))
+        conn.execute(insert(ocr_jobs).values(
+            id=job_id, status="running", task="text", source=str(image),
+            reference={"path": str(image)}, worker=dead, attempts=1,
+            created_at=long_ago, started_at=long_ago,
+        ))
+    return job_id, dead
+
+
+def _status(env: dict[str, str], job_id: str) -> dict:
+    """The job's row as `ocrq status --json` shows it."""
+    import json
+
+    shown = subprocess.run([str(BIN / "ocrq"), "status", job_id, "--json"], env=env,
+                           capture_output=True, text=True, timeout=60)
+    return json.loads(shown.stdout)
+
+
+def test_requeue_stalled_clears_the_dead_workers_name(
+    service_env: dict[str, str], database_url: str, text_images: dict[str, Path], tmp_path: Path
+) -> None:
+    """`ocrq requeue --stalled` re-sends the running job of a dead worker: its row is `queued`
+    with no worker (it kept the dead one's name, as if that worker still held it), and a live
+    worker then runs it under its own name."""
+    queue = f"ocr-requeue-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, "OCRQ_QUEUE": queue}
+    engine = get_engine(database_url)
+    job_id, dead = _stalled_row(engine, text_images["word"])
+    cli = subprocess.run([str(BIN / "ocrq"), "requeue", "--stalled"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.split() == [job_id], (cli.stdout, cli.stderr)
+    row = _status(env, job_id)
+    assert row["status"] == "queued" and row["worker"] is None, row
+    assert redis.Redis.from_url(env["OCRQ_BROKER_URL"]).llen(queue) == 1
+    assert dead not in workers_table.heartbeats(engine)  # forgotten, no job left under it
+    worker = WorkerProcess(env, tmp_path / "worker.log", "--concurrency", "1")
+    try:
+        worker.wait_ready(90)
+        (done,) = wait_all(JobStore(engine), [job_id], timeout=90, log=worker).values()
+    finally:
+        worker.stop()
+    assert done["status"] == "done" and done["text"] == "STATION", done
+    assert done["worker"] not in (None, dead) and done["attempts"] == 2, done
+
+
+def test_a_stalled_job_the_broker_refused_stays_with_its_dead_worker(
+    broker_url: str, database_url: str, text_images: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker refusing the re-send puts the row back `running` under the dead worker's
+    name (the flip cleared it), so the next sweep finds it again and re-sends it."""
+    from ocrq.core import requeue
+
+    settings = Settings(broker_url=broker_url, database_url=database_url,
+                        queue=f"ocr-unflip-{uuid.uuid4().hex[:6]}")
+    store = JobStore(get_engine(database_url))
+    app = requeue.producer_app(settings)
+    job_id, dead = _stalled_row(store.engine, text_images["word"])
+
+    def refused(*_: object) -> None:
+        raise ConnectionError("broker away")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(requeue, "resend", refused)
+        with pytest.raises(ConnectionError):
+            requeue.requeue_stalled(store, app, settings)
+    row = store.get([job_id])[job_id]
+    assert (row["status"], row["worker"]) == ("running", dead), row
+    assert requeue.requeue_stalled(store, app, settings) == [job_id]
+    row = store.get([job_id])[job_id]
+    assert (row["status"], row["worker"]) == ("queued", None), row
+
+
 def test_a_stop_signal_delivered_twice_is_one_warm_stop() -> None:
     """A stop reaches a worker from its process group and again from its supervisor. Celery's
     handler, entered a second time from inside the first, waited forever on its own lock (a

@@ -244,12 +244,67 @@ def test_unsupervised_worker_serves_its_own_metrics_and_readiness_follows_the_sc
         db.dispose()
 
 
+def test_readyz_says_the_worker_waits_for_its_database(
+    service_env: dict[str, str], database_url: str, tmp_path: Path
+) -> None:
+    """A worker started before its database (compose, Kubernetes) waits for it up to a minute:
+    /readyz says so, where it said "engine not loaded yet"; once `ocrq migrate` has created
+    the database the worker starts and /readyz is 200."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    port = free_port()
+    name = f"ocrq_later_{uuid.uuid4().hex[:8]}"
+    later = make_url(database_url).set(database=name).render_as_string(hide_password=False)
+    env = {
+        **service_env,
+        "OCRQ_DATABASE_URL": later,  # no such database yet
+        "OCRQ_QUEUE": f"ocr-dbwait-{uuid.uuid4().hex[:6]}",
+        "OCRQ_METRICS_PORT": str(port),
+    }
+    worker = WorkerProcess(env, tmp_path / "worker.log", "--concurrency", "1")
+    try:
+        seen: list[tuple[int, str]] = []  # /readyz's answers
+
+        def reason() -> str:
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+            except httpx.HTTPError:
+                return ""
+            seen.append((answer.status_code, answer.text))
+            return str(answer.json()["reason"]) if answer.status_code == 503 else ""
+
+        wait_for(lambda: "database not reachable yet" in worker.text(), 45,
+                 f"the worker waiting for its database\n{worker.text()[-2000:]}")
+        deadline = time.monotonic() + 10
+        while "waiting for the database" not in reason() and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert seen and "waiting for the database" in str(seen[-1]), seen[-3:]
+        assert probe(port, "/healthz") == 200  # waiting is not dead: no restart
+        subprocess.run([str(BIN / "ocrq"), "migrate"], env={**os.environ,
+                       "OCRQ_DATABASE_URL": later}, check=True, timeout=120)
+        wait_for(lambda: probe(port, "/readyz") == 200, 90,
+                 f"/readyz 200 once the database is there\n{worker.text()[-2000:]}")
+    finally:
+        worker.stop()
+        admin = create_engine(make_url(database_url).set(database="postgres"),
+                              isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
 def test_health_verdicts() -> None:
     """The decision itself, on the clock's edges."""
     now = 1000.0
     live = health.liveness
     assert live(health.WorkerState(), now, 30, 960).ok  # no process yet: starting
     assert live(health.WorkerState(started_at=990), now, 30, 960).reason == "engine loading"
+    waiting = health.WorkerState(started_at=990, database_wait_since=995)
+    assert live(waiting, now, 30, 960).reason == "waiting for the database"
+    assert health.readiness(waiting, live(waiting, now, 30, 960), None).reason.startswith(
+        "waiting for the database"
+    )
     beat = health.WorkerState(ready=1, started_at=900, heartbeat_at=975)
     assert live(beat, now, 30, 960).ok and not live(beat, now, 20, 960).ok
     hung = health.WorkerState(ready=1, started_at=1, heartbeat_at=999, batch_since=30)

@@ -25,7 +25,9 @@ from ocrq.core.contract import (
     NAME_REFUSED,
     ImageRef,
     JobRequest,
+    b64_body,
     canonical_job_id,
+    decode_b64_body,
     require_storable,
 )
 
@@ -88,6 +90,19 @@ class JobIn(_JobFields):  # type: ignore[misc,valid-type]
         return value
 
     _http = field_validator("callback_url")(_http_callback)
+
+    @field_validator("image")
+    @classmethod
+    def _decodable(cls, image: ImageRef) -> ImageRef:
+        """Inline bytes that are not base64 would be queued and fail only in the worker: the
+        producer hears it now, and nothing is recorded or sent. The worker's own decoder rule
+        (contract.b64_body), so every form it takes still passes."""
+        if image.b64 is not None:
+            try:
+                decode_b64_body(b64_body(image.b64))
+            except ValueError as exc:
+                raise ValueError(f"image.b64: {exc}") from None
+        return image
 
     @model_validator(mode="after")
     def _storable(self) -> JobIn:

@@ -6,6 +6,8 @@ names and shapes here are the public API: change them only compatibly.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 import uuid
 from collections.abc import Mapping
@@ -78,6 +80,33 @@ def redact_url(url: str) -> str:
 def _redact_param(param: str) -> str:
     name, eq, _ = param.partition("=")
     return f"{name}=***" if eq and _SECRET_PARAM.search(name) else param
+
+
+_URLSAFE = str.maketrans("-_", "+/")
+
+
+def b64_body(text: str) -> str:
+    """The base64 of an inline image with its wrapping taken off: producers send it line-wrapped
+    (MIME), as a `data:image/...;base64,` URL, in the URL-safe alphabet or without padding, and
+    each of those is the same image. Returns the standard alphabet, unpadded; ValueError for a
+    data: URL that is not base64-encoded.
+
+    One rule for the worker (ocrq/intake/images.py) and the api, so the api refuses exactly
+    the payloads a worker would fail."""
+    body = text.strip()
+    if body[:5].lower() == "data:":
+        header, comma, body = body.partition(",")
+        if not comma or not header.lower().endswith(";base64"):
+            raise ValueError("invalid base64 image: a data: URL must be ';base64,' encoded")
+    return "".join(body.split()).translate(_URLSAFE).rstrip("=")
+
+
+def decode_b64_body(body: str) -> bytes:
+    """The bytes of a `b64_body`; ValueError naming why it is not base64 (never its text)."""
+    try:
+        return base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"invalid base64 image: {exc}") from None
 
 
 class ImageRef(BaseModel):
@@ -157,6 +186,17 @@ def canonical_job_id(value: object) -> str:
     if not isinstance(value, str) or len(value) > 64:
         raise ValueError("job_id must be a UUID string")
     return str(uuid.UUID(value))
+
+
+def message_job_id(kwargs: object, task_id: object) -> str:
+    """The job an `ocrq.recognize` message runs: its kwargs' `job_id` when given, else its
+    Celery task id, canonical (`canonical_job_id`). Raises ValueError when that is no UUID.
+
+    One rule for every place that names a message's job before the task runs (the holder
+    entry, ocrq/worker/broker.py; an expired message's row, ocrq/worker/tasks.py): two
+    spellings of it could name one message's job two ways."""
+    given = kwargs.get("job_id") if isinstance(kwargs, dict) else None
+    return canonical_job_id(given or task_id)
 
 
 def require_storable(value: str, what: str) -> str:

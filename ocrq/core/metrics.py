@@ -202,6 +202,12 @@ HEARTBEAT_AT = Gauge(
     "Last tick of the worker process's heartbeat thread (whether or not the database answered)",
     multiprocess_mode="livemax",
 )
+DATABASE_WAIT_SINCE = Gauge(
+    "ocrq_worker_database_wait_since_timestamp_seconds",
+    "When the starting worker began waiting for its database (reachable, at the Alembic head); "
+    "0 once it answered",
+    multiprocess_mode="livemax",
+)
 BATCH_SINCE = Gauge(
     "ocrq_batch_running_since_timestamp_seconds",
     "When the batch running now started (the running loop, an engine process: the last time a "

@@ -256,7 +256,7 @@ def _resend_rows(
             unsent.discard(job.id)
     finally:  # the broker failed mid-way: leave the rest for the next sweep
         if unflip:
-            workers_table.unflip(store.engine, [j.id for j in jobs if j.id in unsent])
+            workers_table.unflip(store.engine, [j for j in jobs if j.id in unsent])
     return sent
 
 

@@ -78,25 +78,23 @@ def retire(engine: Engine, name: str) -> None:
 def flip_stalled(
     engine: Engine, stalled_after_s: float, exclude: str | None = None
 ) -> list[StalledJob]:
-    """Set the stalled jobs back to `queued` and return them, for the caller to re-send.
+    """Set the stalled jobs back to `queued`, with no worker, and return them (each naming the
+    dead worker it was running under), for the caller to re-send.
 
-    One UPDATE ... RETURNING: when several workers sweep at once, PostgreSQL re-checks
-    `status = 'running'` on a row another sweep has just flipped, so each job is returned to
-    exactly one of them. Jobs without a `reference` (inline images; rows from before
-    migrations/0006) cannot be re-sent from their row and are skipped: their own message comes
-    back after the visibility timeout. `source` is a display name and never rebuilt into one.
+    The rows are locked first (SELECT ... FOR UPDATE), then updated in the same transaction:
+    when several workers sweep at once, PostgreSQL makes a second sweep wait for the first's
+    locks and re-checks `status = 'running'` on the row it committed, so each job is returned to
+    exactly one of them. Why two statements: the dead worker's name leaves the row (a queued row
+    names no worker, as `ocrq retry` leaves it, and `GET /jobs/{id}` showed a dead worker on a
+    job nobody runs), yet `unflip` must put it back, and an UPDATE's RETURNING gives only the
+    new value. Jobs without a `reference` (inline images; rows from before migrations/0006)
+    cannot be re-sent from their row and are skipped: their own message comes back after the
+    visibility timeout. `source` is a display name and never rebuilt into one.
     """
     cutoff = _cutoff(engine, stalled_after_s)
     dead = select(ocr_workers.c.name).where(ocr_workers.c.heartbeat_at < cutoff)
-    stmt = (
-        update(ocr_jobs)
-        .where(
-            ocr_jobs.c.status == "running",
-            ocr_jobs.c.worker.in_(dead),
-            ocr_jobs.c.reference.is_not(None),
-        )
-        .values(status="queued")
-        .returning(
+    found = (
+        select(
             ocr_jobs.c.id,
             ocr_jobs.c.task,
             ocr_jobs.c.source,
@@ -104,24 +102,47 @@ def flip_stalled(
             ocr_jobs.c.page,
             ocr_jobs.c.reference,
         )
+        .where(
+            ocr_jobs.c.status == "running",
+            ocr_jobs.c.worker.in_(dead),
+            ocr_jobs.c.reference.is_not(None),
+        )
+        .order_by(ocr_jobs.c.id)  # one lock order for every sweep: no deadlock between two
+        .with_for_update(of=ocr_jobs)
     )
     if exclude is not None:
-        stmt = stmt.where(ocr_jobs.c.worker != exclude)
+        found = found.where(ocr_jobs.c.worker != exclude)
     with engine.begin() as conn:
-        return [StalledJob(*row) for row in conn.execute(stmt)]
+        stalled = [StalledJob(*row) for row in conn.execute(found)]
+        if stalled:
+            conn.execute(
+                update(ocr_jobs)
+                .where(ocr_jobs.c.id.in_([j.id for j in stalled]))
+                .values(status="queued", worker=None)
+            )
+    return stalled
 
 
-def unflip(engine: Engine, job_ids: list[str]) -> None:
-    """Put back to `running` flipped jobs that could not be re-sent (the broker was down), so a
-    later sweep finds them again; a job claimed meanwhile is left alone."""
-    if not job_ids:
+def unflip(engine: Engine, jobs: list[StalledJob]) -> None:
+    """Put back to `running` under their dead worker flipped jobs that could not be re-sent
+    (the broker was down), so a later sweep finds them again; a job claimed meanwhile is left
+    alone."""
+    if not jobs:
         return
+    by_worker: dict[str, list[str]] = {}
+    for job in jobs:
+        by_worker.setdefault(job.worker, []).append(job.id)
     with engine.begin() as conn:
-        conn.execute(
-            update(ocr_jobs)
-            .where(ocr_jobs.c.id.in_(job_ids), ocr_jobs.c.status == "queued")
-            .values(status="running")
-        )
+        for worker, ids in by_worker.items():
+            conn.execute(
+                update(ocr_jobs)
+                .where(
+                    ocr_jobs.c.id.in_(ids),
+                    ocr_jobs.c.status == "queued",
+                    ocr_jobs.c.worker.is_(None),
+                )
+                .values(status="running", worker=worker)
+            )
 
 
 def forget_dead(engine: Engine, stalled_after_s: float) -> int:

@@ -9,8 +9,6 @@ policy; paths are opened once, beneath an allowed root.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import os
@@ -22,7 +20,7 @@ from typing import BinaryIO
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from ocrq.core.contract import ImageRef
+from ocrq.core.contract import ImageRef, b64_body, decode_b64_body
 from ocrq.core.pixel_budget import scaled_size
 from ocrq.core.settings import Settings
 from ocrq.core.upload_paths import upload_folder_of
@@ -161,28 +159,22 @@ def _open_beneath(root: Path, parts: tuple[str, ...]) -> int:
 
 
 def _read_b64(text: str, settings: Settings) -> bytes:
-    """Decode what producers commonly send: line-wrapped (MIME), a `data:image/...;base64,`
-    URL, the URL-safe alphabet, padding left off. Anything else is refused."""
+    """Decode what producers commonly send (contract.b64_body says which forms); anything else
+    is refused."""
     limit = settings.max_image_bytes
     too_large = ImageError(f"inline image too large: over {limit} bytes")
     if len(text) > 2 * (limit // 3 + 1) * 4 + 1024:  # cheap, before any copy: 2x for breaks
         raise too_large
-    body = text.strip()
-    if body[:5].lower() == "data:":
-        header, comma, body = body.partition(",")
-        if not comma or not header.lower().endswith(";base64"):
-            raise ImageError("invalid base64 image: a data: URL must be ';base64,' encoded")
-    compact = "".join(body.split()).translate(_URLSAFE).rstrip("=")
-    if len(compact) * 3 // 4 > limit:  # exact, still before decoding
+    try:
+        body = b64_body(text)
+    except ValueError as exc:
+        raise ImageError(str(exc)) from None
+    if len(body) * 3 // 4 > limit:  # exact, still before decoding
         raise too_large
     try:
-        data = base64.b64decode(compact + "=" * (-len(compact) % 4), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ImageError(f"invalid base64 image: {exc}") from None
-    return data
-
-
-_URLSAFE = str.maketrans("-_", "+/")
+        return decode_b64_body(body)
+    except ValueError as exc:
+        raise ImageError(str(exc)) from None
 
 
 def check_header(width: int, height: int, settings: Settings) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 from kombu.transport import redis
 
 from ocrq.core.broker_scan import HOLDERS_KEY, holder_entry
-from ocrq.core.contract import canonical_job_id
+from ocrq.core.contract import message_job_id
 from ocrq.core.process import STATE
 from ocrq.worker.envelope import (
     REFUSED_HEADER,
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 def delivered_job_id(message: Any) -> str | None:
     """The job a delivered message runs, as the task will name it: the `job_id` of its kwargs,
-    else its task id, in their canonical spelling (ocrq/worker/tasks.py).
+    else its task id, in their canonical spelling (ocrq/core/contract.py `message_job_id`).
 
     Why not the task id alone: a bare producer may send `job_id` with a task id of Celery's
     own, and two copies of one job then carry two task ids. A holder entry under the task id
@@ -64,8 +64,7 @@ def delivered_job_id(message: Any) -> str | None:
     try:
         payload = message.decode()
         kwargs = payload[1] if isinstance(payload, list | tuple) and len(payload) > 1 else None
-        given = kwargs.get("job_id") if isinstance(kwargs, dict) else None
-        return canonical_job_id(given or task_id)
+        return message_job_id(kwargs, task_id)
     except Exception:  # a name for the holder entry, never a reason to fail
         return task_id if isinstance(task_id, str) else None
 

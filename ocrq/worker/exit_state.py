@@ -89,6 +89,7 @@ def check_database(settings: Settings) -> int | None:
         reraise=True,
         before_sleep=waiting,
     )(check_at_head)
+    metrics.DATABASE_WAIT_SINCE.set(time.time())  # /readyz names the wait (worker/health.py)
     try:
         check(settings.database_url)
     except SchemaNotAtHead as exc:
@@ -100,6 +101,8 @@ def check_database(settings: Settings) -> int | None:
             exc.orig or exc,
         )
         return 1
+    finally:
+        metrics.DATABASE_WAIT_SINCE.set(0)
     return None
 
 

@@ -11,7 +11,9 @@ of those values and the clock, so it is tested without threads or processes.
   make a worker dead (restarting it would not help): the tick counts, not the database's answer.
 - ready: live, the engine loaded and consuming (set at Celery's worker_ready after the model
   loaded; cleared at shutdown), and the database schema at Alembic head (checked by the server
-  when probed, since a newer deploy may migrate under a running worker).
+  when probed, since a newer deploy may migrate under a running worker). Not ready, it says
+  what the start waits for: the database (its own gauge, set while the start-up check waits)
+  or the engine.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ GAUGES = {
     "ocrq_worker_started_timestamp_seconds": "started_at",
     "ocrq_worker_heartbeat_timestamp_seconds": "heartbeat_at",
     "ocrq_batch_running_since_timestamp_seconds": "batch_since",
+    "ocrq_worker_database_wait_since_timestamp_seconds": "database_wait_since",
 }
 
 
@@ -37,6 +40,7 @@ class WorkerState:
     started_at: float | None = None
     heartbeat_at: float | None = None
     batch_since: float | None = None
+    database_wait_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,8 @@ def liveness(state: WorkerState, now: float, stale_after_s: float, hung_after_s:
     if not state.started_at:  # None or 0: a gauge never set reads 0
         return Verdict(True, "worker process starting")
     if not state.heartbeat_at:
-        return Verdict(True, "engine loading")
+        return Verdict(True, "waiting for the database" if state.database_wait_since
+                       else "engine loading")
     silent = now - state.heartbeat_at
     if silent > stale_after_s:
         return Verdict(False, f"heartbeat thread silent for {silent:.0f} s")
@@ -77,7 +82,18 @@ def readiness(state: WorkerState, live: Verdict, schema_error: str | None) -> Ve
     if not live.ok:
         return live
     if not state.ready:
-        return Verdict(False, "engine not loaded yet" if state.started_at else "no worker process")
+        return Verdict(False, _not_ready_reason(state))
     if schema_error is not None:
         return Verdict(False, schema_error)
     return Verdict(True, "engine loaded, schema at head")
+
+
+def _not_ready_reason(state: WorkerState) -> str:
+    """What a starting worker waits for. The database check runs beside the engine's load and
+    Celery starts only after both: while it waits (a database still starting, or unreachable
+    for up to a minute), "engine not loaded yet" sent operators to look at the engine."""
+    if not state.started_at:
+        return "no worker process"
+    if state.database_wait_since:
+        return "waiting for the database (OCRQ_DATABASE_URL)"
+    return "engine not loaded yet"

@@ -19,6 +19,7 @@ from ocrq.core.contract import (
     JobRequest,
     canonical_job_id,
     lane_of_queue,
+    message_job_id,
     storable_text,
 )
 from ocrq.worker.acking import task_returned
@@ -205,7 +206,7 @@ def _expired(sender: Any = None, request: Any = None, expired: bool = False, **_
         return
     kwargs = request.kwargs if isinstance(request.kwargs, dict) else {}
     try:
-        job_id = canonical_job_id(kwargs.get("job_id") or request.id)
+        job_id = message_job_id(kwargs, request.id)
         image = kwargs.get("image")
         source = ImageRef.model_validate(image).describe() if image else "unknown"
     except (ValueError, ValidationError):
