@@ -164,7 +164,8 @@ def main() -> None:
                          "twice")
     ap.add_argument("--fp8-products", action="store_true",
                     help="the fp8 pool at its loop config, widened to fp16 and multiplied in "
-                         "e4m3 (KernelConfig.fp8_products), alternated twice: time and error")
+                         "e4m3 (KernelConfig.fp8_products), alternated twice, then e4m3 at four "
+                         "other configs: time and error")
     ap.add_argument("--layouts", default="rows",
                     help="comma-separated: rows (values token-major, masked loads: the loop's "
                          "bf16 pool), pool (values transposed, padded: the loop's fp8 pool), "
@@ -194,6 +195,10 @@ def main() -> None:
         elif args.fp8_products:
             plan = [(torch.float8_e4m3fn, replace(FP8_CONFIG, fp8_products=f))
                     for f in (False, True, False, True)]
+            # products in fp8 halve a tile's registers: the block and warps may want to change
+            plan += [(torch.float8_e4m3fn, replace(FP8_CONFIG, fp8_products=True, **kw))
+                     for kw in ({"block_n": 64}, {"block_n": 256},
+                                {"block_n": 256, "num_warps": 8}, {"num_stages": 4})]
         elif args.loop_configs:
             plan = [(torch.bfloat16, DEFAULT_CONFIG), (torch.float8_e4m3fn, FP8_CONFIG)]
         else:
