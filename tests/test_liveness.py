@@ -28,7 +28,15 @@ from sqlalchemy.engine import make_url
 from ocrq.api.client import Client
 from ocrq.core import workers_table
 from ocrq.core.db import get_engine, ocr_jobs, ocr_workers
-from ocrq.core.migrate import alembic_config, head_revisions
+from ocrq.core.migrate import (
+    MIGRATE_LOCK_KEY,
+    MigrationRunning,
+    alembic_config,
+    check_at_head,
+    current_revisions,
+    head_revisions,
+    upgrade,
+)
 from ocrq.core.samples import draw_text_image
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, now
@@ -92,6 +100,81 @@ def test_worker_refuses_unmigrated_database_and_leaves_messages(
     waiting = r.lrange(queue, 0, -1)
     assert len(waiting) == 1 and job_id.encode() in waiting[0]  # still queued, never taken
     assert not [v for v in r.hgetall("unacked").values() if job_id.encode() in v]
+
+
+def test_a_start_beside_a_running_migrate_waits_for_its_end(
+    empty_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Revisions 0005, 0007 and 0008 commit part-way (CREATE INDEX CONCURRENTLY): a worker that
+    read the revision beside `ocrq migrate` saw one in between and exited 78 for good. The
+    migrate's lock (held here by hand, as `upgrade` holds it) makes a starting worker's read
+    wait for its end, and a probe's read say so at once."""
+    import ocrq.core.migrate as migrate
+
+    upgrade(empty_database)
+    refused = threading.Event()  # set when a start was refused the lock and waits to ask again
+
+    def pause(seconds: float) -> None:
+        refused.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(migrate, "time", type("Clock", (), {"sleep": staticmethod(pause)}))
+    db = create_engine(empty_database, isolation_level="AUTOCOMMIT")
+    waited: list[BaseException | None] = []
+    try:
+        with db.connect() as held:
+            held.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATE_LOCK_KEY})
+            with pytest.raises(MigrationRunning):
+                check_at_head(empty_database)  # a probe: answers now
+
+            def start() -> None:
+                try:
+                    check_at_head(empty_database, wait_for_migrate=True)
+                    waited.append(None)
+                except BaseException as exc:  # handed to the test's thread
+                    waited.append(exc)
+
+            thread = threading.Thread(target=start, daemon=True)
+            thread.start()
+            assert refused.wait(30), "the start never asked for the lock"
+            assert thread.is_alive() and not waited  # it cannot pass while the lock is held
+            held.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATE_LOCK_KEY})
+        thread.join(30)
+        assert waited == [None]  # at head once the "migrate" ended
+        with db.connect() as conn:  # and no read left a lock behind for the next migrate
+            assert not conn.execute(text(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
+                "(SELECT oid FROM pg_database WHERE datname = current_database())")).scalar()
+    finally:
+        db.dispose()
+
+
+def test_two_migrates_at_once_both_end_at_head() -> None:
+    """Two `ocrq migrate` at once (replicas of a compose service) on a database neither has
+    created: one creates and upgrades, the other waits for its lock and finds head."""
+    name = f"ocrq_twice_{uuid.uuid4().hex[:8]}"
+    url = make_url(TEST_PG).set(database=name).render_as_string(hide_password=False)
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        try:
+            upgrade(url)
+        except BaseException as exc:  # handed to the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=migrate, daemon=True) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert current_revisions(url) == head_revisions()
+    finally:
+        admin = create_engine(TEST_PG, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 def slow_images(folder: Path, n: int, lines: int = 24) -> list[Path]:

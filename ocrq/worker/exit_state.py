@@ -67,12 +67,25 @@ def check_database(settings: Settings) -> int | None:
     Returns an exit code to stop with, or None to go on. A worker on an unmigrated database
     would take each message, fail to claim its row and ack it: the job would be lost. Checked
     here, before Celery starts, no message is ever fetched (at `worker_ready` the consumer has
-    already subscribed). Waits out a database still starting (compose, Kubernetes).
+    already subscribed). Waits out a database still starting (compose, Kubernetes), and an
+    `ocrq migrate` running (its lock, ocrq/core/migrate.py). A database first unreachable, then
+    found behind head, is being set up by a migrate whose lock is not taken yet (between its
+    CREATE DATABASE and its upgrade): that too is waited for, within the same minute.
     """
     from sqlalchemy.exc import OperationalError
-    from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+    from tenacity import retry, stop_after_delay, wait_exponential
 
     from ocrq.core.migrate import SchemaNotAtHead, check_at_head
+
+    was_away = False
+
+    def again(state: Any) -> bool:
+        nonlocal was_away
+        error = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(error, OperationalError):
+            was_away = True
+            return True
+        return was_away and isinstance(error, SchemaNotAtHead) and error.behind
 
     def waiting(state: Any) -> None:  # once, so a wait of up to a minute is not silent
         if state.attempt_number == 1:
@@ -83,12 +96,12 @@ def check_database(settings: Settings) -> int | None:
             )
 
     check = retry(
-        retry=retry_if_exception_type(OperationalError),
+        retry=again,
         wait=wait_exponential(multiplier=0.5, max=5),
         stop=stop_after_delay(DATABASE_WAIT_S),
         reraise=True,
         before_sleep=waiting,
-    )(check_at_head)
+    )(lambda url: check_at_head(url, wait_for_migrate=True))
     metrics.DATABASE_WAIT_SINCE.set(time.time())  # /readyz names the wait (worker/health.py)
     try:
         check(settings.database_url)

@@ -55,11 +55,11 @@ class SchemaCheck:
             return self._error
 
     def _ask(self) -> str | None:
-        from ocrq.core.migrate import SchemaNotAtHead, check_at_head
+        from ocrq.core.migrate import MigrationRunning, SchemaNotAtHead, check_at_head
 
         try:
             check_at_head(self.database_url)
-        except SchemaNotAtHead as exc:
+        except (SchemaNotAtHead, MigrationRunning) as exc:
             return str(exc)
         except Exception as exc:  # unreachable: not ready (it cannot store results)
             return f"database unreachable: {type(exc).__name__}"
