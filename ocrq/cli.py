@@ -956,7 +956,11 @@ def api(
         "127.0.0.1"
     ),
     port: Annotated[
-        int, typer.Option(help="Port (not 8000, which `vllm serve` takes in the remote layout).")
+        int,
+        typer.Option(
+            help="Port. 8080 here because `vllm serve` takes 8000 on a host that runs both; the "
+            "containers of docker-compose.yml and deploy/k8s have their own and serve on 8000."
+        ),
     ] = 8080,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
 ) -> None:
