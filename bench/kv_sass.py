@@ -34,9 +34,9 @@ if str(REPO) not in sys.path:
 
 from ocrq.models.hunyuan.attention import (  # noqa: E402
     FP8_CONFIG,
-    P_SCALE,
     KernelConfig,
     _kernels,
+    dtype_constants,
 )
 
 HEAD_DIM, GROUP = 128, 2  # HunyuanOCR's text decoder: 16 query heads over 8 KV heads of 128
@@ -82,13 +82,10 @@ def compile_sass(case: Case, workdir: Path) -> str:
     names = list(split.arg_names)
     pointers = {"Q": "*bf16", "K": f"*{case.kv}", "V": f"*{case.kv}", "Start": "*i32",
                 "End": "*i32", "Acc": "*fp32", "Mx": "*fp32", "Sm": "*fp32", "Out": "*bf16"}
-    f8dot = case.config.fp8_products and case.kv != "bf16"  # as TritonDecodeAttention decides
     const: dict[str, Any] = {
-        "G": GROUP, "GP": 16, "D": HEAD_DIM, "BLOCK_N": case.config.block_n, "UPCAST": False,
-        "SINGLE": False, "CAST_KV": case.kv != "bf16", "PADDED": case.padded,
-        "EXP2": case.config.exp2, "FOLD_Q": case.config.exp2 and case.kv != "bf16" and not f8dot,
-        "ROW_SPLITS": case.config.row_splits, "F8DOT": f8dot,
-        "P_SCALE": P_SCALE if f8dot else 1.0,
+        "G": GROUP, "GP": 16, "D": HEAD_DIM, "BLOCK_N": case.config.block_n,
+        "SINGLE": False, "PADDED": case.padded,
+        **dtype_constants(case.config, upcast=False, cast_kv=case.kv != "bf16"),
         "s_eb": 1,  # each row its own end (the running loop)
         "s_vl" if case.layout == "transposed" else "s_vd": 1,
     }

@@ -43,6 +43,8 @@ def datasheet_tb_s(gpu: str) -> float:
     """The floors' bandwidth for the card the profile ran on: an H100 SXM (HBM3) reads 3.35
     TB/s, where the H200's 4.8 would put its floors ~30% too low."""
     return 3.35 if "H100" in gpu else HBM_TB_S
+
+
 GROUPS = (  # first match wins: (group, substrings of a kernel's name)
     ("attention", ("split_kernel", "merge_kernel")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "splitkreduce")),
@@ -157,10 +159,11 @@ def main() -> None:
     kv_bytes_step = rows * context * layers * 2 * text.kv_heads * text.head_dim * kv_itemsize
     weights = sum(p.numel() * p.element_size() for p in engine._decoder.text.model.parameters()
                   if p.device.type == (args.device.split(":")[0]))
-    tb_s = datasheet_tb_s(torch.cuda.get_device_name(0) if cuda else "cpu")
+    gpu = torch.cuda.get_device_name(0) if cuda else "cpu"
+    tb_s = datasheet_tb_s(gpu)
     result: dict[str, Any] = {
         "command": " ".join(["python", "bench/loop_profile.py", *sys.argv[1:]]),
-        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gpu": gpu,
         "torch": torch.__version__,
         "kv_dtype": args.kv_dtype, "greedy": args.greedy, "merged": args.merged, "rows": rows,
         "slots": running.slots,

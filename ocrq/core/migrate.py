@@ -111,13 +111,19 @@ class SchemaNotAtHead(RuntimeError):
     def __init__(self, current: Sequence[str], head: Sequence[str]) -> None:
         self.current = tuple(current)
         self.head = tuple(head)
-        # Behind: unmigrated, or at revisions this code knows (older ones); not behind: a
-        # revision of a newer ocrq, which no `ocrq migrate` of this version mends.
-        self.behind = all(_known(r) for r in self.current)
         super().__init__(
             f"database at revision {', '.join(self.current) or 'none'}, ocrq needs "
             f"{', '.join(self.head)}: run `ocrq migrate`"
         )
+
+
+    @property
+    def behind(self) -> bool:
+        """Unmigrated, or at revisions this code knows (older ones); not behind: a revision of
+        a newer ocrq, which no `ocrq migrate` of this version mends. A property: it reads the
+        scripts, and only a starting worker asks (a readiness probe only says the message)."""
+        script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+        return all(_known(script, r) for r in self.current)
 
 
 def head_revisions() -> tuple[str, ...]:
@@ -125,10 +131,9 @@ def head_revisions() -> tuple[str, ...]:
     return tuple(sorted(ScriptDirectory.from_config(alembic_config("sqlite://")).get_heads()))
 
 
-def _known(revision: str) -> bool:
+def _known(script: ScriptDirectory, revision: str) -> bool:
     try:
-        return ScriptDirectory.from_config(alembic_config("sqlite://")).get_revision(
-            revision) is not None
+        return script.get_revision(revision) is not None
     except Exception:  # alembic's error for a revision it has no script of
         return False
 

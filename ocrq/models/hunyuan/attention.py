@@ -23,7 +23,7 @@ before the first import to run the kernels on the CPU (tests do, in a subprocess
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +95,19 @@ LOG2E = math.log2(math.e)
 # fp8_products: probabilities in [0, 1] times this before their e4m3 rounding (normal down to
 # 2^-14 instead of 2^-6); the sums they are divided by carry the same factor.
 P_SCALE = 256.0
+
+
+def dtype_constants(config: KernelConfig, upcast: bool, cast_kv: bool) -> dict[str, Any]:
+    """The split kernel's constexprs that follow from the config and the operands' dtypes:
+    `upcast` a float32 query (the CPU's interpreter), `cast_kv` a pool of another dtype than
+    the query (fp8). One place for the launch and for bench/kv_sass.py, which compiles the
+    kernel without launching it (a copy of these rules there fell behind once)."""
+    f8dot = config.fp8_products and cast_kv and not upcast
+    return {
+        "UPCAST": upcast, "CAST_KV": cast_kv, "EXP2": config.exp2,
+        "FOLD_Q": config.exp2 and (upcast or cast_kv) and not f8dot,
+        "ROW_SPLITS": config.row_splits, "F8DOT": f8dot, "P_SCALE": P_SCALE if f8dot else 1.0,
+    }
 
 
 def triton_available() -> bool:
@@ -319,8 +332,8 @@ class TritonDecodeAttention:
         out = torch.empty_like(q)
         c = self.config
         single = self.splits == 1
-        upcast, cast_kv = q.dtype == torch.float32, k.dtype != q.dtype
-        f8dot = c.fp8_products and cast_kv and not upcast and k.dtype == v.dtype
+        # e4m3 products need keys and values of one dtype; else both are widened
+        kc = c if k.dtype == v.dtype else replace(c, fp8_products=False)
         split_kernel[self.grid](
             q, k, v, start, end, self.acc, self.mx, self.sm, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
@@ -330,9 +343,8 @@ class TritonDecodeAttention:
             end.stride(0) if end.numel() > 1 else 0,
             scale * LOG2E if c.exp2 else scale, self.split_len,
             G=self.group, GP=self.group_pad, D=self.head_dim, BLOCK_N=c.block_n,
-            UPCAST=upcast, SINGLE=single, CAST_KV=cast_kv, PADDED=self.padded, EXP2=c.exp2,
-            FOLD_Q=c.exp2 and (upcast or cast_kv) and not f8dot, ROW_SPLITS=c.row_splits,
-            F8DOT=f8dot, P_SCALE=P_SCALE if f8dot else 1.0,
+            SINGLE=single, PADDED=self.padded,
+            **dtype_constants(kc, q.dtype == torch.float32, k.dtype != q.dtype),
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
