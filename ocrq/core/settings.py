@@ -32,6 +32,7 @@ DecodeMode = Literal["fast", "generate"]
 # The fast loop's decode attention: Triton on CUDA when installed ("auto"), or forced.
 DecodeAttention = Literal["auto", "triton", "torch"]
 KvCacheDtype = Literal["auto", "fp8"]
+VisionGemmDtype = Literal["auto", "fp8"]
 # The vision tower's attention: FlashAttention-4 where usable ("auto"), or forced
 # (ocrq/models/hunyuan/vision_attention.py).
 VisionAttention = Literal["auto", "fa4", "sdpa"]
@@ -470,6 +471,10 @@ class HunyuanSettings(ModelSettings):
     # SM80/SM90/SM100 GPU, else SDPA; "fa4" fails to load where it cannot run; "sdpa" is
     # PyTorch's SDPA (cuDNN on Hopper), one call per run of equal-sized images.
     vision_attention: VisionAttention = "auto"
+    # The vision tower's linear layers: "auto" (the model's dtype, as Tencent runs them) or
+    # "fp8" (e4m3 with per-row and per-channel scales: Hopper's fp8 tensor cores, at a
+    # rounding cost; ocrq/models/hunyuan/vision_fp8.py). "fp8" fails to load where it cannot run.
+    vision_gemm_dtype: VisionGemmDtype = "auto"
     # The running loop's packed text prefill, its causal attention: "auto" is FlashAttention-4
     # where the vision tower could use it (the same install and GPUs), else torch's flash
     # varlen kernel; "fa4" fails to load where it cannot run; "sdpa" is torch's kernel.

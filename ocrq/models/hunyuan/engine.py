@@ -140,6 +140,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         self._failed: list[Finished] = []  # rows that failed before reaching the loop
         self.vision_attention: str = "sdpa"  # the kernel `load` chose for the vision tower
         self.prefill_attention: str = "sdpa"  # and for the packed text prefill's attention
+        self.vision_gemm_dtype: str = ""  # the vision layers' linears once loaded ("fp8", ...)
 
     @classmethod
     def from_settings(cls, settings: HunyuanSettings) -> HunyuanEngine:
@@ -159,6 +160,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         )
         s = self.settings
         follow_training(model, rope=s.hunyuan_rope, vit_positions=s.hunyuan_vit_positions)
+        self.vision_gemm_dtype = self._vision_gemms(model)
         self.version = version_of_checkpoint(ckpt.path)
         gen = greedy_config(model.generation_config)
         # The checkpoint's own penalty where its generation config names one, else Tencent's
@@ -197,7 +199,8 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         STATE.timeline.since("engine set-up", set_up)
         log.info(
             "hunyuan engine loaded HunyuanOCR-%s from %s on %s (%s, %s attention, %s vision "
-            "attention, %s prefill attention, repetition penalty %s, max %d pixels, %s "
+            "attention, %s vision GEMMs, %s prefill attention, repetition penalty %s, "
+            "max %d pixels, %s "
             "preprocessing, RoPE layout %s, "
             "ViT positions %s) in %.1f s",
             self.version.name,
@@ -206,6 +209,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             ckpt.dtype,
             self.settings.attention,
             self.vision_attention,
+            self.vision_gemm_dtype,
             self.prefill_attention,
             self.repetition_penalty,
             self.geometry.max_pixels,
@@ -225,6 +229,21 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         attn = tower.layers[0].self_attn
         param = next(tower.parameters())
         return choose(self.settings.vision_attention, param.device, param.dtype, attn.head_dim)
+
+    def _vision_gemms(self, model: Any) -> str:
+        """`Settings.vision_gemm_dtype` applied: "fp8" swaps the vision layers' linears
+        (ocrq/models/hunyuan/vision_fp8.py, imported only then: it needs torch at import) and
+        fails to load, saying why, where fp8 cannot run; "auto" leaves the model's dtype."""
+        if self.settings.vision_gemm_dtype != "fp8":
+            return str(next(model.model.vision_tower.parameters()).dtype).removeprefix("torch.")
+        from ocrq.models.hunyuan.vision_fp8 import fp8_unusable, fp8_vision_linears
+
+        device = next(model.model.vision_tower.parameters()).device
+        reason = fp8_unusable(device)
+        if reason is not None:
+            raise RuntimeError(f"vision_gemm_dtype=fp8, but fp8 GEMMs cannot run: {reason}")
+        fp8_vision_linears(model)
+        return "fp8"
 
     def _prefill_kernel(self, model: Any) -> str:
         """`Settings.prefill_attention` resolved for the text decoder ("fa4" or "sdpa")."""
@@ -271,6 +290,9 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             "device": self.device or s.device,
             "max_new_tokens": str(s.max_new_tokens),
             "decode": self.decode_path(),
+            # Logs only, not a profile key: fp8 frees more weight bytes than its quantised
+            # activations take, so a profile measured without it stays on the safe side.
+            "vision_gemm_dtype": s.vision_gemm_dtype,
         }
         facts.update(library_facts(self.device if self._cuda() else None))
         return facts

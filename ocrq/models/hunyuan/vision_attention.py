@@ -157,6 +157,11 @@ def packed_qkv(
     if batch != 1:
         raise ValueError(f"the vision tower packs images into one row, got {batch}")
     shape = (seq, attn.num_heads, attn.head_dim)
+    merged = getattr(attn, "ocrq_qkv", None)  # fp8 linears: one product, one quantisation
+    if merged is not None:  # (ocrq/models/hunyuan/vision_fp8.py)
+        width = attn.num_heads * attn.head_dim
+        q, k, v = (t.view(shape) for t in merged(hidden_states)[0].split(width, dim=-1))
+        return q, k, v
     q = attn.q_proj(hidden_states).view(shape)
     k = attn.k_proj(hidden_states).view(shape)
     v = attn.v_proj(hidden_states).view(shape)
