@@ -231,6 +231,54 @@ class Bench:
         return out
 
 
+    def speed_parts(self) -> list[dict[str, Any]]:
+        """Where an fp8 product's time goes, per GEMM shape on an A4 page's patches: the
+        quantisation kernel alone, `_scaled_mm` with per-row scales (what Fp8Linear runs) and
+        with one scale per tensor (cuBLASLt's plain fp8 path), against bf16 `F.linear`."""
+        torch = self.torch
+        import torch.nn.functional as F
+
+        from ocrq.models.hunyuan.vision_fp8 import quantize_rows
+
+        n = 8580
+        layer = self.engines["fp8"].model.model.vision_tower.layers[0]
+        mods = {"q/k/v (merged)": layer.self_attn.ocrq_qkv, "o": layer.self_attn.o_proj,
+                "fc1": layer.mlp.fc1, "fc2": layer.mlp.fc2}
+        out = []
+        for name, mod in mods.items():
+            k, m = mod.in_features, mod.out_features
+            x = torch.randn(n, k, device=mod.weight_q.device, dtype=self.dtype)
+            w = torch.randn(m, k, device=x.device, dtype=self.dtype)
+            qx, sx = quantize_rows(x)
+            one = torch.ones((), device=x.device, dtype=torch.float32)
+            wq, ws, bias = mod.weight_q.t(), mod.weight_scale, mod.bias
+
+            fns = {
+                "bf16 F.linear": lambda x=x, w=w, b=bias: F.linear(x, w, b),
+                "quantise only": lambda x=x: quantize_rows(x),
+                "_scaled_mm per row": lambda qx=qx, sx=sx, wq=wq, ws=ws, b=bias: torch._scaled_mm(
+                    qx, wq, scale_a=sx, scale_b=ws, bias=b, out_dtype=torch.bfloat16),
+                "_scaled_mm per tensor": lambda qx=qx, wq=wq, one=one, b=bias: torch._scaled_mm(
+                    qx, wq, scale_a=one, scale_b=one, bias=b, out_dtype=torch.bfloat16),
+                "_scaled_mm per tensor, no bias": lambda qx=qx, wq=wq, one=one: torch._scaled_mm(
+                    qx, wq, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+            }
+            times: dict[str, list[float]] = {f: [] for f in fns}
+            with torch.inference_mode():
+                for rep in range(max(self.args.reps, 20) + 2):
+                    for f, fn in fns.items():
+                        g, _ = self.time_once(fn)
+                        if rep >= 2:
+                            times[f].append(g)
+            med = {f: statistics.median(v) for f, v in times.items()}
+            flops = 2 * n * m * k
+            r = {"set": f"{name} {k}->{m}", "tokens": n, "gpu_ms": med,
+                 "tflops": {f: flops / (ms * 1e9) for f, ms in med.items()}}
+            out.append(r)
+            print(f"parts {name}: {med}", flush=True)
+        return out
+
+
 def markdown(d: dict[str, Any]) -> str:
     m = d["meta"]
     lines = [
@@ -271,6 +319,16 @@ def markdown(d: dict[str, Any]) -> str:
                      f"{r['tflops']['fp8']:.0f} TFLOP/s) | {r['tokens']} | | "
                      f"{r['gpu_ms']['bf16']:.3f} | {r['gpu_ms']['fp8']:.3f} | "
                      f"{r['bf16_over_fp8']:.3f} |")
+    parts = d.get("speed_parts", [])
+    if parts:
+        names = list(parts[0]["gpu_ms"])
+        lines += ["", "## Where an fp8 product's time goes (GPU ms, medians; A4 page's patches)",
+                  "", "| GEMM | " + " | ".join(names) + " |",
+                  "|---|" + "---:|" * len(names)]
+        for r in parts:
+            lines.append(f"| {r['set']} | " + " | ".join(
+                f"{r['gpu_ms'][f]:.3f} ({r['tflops'][f]:.0f} TFLOP/s)"
+                if f != "quantise only" else f"{r['gpu_ms'][f]:.3f}" for f in names) + " |")
     if d["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in d["errors"]]]
     return "\n".join(lines) + "\n"
@@ -283,6 +341,8 @@ def main() -> None:
     ap.add_argument("--version", default="1.5")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--vision-attention", default="auto", choices=("auto", "fa4", "sdpa"))
+    ap.add_argument("--parts", nargs="*", default=["kernel_check", "agree_tower", "agree_logits",
+                                                    "speed_gemms", "speed_parts", "speed_tower"])
     add_model_args(ap)
     args = ap.parse_args()
 
@@ -306,8 +366,7 @@ def main() -> None:
         d["meta"]["vision_attention"] = engines["bf16"].vision_attention
         d["meta"]["vision_gemms"] = {m: e.vision_gemm_dtype for m, e in engines.items()}
         bench = Bench(args, engines)
-        for part in ("kernel_check", "agree_tower", "agree_logits", "speed_gemms",
-                     "speed_tower"):
+        for part in args.parts:
             try:
                 d[part] = getattr(bench, part)()
             except Exception as exc:

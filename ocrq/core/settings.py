@@ -472,8 +472,9 @@ class HunyuanSettings(ModelSettings):
     # PyTorch's SDPA (cuDNN on Hopper), one call per run of equal-sized images.
     vision_attention: VisionAttention = "auto"
     # The vision tower's linear layers: "auto" (the model's dtype, as Tencent runs them) or
-    # "fp8" (e4m3 with per-row and per-channel scales: Hopper's fp8 tensor cores, at a
-    # rounding cost; ocrq/models/hunyuan/vision_fp8.py). "fp8" fails to load where it cannot run.
+    # "fp8" (e4m3, per-row and per-channel scales; ocrq/models/hunyuan/vision_fp8.py), which
+    # fails to load where it cannot run. Not recommended: on an H200 slower (an A4 page's tower
+    # 39.7 against 36.9 ms) and 6x the error of two bf16 kernels (bench/results/vision_fp8/).
     vision_gemm_dtype: VisionGemmDtype = "auto"
     # The running loop's packed text prefill, its causal attention: "auto" is FlashAttention-4
     # where the vision tower could use it (the same install and GPUs), else torch's flash
@@ -484,7 +485,8 @@ class HunyuanSettings(ModelSettings):
     kv_cache_dtype: KvCacheDtype = "auto"
     # With an fp8 pool: the decode kernel multiplies in e4m3 (queries and probabilities rounded
     # to it too) instead of widening every key and value to fp16; two more roundings for a
-    # kernel nearer its bandwidth floor (ocrq/models/hunyuan/attention.py, fp8_products).
+    # kernel nearer its bandwidth floor (ocrq/models/hunyuan/attention.py, fp8_products). Not
+    # recommended: no faster on an H100 or an H200, at 23x the error (bench/results/kv_attention).
     kv_fp8_products: bool = False
     # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
     # output, GIL released) or "processor" (transformers' processor, for comparison).
