@@ -9,7 +9,7 @@ import json
 import logging
 import time
 
-from bench.lanes import loop_figures, loop_totals, loop_window
+from bench.lanes import loop_figures, loop_totals, loop_window, q, ratio_interval
 
 CELERY = "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"
 ENGINE = "%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"  # engine_process/host.py
@@ -45,3 +45,17 @@ def test_the_bench_reads_the_loops_totals_and_says_what_a_lane_token_cost() -> N
     window = loop_window(lines, 5, 25)
     assert window is not None and window["steps"] == 100 and window["lane_token_ms"] == 20.0
     assert loop_window(lines, 15, 25) is None  # one line: no difference to take
+
+
+def test_a_latency_ratio_comes_with_its_bootstrap_interval() -> None:
+    """64 jobs: the p95 is their third slowest, so one slow job moves it; the interval says how
+    far. A stream 3x slower everywhere is 3x at the centre; a few slow jobs widen it."""
+    alone = [0.2 + 0.01 * i for i in range(64)]
+    mixed = [3 * x for x in alone]
+    low, high = ratio_interval(mixed, alone, 0.95)
+    assert low <= round(q(mixed, 0.95) / q(alone, 0.95), 2) <= high
+    assert low > 2.5 and high < 3.5
+    spiky = [*mixed[:-5], *[30.0] * 5]  # five slow jobs: the p95 sits on them, or not
+    s_low, s_high = ratio_interval(spiky, alone, 0.95)
+    assert s_high > 10 and s_low < s_high / 3
+    assert ratio_interval([], alone, 0.95) is None
