@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from ocrq.core.broker_scan import as_text
 from ocrq.core.db import ocr_batch_hooks
 
 if TYPE_CHECKING:
@@ -96,13 +97,9 @@ def adopt_legacy(client: redis.Redis, engine: Engine) -> int:
     One that the table already has for the batch is newer there, and is kept."""
     moved = 0
     for raw_batch, raw_url in client.hgetall(LEGACY_KEY).items():
-        stmt = _insert(engine, _text(raw_batch), _text(raw_url), LEGACY_REGISTERED_AT)
+        stmt = _insert(engine, as_text(raw_batch), as_text(raw_url), LEGACY_REGISTERED_AT)
         with engine.begin() as conn:
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["batch"]))
         client.hdel(LEGACY_KEY, raw_batch)
         moved += 1
     return moved
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

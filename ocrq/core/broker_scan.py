@@ -92,7 +92,7 @@ class BrokerView:
         found: set[str] = set()
         for key in self.client.scan_iter(match=self.channel.keyprefix_queue % "*", count=1000):
             for member in self.client.smembers(key):
-                found.add(_text(member).split(sep)[-1])
+                found.add(as_text(member).split(sep)[-1])
         found.discard("")
         return found
 
@@ -102,9 +102,9 @@ class BrokerView:
         that does not clear them) are removed."""
         holders: dict[str, tuple[str, str | None]] = {}
         for tag, entry in self.client.hscan_iter(HOLDERS_KEY, count=1000):
-            worker, _, job_id = _text(entry).partition("\t")
-            holders[_text(tag)] = (worker, job_id or None)
-        tags = [_text(t) for t in self.client.hkeys(self.unacked_key)]
+            worker, _, job_id = as_text(entry).partition("\t")
+            holders[as_text(tag)] = (worker, job_id or None)
+        tags = [as_text(t) for t in self.client.hkeys(self.unacked_key)]
         stale = sorted(set(holders) - set(tags))
         if stale:
             # A worker writes its holder entry first and kombu's `unacked` entry a round trip
@@ -181,7 +181,7 @@ def holds(app: Celery, worker: str, job_id: str) -> bool | None:
             return None
         client = channel.client
         for tag, entry in client.hscan_iter(HOLDERS_KEY, count=1000):
-            if _text(entry) == wanted and client.hexists(channel.unacked_key, tag):
+            if as_text(entry) == wanted and client.hexists(channel.unacked_key, tag):
                 return True
     return False
 
@@ -222,10 +222,11 @@ class BrokerNotes:
             pipe.get(GIVEN_BACK_KEY + job_id)
             pipe.delete(GIVEN_BACK_KEY + job_id)
             worker = pipe.execute()[0]
-        return None if worker is None else _text(worker)
+        return None if worker is None else as_text(worker)
 
 
-def _text(value: bytes | str) -> str:
+def as_text(value: bytes | str) -> str:
+    """A Redis reply as text: redis-py gives bytes unless its client decodes responses."""
     return value.decode() if isinstance(value, bytes) else value
 
 
