@@ -31,6 +31,14 @@ EXIT_UNKNOWN = 4  # a job id has no row
 EXIT_DATABASE = 5  # PostgreSQL unreachable, the database missing or not migrated
 EXIT_BROKER = 6  # the broker (Redis) unreachable
 EXIT_CONFIG = 78  # invalid settings, e.g. an unknown engine (EX_CONFIG; also `ocrq worker`'s)
+# What `ocrq --help` says first: the two ways to use ocrq (the module's docstring is for its
+# readers, and was the help's first line until stop 48).
+HELP = (
+    "OCR at volume. `ocrq run` OCRs files in this process (no Redis, no PostgreSQL); "
+    "`ocrq worker` consumes jobs that `ocrq submit`, `ocrq api` or another app's Celery "
+    "`send_task` put into Redis and stores each result in PostgreSQL, read back with "
+    "`ocrq status`, `wait` or `export`. Settings come from OCRQ_* variables (docs/settings.md)."
+)
 EPILOG = (
     "Exit codes: 0 ok; 1 a job failed; 2 bad usage; 3 jobs still pending at --timeout; "
     "4 unknown job id; 5 database unreachable, missing or not migrated; 6 broker unreachable; "
@@ -65,7 +73,7 @@ class _App(typer.Typer):
 app = _App(
     add_completion=False,
     no_args_is_help=True,
-    help=__doc__,
+    help=HELP,
     epilog=EPILOG,
     rich_markup_mode="markdown",
 )

@@ -297,3 +297,14 @@ def test_wide_characters_are_measured_in_cells() -> None:
         assert max(cell_len(line) for line in lines) <= width, out.getvalue()
         assert "000123.png" in out.getvalue()
         assert row["job_id"] in out.getvalue() and shown in out.getvalue(), out.getvalue()
+
+
+def test_the_top_level_help_says_what_ocrq_does() -> None:
+    """The first lines a newcomer reads: the two ways to use ocrq and how results come back,
+    not the module's note to its readers."""
+    done = ocrq({**os.environ, "COLUMNS": "100"}, "--help")
+    assert done.returncode == 0
+    text = " ".join(ANSI.sub("", done.stdout).split())
+    assert "OCR at volume" in text and "ocrq run" in text and "ocrq worker" in text
+    assert "send_task" in text and "docs/settings.md" in text
+    assert "builds Settings" not in text
