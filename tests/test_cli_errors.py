@@ -123,7 +123,10 @@ def test_run_names_a_path_that_is_not_there(tmp_path: Path) -> None:
     """A typo on `ocrq run`'s command line: exit 2 naming the path, before any work (it was a
     failed job blaming OCRQ_ALLOWED_ROOTS, which `run` does not apply)."""
     (tmp_path / "here.png").write_bytes(b"")
-    done = ocrq_cli(dict(os.environ), "run", str(tmp_path / "here.png"), str(tmp_path / "nope.png"))
+    # Wide enough that click's error box never wraps pytest's temporary path (at 80 columns it
+    # broke the path or "does not exist" across lines once pytest's run counter grew a digit).
+    env = {**os.environ, "COLUMNS": "1000"}
+    done = ocrq_cli(env, "run", str(tmp_path / "here.png"), str(tmp_path / "nope.png"))
     assert done.returncode == 2 and "nope.png" in done.stderr and "does not exist" in done.stderr
 
 
