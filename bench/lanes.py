@@ -109,6 +109,8 @@ def loop_figures(totals: dict[str, float]) -> dict[str, Any]:
         # live interactive row one token, so this stays GPU ms per interactive token.
         "lane_token_ms": round(1e3 * sum(lane.values()) / lane_steps, 3) if lane_steps else None,
         "extra_steps": int(totals.get("extra_steps", 0.0)),
+        # Of those, run in a side-stream pass's shadow (OCRQ_INTERACTIVE_PASS_STEPS).
+        "pass_steps": int(totals.get("pass_steps", 0.0)),
         # The full steps alone among the lane's (lane_step_ms averages them with the extra ones).
         "lane_full_step_ms": (
             round(1e3 * (lane["lane_decode_seconds"] - totals.get("extra_decode_seconds", 0.0))
@@ -379,7 +381,7 @@ def render(d: dict[str, Any]) -> str:
     cols = ("step_ms", "rows_per_step", "kv_tokens_per_step", "pass_ms", "pass_tokens",
             "prefill_ms_per_step", "lane_steps", "lane_step_ms", "lane_prefill_ms_per_step",
             "lane_token_ms", "other_token_ms", "lane_pass_tokens", "bulk_held_passes",
-            "extra_steps", "extra_step_ms", "lane_full_step_ms")
+            "extra_steps", "pass_steps", "extra_step_ms", "lane_full_step_ms")
     loops = [
         (f"{name} {part}", r[part])
         for name in ("alone", "bulk", "mixed")
@@ -493,7 +495,7 @@ def main() -> None:
                 k: getattr(Settings(_env_file=None), k)
                 for k in ("interactive_slots", "interactive_prefill_tokens",
                           "interactive_prefill_gap_steps", "interactive_bulk_rows",
-                          "interactive_extra_steps",
+                          "interactive_extra_steps", "interactive_pass_steps",
                           "loop_bulk_max_wait_steps", "prefill_chunk_tokens",
                           "prefill_gap_steps", "prefill_stream")
             },

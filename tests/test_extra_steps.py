@@ -92,17 +92,19 @@ def rows(engine: HunyuanEngine) -> list[LoopRow]:
     return out
 
 
-def drain(engine: HunyuanEngine, extra: int, trigger: int | None = None) -> dict[str, Any]:
+def drain(engine: HunyuanEngine, extra: int, trigger: int | None = None, hold: int = 0,
+          shadow: bool = False, cls: type | None = None) -> dict[str, Any]:
     """Every row through a loop with `extra` interactive-only steps: per key, each Done's
     (tokens, stopped), the full steps (`_step_no`) by when it was handed back, its lane and slot;
-    and the loop's stats."""
+    and the loop's stats. `hold`: passes deferred (as on the side stream) and held pending for
+    that many iterations; `shadow`: interactive-only steps while one is (`pass_steps`)."""
     assert engine._decoder is not None and engine.tokens is not None
     budget = RunningBudget(BULK + RESERVED, 16384, 4096, 0, 0, 0, 0, RESERVED)
-    config = engine.loop_config(
-        budget, lanes=LanePolicy(reserved_slots=RESERVED, extra_steps=extra), guard=SMALL
-    )
-    cls = LoopingLoop if trigger is not None else RunningLoop
+    lanes = LanePolicy(reserved_slots=RESERVED, extra_steps=extra, pass_steps=shadow)
+    config = engine.loop_config(budget, lanes=lanes, guard=SMALL, prefill_stream=hold > 0)
+    cls = cls or (LoopingLoop if trigger is not None else RunningLoop)
     loop = cls(engine._decoder, engine.tokens, config)
+    loop.passes.hold = hold
     if trigger is not None:
         loop.trigger = trigger
     loop.add(rows(engine))
@@ -121,7 +123,7 @@ def drain(engine: HunyuanEngine, extra: int, trigger: int | None = None) -> dict
             loop.close()
     assert loop.pool.free_tokens == 16384 and not loop.rows  # every range and slot given back
     return {"done": done, "when": when, "lane": lane, "slot": slot,
-            "stats": loop.collect_stats(wait=True)}
+            "stats": loop.collect_stats(wait=True), "log": getattr(loop, "log", None)}
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +231,86 @@ def test_extra_steps_cover_only_the_reserve_when_interactive_rows_overflow_it(
     assert out[EXTRA] == out[0]
     assert loops[0].extra_k == []
     assert loops[EXTRA].extra_k and set(loops[EXTRA].extra_k) == {8}, loops[EXTRA].extra_k
+
+
+class ShadowLoop(RunningLoop):
+    """Tests only: every step's kind, and whether a pass was pending and a reserve row live."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[str, int | None, bool]] = []
+
+    def _launch_step(self, k: int, span: str) -> None:
+        pending = self.passes.pending
+        self.log.append((span, None if pending is None else id(pending),
+                         bool(self._reserve_lane())))
+        super()._launch_step(k, span)
+
+
+def trickle(engine: HunyuanEngine, shadow: bool) -> dict[str, Any]:
+    """The 14 rows fed one every other loop iteration (one iteration a `run(timeout_s=0)`), so
+    passes of a row or two come while interactive rows are live; each pass held pending 3
+    iterations (the side stream's deferral)."""
+    budget = RunningBudget(BULK + RESERVED, 16384, 4096, 0, 0, 0, 0, RESERVED)
+    lanes = LanePolicy(reserved_slots=RESERVED, extra_steps=EXTRA, pass_steps=shadow)
+    config = engine.loop_config(budget, lanes=lanes, guard=SMALL, prefill_stream=True,
+                                prefill_gap=1)
+    loop = ShadowLoop(engine._decoder, engine.tokens, config)
+    loop.passes.hold = 3
+    todo = rows(engine)
+    done: dict[str, list[list[int]]] = {}
+    tick = 0
+    while todo or not loop.idle():
+        if todo and tick % 2 == 0:
+            loop.add([todo.pop(0)])
+        tick += 1
+        for d in loop.run(timeout_s=0):
+            done.setdefault(d.row.key, []).append(d.tokens)
+    assert loop.pool.free_tokens == 16384 and not loop.rows
+    return {"done": done, "log": loop.log, "stats": loop.collect_stats(wait=True)}
+
+
+def test_interactive_rows_decode_in_a_pending_passs_shadow(
+    engine: HunyuanEngine, plain: dict[str, Any]
+) -> None:
+    """OCRQ_INTERACTIVE_PASS_STEPS: while a pass is pending and a reserve row is live, the loop
+    runs interactive-only steps, with one full step beside each pass. Every token is the
+    plain loop's and each row comes back once. (That this is faster is a GPU's question: a
+    small step overlaps the pass there; bench/results/lanes/README.md.)"""
+    held, shadow = trickle(engine, False), trickle(engine, True)
+    for run in (held, shadow):
+        assert run["done"] == {k: [t for t, _ in v] for k, v in plain["done"].items()}
+    s, h = shadow["stats"], held["stats"]
+    assert h.pass_steps == 0 and 0 < s.pass_steps <= s.extra_steps
+    assert s.pending_iterations > 0 and s.prefills > 4
+    # Per pass pending while a reserve row was live: one full step at most beside it; without
+    # the setting, more.
+    def beside(log: list[tuple[str, int | None, bool]]) -> tuple[dict[int, int], int]:
+        full: dict[int, int] = {}
+        small = 0
+        for span, pending, live in log:
+            if pending is not None and live:
+                if span == "decode_extra":
+                    small += 1
+                else:
+                    full[pending] = full.get(pending, 0) + 1
+        return full, small
+
+    full, small = beside(shadow["log"])
+    assert small and all(n <= 1 for n in full.values()), full
+    held_full, _ = beside(held["log"])
+    assert max(held_full.values()) > 1
+
+
+def test_the_pass_steps_setting_reaches_the_loop(
+    engine: HunyuanEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ocrq.core.settings import Settings
+
+    assert Settings().interactive_pass_steps is False
+    monkeypatch.setenv("OCRQ_INTERACTIVE_PASS_STEPS", "true")
+    assert Settings().interactive_pass_steps is True
+    monkeypatch.setattr(engine, "settings",
+                        engine.settings.model_copy(update={"interactive_pass_steps": True}))
+    budget = RunningBudget(BULK + RESERVED, 16384, 4096, 0, 0, 0, 0, RESERVED)
+    assert engine.loop_config(budget).lanes.pass_steps is True

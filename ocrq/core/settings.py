@@ -534,6 +534,13 @@ class HunyuanSettings(ModelSettings):
     # with 0) and the backlog ran at 0.75x its rate alone while the stream lasted (0.88x with
     # 0; bench/results/lanes/README.md). 0: none, for bulk throughput first.
     interactive_extra_steps: int = Field(default=4, ge=0, le=64)
+    # With OCRQ_PREFILL_STREAM: while a prefill pass runs on its side stream and an interactive
+    # row of the reserve is live, the loop runs interactive-only steps (a few rows, bound by
+    # reading the weights) in the pass's shadow (bound by compute) instead of full steps, which
+    # wait for the pass to land as they do without the stream; each pass still gets one full
+    # step beside it. So an interactive row decodes while bulk passes run, using the bandwidth
+    # they leave over (bench/results/lanes/README.md). Off: the measured default.
+    interactive_pass_steps: bool = False
     # While an interactive row waits or decodes: bulk prompt tokens per prefill pass (the pass's
     # first bulk row always goes), so no pass between its decode steps is long. 4,096: ~3 A4
     # pages, a quarter of OCRQ_PREFILL_CHUNK_TOKENS, whose passes of A4 pages took ~55 ms on the

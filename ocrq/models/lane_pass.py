@@ -64,6 +64,10 @@ class LanePolicy:
     # Decode steps over only the interactive rows' slots after each full step while one is
     # live (the running loop's); above 0 the reserve is also the lowest slots. 0: none.
     extra_steps: int = 0
+    # While a prefill pass runs on the side stream (`LoopConfig.prefill_stream`) and an
+    # interactive row of the reserve is live: interactive-only steps in the pass's shadow, and
+    # the full step only once it lands (each pass still gets one full step beside it).
+    pass_steps: bool = False
 
     def __post_init__(self) -> None:
         if (self.reserved_slots < 0 or self.bulk_prefill_tokens < 0 or self.bulk_gap < 1

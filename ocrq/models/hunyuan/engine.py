@@ -617,6 +617,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
                 bulk_rows=s.interactive_bulk_rows,
                 promote_steps=s.loop_bulk_max_wait_steps,
                 extra_steps=s.interactive_extra_steps,
+                pass_steps=s.interactive_pass_steps,
             ),
         }
         values.update(overrides)
@@ -725,6 +726,7 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
             "bulk_held_passes": s.bulk_held_passes,
             "extra_steps": s.extra_steps,
             "extra_decode_seconds": s.extra_decode_s,
+            "pass_steps": s.pass_steps,
             "late_passes": s.late_passes,
             "pending_iterations": s.pending_iterations,
             "overlap_steps": s.overlap_steps,

@@ -89,6 +89,11 @@ log = logging.getLogger(__name__)
 
 SCHEDULES = ("alternate", "chunked")
 BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # graphed slot counts
+# Interactive-only steps queued at once in a side-stream pass's shadow (`LanePolicy.pass_steps`),
+# and how long the loop thread sleeps when that many are: two keep the loop's stream busy
+# while the host launches the next; each ~1.5-2 ms on a Hopper GPU.
+SHADOW_IN_FLIGHT = 2
+SHADOW_POLL_S = 0.0002
 
 
 # An fp8 pool's values stored transposed (see the module's docstring). A constant, not a
@@ -231,6 +236,7 @@ class LoopStats:
     # GPU seconds are part of lane_decode_s.
     extra_steps: int = 0
     extra_decode_s: float = 0.0
+    pass_steps: int = 0  # of those, run in a side-stream pass's shadow (`LanePolicy.pass_steps`)
     # Prefill passes on a side stream (`LoopConfig.prefill_stream`): their GPU spans overlap
     # the decode steps', so prefill_s + decode_s can exceed the wall time. Passes committed at
     # a later loop iteration than launched, the iterations that found a pass not done yet, and
@@ -309,6 +315,8 @@ class RunningLoop:
         self.scratch_col = torch.tensor([self.scratch], dtype=long, device=dev)
         self._true = torch.ones((), dtype=torch.bool, device=dev)
         self._step_no = 0  # decode steps run so far
+        self._pass_launched_at = -1  # `_step_no` when the last prefill pass was launched
+        self._shadow_events: deque[Any] = deque()  # steps queued in a pass's shadow, unfinished
         # The lanes' books (ocrq/models/lane_pass.py), kept by add/_take_waiting/_enter/_release.
         self._live_interactive = 0
         self._waiting_interactive = 0
@@ -399,8 +407,17 @@ class RunningLoop:
                 stats.prefill_host_s += t1 - t0
                 stats.prefill_cpu_s += cpu() - c0
                 if self.rows:
-                    self._decode_step()
-                    self._extra_steps()
+                    if not self._in_pass_shadow():
+                        self._decode_step()
+                        self._extra_steps()
+                    elif self._shadow_room():
+                        ran = self._extra_steps(limit=1)
+                        stats.pass_steps += ran
+                        self._shadow_mark()
+                        if not ran:  # every reserve row at its cap: a full step, not a spin
+                            self._decode_step()
+                    else:  # two small steps queued already: the pass and they run meanwhile
+                        time.sleep(SHADOW_POLL_S)
                     t2 = clock()
                     done = self.harvest(force=False)
                     stats.decode_host_s += t2 - t1
@@ -503,6 +520,7 @@ class RunningLoop:
         plan = self.admission.plan()
         if plan is not None:
             self.passes.run(plan)
+            self._pass_launched_at = self._step_no
 
     def _take_waiting(self, keys: list[str]) -> list[LoopRow]:
         """The rows of `keys` out of the queue, in that order (a prefill pass's plan): a pass
@@ -664,25 +682,61 @@ class RunningLoop:
         self._step_no += 1
         self.harvest.since_check += 1
 
-    def _extra_steps(self) -> None:
-        """After a full step, while an interactive row of the reserve is live:
-        `LanePolicy.extra_steps` steps over the smallest bucket holding every such row (the
-        module's docstring), fewer once each of them has surely reached its cap. They count as
-        steps everywhere a step counts (stats, the harvest's checks), but not in `_step_no`,
-        the clock of admission (gaps, promotion) and of each row's `first_step`."""
+    def _reserve_lane(self) -> list[int]:
+        """The live interactive rows' slots within the reserve. Only those: an interactive row
+        that found the reserve full sits among the bulk rows, and covering it would make each
+        interactive-only step a full one (measured on the H200 at 8-13 ms against 2.2,
+        bench/results/lanes/lanes_h200_extra2_relaxed.md); it gets its tokens from the full
+        steps alone."""
+        reserved = self.config.lanes.reserved_slots
+        return [s for s in self._interactive_slots if not reserved or s < reserved]
+
+    def _in_pass_shadow(self) -> bool:
+        """Whether this iteration runs an interactive-only step instead of a full one
+        (`LanePolicy.pass_steps`): a pass is pending on the side stream, a row of the reserve
+        is live, and a full step has run since the pass was launched (so each pass gets one
+        beside it, and back-to-back passes cannot hold the bulk rows back for long)."""
+        if not (self.config.lanes.pass_steps and self.config.prefill_stream):
+            return False
+        if self.passes.pending is None or self._step_no == self._pass_launched_at:
+            return False
+        return bool(self._reserve_lane())
+
+    def _shadow_room(self) -> bool:
+        """Whether another step may be queued in a pass's shadow: fewer than
+        `SHADOW_IN_FLIGHT` of them unfinished (their events; a CPU runs them at once). The
+        host's usual bound (two harvest checks ahead) would queue up to 16, which the full
+        step would then wait behind once the pass lands."""
+        while self._shadow_events and self._shadow_events[0].query():
+            self._shadow_events.popleft()
+        return len(self._shadow_events) < SHADOW_IN_FLIGHT
+
+    def _shadow_mark(self) -> None:
+        """An event after the step just queued in a pass's shadow (a GPU only)."""
+        import torch
+
+        if self.decoder.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._shadow_events.append(event)
+
+    def _extra_steps(self, limit: int | None = None) -> int:
+        """After a full step (or, with `limit`, in a pending pass's shadow), while an
+        interactive row of the reserve is live: `LanePolicy.extra_steps` (or `limit`) steps
+        over the smallest bucket holding every such row (the module's docstring), fewer once
+        each of them has surely reached its cap; how many ran. They count as steps everywhere
+        a step counts (stats, the harvest's checks), but not in `_step_no`, the clock of
+        admission (gaps, promotion) and of each row's `first_step`."""
         lanes = self.config.lanes
-        # Only the reserve's rows: an interactive row that found the reserve full sits among
-        # the bulk rows, and covering it would make each extra step a full one (measured on
-        # the H200 at 8-13 ms against 2.2, bench/results/lanes/lanes_h200_extra2_relaxed.md).
-        # It gets its tokens from the full steps alone.
-        slots = [s for s in self._interactive_slots
-                 if not lanes.reserved_slots or s < lanes.reserved_slots]
-        if not lanes.extra_steps or not slots:
-            return
+        slots = self._reserve_lane()
+        count = lanes.extra_steps if limit is None else limit
+        if not count or not slots:
+            return 0
         k = self._bucket(max(slots) + 1)
         lane = [self.rows[s] for s in slots]
         stats = self.stats
-        for _ in range(lanes.extra_steps):
+        ran = 0
+        for _ in range(count):
             if all(self._made(r) >= r.max_new_tokens for r in lane):
                 break
             if self.config.keep_logits:
@@ -703,6 +757,8 @@ class RunningLoop:
             for r in covered:
                 self._add_extra(r)
             self.harvest.since_check += 1
+            ran += 1
+        return ran
 
     def _capture(self, k: int) -> None:
         """Record the step over `k` slots (recorded, not run: its first step ran eagerly just
