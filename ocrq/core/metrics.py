@@ -109,6 +109,10 @@ LOOP_COUNTS = {
     "extra_decode_seconds": Counter(
         "ocrq_loop_extra_decode_seconds", "GPU seconds in interactive-only decode steps"
     ),
+    "pass_steps": Counter(
+        "ocrq_loop_pass_steps",
+        "Interactive-only steps run beside a pending prefill pass (OCRQ_INTERACTIVE_PASS_STEPS)",
+    ),
     "lane_decode_seconds": Counter(
         "ocrq_loop_lane_decode_seconds", "GPU seconds in decode steps with an interactive row"
     ),

@@ -539,7 +539,9 @@ class HunyuanSettings(ModelSettings):
     # reading the weights) in the pass's shadow (bound by compute) instead of full steps, which
     # wait for the pass to land as they do without the stream; each pass still gets one full
     # step beside it. So an interactive row decodes while bulk passes run, using the bandwidth
-    # they leave over (bench/results/lanes/README.md). Off: the measured default.
+    # they leave over. On an H100 (one run): interactive p95 2.80x its latency alone at bulk
+    # 0.817x, against 2.98-3.70x at 0.78x with the defaults (bench/results/lanes/README.md).
+    # Off until an H200 run settles it.
     interactive_pass_steps: bool = False
     # While an interactive row waits or decodes: bulk prompt tokens per prefill pass (the pass's
     # first bulk row always goes), so no pass between its decode steps is long. 4,096: ~3 A4
