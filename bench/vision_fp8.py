@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -34,10 +33,12 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import add_model_args, page_image, random_checkpoint, run_meta  # noqa: E402
 from bench.vision_fa4 import CHECK_SIZES, compare, scene_sizes  # noqa: E402
+from bench.vision_fa4 import Bench as FA4Bench  # noqa: E402
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
 from ocrq.models.hunyuan.patches import batch_vision_attention  # noqa: E402
+from ocrq.models.hunyuan.vision_attention import fa4_kernel  # noqa: E402
 
 MODES = ("bf16", "fp8")
 A4 = (1248, 1760)
@@ -72,19 +73,9 @@ class Bench:
 
         return run
 
-    def time_once(self, fn: Any) -> tuple[float, float]:
-        torch = self.torch
-        if self.cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-        t = time.perf_counter()
-        fn()
-        if self.cuda:
-            b.record()
-            torch.cuda.synchronize()
-        wall = (time.perf_counter() - t) * 1000
-        return (a.elapsed_time(b) if self.cuda else wall), wall
+    # (GPU ms by CUDA events, wall ms) of one fn(): vision_fa4's, which reads the same
+    # `torch` and `cuda` attributes.
+    time_once = FA4Bench.time_once
 
     def alternated(self, fns: dict[str, Any], reps: int) -> dict[str, Any]:
         """Medians of each mode's fn, modes alternated rep by rep after two warm-up rounds."""
@@ -122,8 +113,6 @@ class Bench:
                     try:
                         sdpa = self.tower("bf16", case_rows)().float()
                     finally:
-                        from ocrq.models.hunyuan.vision_attention import fa4_kernel
-
                         batch_vision_attention(base.model, kernel=fa4_kernel())
                     entry["sdpa_vs_fa4_bf16"] = compare(sdpa, feats["bf16"])
                 out.append(entry)
