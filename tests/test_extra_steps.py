@@ -234,14 +234,19 @@ def test_extra_steps_cover_only_the_reserve_when_interactive_rows_overflow_it(
 
 
 class ShadowLoop(RunningLoop):
-    """Tests only: every step's kind, and whether a pass was pending and a reserve row live."""
+    """Tests only: every step's kind, and whether a pass was pending and a reserve row live.
+    Every pass seen is kept alive so that its `id` is never reused by a later pass (an id
+    reused made two passes read as one, a flaky failure in CI)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.log: list[tuple[str, int | None, bool]] = []
+        self.passes_seen: dict[int, object] = {}
 
     def _launch_step(self, k: int, span: str) -> None:
         pending = self.passes.pending
+        if pending is not None:
+            self.passes_seen.setdefault(id(pending), pending)
         self.log.append((span, None if pending is None else id(pending),
                          bool(self._reserve_lane())))
         super()._launch_step(k, span)

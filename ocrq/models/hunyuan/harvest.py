@@ -24,13 +24,13 @@ class Harvest:
     def __init__(self, loop: RunningLoop) -> None:
         self.loop = loop
         self.since_check = 0  # decode steps since the last copy was queued
-        self.caps: list[tuple[int, int, int]] = []  # heap: (step its cap is reached, slot, id)
+        self.caps: list[tuple[int, int, int]] = []  # heap: (step its cap is reached, slot, entry)
 
     def track(self, row: LoopRow) -> None:
         """A row now in its slot: the step at which its cap is reached (sooner by the tokens it
         made in interactive-only steps; the loop tracks it again when those reach its cap)."""
         heapq.heappush(
-            self.caps, (row.first_step + row.max_new_tokens - 1 - row.extra, row.slot, id(row))
+            self.caps, (row.first_step + row.max_new_tokens - 1 - row.extra, row.slot, row.entry)
         )
 
     def _capped(self) -> bool:
@@ -44,7 +44,7 @@ class Harvest:
 
     def _holder(self, entry: tuple[int, int, int]) -> LoopRow | None:
         row = self.loop.rows.get(entry[1])
-        return row if row is not None and id(row) == entry[2] else None
+        return row if row is not None and row.entry == entry[2] else None
 
     def __call__(self, force: bool) -> list[Done]:
         """Hand back the rows that ended, from a copy of the slots' state (`Readback`).

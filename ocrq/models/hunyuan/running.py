@@ -125,6 +125,9 @@ class LoopRow:
     first_step: int = 0  # the loop's decode steps before its prefill: tokens = steps since + 1
     extra: int = 0  # ... + the tokens it made in interactive-only steps (the module's docstring)
     admitted_at: float = 0.0
+    # Which entry of the slot this is (the loop counts entries): the harvest's cap heap names a
+    # row by it, where an `id()` could be a freed row's reused by a later one.
+    entry: int = -1
     logits: list[Any] = field(default_factory=list)  # raw logits per token, when kept (tests)
 
     @property
@@ -315,6 +318,7 @@ class RunningLoop:
         self.scratch_col = torch.tensor([self.scratch], dtype=long, device=dev)
         self._true = torch.ones((), dtype=torch.bool, device=dev)
         self._step_no = 0  # decode steps run so far
+        self._entries = 0  # rows that entered a slot so far (LoopRow.entry)
         self._pass_launched_at = -1  # `_step_no` when the last prefill pass was launched
         self._shadow_events: deque[Any] = deque()  # steps queued in a pass's shadow, unfinished
         # The lanes' books (ocrq/models/lane_pass.py), kept by add/_take_waiting/_enter/_release.
@@ -538,6 +542,7 @@ class RunningLoop:
     def _enter(self, row: LoopRow) -> None:
         """The host's books for a row now in its slot: when its cap is reached, its guard phase."""
         self.rows[row.slot] = row
+        row.entry, self._entries = self._entries, self._entries + 1
         self._live_interactive += row.interactive
         if row.interactive:
             self._interactive_slots.add(row.slot)
