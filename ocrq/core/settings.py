@@ -513,7 +513,9 @@ class HunyuanSettings(ModelSettings):
     # compute-bound pass, and an interactive row's steps no longer wait behind a whole pass
     # (a pass's rows join at the first step after it is done; ocrq/models/hunyuan/passes.py).
     # Off: on an H200 it cost bulk throughput (0.75x against 0.88x with an interactive stream;
-    # bench/results/lanes/lanes_h200_prefill_stream.md); the tokens are the same either way.
+    # bench/results/lanes/lanes_h200_prefill_stream.md); on an H100 it gave bulk 0.818x against
+    # 0.78x, and with OCRQ_INTERACTIVE_PASS_STEPS the best pair measured there (one run each;
+    # bench/results/lanes/README.md). The tokens are the same either way.
     prefill_stream: bool = False
     # The interactive lane inside the running loop (ocrq/models/lane_pass.py; docs/internals.md).
     # Slots added to the loop that only interactive rows take, so one is prefilled in the next
