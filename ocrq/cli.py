@@ -161,14 +161,16 @@ def _logging(level: str) -> None:
 NOT_DONE = ("failed", "partial", "cancelled", "expired")
 
 
-def _summary(counts: dict[str, int], total: int, seconds: float) -> str:
-    """The last line of `run` and `submit --wait`, on stderr."""
+def _summary(counts: dict[str, int], total: int, seconds: float, unit: str = "") -> str:
+    """The last line of `run`, `submit --wait` and `wait`, on stderr. `unit` names what was
+    counted where documents are among them: `submit` counts a document once, as it was sent,
+    while `wait BATCH` counts its pages, as its progress bar does."""
     parts = [f"done: {counts.get('done', 0)}", f"failed: {counts.get('failed', 0)}"]
     parts += [f"{s}: {counts[s]}" for s in NOT_DONE[2:] if counts.get(s)]
     pending = total - counts.get("done", 0) - sum(counts.get(s, 0) for s in NOT_DONE)
     if pending:
         parts.append(f"not finished: {pending}")
-    return ", ".join(parts) + f", total: {total} in {seconds:.1f} s"
+    return ", ".join(parts) + f", total: {total}{' ' + unit if unit else ''} in {seconds:.1f} s"
 
 
 def _results_file() -> Path:
@@ -424,7 +426,9 @@ def submit(
             else f"{row['job_id']}  {row['status']:7}  {row.get('path')}  "
             f"{(row.get('text') or row.get('error') or '').replace(chr(10), ' | ')[:80]}"
         )
-    err.print(_summary(counts, len(ids), time.monotonic() - started))
+    documents = any("pages" in row for row in results)  # a document's row, not an image's
+    unit = "images and documents" if documents else ""
+    err.print(_summary(counts, len(ids), time.monotonic() - started, unit))
     # partial: a document some of whose pages failed (it is finished, and counts as failed)
     pending = len(ids) - sum(counts.get(k, 0) for k in ("done", *NOT_DONE))
     if pending:
@@ -635,7 +639,9 @@ def wait_for(
             typer.echo(json.dumps(row, ensure_ascii=False))
         status = "failed" if row["status"] == "partial" else row["status"]
         counts[status] = counts.get(status, 0) + 1
-    err.print(_summary(counts, sum(counts.values()), time.monotonic() - started))
+    pages = any(s.pages or s.documents for s in summaries if s is not None)
+    unit = "images and pages" if pages else ""
+    err.print(_summary(counts, sum(counts.values()), time.monotonic() - started, unit))
     if not final:
         err.print(f"[yellow]not finished within {timeout} s")
         raise typer.Exit(EXIT_PENDING)

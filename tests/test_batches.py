@@ -89,7 +89,7 @@ def test_batch_wait_export_and_retry(
     assert summary["jobs"] == {"done": 4, "failed": 2}
     assert summary["pages"] == {"done": 2} and summary["documents"] == {"done": 1}
     assert summary["eta_s"] == 0 and summary["first_finished_at"] <= summary["last_finished_at"]
-    assert "done: 4, failed: 2, total: 6" in waited.stderr
+    assert "done: 4, failed: 2, total: 6 images and pages" in waited.stderr
     # The api says the same.
     answer = api.get(f"/batches/{batch}")
     assert answer.status_code == 200, answer.text

@@ -227,6 +227,8 @@ def test_status_and_jobs_fit_80_and_120_columns(
     ids = [r["job_id"] for r in rows]
     doc_id = ids[-1]
     assert rows[-1]["pages"] == 2, rows[-1]
+    # The summary counts what was sent (the document once) and says so.
+    assert "total: 4 images and documents in" in sent.stderr, sent.stderr
     tails = dict(zip(ids, [f"{n:06d}.png" for n in (1, 2, 3)] + ["000009.pdf"], strict=True))
 
     listed = ocrq(service_env, "jobs", "--limit", "50", "--json")
