@@ -691,7 +691,11 @@ def retry(
 @app.command()
 def export(
     out: Annotated[
-        Path, typer.Option(help="File to write (jsonl, csv, parquet); a folder for md.")
+        Path,
+        typer.Option(
+            help="File to write (jsonl, csv, parquet); a folder for md; - for standard output "
+            "(jsonl, csv)."
+        ),
     ],
     batch: Annotated[str | None, typer.Option(help="This batch's jobs.")] = None,
     since: Annotated[
@@ -720,7 +724,13 @@ def export(
         )
     if batch is None and since is None:
         raise typer.BadParameter("name --batch or --since (or both)")
-    if fmt != "md" and out.is_dir():
+    to_stdout = out == exporting.STDOUT
+    if to_stdout and fmt in ("md", "parquet"):
+        raise typer.BadParameter(
+            f"{fmt} is written to a {'folder' if fmt == 'md' else 'file'}, not to standard output",
+            param_hint="--out",
+        )
+    if fmt != "md" and not to_stdout and out.is_dir():
         raise typer.BadParameter(
             f"{out} is a folder; {fmt} is written to a file", param_hint="--out"
         )
@@ -732,15 +742,20 @@ def export(
         raise typer.Exit(EXIT_UNKNOWN)
     with _progress() as progress:
         bar = progress.add_task("export", total=total)
-        written = exporting.write(
-            exporting.rows(engine, batch, created_after),
-            fmt,
-            out,
-            advance=lambda n: progress.advance(bar, n),
-        )
+        try:
+            written = exporting.write(
+                exporting.rows(engine, batch, created_after),
+                fmt,
+                out,
+                advance=lambda n: progress.advance(bar, n),
+            )
+        except BrokenPipeError:  # `--out - | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return
     skipped = f", {written.skipped} not done (no file)" if written.skipped else ""
     files = f" in {written.files} file(s)" if fmt == "md" else ""
-    err.print(f"exported {written.records} record(s){files}{skipped} to {out}", soft_wrap=True)
+    where = "standard output" if to_stdout else str(out)
+    err.print(f"exported {written.records} record(s){files}{skipped} to {where}", soft_wrap=True)
 
 
 @app.command()

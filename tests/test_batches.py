@@ -119,6 +119,14 @@ def test_batch_wait_export_and_retry(
     assert texts["hello.png"] == "HELLO WORLD" and texts[missing.name] is None
     assert all(r["batch"] == batch and r["lines"] is not None for r in records)
 
+    # `--out -`: the same records on standard output (a pipeline's input), the bar on stderr.
+    piped = ocrq(service_env, "export", "--batch", batch, "--out", "-")
+    assert piped.returncode == 0, piped.stderr
+    assert [json.loads(line) for line in piped.stdout.splitlines()] == records
+    assert "exported 6 record(s) to standard output" in piped.stderr
+    folder_only = ocrq(service_env, "export", "--batch", batch, "--format", "md", "--out", "-")
+    assert folder_only.returncode == 2 and "not to standard output" in folder_only.stderr
+
     unknown = ocrq(service_env, "export", "--batch", f"nope-{uuid.uuid4().hex[:6]}", "--out",
                    str(tmp_path / "none.jsonl"))
     assert unknown.returncode == 4 and "no job names batch" in unknown.stderr, unknown.stderr

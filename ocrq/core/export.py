@@ -1,4 +1,5 @@
-"""`ocrq export`: a batch's (or a time window's) results written out as JSONL, CSV or markdown.
+"""`ocrq export`: a batch's (or a time window's) results written out as JSONL, CSV, markdown
+or Parquet; JSONL and CSV also to standard output (`--out -`), for a pipeline.
 
 Rows are streamed from PostgreSQL through a server-side cursor (`stream_results`, `yield_per`):
 an export of millions of rows holds one chunk of them in memory, never the whole result.
@@ -22,6 +23,7 @@ import csv
 import datetime as dt
 import json
 import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ from ocrq.core.db import ocr_jobs
 from ocrq.core.documents_store import PAGE_SEPARATOR
 
 FORMATS = ("jsonl", "csv", "md", "parquet")
+STDOUT = Path("-")  # `--out -`: jsonl or csv to standard output
 CHUNK_ROWS = 500  # rows per round trip of the server-side cursor
 TICK_ROWS = 100  # the progress callback is told every this many records (and at the end)
 FIELDS = (
@@ -138,27 +141,38 @@ def write(
     out: Path,
     advance: Callable[[int], None] = lambda n: None,
 ) -> Exported:
-    """Write `records` to `out` (a file; a folder for md); `advance(n)`: n more written."""
+    """Write `records` to `out` (a file; a folder for md; `-`, standard output, for jsonl and
+    csv: a pipeline's input); `advance(n)`: n more written."""
     records = _ticks(records, advance)
     if fmt == "md":
         return _write_md(records, out)
-    out.parent.mkdir(parents=True, exist_ok=True)  # as md makes its folder
     if fmt == "parquet":
+        out.parent.mkdir(parents=True, exist_ok=True)  # as md makes its folder
         return _write_parquet(records, out)
     done = Exported(files=1)
+    if out == STDOUT:
+        return _write_text(records, fmt, sys.stdout, done)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8", newline="") as fh:
-        if fmt == "jsonl":
-            for rec in records:
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                done.records += 1
-        elif fmt == "csv":
-            writer = csv.DictWriter(fh, fieldnames=FIELDS)
-            writer.writeheader()
-            for rec in records:
-                writer.writerow({**rec, "lines": json.dumps(rec["lines"], ensure_ascii=False)})
-                done.records += 1
-        else:
-            raise ValueError(f"unknown format {fmt!r}: one of {', '.join(FORMATS)}")
+        return _write_text(records, fmt, fh, done)
+
+
+def _write_text(
+    records: Iterator[dict[str, Any]], fmt: str, fh: IO[str], done: Exported
+) -> Exported:
+    if fmt == "jsonl":
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            done.records += 1
+    elif fmt == "csv":
+        writer = csv.DictWriter(fh, fieldnames=FIELDS)
+        writer.writeheader()
+        for rec in records:
+            writer.writerow({**rec, "lines": json.dumps(rec["lines"], ensure_ascii=False)})
+            done.records += 1
+    else:
+        raise ValueError(f"unknown format {fmt!r}: one of {', '.join(FORMATS)}")
+    fh.flush()
     return done
 
 
