@@ -630,3 +630,37 @@ def test_prune_where_the_upload_folder_is_read_only_prunes_rows_and_says_why(
 def _status_of(store: JobStore, job_id: str) -> str | None:
     row = store.get([job_id]).get(job_id)
     return row["status"] if row else None
+
+
+def test_one_retention_pass_at_a_time_and_its_lock_idles_outside_a_transaction(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daily pass of one worker prunes while another's skips (None); during the pass the
+    lock's session is not left idle in a transaction (it would hold back VACUUM on the rows
+    being deleted); the lock is free afterwards."""
+    from ocrq.core import retention
+
+    engine = get_engine(database_url)
+    seen: dict[str, Any] = {}
+    real_prune = retention.prune
+
+    def observed(db: Any, cutoff: dt.datetime, upload_dir: Path | None) -> Any:
+        with db.connect() as conn:
+            seen["holders"] = conn.execute(text(
+                "SELECT a.state FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+                "AND l.classid::bigint = :high AND l.objid::bigint = :low "
+                "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            ), {"high": retention.LOCK_KEY >> 32, "low": retention.LOCK_KEY & 0xFFFFFFFF}
+            ).scalars().all()  # a bigint key is (classid, objid) = its high and low halves
+        seen["rival"] = retention.prune_once_locked(db, cutoff, upload_dir)
+        return real_prune(db, cutoff, upload_dir)
+
+    # A key of this test's own: a worker of this session pruning at its start cannot take it.
+    monkeypatch.setattr(retention, "LOCK_KEY", int.from_bytes(os.urandom(6)) + 1)
+    with monkeypatch.context() as patched:
+        patched.setattr(retention, "prune", observed)
+        pruned = retention.prune_once_locked(engine, now() - 3650 * DAY, None)
+    assert pruned is not None and seen["rival"] is None  # the other worker skipped
+    assert seen["holders"] == ["idle"], seen  # held, outside a transaction
+    assert retention.prune_once_locked(engine, now() - 3650 * DAY, None) is not None  # freed

@@ -120,9 +120,14 @@ def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> tuple[int, 
 
 def prune_once_locked(db: Engine, cutoff: dt.datetime, upload_dir: Path | None) -> Pruned | None:
     """`prune`, unless another process holds the retention lock (then None). PostgreSQL only:
-    the advisory lock is per session, held on this connection for the pass."""
+    the advisory lock is per session, held on this connection for the pass. The transaction
+    that took it ends at once: a session idle in a transaction for a whole pass would hold back
+    VACUUM on the very rows the pass deletes, and a server's
+    `idle_in_transaction_session_timeout` would end it, and the lock with it, mid-pass."""
     with db.connect() as conn:
-        if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY}).scalar():
+        taken = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY}).scalar()
+        conn.commit()
+        if not taken:
             return None
         try:
             return prune(db, cutoff, upload_dir)
