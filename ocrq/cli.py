@@ -70,6 +70,23 @@ class _App(typer.Typer):
             sys.exit(code[problem.kind])
 
 
+def _hide_flag_types() -> None:
+    """Typer 0.29's help prints `<bool>` beside every flag (`--json <bool>`), which reads as if
+    the flag took a value: `--json true` then fails on an unexpected argument. Flags show no
+    type; options that take a value keep theirs (`<str>`, `<path>`)."""
+    option = getattr(getattr(typer, "core", None), "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "ocrq_flags_hidden", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> str | None:
+        return None if getattr(self, "is_flag", False) else shown(self, ctx)
+
+    display_type_rich.ocrq_flags_hidden = True  # type: ignore[attr-defined]
+    option.display_type_rich = display_type_rich
+
+
+_hide_flag_types()
 app = _App(
     add_completion=False,
     no_args_is_help=True,

@@ -310,3 +310,13 @@ def test_the_top_level_help_says_what_ocrq_does() -> None:
     assert "OCR at volume" in text and "ocrq run" in text and "ocrq worker" in text
     assert "send_task" in text and "docs/settings.md" in text
     assert "builds Settings" not in text
+
+
+def test_flags_show_no_type_in_help() -> None:
+    """`--json <bool>` read as if the flag took a value (`--json true` then fails); options
+    that take one still name its type."""
+    done = ocrq({**os.environ, "COLUMNS": "120"}, "submit", "--help")
+    assert done.returncode == 0
+    text = ANSI.sub("", done.stdout)
+    assert "--wait" in text and "--json" in text
+    assert "<bool>" not in text and "<float>" in text and "<str>" in text
