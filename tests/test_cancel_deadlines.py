@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from ocrq.core.db import get_engine
 from ocrq.core.requeue import resend
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore, NewJob, now
+from ocrq.worker.retention_pass import RetentionPass, day_key
 from tests.conftest import BIN, WorkerProcess
 from tests.test_api import Uvicorn
 from tests.waiting import Budget
@@ -269,6 +271,8 @@ def scene(
     ids.update({f"{k}_batch": v for k, v in hooked.items()})
 
     budget.until("the first deadline to pass", lambda: dt.datetime.now(dt.UTC) > soon, 10)
+    # The fleet's last pass was over a day ago (another test's runtime may have taken today's).
+    redis.Redis.from_url(env["OCRQ_BROKER_URL"]).delete(day_key(env["OCRQ_DATABASE_URL"]))
     worker = WorkerProcess(env, tmp / "ocrq.worker.log", "--concurrency", "4").wait_ready(
         min(120, budget.left())
     )
@@ -632,12 +636,12 @@ def _status_of(store: JobStore, job_id: str) -> str | None:
     return row["status"] if row else None
 
 
-def test_one_retention_pass_at_a_time_and_its_lock_idles_outside_a_transaction(
+def test_one_retention_pass_at_a_time_its_lock_pinned_to_one_transaction(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The daily pass of one worker prunes while another's skips (None); during the pass the
-    lock's session is not left idle in a transaction (it would hold back VACUUM on the rows
-    being deleted); the lock is free afterwards."""
+    """The daily pass of one worker prunes while another's skips (None). During the pass the
+    lock's session stays in the transaction that took it (what PgBouncer's transaction mode
+    needs for the unlock to reach it; tests/test_pgbouncer.py); the lock is free afterwards."""
     from ocrq.core import retention
 
     engine = get_engine(database_url)
@@ -647,12 +651,14 @@ def test_one_retention_pass_at_a_time_and_its_lock_idles_outside_a_transaction(
     def observed(db: Any, cutoff: dt.datetime, upload_dir: Path | None) -> Any:
         with db.connect() as conn:
             seen["holders"] = conn.execute(text(
-                "SELECT a.state FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                "SELECT a.state FROM pg_locks l "
+                "JOIN pg_stat_activity a USING (pid) "
                 "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
                 "AND l.classid::bigint = :high AND l.objid::bigint = :low "
                 "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             ), {"high": retention.LOCK_KEY >> 32, "low": retention.LOCK_KEY & 0xFFFFFFFF}
-            ).scalars().all()  # a bigint key is (classid, objid) = its high and low halves
+            ).scalars().all()
+            # (a bigint key is (classid, objid): its high and low halves)
         seen["rival"] = retention.prune_once_locked(db, cutoff, upload_dir)
         return real_prune(db, cutoff, upload_dir)
 
@@ -662,5 +668,32 @@ def test_one_retention_pass_at_a_time_and_its_lock_idles_outside_a_transaction(
         patched.setattr(retention, "prune", observed)
         pruned = retention.prune_once_locked(engine, now() - 3650 * DAY, None)
     assert pruned is not None and seen["rival"] is None  # the other worker skipped
-    assert seen["holders"] == ["idle"], seen  # held, outside a transaction
+    assert seen["holders"] == ["idle in transaction"], seen
     assert retention.prune_once_locked(engine, now() - 3650 * DAY, None) is not None  # freed
+
+
+def test_the_fleet_prunes_once_a_day_not_once_a_process(
+    broker_url: str, database_url: str
+) -> None:
+    """Processes replaced at every recycle each started a pass; now the first to ask after the
+    fleet's day is over takes it and the others do not, through a key in the broker's Redis.
+    Without Redis a process keeps its own day (a pass at start, then daily)."""
+    settings = Settings(broker_url=broker_url, database_url=database_url, retention_days=30)
+    db = get_engine(database_url)
+    client = redis.Redis.from_url(broker_url)
+    client.delete(day_key(database_url))
+    first, second = RetentionPass(db, settings), RetentionPass(db, settings)
+    assert first._due() and not second._due() and not first._due()
+    ttl = client.ttl(day_key(database_url))
+    assert 86_000 < ttl <= 86_400
+    client.delete(day_key(database_url))  # a day later
+    assert second._due()
+    other_db = database_url.rsplit("/", 1)[0] + "/another_fleet"
+    assert day_key(other_db) != day_key(database_url)  # one day per database
+
+    alone = RetentionPass(db, settings.model_copy(update={"broker_url": "amqp://127.0.0.1//"}))
+    assert alone._due()
+    alone._own_last = time.monotonic()
+    assert not alone._due()
+    alone._own_last = time.monotonic() - 86_401
+    assert alone._due()

@@ -8,12 +8,14 @@ bouncer, with OCRQ_DATABASE_PREPARED_STATEMENTS=false.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -166,3 +168,60 @@ def test_worker_through_pgbouncer(
         assert word in (row["text"] or "").upper(), row
     assert 0 < servers <= SERVER_CONNECTIONS, servers
     assert "prepared statement" not in worker.text()
+
+
+def test_retention_lock_is_released_through_the_bouncer(direct_url: str) -> None:
+    """The daily pass's advisory lock is a server session's: taken and released in one
+    transaction, it is released on the session that took it even when another client takes
+    over a server connection meanwhile. (Were the transaction ended after taking it, that other
+    client would get the lock's server connection here and the unlock another one: the lock
+    would stay held, and every later pass skip.)"""
+    from ocrq.core import retention
+
+    bouncer = _bouncer(direct_url, pool_size=3)
+    engine = get_engine(bouncer.url, False, 3, 0)
+    other = get_engine(bouncer.url, False, 2, 0)  # another client's pool
+    held = []
+    real_prune = retention.prune
+
+    def with_a_rival(db: Any, cutoff: dt.datetime, upload_dir: Path | None) -> Any:
+        rival = other.connect()  # a transaction of another client, open across the unlock
+        rival.execute(text("SELECT 1")).scalar_one()
+        held.append(rival)
+        return real_prune(db, cutoff, upload_dir)
+
+    try:
+        retention.prune = with_a_rival  # type: ignore[assignment]
+        try:
+            assert retention.prune_once_locked(engine, _long_ago(), None) is not None
+        finally:
+            retention.prune = real_prune  # type: ignore[assignment]
+            for conn in held:
+                conn.close()
+        assert held and _retention_locks(direct_url) == 0
+        assert retention.prune_once_locked(engine, _long_ago(), None) is not None
+    finally:
+        engine.dispose()
+        other.dispose()
+        bouncer.stop()
+
+
+def _long_ago() -> dt.datetime:
+    return dt.datetime.now(dt.UTC) - dt.timedelta(days=3650)  # nothing that old to delete
+
+
+def _retention_locks(direct_url: str) -> int:
+    """Sessions holding the retention lock on the module's database, asked of PostgreSQL."""
+    from ocrq.core.retention import LOCK_KEY
+
+    admin = create_engine(TEST_PG, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
+                "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+                "AND l.classid::bigint = :high AND l.objid::bigint = :low AND d.datname = :d"
+            ), {"high": LOCK_KEY >> 32, "low": LOCK_KEY & 0xFFFFFFFF,
+                "d": make_url(direct_url).database}).scalar_one())
+    finally:
+        admin.dispose()

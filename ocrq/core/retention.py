@@ -119,15 +119,16 @@ def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> tuple[int, 
 
 
 def prune_once_locked(db: Engine, cutoff: dt.datetime, upload_dir: Path | None) -> Pruned | None:
-    """`prune`, unless another process holds the retention lock (then None). PostgreSQL only:
-    the advisory lock is per session, held on this connection for the pass. The transaction
-    that took it ends at once: a session idle in a transaction for a whole pass would hold back
-    VACUUM on the very rows the pass deletes, and a server's
-    `idle_in_transaction_session_timeout` would end it, and the lock with it, mid-pass."""
+    """`prune`, unless another process holds the retention lock (then None). PostgreSQL only.
+
+    The lock is a session's, taken and released inside one transaction on this connection, left
+    open for the pass: through PgBouncer in transaction mode (docs/operations.md) a transaction
+    keeps its server connection, so the unlock reaches the session that holds the lock, where
+    a commit between them could send it to another one and leave the lock held. The price:
+    idle in that transaction, the session keeps a snapshot's horizon (its catalog snapshot),
+    which holds VACUUM back while the pass runs, once a day."""
     with db.connect() as conn:
-        taken = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY}).scalar()
-        conn.commit()
-        if not taken:
+        if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY}).scalar():
             return None
         try:
             return prune(db, cutoff, upload_dir)

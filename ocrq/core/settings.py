@@ -316,8 +316,9 @@ class DeliverySettings(SettingsGroup):
     # each time (capped at 5 minutes): a receiver down for a few minutes still gets the call.
     webhook_attempts: int = Field(default=6, ge=1, le=50)
     webhook_backoff_s: float = Field(default=2.0, gt=0, le=3600)
-    # Retention: a worker deletes final jobs, documents and unreferenced uploads older than
-    # this many days, once a day (one worker at a time); None: kept forever (`ocrq prune`).
+    # Retention: the workers delete final jobs, documents and unreferenced uploads older than
+    # this many days, once a day for the fleet (the first process to ask after the day is
+    # over; ocrq/worker/retention_pass.py); None: kept forever (`ocrq prune`).
     retention_days: float | None = Field(default=None, gt=0, le=36_500)
 
     # Worker process.

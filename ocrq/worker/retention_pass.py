@@ -1,25 +1,51 @@
-"""The worker's daily retention pass (OCRQ_RETENTION_DAYS), in one daemon thread.
+"""The workers' daily retention pass (OCRQ_RETENTION_DAYS), in one daemon thread per process.
 
-Every worker process runs the thread; the advisory lock in ocrq/core/retention.py lets one of
-them prune at a time and the others skip. The first pass runs at start-up (a fleet restarted
-daily still prunes), then one a day. A failed pass (the database down) is logged and tried
-again at the next one: retention is housekeeping, never a reason to stop a worker.
+Once a day for the fleet, not once a day per process: a worker process is replaced at every
+recycle (after OCRQ_MAX_IMAGES, minutes apart on a busy GPU), so "first at start-up" alone
+made every process of every worker prune again. The fleet's day is a key in the broker's
+Redis, set with `SET NX EX` by the process that takes the day's pass (one key per database: a
+fleet is the workers that share one); every process asks hourly, so the pass runs within an
+hour of falling due whichever processes are alive then. The advisory lock in
+ocrq/core/retention.py still keeps two passes from overlapping (an `ocrq prune` on demand
+does not ask the key). Where the broker is not Redis, or Redis does not answer, a process
+falls back to its own day: a pass at start-up, then one a day.
+
+A failed pass (the database down) is logged and tried again at the next day: retention is
+housekeeping, never a reason to stop a worker.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import logging
 import threading
+import time
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
+from sqlalchemy.engine import make_url
 
+from ocrq.core.broker_redis import broker_client, is_redis
 from ocrq.core.retention import prune_once_locked
 from ocrq.core.settings import Settings
+
+if TYPE_CHECKING:
+    import redis
 
 log = logging.getLogger(__name__)
 
 DAY_S = 86_400.0
+ASK_S = 3_600.0  # how often a process asks whether the fleet's pass is due
+REDIS_TIMEOUT_S = 2.0
+
+
+def day_key(database_url: str) -> str:
+    """The broker key that holds the fleet's last pass: one per database (host, port, name;
+    hashed, so that the key does not spell out where the database is)."""
+    url = make_url(database_url)
+    where = f"{url.host}:{url.port}/{url.database}"
+    return "ocrq:retention:" + hashlib.sha256(where.encode()).hexdigest()[:16]
 
 
 class RetentionPass:
@@ -28,6 +54,15 @@ class RetentionPass:
         self.db = db
         self.days = settings.retention_days
         self.upload_dir = settings.upload_dir
+        self.key = day_key(settings.database_url)
+        self._redis: redis.Redis | None = (
+            broker_client(
+                settings, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+            )
+            if is_redis(settings.broker_url)
+            else None
+        )
+        self._own_last: float | None = None  # monotonic time of this process's last pass
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ocrq-retention", daemon=True)
 
@@ -41,24 +76,44 @@ class RetentionPass:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(days=self.days)
-            try:
-                pruned = prune_once_locked(self.db, cutoff, self.upload_dir)
-            except Exception:
-                log.exception("retention pass failed; next try in a day")
-            else:
-                if pruned is None:
-                    log.info("retention: another worker holds the lock; skipped")
-                else:
-                    log.info(
-                        "retention (older than %g days): deleted %d jobs, %d documents, "
-                        "%d uploads, %d unsent batch webhooks",
-                        self.days,
-                        pruned.jobs,
-                        pruned.documents,
-                        pruned.uploads,
-                        pruned.batch_hooks,
-                    )
-                    if pruned.uploads_left:
-                        log.warning("retention: %s", pruned.uploads_left)
-            self._stop.wait(DAY_S)
+            if self._due():
+                self._own_last = time.monotonic()
+                self._pass()
+            self._stop.wait(ASK_S)
+
+    def _due(self) -> bool:
+        """Whether this process takes the pass now: the fleet's day is over and this process
+        set the key first; without Redis, this process's own day."""
+        own = self._own_last is None or time.monotonic() - self._own_last >= DAY_S
+        if self._redis is None:
+            return own
+        import redis
+
+        stamp = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        try:
+            return bool(self._redis.set(self.key, stamp, nx=True, ex=int(DAY_S)))
+        except redis.RedisError as exc:
+            log.warning("retention: cannot ask Redis whether the day's pass ran (%s)", exc)
+            return own
+
+    def _pass(self) -> None:
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(days=self.days)
+        try:
+            pruned = prune_once_locked(self.db, cutoff, self.upload_dir)
+        except Exception:
+            log.exception("retention pass failed; next try in a day")
+            return
+        if pruned is None:
+            log.info("retention: another worker holds the lock; skipped")
+            return
+        log.info(
+            "retention (older than %g days): deleted %d jobs, %d documents, "
+            "%d uploads, %d unsent batch webhooks",
+            self.days,
+            pruned.jobs,
+            pruned.documents,
+            pruned.uploads,
+            pruned.batch_hooks,
+        )
+        if pruned.uploads_left:
+            log.warning("retention: %s", pruned.uploads_left)
