@@ -25,7 +25,7 @@ from ocrq.core.db import get_engine
 from ocrq.core.samples import draw_text_image
 from ocrq.core.store import JobStore
 from tests.conftest import BIN, WorkerProcess
-from tests.pdfs import image_pdf
+from tests.pdfs import image_pdf, text_pdf
 from tests.test_api import Uvicorn
 
 QUEUE = f"ocr-producers-{uuid.uuid4().hex[:6]}"
@@ -104,6 +104,25 @@ def test_ocrq_run_reads_a_pdf(report_pdf: Path, env: dict[str, str], tmp_path: P
     assert row["status"] == "done" and row["pages"] == 2 and row["pages_failed"] == 0
     assert [p["status"] for p in row["page_results"]] == ["done", "done"]
     assert "HELLO" in row["text"] and "INVOICE" in row["text"]
+
+
+def test_ocrq_run_counts_a_partly_failed_document_and_exits_1(
+    image_root: Path, env: dict[str, str], tmp_path: Path
+) -> None:
+    """A document whose middle page fails (a page too large to render) is `partial`: the
+    summary line says so and the exit code is 1, as for a failed image (it was 0, and the
+    document was in no count of the summary)."""
+    pdf = image_root / "partial-run.pdf"
+    text_pdf([["FIRST PAGE"], ["BOMB"], ["THIRD PAGE"]], pdf, sizes={1: (14400, 14400)})
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run(
+        [str(BIN / "ocrq"), "run", str(pdf), "-o", str(out)],
+        env={**env, "COLUMNS": "200"}, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["status"] == "partial" and row["pages_failed"] == 1, row
+    assert "done: 0, failed: 0, partial: 1, total: 1" in done.stderr, done.stderr
 
 
 def test_a_document_task_succeeds_with_its_pages(

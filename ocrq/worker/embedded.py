@@ -75,7 +75,7 @@ def run_paths(
 ) -> dict[str, int]:
     """OCR every path; results reach `on_result` in input order. Returns counts by status."""
     files = expand(paths)
-    # The user named these files: allow exactly their folders.
+    # The user named these files: allow their folders (and the roots settings name).
     roots = sorted({f.expanduser().resolve().parent for f in files} | set(settings.roots()))
     settings = settings.model_copy(update={"allowed_roots": roots})
     store = JobStore(engine_for(settings.model_copy(update={"database_url": db_url})))
