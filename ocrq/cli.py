@@ -255,7 +255,7 @@ def run(
             out.close()
     err.print(_summary(counts, total, time.monotonic() - started))
     if output:
-        err.print(f"results: {output}")
+        err.print(f"results: {output}", soft_wrap=True, highlight=False)
     if any(counts.get(k, 0) for k in NOT_DONE):  # as `submit --wait`
         raise typer.Exit(EXIT_FAILED)
 

@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,55 @@ def database_url() -> Iterator[str]:
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def migrated_template() -> Iterator[str]:
+    """An empty database migrated by the real `ocrq migrate`, copied by `private_database`
+    (PostgreSQL copies a template in a fraction of a migration's time); nothing connects to
+    it after the migration, as a template's copy needs."""
+    name = f"ocrq_test_tpl_{uuid.uuid4().hex[:8]}"
+    url = make_url(TEST_PG).set(database=name).render_as_string(hide_password=False)
+    env = {**os.environ, "OCRQ_DATABASE_URL": url}
+    subprocess.run([str(BIN / "ocrq"), "migrate"], env=env, check=True, timeout=120)
+    yield name
+    admin = create_engine(TEST_PG, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@contextmanager
+def copy_of(template: str) -> Iterator[str]:
+    """A new database copied from `template`, dropped afterwards; its URL."""
+    name = f"ocrq_test_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(TEST_PG, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
+    try:
+        yield make_url(TEST_PG).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def private_database(migrated_template: str) -> Iterator[str]:
+    """A migrated, empty database of this test's own. For tests whose workers sweep for lost
+    messages and count what they ran: the sweep re-sends every `queued` row whose message its
+    broker does not hold, to the sweeping worker's queue, so in the session's shared database
+    it re-ran rows other tests left queued (a Redis of the test's own holds none of their
+    messages), ahead of the test's own, and the counts and times asserted were theirs."""
+    with copy_of(migrated_template) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_database(migrated_template: str) -> Iterator[str]:
+    """`private_database` for a module's fixtures."""
+    with copy_of(migrated_template) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -259,7 +259,7 @@ def test_kill_9_mid_batch(
 
 
 def test_redis_restart_mid_run(
-    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+    service_env: dict[str, str], private_database: str, image_root: Path, tmp_path: Path
 ) -> None:
     """Redis stops and starts again under a running worker; jobs submitted through the client
     (which records them as queued) all finish, with `ocrq requeue` re-sending any job whose
@@ -267,8 +267,10 @@ def test_redis_restart_mid_run(
     budget = Budget(480, "redis-restart")
     private = PrivateRedis(tmp_path)
     private.start()
+    database_url = private_database  # its sweep re-sends every queued row Redis lost
     store = JobStore(get_engine(database_url))
-    env = worker_env(service_env, broker_url=private.url, visibility_timeout_s="20", max_batch="8")
+    env = worker_env(service_env, broker_url=private.url, database_url=database_url,
+                     visibility_timeout_s="20", max_batch="8")
     worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8")
     try:
         worker.wait_ready(90)

@@ -207,11 +207,13 @@ def start_two(env: dict[str, str], log: Path, *args: str) -> WorkerProcess:
 
 
 def test_two_gpu_workers_spread_jobs_restart_alone_and_stop_warm(
-    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+    service_env: dict[str, str], private_database: str, image_root: Path, tmp_path: Path
 ) -> None:
     queue = f"ocr-gpus-{uuid.uuid4().hex[:6]}"
     port = two_free_ports()
-    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue, "OCRQ_METRICS_PORT": str(port)}
+    database_url = private_database  # its sweeps would re-run rows other tests left queued
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue, "OCRQ_METRICS_PORT": str(port),
+           "OCRQ_DATABASE_URL": database_url}
     settings = Settings(broker_url=env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue)
     client = Client(settings)
     store = JobStore(get_engine(database_url))
@@ -306,10 +308,11 @@ def test_two_gpu_workers_spread_jobs_restart_alone_and_stop_warm(
 
 
 def test_two_gpu_workers_recycle_independently(
-    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+    service_env: dict[str, str], private_database: str, image_root: Path, tmp_path: Path
 ) -> None:
     queue = f"ocr-gpus-recycle-{uuid.uuid4().hex[:6]}"
-    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue}
+    database_url = private_database  # its sweeps would re-run rows other tests left queued
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue, "OCRQ_DATABASE_URL": database_url}
     client = Client(
         Settings(
             broker_url=env["OCRQ_BROKER_URL"], database_url=env["OCRQ_DATABASE_URL"], queue=queue

@@ -342,7 +342,8 @@ def test_slow_server_hits_the_total_deadline(
     slow = allowing(settings, "127.0.0.1/32", url_deadline_s=2.0, url_timeout_s=15.0)
     started = time.monotonic()
     assert url_error(secret.url(path), slow) == GENERIC + secret.url(path)
-    assert 1.9 < time.monotonic() - started < 3.0
+    # Well short of the 15 s read timeout (slack for a loaded machine; it was < 3.0).
+    assert 1.9 < time.monotonic() - started < 6.0
 
 
 def test_credentials_never_stored_shown_or_logged(

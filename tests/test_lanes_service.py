@@ -68,14 +68,16 @@ def _samples(port: int, name: str) -> dict[tuple[tuple[str, str], ...], float]:
 
 def test_interactive_jobs_pass_the_bulk_backlog_and_bulk_still_finishes(
     service_env: dict[str, str],
-    database_url: str,
+    private_database: str,
     text_images: dict[str, Path],
     tmp_path: Path,
 ) -> None:
     queue = f"ocr-lanes-{uuid.uuid4().hex[:6]}"
     port = free_port()
+    database_url = private_database  # its sweep would re-run rows other tests left queued
     env = {
         **service_env,
+        "OCRQ_DATABASE_URL": database_url,
         "OCRQ_QUEUE": queue,
         "OCRQ_CONSUME_DEFAULT_QUEUE": "false",
         "OCRQ_METRICS_PORT": str(port),

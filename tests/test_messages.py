@@ -154,6 +154,16 @@ def drained(r: redis.Redis, timeout: float = 10) -> bool:
     return False
 
 
+def _logged(worker: WorkerProcess, line: str, timeout: float = 30) -> bool:
+    """Whether `line` reaches the worker's log within `timeout` (a condition, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if line in worker.text():
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def send(broker_url: str, image: dict[str, str], job_id: str, task: str = "text") -> None:
     Celery(broker=broker_url).send_task(
         "ocrq.recognize",
@@ -314,7 +324,8 @@ def test_reused_job_id_refused_both_orders(
     send(broker_url, hello, job)
     send(broker_url, word, job)
     assert drained(redis.Redis.from_url(broker_url))
-    time.sleep(0.5)
+    # Popped is not yet claimed (kombu pops, then marks unacked): wait for the refusal itself.
+    assert _logged(worker, f"job {job} refused: {REUSED_ID}")
     after = store.get([job])[job]
     assert {k: after[k] for k in ("status", "text", "source", "finished_at", "attempts")} == {
         k: first[k] for k in ("status", "text", "source", "finished_at", "attempts")
@@ -327,7 +338,7 @@ def test_reused_job_id_refused_both_orders(
     store.enqueue(job, "text", ImageRef(**hello).describe())
     send(broker_url, word, job)
     assert drained(redis.Redis.from_url(broker_url))
-    time.sleep(0.5)
+    assert _logged(worker, f"job {job} refused: {REUSED_ID}")
     row = store.get([job])[job]
     assert (row["status"], row["attempts"], row["error"]) == ("queued", 0, None)
     send(broker_url, hello, job)

@@ -590,15 +590,17 @@ def receipts(log: str) -> int:
 def run(
     service_env: dict[str, str],
     broker_url: str,
-    database_url: str,
+    module_database: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ProbeRun]:
+    database_url = module_database  # its sweep would re-run rows other tests left queued
     base = tmp_path_factory.mktemp("probe")
     (root := base / "root").mkdir()
     (outside := base / "outside").mkdir()
     queue = f"ocr-probe-{uuid.uuid4().hex[:6]}"
     env = {
         **service_env,
+        "OCRQ_DATABASE_URL": database_url,
         "OCRQ_QUEUE": queue,
         "OCRQ_ALLOWED_ROOTS": str(root),
         "OCRQ_URL_ALLOW_NETWORKS": f"{PUBLIC_HOST}/32",

@@ -243,16 +243,18 @@ def test_lost_and_unstarted_messages_recovered_by_a_live_worker(
 
 
 def test_redis_restarted_empty_jobs_finish_by_themselves(
-    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+    service_env: dict[str, str], private_database: str, image_root: Path, tmp_path: Path
 ) -> None:
     """Redis restarts without its data under a running worker: the queued jobs' messages are
     gone, and the worker's sweep re-sends them; `ocrq requeue` is never run."""
     budget = Budget(400, "redis-empty")
     private = PrivateRedis(tmp_path, persist=False)
     private.start()
+    database_url = private_database  # its sweep re-sends every queued row Redis lost
     store = JobStore(get_engine(database_url))
     queue = f"ocr-empty-{uuid.uuid4().hex[:6]}"
-    env = {**service_env, **LIVENESS, "OCRQ_BROKER_URL": private.url, "OCRQ_QUEUE": queue}
+    env = {**service_env, **LIVENESS, "OCRQ_BROKER_URL": private.url, "OCRQ_QUEUE": queue,
+           "OCRQ_DATABASE_URL": database_url}
     worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "4")
     try:
         worker.wait_ready(90)

@@ -36,7 +36,10 @@ def test_a_retry_waits_for_first_runs_and_new_ones_wait_for_it() -> None:
     assert first_in.wait(10)
     threads.append(threading.Thread(target=retry))
     threads[1].start()
-    time.sleep(0.2)  # the retry now waits for the first run
+    deadline = time.monotonic() + 10
+    while gate._waiting != 1 and time.monotonic() < deadline:  # the retry waits for the first
+        time.sleep(0.01)
+    assert gate._waiting == 1
     threads.append(threading.Thread(target=late_run))
     threads[2].start()
     time.sleep(0.2)  # the late run waits behind the waiting retry

@@ -126,7 +126,7 @@ def where(settings: Settings, job_ids: list[str]) -> dict[str, str]:
 
 
 def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
-    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+    service_env: dict[str, str], private_database: str, image_root: Path, tmp_path: Path
 ) -> None:
     # Waits, 480 s in all: group 30, ready 90, mid-run 120, promotion 30, the rest final (240,
     # and 60 after a requeue), the later jobs 60.
@@ -146,6 +146,8 @@ def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
             "broker_master_name": MASTER,
             "broker_sentinel_password": sentinels[0].password,
         }
+        # A database of its own: its sweep re-sends every queued row its Redis does not hold.
+        database_url = private_database
         settings = Settings(database_url=database_url, **ha)  # type: ignore[arg-type]
         store = JobStore(get_engine(database_url))
         # Fast liveness, as the liveness tests: the sweep runs every second.
@@ -154,7 +156,8 @@ def test_master_killed_mid_run_sentinels_promote_replica_nothing_lost_or_rerun(
         # visibility timeout (kombu's own restore): 45 s here instead of an hour, so the test
         # can wait for it; every job here runs in a few seconds, far under it.
         env = worker_env(
-            service_env, max_batch="8", visibility_timeout_s="45", **liveness, **ha
+            service_env, database_url=database_url, max_batch="8", visibility_timeout_s="45",
+            **liveness, **ha,
         )
         worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "8")
         worker.wait_ready(min(90, budget.left()))

@@ -119,11 +119,15 @@ def test_duplicate_delivery_one_row(
     for _ in range(2):  # delivered twice at once: both may run, one row, done
         app.send_task("ocrq.recognize", kwargs=kwargs, queue="ocr")
     first = _wait_rows(database_url, [job_id])[job_id]
-    time.sleep(2)  # let the second copy finish too
     assert first["status"] == "done"
-    # A late redelivery of a done job changes nothing.
+    time.sleep(2)  # let the second copy finish too (it may join the first: nothing to see)
+    ignored = f"job {job_id} already done; redelivery ignored"
+    before = worker.text().count(ignored)
+    # A late redelivery of a done job changes nothing: wait for it to be seen, not a time.
     app.send_task("ocrq.recognize", kwargs=kwargs, queue="ocr")
-    time.sleep(3)
+    deadline = time.monotonic() + 60
+    while worker.text().count(ignored) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
     store = _store(database_url)
     from sqlalchemy import func, select
 
@@ -135,7 +139,7 @@ def test_duplicate_delivery_one_row(
     assert n == 1
     assert after["status"] == "done" and after["text"] == first["text"]
     assert after["finished_at"] >= first["finished_at"] and after["attempts"] <= 2
-    assert "already done" in worker.text()
+    assert worker.text().count(ignored) > before  # the late one was seen and ignored
 
 
 def test_bad_inputs_fail_alone(
@@ -187,17 +191,16 @@ def test_task_events_for_flower(
         with app.connection() as conn:
 
             def on_event(event: dict[str, Any]) -> None:
+                ready.set()  # subscribed: the first event (a heartbeat) came through
                 if event.get("uuid"):
                     seen.setdefault(event["uuid"], set()).add(event["type"])
 
             recv = app.events.Receiver(conn, handlers={"*": on_event})
-            ready.set()
             recv.capture(limit=None, timeout=40, wakeup=True)
 
     thread = threading.Thread(target=capture, daemon=True)
     thread.start()
-    ready.wait(10)
-    time.sleep(1)
+    assert ready.wait(30), "no event from the worker (its heartbeat) within 30 s"
     ids = [str(uuid.uuid4()) for _ in range(3)]
     for job_id, path in zip(ids, text_images.values(), strict=True):
         app.send_task(
@@ -317,14 +320,35 @@ def test_flower_lists_each_image(
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while True:
             try:
                 httpx.get(f"{base}/healthcheck", timeout=1)
                 break
             except httpx.HTTPError:
+                assert time.monotonic() < deadline, "Flower did not answer within 30 s"
                 time.sleep(0.3)
-        time.sleep(2)  # let Flower's event consumer attach
         app = Celery(broker=broker_url)
+
+        def seen_by_flower() -> bool:
+            """A probe job Flower saw arrive: its event consumer is attached (a fixed wait
+            for that lost the first events on a loaded machine)."""
+            probe = str(uuid.uuid4())
+            app.send_task(
+                "ocrq.recognize",
+                kwargs={"image": {"path": str(text_images["word"])}, "job_id": probe},
+                queue="ocr",
+                task_id=probe,
+            )
+            until = time.monotonic() + 5
+            while time.monotonic() < until:
+                if httpx.get(f"{base}/api/tasks", timeout=5).json().get(probe, {}).get(
+                    "received"
+                ):
+                    return True
+                time.sleep(0.3)
+            return False
+
+        assert any(seen_by_flower() for _ in range(8)), "Flower saw no task event in 40 s"
         ids = [str(uuid.uuid4()) for _ in text_images]
         for job_id, path in zip(ids, text_images.values(), strict=True):
             app.send_task(
