@@ -119,7 +119,7 @@ def test_trim_is_fast_on_long_loops() -> None:
     text = "header\n" + "0123456789abcdef" * 2000  # ~32k characters, as a 8k-token cap can give
     started = time.perf_counter()
     assert trim_repeated_tail(text) == "header\n0123456789abcdef"
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < 3.0  # a quadratic trim takes far longer
 
 
 def test_only_cut_outputs_are_trimmed() -> None:

@@ -435,7 +435,7 @@ def test_path_errors_do_not_reveal_what_exists(root: Path, tmp_path: Path, setti
     started = time.monotonic()
     with pytest.raises(images.ImageError, match="not a regular file"):
         images.read_bytes(ImageRef(path=str(fifo)), settings)
-    assert time.monotonic() - started < 1.0  # opened without blocking on the FIFO
+    assert time.monotonic() - started < 5.0  # opened without blocking on the FIFO (forever)
     # No roots configured: nothing is readable (no fallback to the working directory).
     (root / "ok.png").write_bytes(PUBLIC)
     with pytest.raises(images.ImageError, match="not found or outside"):
@@ -504,7 +504,7 @@ def test_strips_and_long_sides_refused_on_the_header(settings: Settings) -> None
     # Header only (no pixel data to decode): refused by the side limit, not as truncated.
     with pytest.raises(images.ImageError, match="OCRQ_MAX_IMAGE_SIDE"):
         images.decode(png_bomb(30_000, 300), settings, "wide.png", None)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 2.0  # header checks only (it was 0.5: slack for load)
     for size in [(4961, 7016), (13340, 124), (124, 13340), (20000, 1000), (1, 1)]:
         images.check_header(*size, settings)
     for size in [(1, 100_000), (100_000, 1), (20001, 500), (10000, 40)]:
