@@ -757,6 +757,9 @@ def export(
     if batch is not None and not total and not exporting.count(engine, batch, None):
         err.print(f"[red]no job names batch {escape(batch)}[/]", soft_wrap=True)  # as `ocrq wait`
         raise typer.Exit(EXIT_UNKNOWN)
+    stream = sys.stdout  # before the bar, which swaps sys.stdout while it runs on a terminal
+    if to_stdout and hasattr(stream, "reconfigure"):
+        stream.reconfigure(encoding="utf-8", newline="")  # as the files are written
     with _progress() as progress:
         bar = progress.add_task("export", total=total)
         try:
@@ -765,9 +768,12 @@ def export(
                 fmt,
                 out,
                 advance=lambda n: progress.advance(bar, n),
+                stream=stream,
             )
         except BrokenPipeError:  # `--out - | head`: the reader has what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())  # Python's flush at exit then writes nowhere
+            os.close(devnull)
             return
     skipped = f", {written.skipped} not done (no file)" if written.skipped else ""
     files = f" in {written.files} file(s)" if fmt == "md" else ""

@@ -140,9 +140,12 @@ def write(
     fmt: str,
     out: Path,
     advance: Callable[[int], None] = lambda n: None,
+    stream: IO[str] | None = None,
 ) -> Exported:
-    """Write `records` to `out` (a file; a folder for md; `-`, standard output, for jsonl and
-    csv: a pipeline's input); `advance(n)`: n more written."""
+    """Write `records` to `out` (a file; a folder for md; `-`: `stream`, standard output, for
+    jsonl and csv, a pipeline's input); `advance(n)`: n more written. The caller takes
+    `stream` before any progress bar starts: rich's live display swaps `sys.stdout` for a
+    proxy that prints through its own console (stderr here) while it runs."""
     records = _ticks(records, advance)
     if fmt == "md":
         return _write_md(records, out)
@@ -151,7 +154,7 @@ def write(
         return _write_parquet(records, out)
     done = Exported(files=1)
     if out == STDOUT:
-        return _write_text(records, fmt, sys.stdout, done)
+        return _write_text(records, fmt, stream or sys.stdout, done)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8", newline="") as fh:
         return _write_text(records, fmt, fh, done)
