@@ -676,20 +676,36 @@ def test_the_fleet_prunes_once_a_day_not_once_a_process(
     broker_url: str, database_url: str
 ) -> None:
     """Processes replaced at every recycle each started a pass; now the first to ask after the
-    fleet's day is over takes it and the others do not, through a key in the broker's Redis.
-    Without Redis a process keeps its own day (a pass at start, then daily)."""
+    fleet's day is over takes it and the others do not, through a key in the broker's Redis:
+    held two hours while the pass runs (one cut short by its process's end is tried again
+    then), a day once it is done, given back when it failed. Without Redis a process keeps its
+    own day (a pass at start, then daily)."""
+    from ocrq.worker import retention_pass
+
     settings = Settings(broker_url=broker_url, database_url=database_url, retention_days=30)
     db = get_engine(database_url)
     client = redis.Redis.from_url(broker_url)
-    client.delete(day_key(database_url))
+    key = day_key(database_url)
+    client.delete(key)
     first, second = RetentionPass(db, settings), RetentionPass(db, settings)
-    assert first._due() and not second._due() and not first._due()
-    ttl = client.ttl(day_key(database_url))
-    assert 86_000 < ttl <= 86_400
-    client.delete(day_key(database_url))  # a day later
+    assert first._due() and not second._due()
+    assert retention_pass.CLAIM_S - 60 < client.ttl(key) <= retention_pass.CLAIM_S
+    second._settle(False)  # not its claim: the key is not its to give back
+    assert client.exists(key)
+    first._settle(True)  # done: the fleet's day
+    assert 86_000 < client.ttl(key) <= 86_400
+    assert not first._due() and not second._due()
+
+    client.delete(key)  # a day later
     assert second._due()
-    other_db = database_url.rsplit("/", 1)[0] + "/another_fleet"
-    assert day_key(other_db) != day_key(database_url)  # one day per database
+    second._settle(False)  # failed: given back, the next to ask tries again
+    assert not client.exists(key) and first._due()
+    first._settle(True)
+    # One key per database, its default port written or not; the password is no part of it.
+    assert day_key("postgresql://u@db.example/ocrq") == day_key(
+        "postgresql+psycopg://u:secret@db.example:5432/ocrq"
+    )
+    assert day_key(database_url.rsplit("/", 1)[0] + "/another_fleet") != key
 
     alone = RetentionPass(db, settings.model_copy(update={"broker_url": "amqp://127.0.0.1//"}))
     assert alone._due()
@@ -697,3 +713,5 @@ def test_the_fleet_prunes_once_a_day_not_once_a_process(
     assert not alone._due()
     alone._own_last = time.monotonic() - 86_401
     assert alone._due()
+    for rp in (first, second, alone):
+        rp.stop()  # never started: closes its Redis client

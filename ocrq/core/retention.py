@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import Engine, and_, delete, exists, or_, select, text
+from sqlalchemy.exc import OperationalError
 
 from ocrq.core.contract import PAGE_MARK
 from ocrq.core.db import ocr_batch_hooks, ocr_documents, ocr_jobs
@@ -126,12 +127,21 @@ def prune_once_locked(db: Engine, cutoff: dt.datetime, upload_dir: Path | None) 
     keeps its server connection, so the unlock reaches the session that holds the lock, where
     a commit between them could send it to another one and leave the lock held. The price:
     idle in that transaction, the session keeps a snapshot's horizon (its catalog snapshot),
-    which holds VACUUM back while the pass runs, once a day."""
+    which holds VACUUM back while the pass runs, once a day; and a server's
+    `idle_in_transaction_session_timeout` would end it mid-pass, so the transaction sets it
+    off for itself (`SET LOCAL`). An unlock that fails after the pass (the session gone, and
+    the lock with it) is logged, not raised over the pass's result."""
     with db.connect() as conn:
+        conn.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
         if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY}).scalar():
+            conn.rollback()
             return None
         try:
-            return prune(db, cutoff, upload_dir)
+            pruned = prune(db, cutoff, upload_dir)
         finally:
-            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LOCK_KEY})
-            conn.commit()
+            try:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LOCK_KEY})
+                conn.commit()
+            except OperationalError as exc:
+                log.warning("retention: the lock's session ended before its unlock: %s", exc)
+        return pruned
