@@ -651,13 +651,19 @@ def wait_for(
                 typer.echo(json.dumps(s.as_json()))
             for status, n in s.jobs.items():
                 counts[status] = counts.get(status, 0) + n
+    documents = False
     for row in client.status(ids) if ids else []:
         if as_json:
             typer.echo(json.dumps(row, ensure_ascii=False))
         status = "failed" if row["status"] == "partial" else row["status"]
         counts[status] = counts.get(status, 0) + 1
+        documents |= "pages" in row  # a document named by its id counts once
     pages = any(s.pages or s.documents for s in summaries if s is not None)
-    unit = "images and pages" if pages else ""
+    unit = {
+        (True, False): "images and pages",
+        (False, True): "images and documents",
+        (True, True): "images, pages and documents",
+    }.get((pages, documents), "")
     err.print(_summary(counts, sum(counts.values()), time.monotonic() - started, unit))
     if not final:
         err.print(f"[yellow]not finished within {timeout} s")

@@ -188,7 +188,7 @@ def child_pids(worker: WorkerProcess) -> list[int]:
 
 def test_recycle_1000_images_every_50(
     service_env: dict[str, str],
-    database_url: str,
+    private_database: str,
     broker_url: str,
     image_root: Path,
     tmp_path: Path,
@@ -197,10 +197,11 @@ def test_recycle_1000_images_every_50(
     the old 900 s wait was a cap past pytest's own timeout, not a need."""
     budget = Budget(480, "recycle")
     paths = make_images(image_root / "recycle", 1000)
+    database_url = private_database  # its sweeps would re-run rows other tests left queued
     store = JobStore(get_engine(database_url))
     ids = send_all(broker_url, paths)
     t0 = time.monotonic()
-    env = worker_env(service_env, max_batch="16")
+    env = worker_env(service_env, database_url=database_url, max_batch="16")
     worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16", "--max-images", "50")
     try:
         worker.wait_ready(timeout=min(90, budget.left()))
@@ -221,15 +222,17 @@ def test_recycle_1000_images_every_50(
 
 def test_kill_9_mid_batch(
     service_env: dict[str, str],
-    database_url: str,
+    private_database: str,
     broker_url: str,
     image_root: Path,
     tmp_path: Path,
 ) -> None:
     paths = make_images(image_root / "kill", 80, lines=6)
+    database_url = private_database  # its sweeps and requeue would re-run others' rows
     store = JobStore(get_engine(database_url))
     budget = Budget(480, "kill-9")
-    env = worker_env(service_env, visibility_timeout_s="20", max_batch="8")
+    env = worker_env(service_env, database_url=database_url, visibility_timeout_s="20",
+                     max_batch="8")
     worker = WorkerProcess(env, tmp_path / "w.log", "--concurrency", "16").wait_ready(90)
     t0 = time.monotonic()
     try:

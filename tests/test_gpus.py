@@ -363,7 +363,7 @@ def test_every_child_refusing_to_start_stops_the_supervisor_with_78(
 
 
 def test_one_child_refusing_to_start_leaves_the_other_running(
-    service_env: dict[str, str], database_url: str, image_root: Path, tmp_path: Path
+    service_env: dict[str, str], private_database: str, image_root: Path, tmp_path: Path
 ) -> None:
     """A GPU that cannot be used (no such device, a driver fault) fails its worker at start-up
     with 78. Here no GPU exists, so a sitecustomize makes the interpreter started with
@@ -381,7 +381,9 @@ def test_one_child_refusing_to_start_leaves_the_other_running(
     )
     queue = f"ocr-gpus-half-{uuid.uuid4().hex[:6]}"
     path = os.pathsep.join(p for p in (str(broken), service_env.get("PYTHONPATH")) if p)
-    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue, "PYTHONPATH": path}
+    database_url = private_database  # its sweeps would re-run rows other tests left queued
+    env = {**service_env, **LIVENESS, "OCRQ_QUEUE": queue, "PYTHONPATH": path,
+           "OCRQ_DATABASE_URL": database_url}
     client = Client(
         Settings(broker_url=env["OCRQ_BROKER_URL"], database_url=database_url, queue=queue)
     )

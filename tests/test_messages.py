@@ -164,6 +164,16 @@ def _logged(worker: WorkerProcess, line: str, timeout: float = 30) -> bool:
     return False
 
 
+def _logged_more(worker: WorkerProcess, line: str, before: int, timeout: float = 30) -> bool:
+    """Whether `line` appears in the worker's log more than `before` times within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if worker.text().count(line) > before:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def send(broker_url: str, image: dict[str, str], job_id: str, task: str = "text") -> None:
     Celery(broker=broker_url).send_task(
         "ocrq.recognize",
@@ -346,8 +356,10 @@ def test_reused_job_id_refused_both_orders(
     assert row["status"] == "done" and "HELLO" in row["text"].upper()
     assert row["source"] == str(text_images["hello"])
     # The task too is part of what a job id names.
+    refusals = worker.text().count(f"job {job} refused: ")
     send(broker_url, hello, job, task="spotting")
     assert drained(redis.Redis.from_url(broker_url))
+    assert _logged_more(worker, f"job {job} refused: ", refusals)
     assert store.get([job])[job]["finished_at"] == row["finished_at"]
 
 
