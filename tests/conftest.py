@@ -100,34 +100,44 @@ def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
-@pytest.fixture(scope="session")
-def database_url() -> Iterator[str]:
-    """A new database per test session, created and migrated by the real `ocrq migrate`."""
-    name = f"ocrq_test_{uuid.uuid4().hex[:8]}"
-    url = make_url(TEST_PG).set(database=name).render_as_string(hide_password=False)
-    env = {**os.environ, "OCRQ_DATABASE_URL": url}
-    subprocess.run([str(BIN / "ocrq"), "migrate"], env=env, check=True, timeout=120)
-    yield url
+def _database(name: str) -> str:
+    return make_url(TEST_PG).set(database=name).render_as_string(hide_password=False)
+
+
+def _drop(name: str) -> None:
     admin = create_engine(TEST_PG, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@contextmanager
+def migrated(prefix: str) -> Iterator[str]:
+    """A new database created and migrated by the real `ocrq migrate`, dropped afterwards;
+    its name."""
+    name = f"{prefix}{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "OCRQ_DATABASE_URL": _database(name)}
+    subprocess.run([str(BIN / "ocrq"), "migrate"], env=env, check=True, timeout=120)
+    try:
+        yield name
+    finally:
+        _drop(name)
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    """A new database per test session, created and migrated by the real `ocrq migrate`."""
+    with migrated("ocrq_test_") as name:
+        yield _database(name)
 
 
 @pytest.fixture(scope="session")
 def migrated_template() -> Iterator[str]:
-    """An empty database migrated by the real `ocrq migrate`, copied by `private_database`
-    (PostgreSQL copies a template in a fraction of a migration's time); nothing connects to
-    it after the migration, as a template's copy needs."""
-    name = f"ocrq_test_tpl_{uuid.uuid4().hex[:8]}"
-    url = make_url(TEST_PG).set(database=name).render_as_string(hide_password=False)
-    env = {**os.environ, "OCRQ_DATABASE_URL": url}
-    subprocess.run([str(BIN / "ocrq"), "migrate"], env=env, check=True, timeout=120)
-    yield name
-    admin = create_engine(TEST_PG, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    """An empty migrated database, copied by `private_database` (PostgreSQL copies a template
+    in a fraction of a migration's time); nothing connects to it after the migration, as a
+    template's copy needs."""
+    with migrated("ocrq_test_tpl_") as name:
+        yield name
 
 
 @contextmanager
@@ -137,12 +147,11 @@ def copy_of(template: str) -> Iterator[str]:
     admin = create_engine(TEST_PG, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
+    admin.dispose()
     try:
-        yield make_url(TEST_PG).set(database=name).render_as_string(hide_password=False)
+        yield _database(name)
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        _drop(name)
 
 
 @pytest.fixture

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import pty
-import re
 import shutil
 import subprocess
 import uuid
@@ -31,6 +28,7 @@ from ocrq.core.db import get_engine
 from ocrq.core.store import JobStore, NewJob
 from tests.conftest import BIN, WorkerProcess
 from tests.pdfs import text_pdf
+from tests.terminal import on_terminal
 from tests.test_api import Uvicorn
 from tests.waiting import Budget
 
@@ -57,33 +55,6 @@ def api(service_env: dict[str, str], worker: WorkerProcess, tmp_path_factory: An
     ) as client:
         yield client
     server.stop()
-
-
-def _export_with_a_terminal(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    """`ocrq export` with stderr on a pseudo-terminal and stdout a pipe: (exit code, what the
-    terminal showed, stdout)."""
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [str(BIN / "ocrq"), "export", *args],
-        env={**env, "TERM": "xterm", "COLUMNS": "100"},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=slave,
-    )
-    os.close(slave)
-    shown = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not data:
-            break
-        shown.append(data)
-    os.close(master)
-    out, _ = proc.communicate(timeout=120)
-    terminal = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(shown).decode(errors="replace"))
-    return proc.returncode, terminal, out.decode()
 
 
 def test_batch_wait_export_and_retry(
@@ -156,7 +127,9 @@ def test_batch_wait_export_and_retry(
     assert "exported 6 record(s) to standard output" in piped.stderr
     # As a user types it (`... --out - > file`): the bar on a terminal, which makes rich swap
     # sys.stdout for its own proxy while the bar runs; the records still reach the pipe.
-    code, terminal, out = _export_with_a_terminal(service_env, "--batch", batch, "--out", "-")
+    code, terminal, out = on_terminal(
+        service_env, "export", "--batch", batch, "--out", "-", stream="stderr"
+    )
     assert code == 0, terminal
     assert [json.loads(line) for line in out.splitlines()] == records
     assert "exported 6 record(s)" in terminal and records[0]["job_id"] not in terminal

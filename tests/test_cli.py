@@ -7,21 +7,16 @@ run the command with its stdout on a pseudo-terminal of a given width.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pty
 import re
 import sqlite3
-import struct
 import subprocess
-import termios
 import uuid
 from pathlib import Path
 
 from tests.conftest import BIN, WorkerProcess
-
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+from tests.terminal import ANSI, on_terminal
 
 
 def ocrq(
@@ -42,30 +37,7 @@ def ocrq_on_tty(
     env: dict[str, str], *args: str, columns: int = 120, cwd: Path | None = None
 ) -> tuple[int, str, str]:
     """Run with stdout on a pseudo-terminal `columns` wide: (exit code, stdout, stderr)."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-    proc = subprocess.Popen(
-        [str(BIN / "ocrq"), *args],
-        env={**env, "COLUMNS": str(columns), "TERM": "xterm"},
-        stdin=subprocess.DEVNULL,
-        stdout=slave,
-        stderr=subprocess.PIPE,
-        cwd=cwd,
-    )
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
-    _, stderr = proc.communicate(timeout=300)
-    out = ANSI.sub("", b"".join(chunks).decode(errors="replace")).replace("\r", "")
-    return proc.returncode, out, stderr.decode(errors="replace")
+    return on_terminal(env, *args, stream="stdout", columns=columns, cwd=cwd)
 
 
 def test_submit_wait_fails_when_a_job_fails(
