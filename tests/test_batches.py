@@ -91,6 +91,11 @@ def test_batch_wait_export_and_retry(
     assert summary["pages"] == {"done": 2} and summary["documents"] == {"done": 1}
     assert summary["eta_s"] == 0 and summary["first_finished_at"] <= summary["last_finished_at"]
     assert "done: 4, failed: 2, total: 6 images and pages" in waited.stderr
+    # A document named by its id counts once, and the line says so.
+    (document,) = [r["job_id"] for r in api.post("/jobs/lookup", json={"job_ids": ids}).json()[
+        "jobs"] if r.get("pages")]
+    one = ocrq(service_env, "wait", document, "--timeout", "60")
+    assert one.returncode == 0 and "total: 1 images and documents" in one.stderr, one.stderr
     # The api says the same.
     answer = api.get(f"/batches/{batch}")
     assert answer.status_code == 200, answer.text

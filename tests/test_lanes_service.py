@@ -29,7 +29,9 @@ from tests.conftest import BIN, WorkerProcess
 from tests.servers import free_port
 from tests.waiting import Budget
 
-BULK_JOBS = 100
+# A backlog deep enough that half of it still waits when `ocrq submit`'s interactive job is
+# recorded, the CLI's start-up (seconds on a loaded machine) after the first bulk job ended.
+BULK_JOBS = 150
 SHARE_AHEAD = 0.8  # of the bulk jobs pending when an interactive job was sent, finishing after it
 
 
