@@ -510,12 +510,35 @@ def test_a_stop_signal_delivered_twice_is_one_warm_stop() -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's copy, a moment later
         time.sleep(0.1)
         assert calls == [signal.SIGTERM]
-        time.sleep(1.0)  # past REPEAT_SIGNAL_S: a new stop is handled again
+        time.sleep(1.0)  # past REPEAT_SIGNAL_S: a warm stop is under way, still one
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
-        assert calls == [signal.SIGTERM, signal.SIGTERM]
+        assert calls == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_second_ctrl_c_later_is_still_a_cold_stop() -> None:
+    """SIGINT keeps its window: the group's and the supervisor's copies of one Ctrl-C are one
+    stop, and a person's second Ctrl-C, later, reaches Celery (its cold stop)."""
+    from ocrq.worker.exit_state import REPEAT_SIGNAL_S, guard_stop_signals
+
+    calls: list[int] = []
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, lambda signum, _frame: calls.append(signum))
+    try:
+        guard_stop_signals([signal.SIGINT])
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)  # the supervisor's copy
+        time.sleep(0.1)
+        assert calls == [signal.SIGINT]
+        time.sleep(REPEAT_SIGNAL_S)
+        os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C
+        time.sleep(0.1)
+        assert calls == [signal.SIGINT, signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_group_stop_stops_a_worker_once_and_retires_its_row(

@@ -153,8 +153,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def guard_stop_signals(signums: Sequence[int] = STOP_SIGNALS) -> None:
-    """Let Celery's handlers for SIGTERM/SIGINT run one at a time, and ignore a repeat within
-    REPEAT_SIGNAL_S. Called once Celery has installed them (at worker_ready).
+    """Let Celery's handlers for SIGTERM/SIGINT run one at a time, and ignore a repeat: of
+    SIGTERM always (a warm stop is under way; Celery does nothing more for another), of SIGINT
+    within REPEAT_SIGNAL_S (a person's second Ctrl-C, later, still asks for a cold stop).
+    Called once Celery has installed them (at worker_ready).
 
     Why: a stop reaches a worker twice, from its process group (systemd's control-group kill,
     a terminal's Ctrl-C, `kill -- -PGID`) and from its supervisor, which forwards it. Celery's
@@ -162,6 +164,8 @@ def guard_stop_signals(signums: Sequence[int] = STOP_SIGNALS) -> None:
     handled inside the first, waited for that lock forever. A worker hung in its warm shutdown
     until it was killed, its heartbeat row left behind (seen in tests/test_liveness.py, with
     the stacks of its threads). A repeated SIGINT would also turn one Ctrl-C into a cold stop.
+    A window alone was not enough for SIGTERM: on a loaded machine the supervisor's copy came
+    more than a second after the group's, and the warm stop was announced twice.
     """
     state = {"busy": False}
     last: dict[int, float] = {}
@@ -169,7 +173,10 @@ def guard_stop_signals(signums: Sequence[int] = STOP_SIGNALS) -> None:
     def guard(handler: Callable[[int, object], object]) -> Callable[[int, object], None]:
         def guarded(signum: int, frame: object) -> None:
             now = time.monotonic()
-            if state["busy"] or now - last.get(signum, -REPEAT_SIGNAL_S) < REPEAT_SIGNAL_S:
+            repeat = signum in last and (
+                signum == signal.SIGTERM or now - last[signum] < REPEAT_SIGNAL_S
+            )
+            if state["busy"] or repeat:
                 return
             last[signum] = now
             state["busy"] = True
