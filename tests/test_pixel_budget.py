@@ -108,6 +108,12 @@ def test_scaled_size_never_grows_nor_goes_under_the_floor(
         assert (fw - 1) * (fh - 1) < floor or (fw, fh) == (w, h)
 
 
+def test_the_floor_is_not_overshot_by_float_error() -> None:
+    """Hypothesis found it (CI): 1012 x 1012 at a floor of 1,000,000 gave 1001 x 1001, the
+    ceiling of 1000.0000000000001; the smallest size of the aspect at the floor is 1000 x 1000."""
+    assert scaled_size((1012, 1012), 1, 1_000_000) == (1000, 1000)
+
+
 GEOMETRIES = (ImageGeometry(min_pixels=64 * 64, max_pixels=192 * 192), ImageGeometry())
 
 

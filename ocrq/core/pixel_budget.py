@@ -125,4 +125,9 @@ def scaled_size(size: tuple[int, int], pixels: int, floor: int = 0) -> tuple[int
     if w * h <= floor:
         return size
     scale = math.sqrt(floor / (w * h))
-    return min(w, math.ceil(w * scale)), min(h, math.ceil(h * scale))
+    # Rounded up, but not past an integer that float error only grazes (1012 * sqrt(1e6 /
+    # 1012**2) is 1000.0000000000001): then one more a side where that falls short.
+    fw, fh = min(w, math.ceil(w * scale - 1e-9)), min(h, math.ceil(h * scale - 1e-9))
+    if fw * fh < floor:
+        fw, fh = min(w, fw + 1), min(h, fh + 1)
+    return fw, fh
