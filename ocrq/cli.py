@@ -190,6 +190,16 @@ def _summary(counts: dict[str, int], total: int, seconds: float, unit: str = "")
     return ", ".join(parts) + f", total: {total}{' ' + unit if unit else ''} in {seconds:.1f} s"
 
 
+def _unit(pages: bool, documents: bool) -> str:
+    """`_summary`'s unit: a batch's documents count by their pages, a document sent or named
+    by its id once; "" where only images were counted."""
+    return {
+        (True, False): "images and pages",
+        (False, True): "images and documents",
+        (True, True): "images, pages and documents",
+    }.get((pages, documents), "")
+
+
 def _results_file() -> Path:
     return Path(f"ocrq-results-{dt.datetime.now():%Y%m%d-%H%M%S}.jsonl").resolve()
 
@@ -444,8 +454,7 @@ def submit(
             f"{(row.get('text') or row.get('error') or '').replace(chr(10), ' | ')[:80]}"
         )
     documents = any("pages" in row for row in results)  # a document's row, not an image's
-    unit = "images and documents" if documents else ""
-    err.print(_summary(counts, len(ids), time.monotonic() - started, unit))
+    err.print(_summary(counts, len(ids), time.monotonic() - started, _unit(False, documents)))
     # partial: a document some of whose pages failed (it is finished, and counts as failed)
     pending = len(ids) - sum(counts.get(k, 0) for k in ("done", *NOT_DONE))
     if pending:
@@ -659,11 +668,7 @@ def wait_for(
         counts[status] = counts.get(status, 0) + 1
         documents |= "pages" in row  # a document named by its id counts once
     pages = any(s.pages or s.documents for s in summaries if s is not None)
-    unit = {
-        (True, False): "images and pages",
-        (False, True): "images and documents",
-        (True, True): "images, pages and documents",
-    }.get((pages, documents), "")
+    unit = _unit(pages, documents)
     err.print(_summary(counts, sum(counts.values()), time.monotonic() - started, unit))
     if not final:
         err.print(f"[yellow]not finished within {timeout} s")
