@@ -19,10 +19,38 @@ import uuid
 from pathlib import Path
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_LOW = 20000
+_FLOOR = _ephemeral_floor()
+_next_port = _LOW + (os.getpid() * 7919) % (_FLOOR - _LOW)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing is bound to, below the kernel's ephemeral range.
+
+    A port the kernel hands out for a bind to port 0 comes from the ephemeral range, which every
+    outbound connection on the host draws from too (the tests' own clients of Redis and
+    PostgreSQL, hundreds a minute): between this call and the server's bind, a connection could
+    take it. Ports below the range are never given to a connection. Each call in a process moves
+    on from the last (so two ports asked before either server binds differ), from a start that
+    depends on the process id (so parallel test processes start apart)."""
+    global _next_port
+    for _ in range(_FLOOR - _LOW):
+        port = _next_port
+        _next_port = _LOW + (port + 1 - _LOW) % (_FLOOR - _LOW)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {_LOW}-{_FLOOR - 1}")
 
 
 def _wait_port(port: int, up: bool, timeout: float = 30) -> None:
