@@ -44,7 +44,7 @@ class Harvest:
 FULL = 0.95
 
 _LINE = re.compile(
-    r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}).*?batch \w+: (\d+) images in [\d.]+ s "
+    r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})[^\n]*?batch \w+: (\d+) images in [\d.]+ s "
     r"\(\d+ failed, predicted [\d.]+ GiB, (\d+) left waiting, (\d+) in flight, "
     r"([\d.]+) row-s\)"
 )
@@ -52,7 +52,9 @@ _LINE = re.compile(
 
 def harvests_from_log(text: str, started: float) -> list[Harvest]:
     """The harvest lines of a worker's log, timed from `started` (epoch seconds, local time as
-    Celery's log prints it)."""
+    the log prints it). A worker's own lines carry ocrq's format (`ocrq.worker.main.LOG_FORMAT`:
+    Celery leaves the root logger alone); Celery's bracketed one is read too. Reading only the
+    bracketed one made bench/lanes.py fall back to the finish window in every run."""
     out = []
     for m in _LINE.finditer(text):
         at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()

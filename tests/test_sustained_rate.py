@@ -111,8 +111,12 @@ def test_harvest_lines_are_read_from_a_worker_log() -> None:
     assert got == [Harvest(1.5, 3, 31.5, 40, 512), Harvest(2.25, 0, 0.0, 0, 509)]
 
 
-def test_the_workers_own_harvest_line_is_read(caplog: pytest.LogCaptureFixture) -> None:
-    """The line the worker really logs (ocrq/worker/runtime.py), in Celery's worker format."""
+@pytest.mark.parametrize("fmt", ["ocrq", "celery"])
+def test_the_workers_own_harvest_line_is_read(
+    caplog: pytest.LogCaptureFixture, fmt: str
+) -> None:
+    """The line the worker really logs (ocrq/worker/runtime.py), in the format its log has it:
+    ocrq's own (Celery does not take the root logger over), and Celery's worker format."""
     import logging
     import time as _time
 
@@ -120,12 +124,15 @@ def test_the_workers_own_harvest_line_is_read(caplog: pytest.LogCaptureFixture) 
     from ocrq.scheduling.vocabulary import BatchRecord
     from ocrq.worker import runtime
     from ocrq.worker.celery_app import make_app
+    from ocrq.worker.main import LOG_FORMAT
 
     record = BatchRecord("0123456789", 7, 1.0, 1.25, 2**30, 0, 0, 2**31, 12, in_flight=300,
                          row_seconds=42.25)
     with caplog.at_level(logging.INFO, logger=runtime.log.name):
         runtime._log_batch(record)
-    formatter = logging.Formatter(make_app(Settings()).conf.worker_log_format)
+    formatter = logging.Formatter(
+        LOG_FORMAT if fmt == "ocrq" else make_app(Settings()).conf.worker_log_format
+    )
     line = formatter.format(caplog.records[-1])
     now = _time.time()
     got = harvests_from_log(line, now)

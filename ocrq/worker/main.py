@@ -144,15 +144,18 @@ def main(argv: Sequence[str]) -> int:
     return run(argv, settings)
 
 
+# Celery keeps its hands off the root logger (`worker_hijack_root_logger=False`), so ocrq's own
+# lines (a batch's, the loop's totals: what the benches read back) keep this format all along.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def log_to_stderr() -> None:
     """INFO lines on stderr until Celery takes the root logger over as it starts: the start-up
     lines before that (the cost model and its recommended batch, the task threads, a database
     still away) are the ones an operator reads first. Every way a worker process starts sets
     it: a supervisor's child here, `ocrq worker --no-supervise` in the CLI (before, that one
     set none and they were lost, under every shipped unit and manifest)."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
 
 
 if __name__ == "__main__":
