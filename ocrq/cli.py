@@ -28,6 +28,12 @@ EXIT_FAILED = 1  # at least one job failed
 EXIT_USAGE = 2  # a bad option or argument (click's own code)
 EXIT_PENDING = 3  # --timeout passed with jobs still queued or running
 EXIT_UNKNOWN = 4  # a job id has no row
+# Why a name a producer sent may have no row yet (said wherever one is looked up and missing).
+NO_ROW_YET = (
+    "`ocrq submit`, the api and ocrq.client write a job's row before sending it; a job sent "
+    "straight to Celery (`send_task`) gets its row when a worker takes it, so it is unknown "
+    "here until then (wait on its Celery result meanwhile: `AsyncResult(id).get()`)"
+)
 EXIT_DATABASE = 5  # PostgreSQL unreachable, the database missing or not migrated
 EXIT_BROKER = 6  # the broker (Redis) unreachable
 EXIT_CONFIG = 78  # invalid settings, e.g. an unknown engine (EX_CONFIG; also `ocrq worker`'s)
@@ -500,6 +506,7 @@ def status(
     if any(r["status"] == "unknown" for r in rows):
         unknown = [r["job_id"] for r in rows if r["status"] == "unknown"]
         err.print(f"[yellow]unknown job id(s):[/] {', '.join(unknown)}")
+        err.print(NO_ROW_YET, soft_wrap=True, markup=False)
         raise typer.Exit(EXIT_UNKNOWN)
     if any(r["status"] in NOT_DONE for r in rows):
         raise typer.Exit(EXIT_FAILED)
@@ -631,6 +638,7 @@ def wait_for(
     unknown = [j for j, r in rows.items() if r["status"] == "unknown"]
     if unknown:
         err.print(f"[red]neither a batch nor a job id:[/] {', '.join(unknown)}", soft_wrap=True)
+        err.print(NO_ROW_YET, soft_wrap=True, markup=False)
         raise typer.Exit(EXIT_UNKNOWN)
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
@@ -814,6 +822,7 @@ def cancel(
         ids, found = client.cancel_batch(batch)
         if found is None:
             err.print(f"[yellow]unknown batch:[/] {escape(batch)}")
+            err.print(NO_ROW_YET, soft_wrap=True, markup=False)
             raise typer.Exit(EXIT_UNKNOWN)
         if as_json:
             typer.echo(json.dumps({**found.as_json(), "cancelled": len(ids)}))
@@ -824,6 +833,7 @@ def cancel(
     done = sum(r["cancelled"] for r in rows)
     err.print(f"cancelled {done} of {len(rows)} job(s)")
     if any(r["status"] == "unknown" for r in rows):
+        err.print(NO_ROW_YET, soft_wrap=True, markup=False)
         raise typer.Exit(EXIT_UNKNOWN)
     if any(r["status"] != "cancelled" for r in rows):
         raise typer.Exit(EXIT_FAILED)

@@ -234,6 +234,10 @@ def test_api_batches_and_wait_resumes_after_submit_timeout(
     assert resumed.returncode == 0 and "done: 1, failed: 0, total: 1" in resumed.stderr
     unknown = ocrq(service_env, "wait", f"no-such-{uuid.uuid4().hex[:6]}")
     assert unknown.returncode == 4
+    # says why a name a producer just sent may not be known yet (a send_task job has no row
+    # until a worker takes it), and where to wait meanwhile
+    said = " ".join(unknown.stderr.split())
+    assert "gets its row when a worker takes it" in said and "AsyncResult" in said, said
 
 
 def test_a_late_copy_of_an_old_message_does_not_run_a_re_run(

@@ -22,6 +22,7 @@ from ocrq.core.contract import (
     message_job_id,
     storable_text,
 )
+from ocrq.intake.splitting import page_job_id
 from ocrq.worker.acking import task_returned
 from ocrq.worker.envelope import REFUSED_HEADER, safe_text
 from ocrq.worker.jobs import RunningElsewhere, db_unavailable
@@ -179,6 +180,9 @@ def _recognize(
         result["batch"] = request.batch
     if outcome.pages is not None:  # a document's own job: the page jobs it made
         result["pages"] = outcome.pages
+        # Their ids, in page order: a producer with Celery only has no other way to its pages'
+        # results (`AsyncResult(id).get()` each) than computing the uuid5s itself.
+        result["page_jobs"] = [page_job_id(outcome.job_id, n) for n in range(1, outcome.pages + 1)]
     return result
 
 
