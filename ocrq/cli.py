@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -206,6 +207,29 @@ def _unit(pages: bool, documents: bool) -> str:
     }.get((pages, documents), "")
 
 
+def _found_inputs(command: str, looked: list[str], found: int, skipped: list[Path]) -> None:
+    """Say on stderr what the folders held that is not OCR'd; finding nothing at all is a usage
+    error naming where it looked (it was `total: 0` and exit 0, not a word said)."""
+    from ocrq.worker.embedded import IMAGE_SUFFIXES
+
+    suffixes = sorted({p.suffix.lower() or "(none)" for p in skipped})
+    shown = ", ".join(suffixes[:8]) + (", ..." if len(suffixes) > 8 else "")
+    what = f"{len(skipped)} file(s) skipped as not images or PDFs" + (
+        f" (suffixes: {shown})" if skipped else ""
+    )
+    if not found:
+        err.print(
+            f"[red]ocrq {command}:[/] no image or PDF found in {escape(', '.join(looked))} "
+            f"(folders are searched with their subfolders, hidden ones left out); {what}; "
+            f"accepted: {', '.join(sorted(IMAGE_SUFFIXES))}",
+            soft_wrap=True,
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_USAGE)
+    if skipped:
+        err.print(f"[yellow]ocrq {command}:[/] {what}", soft_wrap=True, highlight=False)
+
+
 def _results_file() -> Path:
     return Path(f"ocrq-results-{dt.datetime.now():%Y%m%d-%H%M%S}.jsonl").resolve()
 
@@ -216,7 +240,11 @@ def run(
         list[Path],
         # A path that names nothing is a typo on the command line: said at once (exit 2),
         # not as a failed job blaming OCRQ_ALLOWED_ROOTS, which `run` does not apply.
-        typer.Argument(help="Image files or folders of images.", exists=True),
+        typer.Argument(
+            help="Image or document (PDF, TIFF) files, or folders: the images and PDFs anywhere "
+            "beneath them, in sorted order (hidden files and folders left out).",
+            exists=True,
+        ),
     ],
     engine: Annotated[str | None, typer.Option(help=ENGINE_HELP)] = None,
     output: Annotated[
@@ -240,15 +268,26 @@ def run(
 ) -> None:
     """OCR images in this process (no Redis, no PostgreSQL): one JSON object per image.
     Exit code 1 when any image failed (or any page of a document: partial)."""
-    from ocrq.worker.embedded import expand, run_paths
+    from ocrq.models.registry import task_refusal
+    from ocrq.worker.embedded import find_inputs, run_paths
 
     _logging(log_level)
     settings = _settings(engine=engine)
+    refusal = task_refusal(settings.engine, task)
+    if refusal:  # said before the engine loads, not once per image after
+        err.print(
+            f"[red]ocrq run: --task {escape(repr(task))}:[/] {escape(refusal)}",
+            soft_wrap=True,
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_USAGE)
+    found = find_inputs(paths)
+    _found_inputs("run", [str(p) for p in paths], len(found.files), found.skipped)
     setup_process(settings)  # the engine loads in this process
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         err.print(f"[yellow]not found (reported as failed):[/] {', '.join(missing)}")
-    total = len(expand(paths))
+    total = len(found.files)
     if output is None and sys.stdout.isatty():
         output = _results_file()  # JSONL lines would tear through the progress bar
     out = output.open("w", encoding="utf-8") if output else sys.stdout
@@ -262,10 +301,19 @@ def run(
                 row.pop("job_id", None)
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 out.flush()
-                progress.advance(bar)
+
+            grown = threading.Lock()  # documents split in several threads at once
+
+            def advance(finished: int, more: int) -> None:
+                """Images and pages, as `submit --wait` counts: a PDF's pages move the bar."""
+                with grown:
+                    if more:
+                        progress.update(bar, total=(progress.tasks[bar].total or 0) + more)
+                    if finished:
+                        progress.advance(bar, finished)
 
             db_url = _db_url(db) if db else f"sqlite:///{Path(scratch) / 'run.sqlite'}"
-            counts = run_paths(paths, settings, db_url, emit, task=task)
+            counts = run_paths(found.files, settings, db_url, emit, task=task, on_progress=advance)
     finally:
         if output:
             out.close()
@@ -382,7 +430,11 @@ def worker(
 @app.command()
 def submit(
     targets: Annotated[
-        list[str], typer.Argument(help="Image or document (PDF, TIFF) paths, folders or URLs.")
+        list[str],
+        typer.Argument(
+            help="Image or document (PDF, TIFF) paths or URLs, or folders: the images and PDFs "
+            "anywhere beneath them, in sorted order (hidden files and folders left out)."
+        ),
     ],
     task: Annotated[str, typer.Option(help=TASK_HELP)] = "text",
     wait: Annotated[bool, typer.Option("--wait", help="Wait for results and print them.")] = False,
@@ -415,20 +467,24 @@ def submit(
     import uuid
 
     from ocrq.api.client import Client, image_ref
-    from ocrq.worker.embedded import expand
+    from ocrq.worker.embedded import find_inputs
 
     if priority not in PRIORITIES:
         err.print(f"[red]ocrq submit: --priority must be one of {', '.join(PRIORITIES)}")
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USAGE)
     settings = _settings()
-    client = Client(settings)
-    batch = batch or str(uuid.uuid4())
     refs: list[str] = []
+    skipped: list[Path] = []
     for target in targets:
         if target.startswith(("http://", "https://")):
             refs.append(target)
         else:
-            refs.extend(str(p) for p in expand([Path(target)]))
+            found = find_inputs([Path(target)])
+            refs.extend(str(p) for p in found.files)
+            skipped += found.skipped
+    _found_inputs("submit", targets, len(refs), skipped)  # before the broker is touched
+    client = Client(settings)
+    batch = batch or str(uuid.uuid4())
     started = time.monotonic()
     ids = [
         client.submit(

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 from tests.conftest import BIN, WorkerProcess
+from tests.pdfs import text_pdf
 from tests.terminal import ANSI, on_terminal
 
 
@@ -160,6 +161,59 @@ def test_run_on_a_terminal_writes_a_results_file(
     with sqlite3.connect(cwd / "rows.sqlite") as conn:
         statuses = sorted(s for (s,) in conn.execute("select status from ocr_jobs"))
     assert statuses == ["done", "done", "done", "failed"]
+
+
+def test_run_searches_a_folder_with_its_subfolders(
+    tmp_path: Path, text_images: dict[str, Path]
+) -> None:
+    """`ocrq run FOLDER` whose images are all in subfolders (as the shared eval set's are) read
+    nothing, said `total: 0` and exited 0. Now every image beneath it, in sorted path order;
+    hidden files and folders are left out, and what is no image is skipped with a word."""
+    root = tmp_path / "scans"
+    placed = {
+        "b/deeper/word.png": text_images["word"],
+        "a/hello.png": text_images["hello"],
+        "invoice.png": text_images["invoice"],
+        ".cache/hello.png": text_images["hello"],
+        "a/.hidden.png": text_images["hello"],
+    }
+    for name, source in placed.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(source.read_bytes())
+    (root / "a" / "notes.txt").write_text("not an image")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OCRQ_")}
+    done = ocrq(env, "run", str(root))
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [Path(r["path"]).relative_to(root).as_posix() for r in rows] == [
+        "a/hello.png",
+        "b/deeper/word.png",
+        "invoice.png",
+    ]
+    assert [r["status"] for r in rows] == ["done"] * 3
+    assert "1 file(s) skipped as not images or PDFs (suffixes: .txt)" in done.stderr
+    assert re.search(r"done: 3, failed: 0, total: 3 in \d+\.\d s", done.stderr), done.stderr
+
+
+def test_run_counts_a_documents_pages_on_its_progress_bar(
+    tmp_path: Path, text_images: dict[str, Path]
+) -> None:
+    """The bar counts images and pages, as `submit --wait` does: an image and a 3-page PDF end
+    at 4/4 (it counted files, and a long PDF stood at 0/1 for its whole run); the summary line
+    still counts the document once."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(text_images["word"].read_bytes())
+    text_pdf([["FIRST PAGE"], ["SECOND PAGE"], ["THIRD PAGE"]], folder / "b.pdf")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OCRQ_")}
+    code, shown, out = on_terminal(env, "run", str(folder), stream="stderr", columns=200)
+    assert code == 0, shown
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r.get("pages") for r in rows] == [None, 3]
+    bars = [(int(m[1]), int(m[2])) for m in re.finditer(r"OCR \(rapid\).*? (\d+)/(\d+) ", shown)]
+    assert bars and bars[-1] == (4, 4), shown
+    assert all(done <= total <= 4 for done, total in bars), bars
+    assert re.search(r"done: 2, failed: 0, total: 2 in \d+\.\d s", shown), shown
 
 
 LONG_FOLDER = "a-folder-name-that-every-scan-of-this-batch-shares"

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 import ocrq
-from ocrq.cli import EXIT_BROKER, EXIT_CONFIG, EXIT_DATABASE
+from ocrq.cli import EXIT_BROKER, EXIT_CONFIG, EXIT_DATABASE, EXIT_USAGE
 from tests.conftest import BIN, TEST_PG
 
 
@@ -163,3 +163,44 @@ def test_run_with_an_engine_that_cannot_start_says_why(
     assert last.startswith(said), done.stderr
     if engine == "hunyuan":
         assert "hf download" in last
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_a_folder_with_nothing_to_ocr_is_a_usage_error(tmp_path: Path, command: str) -> None:
+    """A folder that holds no image or PDF (beneath it either; hidden ones do not count): exit 2
+    and one line saying where it looked and what it skipped, before an engine or a broker is
+    touched (`run` said `total: 0` and exited 0)."""
+    from ocrq.core.samples import draw_text_image
+
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / ".hidden").mkdir()
+    (folder / "notes.txt").write_text("no image")
+    (folder / "sub" / "data.csv").write_text("a,b")
+    draw_text_image(["HIDDEN"]).save(folder / ".hidden" / "word.png")
+    env = {**os.environ, "OCRQ_BROKER_URL": f"redis://127.0.0.1:{closed_port()}/0"}
+    done = ocrq_cli(env, command, str(folder))
+    assert done.returncode == EXIT_USAGE, done.stderr
+    line = one_line(done)
+    assert line.startswith(f"ocrq {command}: no image or PDF found in {folder} "), line
+    assert "2 file(s) skipped as not images or PDFs (suffixes: .csv, .txt)" in line, line
+    assert ".pdf" in line and ".png" in line  # what it would have taken
+
+
+def test_run_refuses_a_task_the_engine_cannot_do(tmp_path: Path) -> None:
+    """`ocrq run --task "describe this image"` on rapid (the default): exit 2 naming rapid's
+    tasks, before the engine loads (it loaded it, then failed every image with the reason)."""
+    from ocrq.core.samples import draw_text_image
+    from ocrq.models.rapid.engine import SUPPORTED_TASKS
+
+    draw_text_image(["HELLO"]).save(tmp_path / "word.png")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OCRQ_")}
+    for task, what in (("describe this image", "free prompts"), ("table", "task 'table'")):
+        done = ocrq_cli(base, "run", str(tmp_path / "word.png"), "--task", task)
+        assert done.returncode == EXIT_USAGE, done.stderr
+        line = one_line(done)  # no progress bar: no engine was loaded, no image failed
+        assert f"--task {task!r}" in line and f"supports tasks {', '.join(SUPPORTED_TASKS)}" in line
+        assert f"use --engine hunyuan for {what}" in line, line
+        assert done.stdout == ""
+    ok = ocrq_cli(base, "run", str(tmp_path / "word.png"), "--task", "spotting")
+    assert ok.returncode == 0, ok.stderr

@@ -46,6 +46,17 @@ ENGINES: dict[str, Callable[[Settings], Engine]] = {
 }
 
 
+def task_refusal(name: str, task: str) -> str | None:
+    """Why engine `name` can never do `task`, or None. Asked before any work starts: `ocrq run
+    --task "describe this image"` loaded rapid and then failed every image with the reason.
+    Only rapid's tasks are fixed; a VLM's depend on the model it loads and fail per job."""
+    if name != "rapid":
+        return None
+    from ocrq.models.rapid.engine import SUPPORTED_TASKS, unsupported_task
+
+    return None if task in SUPPORTED_TASKS else str(unsupported_task(task))
+
+
 def create_engine(name: str, settings: Settings) -> Engine:
     """Build (but do not load) the engine called `name`."""
     factory = ENGINES.get(name)

@@ -7,6 +7,7 @@ go to a second pool instead of the broker, and its result is emitted once every 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -53,17 +54,42 @@ class DocumentOutcome:
         return dict(self.view)
 
 
-def expand(paths: Sequence[Path]) -> list[Path]:
-    """Files as given; a directory means the image files directly inside it, sorted."""
-    out: list[Path] = []
+@dataclass(frozen=True)
+class Inputs:
+    """What `ocrq run`/`submit` found for their path arguments, with what the folders held that
+    is no image or PDF: a command that found nothing says why (a walkthrough's
+    `ocrq run ocr-eval` printed `total: 0` and exited 0, its images all in subfolders)."""
+
+    files: list[Path]
+    skipped: list[Path]  # files inside the folders whose suffix is no image's or PDF's
+
+
+def find_inputs(paths: Sequence[Path]) -> Inputs:
+    """Files as given (a typo or a `.txt` named on purpose still becomes a job that fails with
+    its reason); a folder means the images and PDFs anywhere beneath it, in sorted path order
+    so that a rerun lists them alike. Hidden files and folders (`.git`, `.DS_Store`) are left
+    out, and symlinked folders are not entered (no loops)."""
+    files: list[Path] = []
+    skipped: list[Path] = []
     for p in paths:
-        if p.is_dir():
-            out.extend(
-                sorted(c for c in p.iterdir() if c.is_file() and c.suffix.lower() in IMAGE_SUFFIXES)
-            )
-        else:
-            out.append(p)
-    return out
+        if not p.is_dir():
+            files.append(p)
+            continue
+        found: list[Path] = []
+        for folder, dirs, names in os.walk(p):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for name in names:
+                child = Path(folder) / name
+                if name.startswith(".") or not child.is_file():
+                    continue
+                (found if child.suffix.lower() in IMAGE_SUFFIXES else skipped).append(child)
+        files.extend(sorted(found))
+    return Inputs(files, sorted(skipped))
+
+
+def expand(paths: Sequence[Path]) -> list[Path]:
+    """The files `find_inputs` finds: what `run_paths` OCRs."""
+    return find_inputs(paths).files
 
 
 def run_paths(
@@ -72,8 +98,16 @@ def run_paths(
     db_url: str,
     on_result: Callable[[JobOutcome | DocumentOutcome], None],
     task: str = "text",
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, int]:
-    """OCR every path; results reach `on_result` in input order. Returns counts by status."""
+    """OCR every path; results reach `on_result` in input order. Returns counts by status.
+
+    `on_progress(finished, more)` counts work as it ends, in no particular order, in units of
+    images and document pages: each file starts as one unit, a document adds `more` once its
+    page count is known and finishes page by page (a 12-page PDF's bar stood at 0/1 until its
+    last page). It is called from worker threads.
+    """
+    progress = on_progress or (lambda finished, more: None)
     files = expand(paths)
     # The user named these files: allow their folders (and the roots settings name).
     roots = sorted({f.expanduser().resolve().parent for f in files} | set(settings.roots()))
@@ -100,10 +134,22 @@ def run_paths(
             def process(request: JobRequest) -> JobOutcome | DocumentOutcome:
                 outcome = runtime.runner.process(request)
                 if outcome.pages is None:
+                    progress(1, 0)
                     return outcome
                 with lock:
                     sent = pages.pop(request.job_id, [])
-                futures = [page_pool.submit(runtime.runner.process, page) for page in sent]
+                if sent:  # its one unit becomes its pages
+                    progress(0, len(sent) - 1)
+                else:  # split into nothing: the document ends as its one unit
+                    progress(1, 0)
+
+                def page_done(page: JobRequest) -> JobOutcome:
+                    try:
+                        return runtime.runner.process(page)
+                    finally:
+                        progress(1, 0)
+
+                futures = [page_pool.submit(page_done, page) for page in sent]
                 for future in futures:
                     future.result()
                 view = documents.view(request.job_id)
