@@ -129,7 +129,9 @@ class IntakeSettings(SettingsGroup):
     # Path images.
     # Directories that {"path": ...} images may be read from. Empty: every path is refused, and
     # a worker will not start (nor with `/` among them) unless allow_any_path says so; there is
-    # no fallback to the working directory, which is `/` under systemd.
+    # no fallback to the working directory, which is `/` under systemd. Separated by ':'
+    # (os.pathsep), not ','. A worker logs its roots as it starts and warns of one that does
+    # not exist (it still starts: a mount may come later) or that holds a comma.
     allowed_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     # The explicit opt-out: a worker may start with `/` among the roots, or with none (then `/`).
     allow_any_path: bool = False
@@ -663,6 +665,28 @@ class Settings(
         if self.upload_dir is not None:
             roots.append(self.upload_dir)
         return [p.expanduser().resolve() for p in roots]
+
+    def root_warnings(self) -> list[str]:
+        """What looks wrong in OCRQ_ALLOWED_ROOTS, one sentence each; said, not refused.
+
+        A wrong root otherwise shows only as every path job failing "outside allowed roots",
+        with nothing naming the setting's mistake. Not refused: a network mount may appear
+        after the worker starts, and a folder name may hold a comma.
+        """
+        warnings = []
+        for root in self.allowed_roots:
+            if "," in str(root):
+                warnings.append(
+                    f"OCRQ_ALLOWED_ROOTS entry {str(root)!r} contains a comma: the list is "
+                    f"separated by {os.pathsep!r}, not ',' (e.g. /srv/a{os.pathsep}/srv/b); "
+                    "as given it names one folder"
+                )
+            if not root.expanduser().is_dir():
+                warnings.append(
+                    f"OCRQ_ALLOWED_ROOTS entry {str(root)!r} is not an existing folder: path "
+                    "images under it fail until it exists (mounted later?); check the spelling"
+                )
+        return warnings
 
     def require_safe_roots(self) -> None:
         """Refuse a worker configuration that would read any file on the host.
