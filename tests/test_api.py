@@ -112,6 +112,11 @@ def test_422_names_fields_and_echoes_nothing(broker_url: str, database_url: str)
         assert r.status_code == 422 and marker not in r.text
         for bad in ({"path": "/a\x00b.png"}, {"path": "/" + "a" * 9000}):
             assert api.post("/jobs", json={"image": bad}, headers=AUTH).status_code == 422
+        # An empty image says so, not that a field is missing.
+        empties = {"b64": "image is empty (0 bytes)", "path": "image path is empty"}
+        for key, said in empties.items():
+            r = api.post("/jobs", json={"image": {key: ""}}, headers=AUTH)
+            assert r.status_code == 422 and said in r.text and "exactly one" not in r.text, r.text
 
 
 def test_app_without_lifespan_fails_closed(broker_url: str, database_url: str) -> None:
