@@ -180,6 +180,7 @@ def test_uvicorn_refuses_to_start_without_a_token(
     assert code != 0, log
     assert "ocrq api cannot start: OCRQ_API_TOKEN" in log
     assert token is None or token not in log  # never printed
+    assert "16 characters" in log and "openssl rand -hex 32" in log, log  # how to make one
     if not raw:  # `ocrq api`: one line and the settings' exit code, as every other command
         assert code == 78, log
         assert "Traceback" not in log and len(log.strip().splitlines()) == 1, log

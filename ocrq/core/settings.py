@@ -380,9 +380,13 @@ class DeliverySettings(SettingsGroup):
 class ApiSettings(SettingsGroup):
     """The HTTP api's (ocrq/api): its auth, its request limits, its upload folder."""
 
-    # HTTP api (ocrq/api/http.py). Without a token the api refuses to start, unless
-    # api_allow_no_auth says an authenticating proxy stands in front of it.
+    # HTTP api (ocrq/api/http.py).
+    # The secret requests must send as `Authorization: Bearer <token>` (docs/api.md says which
+    # paths are open without it): at least 16 characters, e.g. `openssl rand -hex 32`.
+    # Without one the api refuses to start, unless api_allow_no_auth is set.
     api_token: SecretStr | None = None
+    # Serve without a token: only for an api behind a proxy that authenticates every request
+    # itself. A token, when set, is still required.
     api_allow_no_auth: bool = False
     # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
     api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
