@@ -180,8 +180,12 @@ DETAIL_FIELDS = (
     ("truncated", "truncated"),
     ("engine", "engine"),
     ("worker", "worker"),
-    ("batch", "batch_id"),
+    # The producer's `batch` (what `ocrq wait` and `/batches/` take), not the engine's
+    # `batch_id`: a UUID shown as "batch" was pasted into `ocrq wait` and found nothing.
+    ("batch", "batch"),
+    ("engine batch", "batch_id"),
     ("attempts", "attempts"),
+    ("retries", "retries"),
     ("size", None),
     ("created", "created_at"),
     ("started", "started_at"),

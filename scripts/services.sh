@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Make sure Redis and PostgreSQL answer at the OCRQ_* URLs' hosts (default: localhost).
-# Where one is not running, start the local one, installing Debian's package if missing.
+# Make sure Redis and PostgreSQL answer on this machine at their default ports (127.0.0.1:6379
+# and :5432, what OCRQ_BROKER_URL and OCRQ_DATABASE_URL default to); it does not read those
+# settings, so for servers elsewhere it is not needed. Where one is not running, start the local
+# one, installing Debian's package if missing.
 # With --for-tests (scripts/test.sh), also PgBouncer's binary for tests/test_pgbouncer.py.
 set -euo pipefail
 for_tests=""

@@ -112,6 +112,11 @@ def test_422_names_fields_and_echoes_nothing(broker_url: str, database_url: str)
         assert r.status_code == 422 and marker not in r.text
         for bad in ({"path": "/a\x00b.png"}, {"path": "/" + "a" * 9000}):
             assert api.post("/jobs", json={"image": bad}, headers=AUTH).status_code == 422
+        # An empty image says so, not that a field is missing.
+        empties = {"b64": "image is empty (0 bytes)", "path": "image path is empty"}
+        for key, said in empties.items():
+            r = api.post("/jobs", json={"image": {key: ""}}, headers=AUTH)
+            assert r.status_code == 422 and said in r.text and "exactly one" not in r.text, r.text
 
 
 def test_app_without_lifespan_fails_closed(broker_url: str, database_url: str) -> None:
@@ -175,6 +180,7 @@ def test_uvicorn_refuses_to_start_without_a_token(
     assert code != 0, log
     assert "ocrq api cannot start: OCRQ_API_TOKEN" in log
     assert token is None or token not in log  # never printed
+    assert "16 characters" in log and "openssl rand -hex 32" in log, log  # how to make one
     if not raw:  # `ocrq api`: one line and the settings' exit code, as every other command
         assert code == 78, log
         assert "Traceback" not in log and len(log.strip().splitlines()) == 1, log

@@ -94,6 +94,38 @@ def test_status_prints_whole_ids_and_fails_on_unknown(
     assert row["engine"] == "rapid" and row["attempts"] == 1 and row["finished_at"]
 
 
+def test_status_shows_the_producers_batch_and_the_engine_batch_apart(
+    worker: WorkerProcess,
+    service_env: dict[str, str],
+    text_images: dict[str, Path],
+    image_root: Path,
+) -> None:
+    """`ocrq status ID` printed the engine's `batch_id` (a UUID) as "batch", and `ocrq wait`
+    given that UUID found nothing: "batch" is now the producer's name, which `wait` takes, the
+    engine's is "engine batch", and a retried job says how many times it was re-run."""
+    name = f"cli-batch-{uuid.uuid4().hex[:6]}"
+    word = str(text_images["word"])
+    done = ocrq(service_env, "submit", word, "--batch", name, "--wait", "--json")
+    assert done.returncode == 0, done.stderr
+    job = json.loads(done.stdout)["job_id"]
+    engine_batch = json.loads(ocrq(service_env, "status", job, "--json").stdout)["batch_id"]
+    assert engine_batch and engine_batch != name
+    code, out, err = ocrq_on_tty(service_env, "status", job, columns=120)
+    assert code == 0, err
+    fields = dict(re.findall(r"^(batch|engine batch|retries)\s{2,}(\S+)", out, flags=re.M))
+    assert fields == {"batch": name, "engine batch": engine_batch, "retries": "0"}, out
+    assert ocrq(service_env, "wait", fields["batch"], "--timeout", "60").returncode == 0
+    # A failed job run again: its retries count shows.
+    missing = str(image_root / f"gone-{uuid.uuid4().hex[:6]}.png")
+    failed = ocrq(service_env, "submit", missing, "--batch", name, "--wait", "--json")
+    bad = json.loads(failed.stdout)["job_id"]
+    assert ocrq(service_env, "retry", bad).returncode == 0
+    assert ocrq(service_env, "wait", bad, "--timeout", "60").returncode == 1  # failed again
+    code, out, _ = ocrq_on_tty(service_env, "status", bad, columns=120)
+    assert re.search(r"^retries\s{2,}1\b", out, flags=re.M), out
+    assert re.search(rf"^batch\s{{2,}}{name}\b", out, flags=re.M), out
+
+
 def test_jobs_lists_and_filters(
     worker: WorkerProcess,
     service_env: dict[str, str],
@@ -293,7 +325,7 @@ def test_status_and_jobs_fit_80_and_120_columns(
     code, out, _ = ocrq_on_tty(service_env, "status", ids[0], columns=80)
     assert code == 0 and max(map(len, out.splitlines())) <= 80, out
     batch = json.loads(ocrq(service_env, "status", ids[0], "--json").stdout)["batch_id"]
-    assert re.search(rf"^batch\s+{batch}\s*$", out, re.M), out
+    assert re.search(rf"^engine batch\s+{batch}\s*$", out, re.M), out
     assert LONG_NAME.format(1, "png") in "".join(line.strip() for line in out.splitlines())
 
 

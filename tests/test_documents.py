@@ -223,6 +223,40 @@ def test_text_layer_pdf_tiff_and_upload(
     assert page_count_rows(database_url, uploaded) == 3
 
 
+def test_a_documents_row_names_its_batch(
+    capped_worker: WorkerProcess,
+    client: Client,
+    env: dict[str, str],
+    broker_url: str,
+    database_url: str,
+    folder: Path,
+) -> None:
+    """`GET /jobs/{id}` of a document read `"batch": null` while `/batches/B` counted it: the
+    document's view left the batch out. Now the job, the document and `ocrq status` name it."""
+    data = text_pdf([["FIRST PAGE"], ["SECOND PAGE"]], folder / "batched.pdf")
+    batch = f"docs-batch-{uuid.uuid4().hex[:6]}"
+    settings = Settings(
+        broker_url=broker_url, database_url=database_url, queue=QUEUE, api_token=TOKEN
+    )
+    with TestClient(create_app(settings)) as api:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        answer = api.post(f"/documents?batch={batch}", content=data, headers=auth)
+        assert answer.status_code == 202, answer.text
+        doc_id = answer.json()["document_id"]
+        (doc,) = wait_documents(client, [doc_id], 200)
+        assert doc["status"] == "done" and doc["batch"] == batch, doc
+        job = api.get(f"/jobs/{doc_id}", headers=auth).json()
+        assert (job["document_id"], job["pages"], job["batch"]) == (doc_id, 2, batch), job
+        assert api.get(f"/documents/{doc_id}", headers=auth).json()["batch"] == batch
+        summary = api.get(f"/batches/{batch}", headers=auth).json()
+        assert summary["documents"] == {"done": 1} and summary["final"], summary
+    shown = subprocess.run(
+        [str(BIN / "ocrq"), "status", doc_id],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert re.search(rf"^batch\s+{batch}\s*$", shown.stdout, re.M), shown.stdout
+
+
 # ------------------------------------------------------------------------------------ hostile
 
 

@@ -44,6 +44,9 @@ def test_missing_path_and_bad_b64_and_unreachable_url(settings: Settings, tmp_pa
         images.load(ImageRef(path=str(tmp_path / "nope.png")), settings)
     with pytest.raises(images.ImageError, match="invalid base64"):
         images.load(ImageRef(b64="@@not base64@@"), settings)
+    # A worker's producer may skip the api: an empty image is said to be empty.
+    with pytest.raises(images.ImageError, match=r"image is empty \(0 bytes\)"):
+        images.load(ImageRef(b64="data:image/png;base64,"), settings)
     with pytest.raises(images.ImageError, match="unreachable"):
         images.load(
             ImageRef(url="http://127.0.0.1:9/x.png"),

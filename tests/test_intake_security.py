@@ -471,6 +471,30 @@ def test_worker_refuses_to_start_with_unsafe_roots(
     assert proc.stderr.count("started worker process") == 1  # not restarted
 
 
+def test_worker_logs_its_roots_and_warns_of_wrong_ones(
+    service_env: dict[str, str], image_root: Path, tmp_path: Path
+) -> None:
+    """A comma-separated OCRQ_ALLOWED_ROOTS (as other list settings are written) was one
+    nonexistent folder, accepted in silence: every path job then failed "outside allowed
+    roots". The worker still starts (a root may be mounted later) but says so: its roots in
+    one line, a warning for the comma and for each root that is not there, none for a good one."""
+    missing = tmp_path / "not-mounted-yet"
+    roots = os.pathsep.join([str(image_root), f"{missing},/srv/b"])
+    env = {**service_env, "OCRQ_ALLOWED_ROOTS": roots}
+    env["OCRQ_QUEUE"] = f"ocr-roots-{uuid.uuid4().hex[:6]}"
+    worker = WorkerProcess(env, tmp_path / "worker.log", "--concurrency", "1").wait_ready()
+    worker.stop()
+    text = worker.text()
+    (line,) = [x for x in text.splitlines() if "allowed roots for path images" in x]
+    assert " INFO " in line and str(image_root) in line and f"{missing},/srv/b" in line
+    warnings = [x for x in text.splitlines() if " WARNING " in x and "OCRQ_ALLOWED_ROOTS" in x]
+    assert len(warnings) == 2, warnings
+    comma, absent = warnings
+    assert "contains a comma" in comma and f"separated by {os.pathsep!r}" in comma
+    assert "is not an existing folder" in absent and str(missing) in absent
+    assert not any(f"{str(image_root)!r}" in x for x in warnings)
+
+
 # --- formats, sizes, pixels -------------------------------------------------------------------
 
 EPS = (

@@ -212,6 +212,18 @@ def test_http_client_submit_get_wait(
     assert no.value.status == 401
 
 
+def test_http_client_refuses_an_empty_image_as_empty(api_url: str) -> None:
+    """`submit(b"")` was a 422 saying "image must give exactly one of 'path', 'url' or 'b64'",
+    which sent the user looking for a missing field: it says the image is empty."""
+    with HttpClient(api_url, token=TOKEN) as ocr:
+        for empty in (b"", {"b64": "data:image/png;base64,"}):
+            with pytest.raises(OcrqError) as refused:
+                ocr.submit(empty)
+            assert refused.value.status == 422, refused.value
+            assert "image is empty (0 bytes)" in str(refused.value.detail), refused.value.detail
+            assert "exactly one" not in str(refused.value.detail)
+
+
 def test_http_client_sends_an_interactive_job(
     producer_worker: WorkerProcess, api_url: str, text_images: dict[str, Path]
 ) -> None:

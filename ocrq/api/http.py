@@ -46,6 +46,11 @@ from ocrq.core.settings import Settings
 from ocrq.core.store import REUSED_ID, JobIdReused
 
 MIN_TOKEN_CHARS = 16
+# Said with the refusal: a user told only "too short" picked a longer guessable word.
+MAKE_TOKEN = (
+    "make one with `openssl rand -hex 32` or "
+    '`python -c "import secrets; print(secrets.token_hex(32))"`'
+)
 MAX_ERRORS = 20  # a 422 lists at most this many problems
 OPEN_PATHS = frozenset({"/", "/healthz", "/readyz"})
 RETRY_AFTER_S = "5"
@@ -60,11 +65,11 @@ def auth_problem(settings: Settings) -> str | None:
             return None
         return (
             "OCRQ_API_TOKEN is not set: set it to a secret of at least "
-            f"{MIN_TOKEN_CHARS} characters, or set OCRQ_API_ALLOW_NO_AUTH=true when an "
-            "authenticating proxy stands in front of the api"
+            f"{MIN_TOKEN_CHARS} characters ({MAKE_TOKEN}), or set OCRQ_API_ALLOW_NO_AUTH=true "
+            "when an authenticating proxy stands in front of the api"
         )
     if len(token) < MIN_TOKEN_CHARS:
-        return f"OCRQ_API_TOKEN is shorter than {MIN_TOKEN_CHARS} characters"
+        return f"OCRQ_API_TOKEN is shorter than {MIN_TOKEN_CHARS} characters: {MAKE_TOKEN}"
     return None
 
 

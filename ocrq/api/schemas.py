@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from ocrq.core.contract import (
+    EMPTY_IMAGE,
     MAX_BATCH_CHARS,
     NAME_REFUSED,
     ImageRef,
@@ -99,9 +100,11 @@ class JobIn(_JobFields):  # type: ignore[misc,valid-type]
         (contract.b64_body), so every form it takes still passes."""
         if image.b64 is not None:
             try:
-                decode_b64_body(b64_body(image.b64))
+                data = decode_b64_body(b64_body(image.b64))
             except ValueError as exc:
                 raise ValueError(f"image.b64: {exc}") from None
+            if not data:  # a bare data: URL, or only whitespace
+                raise ValueError(EMPTY_IMAGE)
         return image
 
     @model_validator(mode="after")

@@ -109,6 +109,9 @@ def decode_b64_body(body: str) -> bytes:
         raise ValueError(f"invalid base64 image: {exc}") from None
 
 
+EMPTY_IMAGE = "image is empty (0 bytes): 'b64' holds no data"
+
+
 class ImageRef(BaseModel):
     """Where the image comes from: exactly one of a path, a URL or inline base64."""
 
@@ -130,6 +133,10 @@ class ImageRef(BaseModel):
     @model_validator(mode="after")
     def _exactly_one(self) -> ImageRef:
         given = [k for k in ("path", "url", "b64") if getattr(self, k)]
+        if not given and self.b64 == "":  # e.g. Client.submit(b""): not a missing field
+            raise ValueError(EMPTY_IMAGE)
+        if not given and "" in (self.path, self.url):
+            raise ValueError(f"image {'path' if self.path == '' else 'url'} is empty")
         if len(given) != 1:
             raise ValueError("image must give exactly one of 'path', 'url' or 'b64'")
         return self

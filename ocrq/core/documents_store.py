@@ -240,7 +240,15 @@ class DocumentStore:
         pages = doc["result"] if doc["status"] in FINAL and doc["result"] is not None else None
         if pages is None:
             pages = [page_view(r) for r in self.page_rows(document_id)]
-        return document_view(doc, pages)
+        return document_view(doc, pages, self._batch_of(document_id))
+
+    def _batch_of(self, document_id: str) -> str | None:
+        """The producer's batch, from the document's own job row: the document's row has no
+        batch column, and a document refused whole has no page rows to take it from."""
+        with self.engine.connect() as conn:
+            return conn.execute(
+                select(ocr_jobs.c.batch).where(ocr_jobs.c.id == document_id)
+            ).scalar_one_or_none()
 
 
 def _pages_of(document_id: str) -> Any:
@@ -285,7 +293,9 @@ def assemble(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"status": status, "text": text, "result": pages, "error": error}
 
 
-def document_view(doc: dict[str, Any], pages: list[dict[str, Any]]) -> dict[str, Any]:
+def document_view(
+    doc: dict[str, Any], pages: list[dict[str, Any]], batch: str | None = None
+) -> dict[str, Any]:
     final = sum(p["status"] in PAGE_JOB_FINAL for p in pages)
     return {
         "job_id": doc["id"],
@@ -293,6 +303,7 @@ def document_view(doc: dict[str, Any], pages: list[dict[str, Any]]) -> dict[str,
         "path": doc["source"],
         "status": doc["status"],
         "task": doc["task"],
+        "batch": batch,
         "sha256": doc["sha256"],
         "pages": doc["pages"],
         "pages_final": final,

@@ -129,7 +129,9 @@ class IntakeSettings(SettingsGroup):
     # Path images.
     # Directories that {"path": ...} images may be read from. Empty: every path is refused, and
     # a worker will not start (nor with `/` among them) unless allow_any_path says so; there is
-    # no fallback to the working directory, which is `/` under systemd.
+    # no fallback to the working directory, which is `/` under systemd. Separated by ':'
+    # (os.pathsep), not ','. A worker logs its roots as it starts and warns of one that does
+    # not exist (it still starts: a mount may come later) or that holds a comma.
     allowed_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     # The explicit opt-out: a worker may start with `/` among the roots, or with none (then `/`).
     allow_any_path: bool = False
@@ -378,9 +380,13 @@ class DeliverySettings(SettingsGroup):
 class ApiSettings(SettingsGroup):
     """The HTTP api's (ocrq/api): its auth, its request limits, its upload folder."""
 
-    # HTTP api (ocrq/api/http.py). Without a token the api refuses to start, unless
-    # api_allow_no_auth says an authenticating proxy stands in front of it.
+    # HTTP api (ocrq/api/http.py).
+    # The secret requests must send as `Authorization: Bearer <token>` (docs/api.md says which
+    # paths are open without it): at least 16 characters, e.g. `openssl rand -hex 32`.
+    # Without one the api refuses to start, unless api_allow_no_auth is set.
     api_token: SecretStr | None = None
+    # Serve without a token: only for an api behind a proxy that authenticates every request
+    # itself. A token, when set, is still required.
     api_allow_no_auth: bool = False
     # Largest request body, checked while it is read: a 50 MiB image in base64 is ~67 MiB.
     api_max_body_bytes: int = Field(default=70 * 2**20, ge=1024, le=2**31)
@@ -663,6 +669,28 @@ class Settings(
         if self.upload_dir is not None:
             roots.append(self.upload_dir)
         return [p.expanduser().resolve() for p in roots]
+
+    def root_warnings(self) -> list[str]:
+        """What looks wrong in OCRQ_ALLOWED_ROOTS, one sentence each; said, not refused.
+
+        A wrong root otherwise shows only as every path job failing "outside allowed roots",
+        with nothing naming the setting's mistake. Not refused: a network mount may appear
+        after the worker starts, and a folder name may hold a comma.
+        """
+        warnings = []
+        for root in self.allowed_roots:
+            if "," in str(root):
+                warnings.append(
+                    f"OCRQ_ALLOWED_ROOTS entry {str(root)!r} contains a comma: the list is "
+                    f"separated by {os.pathsep!r}, not ',' (e.g. /srv/a{os.pathsep}/srv/b); "
+                    "as given it names one folder"
+                )
+            if not root.expanduser().is_dir():
+                warnings.append(
+                    f"OCRQ_ALLOWED_ROOTS entry {str(root)!r} is not an existing folder: path "
+                    "images under it fail until it exists (mounted later?); check the spelling"
+                )
+        return warnings
 
     def require_safe_roots(self) -> None:
         """Refuse a worker configuration that would read any file on the host.

@@ -120,12 +120,19 @@ def check_database(settings: Settings) -> int | None:
 
 
 def check_roots(settings: Settings) -> int | None:
-    """A worker that could read any host file does not start: an exit code, or None."""
+    """A worker that could read any host file does not start: an exit code, or None.
+
+    Otherwise the roots are logged, with a warning for each that looks wrong: a mistyped
+    OCRQ_ALLOWED_ROOTS showed only later, as every path job failing "outside allowed roots".
+    """
     try:
         settings.require_safe_roots()
     except ValueError as exc:
         log.critical("worker cannot start: %s", exc)
         return STARTUP_FAILED_EXIT_CODE
+    log.info("allowed roots for path images: %s", ", ".join(map(str, settings.roots())) or "none")
+    for warning in settings.root_warnings():
+        log.warning("%s", warning)
     return None
 
 
