@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -23,6 +23,9 @@ from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT, PRIORITIES, TASKS, queue_fo
 from ocrq.core.process import STATE, setup_process
 from ocrq.core.settings import Settings
 from ocrq.models.registry import ENGINES
+
+if TYPE_CHECKING:
+    from ocrq.worker.embedded import Inputs
 
 # Exit codes scripts can rely on; `ocrq --help` shows them (EPILOG), docs/operations.md too.
 EXIT_FAILED = 1  # at least one job failed
@@ -207,16 +210,20 @@ def _unit(pages: bool, documents: bool) -> str:
     }.get((pages, documents), "")
 
 
-def _found_inputs(command: str, looked: list[str], found: int, skipped: list[Path]) -> None:
-    """Say on stderr what the folders held that is not OCR'd; finding nothing at all is a usage
-    error naming where it looked (it was `total: 0` and exit 0, not a word said)."""
+def _found_inputs(command: str, looked: list[str], found: int, inputs: Inputs) -> None:
+    """Say on stderr what the folders held that is not OCR'd (and any folder that could not be
+    listed); finding nothing at all is a usage error naming where it looked (it was `total: 0`
+    and exit 0, not a word said)."""
     from ocrq.worker.embedded import IMAGE_SUFFIXES
 
-    suffixes = sorted({p.suffix.lower() or "(none)" for p in skipped})
+    skipped = sum(inputs.skipped.values())
+    suffixes = sorted(inputs.skipped)
     shown = ", ".join(suffixes[:8]) + (", ..." if len(suffixes) > 8 else "")
-    what = f"{len(skipped)} file(s) skipped as not images or PDFs" + (
+    what = f"{skipped} file(s) skipped as not images or PDFs" + (
         f" (suffixes: {shown})" if skipped else ""
     )
+    if inputs.unreadable:
+        what += f"; {inputs.unreadable} folder(s) beneath could not be read (permissions?)"
     if not found:
         err.print(
             f"[red]ocrq {command}:[/] no image or PDF found in {escape(', '.join(looked))} "
@@ -226,7 +233,7 @@ def _found_inputs(command: str, looked: list[str], found: int, skipped: list[Pat
             highlight=False,
         )
         raise typer.Exit(EXIT_USAGE)
-    if skipped:
+    if skipped or inputs.unreadable:
         err.print(f"[yellow]ocrq {command}:[/] {what}", soft_wrap=True, highlight=False)
 
 
@@ -282,7 +289,7 @@ def run(
         )
         raise typer.Exit(EXIT_USAGE)
     found = find_inputs(paths)
-    _found_inputs("run", [str(p) for p in paths], len(found.files), found.skipped)
+    _found_inputs("run", [str(p) for p in paths], len(found.files), found)
     setup_process(settings)  # the engine loads in this process
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
@@ -303,17 +310,22 @@ def run(
                 out.flush()
 
             grown = threading.Lock()  # documents split in several threads at once
+            units = [total]  # the bar's total: each file one unit, a document its pages
 
             def advance(finished: int, more: int) -> None:
                 """Images and pages, as `submit --wait` counts: a PDF's pages move the bar."""
                 with grown:
                     if more:
-                        progress.update(bar, total=(progress.tasks[bar].total or 0) + more)
+                        units[0] += more
+                        progress.update(bar, total=units[0])
                     if finished:
                         progress.advance(bar, finished)
 
             db_url = _db_url(db) if db else f"sqlite:///{Path(scratch) / 'run.sqlite'}"
-            counts = run_paths(found.files, settings, db_url, emit, task=task, on_progress=advance)
+            counts = run_paths(
+                found.files, settings, db_url, emit, task=task, on_progress=advance,
+                roots=found.roots,
+            )
     finally:
         if output:
             out.close()
@@ -465,24 +477,28 @@ def submit(
 ) -> None:
     """Enqueue one job per image; print job ids, or with --wait the results."""
     import uuid
+    from collections import Counter
 
     from ocrq.api.client import Client, image_ref
-    from ocrq.worker.embedded import find_inputs
+    from ocrq.worker.embedded import Inputs, find_inputs
 
     if priority not in PRIORITIES:
         err.print(f"[red]ocrq submit: --priority must be one of {', '.join(PRIORITIES)}")
         raise typer.Exit(EXIT_USAGE)
     settings = _settings()
     refs: list[str] = []
-    skipped: list[Path] = []
+    skipped: Counter[str] = Counter()
+    unreadable = 0
     for target in targets:
         if target.startswith(("http://", "https://")):
             refs.append(target)
         else:
             found = find_inputs([Path(target)])
             refs.extend(str(p) for p in found.files)
-            skipped += found.skipped
-    _found_inputs("submit", targets, len(refs), skipped)  # before the broker is touched
+            skipped.update(found.skipped)
+            unreadable += found.unreadable
+    # before the broker is touched
+    _found_inputs("submit", targets, len(refs), Inputs([], skipped, unreadable))
     client = Client(settings)
     batch = batch or str(uuid.uuid4())
     started = time.monotonic()

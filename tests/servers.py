@@ -26,9 +26,9 @@ def _ephemeral_floor() -> int:
         return 32768
 
 
-_LOW = 20000
 _FLOOR = _ephemeral_floor()
-_next_port = _LOW + (os.getpid() * 7919) % (_FLOOR - _LOW)
+_LOW = max(1024, _FLOOR - 12768)  # 20000-32767 under Linux's default range
+_next_port = _LOW + (os.getpid() * 7919) % max(_FLOOR - _LOW, 1)
 
 
 def free_port() -> int:
@@ -41,6 +41,10 @@ def free_port() -> int:
     on from the last (so two ports asked before either server binds differ), from a start that
     depends on the process id (so parallel test processes start apart)."""
     global _next_port
+    if _FLOOR - _LOW < 256:  # a host whose ephemeral range starts low: the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
     for _ in range(_FLOOR - _LOW):
         port = _next_port
         _next_port = _LOW + (port + 1 - _LOW) % (_FLOOR - _LOW)

@@ -30,7 +30,7 @@ def views(
     out = dict(shown)
     for job_id, row in rows.items():
         if is_document(row):
-            view = docs.view(job_id)
+            view = docs.view(job_id, own_row=row)
             if view is not None:
                 out[job_id] = view
     return out

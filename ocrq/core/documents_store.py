@@ -226,11 +226,15 @@ class DocumentStore:
             for d, doc in docs.items()
         }
 
-    def view(self, document_id: str) -> dict[str, Any] | None:
+    def view(
+        self, document_id: str, own_row: dict[str, Any] | None = None
+    ) -> dict[str, Any] | None:
         """The JSON object users see for a document (`ocrq status`, the api, `ocrq run`).
 
         A document whose pages are all final but which nobody assembled yet (its last page's
-        worker died between storing the page and completing it) is completed here.
+        worker died between storing the page and completing it) is completed here. `own_row`:
+        the document's own job row, where the caller has it (its batch is read from it, not
+        queried again).
         """
         doc = self.get([document_id]).get(document_id)
         if doc is None:
@@ -240,7 +244,8 @@ class DocumentStore:
         pages = doc["result"] if doc["status"] in FINAL and doc["result"] is not None else None
         if pages is None:
             pages = [page_view(r) for r in self.page_rows(document_id)]
-        return document_view(doc, pages, self._batch_of(document_id))
+        batch = own_row.get("batch") if own_row is not None else self._batch_of(document_id)
+        return document_view(doc, pages, batch)
 
     def _batch_of(self, document_id: str) -> str | None:
         """The producer's batch, from the document's own job row: the document's row has no

@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from ocrq.core.contract import EMPTY_IMAGE, ImageRef, b64_body, decode_b64_body
+from ocrq.core.contract import ImageRef, b64_body, decode_b64_body
 from ocrq.core.pixel_budget import scaled_size
 from ocrq.core.settings import Settings
 from ocrq.core.upload_paths import upload_folder_of
@@ -172,12 +172,9 @@ def _read_b64(text: str, settings: Settings) -> bytes:
     if len(body) * 3 // 4 > limit:  # exact, still before decoding
         raise too_large
     try:
-        data = decode_b64_body(body)
+        return decode_b64_body(body)
     except ValueError as exc:
         raise ImageError(str(exc)) from None
-    if not data:  # said as such, not as an undecodable image
-        raise ImageError(EMPTY_IMAGE)
-    return data
 
 
 def check_header(width: int, height: int, settings: Settings) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,12 @@ class Inputs:
     `ocrq run ocr-eval` printed `total: 0` and exited 0, its images all in subfolders)."""
 
     files: list[Path]
-    skipped: list[Path]  # files inside the folders whose suffix is no image's or PDF's
+    # Files inside the folders that are no image or PDF, counted by suffix (not kept: a
+    # folder may be a home directory).
+    skipped: Counter[str] = field(default_factory=Counter)
+    unreadable: int = 0  # folders beneath that could not be listed (permissions)
+    # Where the files were found: the folders given, and the folder of each file given.
+    roots: list[Path] = field(default_factory=list)
 
 
 def find_inputs(paths: Sequence[Path]) -> Inputs:
@@ -70,37 +75,44 @@ def find_inputs(paths: Sequence[Path]) -> Inputs:
     so that a rerun lists them alike. Hidden files and folders (`.git`, `.DS_Store`) are left
     out, and symlinked folders are not entered (no loops)."""
     files: list[Path] = []
-    skipped: list[Path] = []
+    skipped: Counter[str] = Counter()
+    errors: list[OSError] = []
+    roots: set[Path] = set()
     for p in paths:
         if not p.is_dir():
             files.append(p)
+            roots.add(p.expanduser().resolve().parent)
             continue
+        roots.add(p.expanduser().resolve())
         found: list[Path] = []
-        for folder, dirs, names in os.walk(p):
+        for folder, dirs, names in os.walk(p, onerror=errors.append):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             for name in names:
                 child = Path(folder) / name
                 if name.startswith(".") or not child.is_file():
                     continue
-                (found if child.suffix.lower() in IMAGE_SUFFIXES else skipped).append(child)
+                suffix = child.suffix.lower()
+                if suffix in IMAGE_SUFFIXES:
+                    found.append(child)
+                else:
+                    skipped[suffix or "(none)"] += 1
         files.extend(sorted(found))
-    return Inputs(files, sorted(skipped))
-
-
-def expand(paths: Sequence[Path]) -> list[Path]:
-    """The files `find_inputs` finds: what `run_paths` OCRs."""
-    return find_inputs(paths).files
+    return Inputs(files, skipped, len(errors), sorted(roots))
 
 
 def run_paths(
-    paths: Sequence[Path],
+    files: Sequence[Path],
     settings: Settings,
     db_url: str,
     on_result: Callable[[JobOutcome | DocumentOutcome], None],
     task: str = "text",
     on_progress: Callable[[int, int], None] | None = None,
+    roots: Sequence[Path] | None = None,
 ) -> dict[str, int]:
-    """OCR every path; results reach `on_result` in input order. Returns counts by status.
+    """OCR every file (`find_inputs`' list); results reach `on_result` in input order.
+    Returns counts by status. `roots`: the folders the user named (`find_inputs`' roots), the
+    files' own folders when not given; either way only these and the configured roots may be
+    read (a root per subfolder of a large tree would be checked for every image).
 
     `on_progress(finished, more)` counts work as it ends, in no particular order, in units of
     images and document pages: each file starts as one unit, a document adds `more` once its
@@ -108,10 +120,10 @@ def run_paths(
     last page). It is called from worker threads.
     """
     progress = on_progress or (lambda finished, more: None)
-    files = expand(paths)
-    # The user named these files: allow their folders (and the roots settings name).
-    roots = sorted({f.expanduser().resolve().parent for f in files} | set(settings.roots()))
-    settings = settings.model_copy(update={"allowed_roots": roots})
+    named = roots if roots is not None else {f.expanduser().resolve().parent for f in files}
+    # The user named these: allow them (and the roots settings name).
+    allowed = sorted(set(named) | set(settings.roots()))
+    settings = settings.model_copy(update={"allowed_roots": allowed})
     store = JobStore(engine_for(settings.model_copy(update={"database_url": db_url})))
     store.create_tables()
     pages: dict[str, list[JobRequest]] = {}
