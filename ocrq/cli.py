@@ -759,17 +759,19 @@ def wait_for(
 
 @app.command()
 def retry(
-    job_ids: Annotated[
-        list[str] | None, typer.Argument(help="Only these jobs (default: every failed one).")
-    ] = None,
+    job_ids: Annotated[list[str] | None, typer.Argument(help="Only these jobs.")] = None,
     status: Annotated[
         str, typer.Option(help="Which jobs to run again: failed (queued or running: requeue).")
     ] = "failed",
     batch: Annotated[str | None, typer.Option(help="Only this batch's jobs.")] = None,
+    every: Annotated[
+        bool, typer.Option("--all", help="Every failed job in the database, whatever its batch.")
+    ] = False,
 ) -> None:
     """Run failed jobs again, as a new attempt each (the row's attempts and retries count
     it); a document with a re-run page is assembled again. Prints the re-sent job ids; says
-    which named jobs were not failed. Exit code 4 for an id (or a batch) with no row."""
+    which named jobs were not failed. Exit code 4 for an id (or a batch) with no row, 2 when
+    none of ids, --batch or --all says which."""
     from ocrq.api.client import Client
 
     if status != "failed":
@@ -779,6 +781,16 @@ def retry(
             param_hint="--status",
         )
     client = Client(_settings())
+    if not job_ids and batch is None and not every:
+        # Every failed job ever is a large act (permanent failures too: a corrupt file fails
+        # again at each re-run): asked for by name, as the api asks for a filter.
+        failed = client.store.count_by_status().get("failed", 0)
+        err.print(
+            f"[red]ocrq retry:[/] say which failed jobs to run again: job ids, --batch B, or "
+            f"--all for every one ({failed} failed now)",
+            soft_wrap=True,
+        )
+        raise typer.Exit(EXIT_USAGE)
     named = client.status(job_ids) if job_ids else []
     unknown = [r["job_id"] for r in named if r["status"] == "unknown"]
     if unknown:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 import uuid
@@ -198,6 +199,11 @@ def test_batch_wait_export_and_retry(
     for unknown in ([str(uuid.uuid4())], ["--batch", f"nope-{uuid.uuid4().hex[:6]}"]):
         assert ocrq(service_env, "retry", *unknown).returncode == 4, unknown
     assert api.post("/jobs/retry", json={}).status_code == 422
+    # Nor does the CLI re-run every failed job unless asked by name (--all); the count is said.
+    bare = ocrq(service_env, "retry")
+    said = " ".join(bare.stderr.split())
+    assert bare.returncode == 2 and "job ids, --batch B, or --all" in said, bare.stderr
+    assert re.search(r"\(\d+ failed now\)", said), said
 
 
 def test_api_batches_and_wait_resumes_after_submit_timeout(

@@ -162,7 +162,8 @@ class BatchAccepted(BaseModel):
 
 class RetryIn(BaseModel):
     """Which failed jobs to run again: those of `batch`, or those of `job_ids`, or both
-    filters at once. One of them is required (a re-run of every failed job is `ocrq retry`)."""
+    filters at once. One of them is required (a re-run of every failed job is
+    `ocrq retry --all`)."""
 
     model_config = ConfigDict(extra="forbid")
 
