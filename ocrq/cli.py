@@ -25,6 +25,7 @@ from ocrq.core.settings import Settings
 from ocrq.models.registry import ENGINES
 
 if TYPE_CHECKING:
+    from ocrq.core.requeue import StalledRequeue
     from ocrq.worker.embedded import Inputs
 
 # Exit codes scripts can rely on; `ocrq --help` shows them (EPILOG), docs/operations.md too.
@@ -372,6 +373,7 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Consume OCR jobs from the broker, batch them through the engine, store rows."""
+    from ocrq.core.problems import infrastructure_problem
     from ocrq.worker.exit_state import STARTUP_FAILED_EXIT_CODE
     from ocrq.worker.gpus import GpuSelectionError, select
     from ocrq.worker.main import log_to_stderr
@@ -393,7 +395,11 @@ def worker(
         with STATE.timeline.phase("settings"):
             settings = _settings(**given)  # checked here, before any process starts
     except (ValueError, ConfigProblem) as exc:
-        err.print(f"[red]ocrq worker: invalid settings:[/] {exc}", soft_wrap=True)
+        # One line naming the variable, as every other command says it (pydantic's own text
+        # names the field, `max_images`, over several lines); 78 kept, the worker's own code.
+        problem = infrastructure_problem(exc)
+        said = problem.message if problem else f"invalid settings: {exc}"
+        err.print(f"[red]ocrq worker:[/] {escape(said)}", soft_wrap=True, highlight=False)
         raise typer.Exit(STARTUP_FAILED_EXIT_CODE) from None
     argv = [
         "worker",
@@ -677,15 +683,43 @@ def requeue(
     do both by themselves (docs/faults.md); this is for when none is running."""
     from ocrq.api.client import Client
 
-    client = Client(_settings())
+    settings = _settings()
+    client = Client(settings)
     if stalled:
-        sent = client.requeue_stalled()
-        err.print(f"re-sent {len(sent)} stalled job(s)")
+        done = client.requeue_stalled()
+        for line in _stalled_report(done, settings.stalled_after_s):
+            err.print(line, soft_wrap=True, highlight=False)
+        sent = done.to_run
     else:
         sent = client.requeue(older_than)
         err.print(f"re-sent {len(sent)} queued job(s)")
     for job_id in sent:
         typer.echo(job_id)
+
+
+def _stalled_report(done: StalledRequeue, after_s: float) -> list[str]:
+    """`requeue --stalled`'s lines, one per kind: a single count once added the put-back
+    messages of jobs already done to the jobs re-sent, and said nothing of the jobs it left to
+    workers not yet silent long enough to count as dead."""
+    lines = [f"re-sent {len(done.stalled)} running job(s) of dead workers"]
+    if done.put_back:
+        final = f" ({len(done.final)} of them of jobs already final: dropped when taken)"
+        lines.append(
+            f"put back {len(done.put_back)} message(s) dead workers held"
+            + (final if done.final else "")
+        )
+    if done.running_heard:
+        lines.append(
+            f"{done.running_heard} running job(s) belong to workers heard from less than "
+            f"{after_s:g} s ago (OCRQ_STALLED_AFTER_S): alive, or dead too recently to tell; "
+            "if they are dead, run again later"
+        )
+    if done.running_unrecorded:
+        lines.append(
+            f"{done.running_unrecorded} running job(s) name a worker with no heartbeat on "
+            "record: left to the broker's visibility timeout"
+        )
+    return lines
 
 
 @app.command("wait")
@@ -932,25 +966,51 @@ def older_than_cutoff(value: str, now: dt.datetime | None = None) -> dt.datetime
     return now - dt.timedelta(seconds=float(match[1]) * _SECONDS[match[2]])
 
 
+# The shortest --older-than `ocrq prune` takes without --yes: `--older-than 0s` (meant as a
+# dry look, or a typo for 0d... 30d) deleted every finished job at once, with no way back.
+PRUNE_UNASKED_S = 3600
+
+
 @app.command()
 def prune(
     older_than: Annotated[
         str, typer.Option(help="Delete what finished longer ago than this (30d, 12h, 1w).")
     ],
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print what would be deleted, and delete nothing."),
+    ] = False,
+    yes: Annotated[
+        bool,
+        typer.Option("--yes", help="Take an --older-than shorter than one hour (refused else)."),
+    ] = False,
 ) -> None:
     """Delete final job rows (done, failed, cancelled, expired), finished documents and
     uploads no row names, older than --older-than; nothing queued or running is touched.
+    An --older-than under one hour needs --yes; --dry-run counts without deleting.
     OCRQ_RETENTION_DAYS has workers do the same daily (docs/operations.md, Retention)."""
     from ocrq.core.db import engine_for
     from ocrq.core.retention import prune as prune_rows
 
+    now = dt.datetime.now(dt.UTC)
+    cutoff = older_than_cutoff(older_than, now)
+    if not dry_run and not yes and now - cutoff < dt.timedelta(seconds=PRUNE_UNASKED_S):
+        err.print(
+            f"[red]ocrq prune:[/] --older-than {escape(older_than.strip())} is under one hour: it "
+            "deletes jobs that finished moments ago, results not yet fetched included. Check "
+            "with --dry-run, then add --yes to delete",
+            soft_wrap=True,
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_USAGE)
     settings = _settings()
-    cutoff = older_than_cutoff(older_than)
-    pruned = prune_rows(engine_for(settings), cutoff, settings.upload_dir)
+    pruned = prune_rows(engine_for(settings), cutoff, settings.upload_dir, dry_run=dry_run)
     hooks = f", {pruned.batch_hooks} unsent batch webhook(s)" if pruned.batch_hooks else ""
+    verb = "would delete" if dry_run else "deleted"
     err.print(
-        f"deleted {pruned.jobs} job(s), {pruned.documents} document(s) and {pruned.uploads} "
+        f"{verb} {pruned.jobs} job(s), {pruned.documents} document(s) and {pruned.uploads} "
         f"upload(s) finished before {cutoff.isoformat(timespec='seconds')}{hooks}"
+        + (" (dry run: nothing deleted)" if dry_run else "")
     )
     if pruned.uploads_left:
         err.print(f"[yellow]{escape(pruned.uploads_left)}", soft_wrap=True)

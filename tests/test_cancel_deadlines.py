@@ -50,6 +50,7 @@ CALLBACK_QUEUE = f"callbacks-{uuid.uuid4().hex[:6]}"
 SECRET = "whsec-" + uuid.uuid4().hex
 TOKEN = "cancel-token-" + uuid.uuid4().hex
 DAY = dt.timedelta(days=1)
+HOUR = dt.timedelta(hours=1)
 
 # The producer's own Celery app and worker: the tasks a job's link and link_error call.
 CALLBACK_APP = """
@@ -715,3 +716,59 @@ def test_the_fleet_prunes_once_a_day_not_once_a_process(
     assert alone._due()
     for rp in (first, second, alone):
         rp.stop()  # never started: closes its Redis client
+
+
+def test_prune_dry_run_counts_and_a_cutoff_under_an_hour_needs_yes(
+    private_database: str, broker_url: str, tmp_path: Path
+) -> None:
+    """`ocrq prune --older-than 0s` deleted every finished job at once, with no way to look
+    first. `--dry-run` says what the prune would delete, deleting nothing, and the prune then
+    deletes exactly that; a cutoff under one hour is refused (exit 2) unless `--yes` is given.
+    A database of its own: the counts asserted are this test's rows, not the session's."""
+    store = JobStore(get_engine(private_database))
+    env = {**os.environ, "OCRQ_DATABASE_URL": private_database, "OCRQ_BROKER_URL": broker_url,
+           "OCRQ_UPLOAD_DIR": str(tmp_path / "uploads")}
+    rows: dict[str, tuple[str, dt.datetime | None]] = {
+        "old_done": ("done", now() - 2 * HOUR),
+        "old_failed": ("failed", now() - 3 * HOUR),
+        "recent_done": ("done", now() - dt.timedelta(minutes=5)),
+        "old_queued": ("queued", None),
+    }
+    ids = {}
+    for name, (status, finished) in rows.items():
+        ids[name] = str(uuid.uuid4())
+        store.enqueue(ids[name], "text", f"/gone/{name}.png")
+        _backdate(store, ids[name], status, finished)
+    old_files = [_upload(tmp_path / "uploads", 2 * HOUR) for _ in range(2)]
+    fresh = _upload(tmp_path / "uploads", dt.timedelta(minutes=5))
+
+    def left() -> dict[str, str | None]:
+        return {name: _status_of(store, job_id) for name, job_id in ids.items()}
+
+    everything = left()
+    dry = _ocrq(env, "prune", "--older-than", "1h", "--dry-run")
+    said = " ".join(dry.stderr.split())
+    assert dry.returncode == 0, dry.stderr
+    assert "would delete 2 job(s), 0 document(s) and 2 upload(s)" in said, said
+    assert "nothing deleted" in said, said
+    assert left() == everything and all(f.exists() for f in old_files)
+    # A dry run needs no --yes, whatever the cutoff.
+    dry_all = _ocrq(env, "prune", "--older-than", "0s", "--dry-run")
+    assert "would delete 3 job(s), 0 document(s) and 3 upload(s)" in dry_all.stderr, dry_all
+
+    short = _ocrq(env, "prune", "--older-than", "0s")
+    said = " ".join(short.stderr.split())
+    assert short.returncode == 2, short.stderr
+    assert "under one hour" in said and "--yes" in said and "--dry-run" in said, said
+    assert left() == everything and fresh.exists()
+
+    real = _ocrq(env, "prune", "--older-than", "1h")
+    said = " ".join(real.stderr.split())
+    assert real.returncode == 0 and "deleted 2 job(s), 0 document(s) and 2 upload(s)" in said, said
+    assert left() == {**everything, "old_done": None, "old_failed": None}
+    assert not any(f.exists() for f in old_files) and fresh.exists()
+
+    forced = _ocrq(env, "prune", "--older-than", "0s", "--yes")
+    said = " ".join(forced.stderr.split())
+    assert forced.returncode == 0 and "deleted 1 job(s), 0 document(s) and 1 upload(s)" in said
+    assert left() == {**everything, "old_done": None, "old_failed": None, "recent_done": None}

@@ -204,3 +204,35 @@ def test_run_refuses_a_task_the_engine_cannot_do(tmp_path: Path) -> None:
         assert done.stdout == ""
     ok = ocrq_cli(base, "run", str(tmp_path / "word.png"), "--task", "spotting")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_worker_bad_setting_is_one_line_naming_the_variable(service_env: dict[str, str]) -> None:
+    """`ocrq worker` printed pydantic's own error (the field `max_images`, over several lines,
+    with its errors.pydantic.dev link) where every other command says one line naming the
+    variable; its exit code stays 78."""
+    done = ocrq_cli({**service_env, "OCRQ_MAX_IMAGES": "abc"}, "worker", "--no-supervise")
+    assert done.returncode == EXIT_CONFIG, done.stderr
+    line = one_line(done)
+    assert "OCRQ_MAX_IMAGES: Input should be a valid integer" in line, line
+    assert "pydantic.dev" not in line and "validation error" not in line, line
+    other = ocrq_cli({**service_env, "OCRQ_MAX_IMAGES": "abc"}, "jobs")  # as the others say it
+    assert other.returncode == EXIT_CONFIG and line.split("invalid settings")[1] in other.stderr
+
+
+def test_worker_database_unreachable_is_told_from_missing(service_env: dict[str, str]) -> None:
+    """A wrong port in OCRQ_DATABASE_URL: the worker said "database unreachable or missing
+    (`ocrq migrate` creates it)", and migrate failed the same way. It says the server does not
+    answer, and what to do, as the CLI's commands do, after its minute of waiting for a
+    database still starting (ocrq/worker/exit_state.py); exit 1, for its supervisor."""
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{closed_port()}/ocrq"
+    done = subprocess.run(
+        [str(BIN / "ocrq"), "worker", "--no-supervise"],
+        env={**service_env, "OCRQ_DATABASE_URL": url},
+        capture_output=True, text=True, timeout=150, check=False,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    said = [ln for ln in done.stderr.splitlines() if "worker cannot start" in ln]
+    assert len(said) == 1, done.stderr[-2000:]
+    assert "cannot reach the database" in said[0], said
+    assert "Start PostgreSQL or set OCRQ_DATABASE_URL" in said[0], said
+    assert "unreachable or missing" not in done.stderr and "ocrq migrate" not in said[0], said

@@ -331,7 +331,9 @@ def test_live_workers_jobs_are_never_resent(
         for w in workers:
             w.stop(timeout=90, send=False)
     assert cli.returncode == 0, cli.stderr
-    assert "re-sent 0 stalled job(s)" in cli.stderr and cli.stdout.strip() == ""
+    said = " ".join(cli.stderr.split())
+    assert "re-sent 0 running job(s) of dead workers" in said and cli.stdout.strip() == ""
+    assert "running job(s) belong to workers heard from less than" in said, said
     assert busy > 0
     again = {i: (r["status"], r["attempts"], r["worker"], r["error"]) for i, r in rows.items()}
     again = {i: v for i, v in again.items() if v[:2] != ("done", 1)}
@@ -481,7 +483,7 @@ def test_a_stalled_job_the_broker_refused_stays_with_its_dead_worker(
             requeue.requeue_stalled(store, app, settings)
     row = store.get([job_id])[job_id]
     assert (row["status"], row["worker"]) == ("running", dead), row
-    assert requeue.requeue_stalled(store, app, settings) == [job_id]
+    assert requeue.requeue_stalled(store, app, settings).stalled == [job_id]
     row = store.get([job_id])[job_id]
     assert (row["status"], row["worker"]) == ("queued", None), row
 
@@ -617,4 +619,20 @@ def test_a_database_still_away_is_waited_for_out_loud(
         assert exit_state.check_database(settings) == 1
     said = [r.getMessage() for r in caplog.records]
     assert sum("waiting up to 2 s" in m for m in said) == 1, said
-    assert any("database unreachable or missing" in m for m in said), said
+    assert any("cannot reach the database" in m and "Start PostgreSQL" in m for m in said), said
+
+
+def test_a_missing_database_is_said_as_missing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server answers but the database was never created: the worker says so and names
+    `ocrq migrate`, where it once said "unreachable or missing" for both faults."""
+    from ocrq.worker import exit_state
+
+    monkeypatch.setattr(exit_state, "DATABASE_WAIT_S", 1.5)
+    missing = make_url(TEST_PG).set(database=f"ocrq_missing_{uuid.uuid4().hex[:8]}")
+    settings = Settings(database_url=missing.render_as_string(hide_password=False))
+    with caplog.at_level(logging.WARNING, logger=exit_state.__name__):
+        assert exit_state.check_database(settings) == 1
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert len(said) == 1 and "does not exist: run `ocrq migrate`" in said[0], said

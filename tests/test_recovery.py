@@ -346,3 +346,78 @@ def test_a_dead_workers_last_messages_are_put_back_at_once_and_not_copied(
         r.delete(queue)
         with store.engine.begin() as conn:
             conn.execute(text("DELETE FROM ocr_jobs WHERE id = ANY(:ids)"), {"ids": ids})
+
+
+def test_requeue_stalled_says_each_kind_apart(
+    service_env: dict[str, str], private_database: str, image_root: Path,
+    tmp_path: Path,
+) -> None:
+    """After a kill -9 mid-drain, `ocrq requeue --stalled` printed "re-sent 71 stalled job(s)"
+    with 28 of them already `done`: the messages of finished jobs a dead worker had not acked
+    were counted as re-sent jobs. Each kind is counted apart: the dead worker's running job
+    (re-sent), its held messages (put back: one of a job taken but not started, one of a job
+    already done), the running job of a worker heard from a moment ago (left alone: "run again
+    later", which then re-sends it) and one of a worker with no heartbeat on record. The dead
+    workers' takes are kombu's own basic_get plus the holder entries ocrq's transport writes,
+    as in the test above; the command is the real CLI, on a Redis and a database of its own."""
+    server = PrivateRedis(tmp_path, persist=False)
+    server.start()
+    queue = f"ocr-kinds-{uuid.uuid4().hex[:6]}"
+    env = {**service_env, "OCRQ_BROKER_URL": server.url, "OCRQ_DATABASE_URL": private_database,
+           "OCRQ_QUEUE": queue}
+    settings = Settings(broker_url=server.url, database_url=private_database, queue=queue)
+    store = JobStore(get_engine(private_database))
+    client = Client(settings)
+    r = redis.Redis.from_url(server.url)
+    dead, quiet, ghost = (f"w-{k}-{uuid.uuid4().hex[:6]}" for k in ("dead", "quiet", "ghost"))
+    running, unstarted, finished, recent, unrecorded = (
+        client.submit({"path": str(p)}) for p in make_images(image_root / "kinds", 5)
+    )
+    holder = {running: dead, unstarted: dead, finished: dead, recent: quiet}
+
+    def ocrq_requeue(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "ocrq"), "requeue", "--stalled"], env={**env, **extra},
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    try:
+        with broker_view(client.app, queue) as view:
+            assert view is not None
+            for _ in range(4):  # the first four, in the order sent; the last one stays queued
+                message = view.channel.basic_get(queue, no_ack=False)
+                job_id = message.headers["id"]
+                r.hset(HOLDERS_KEY, message.delivery_tag, holder_entry(holder[job_id], job_id))
+            view.channel.qos._delivered.clear()  # killed holding them: no close puts them back
+        for worker in (dead, quiet):
+            workers_table.beat(store.engine, worker)
+        for job_id, worker in [(running, dead), (finished, dead), (recent, quiet),
+                               (unrecorded, ghost)]:
+            row = store.get([job_id])[job_id]
+            assert store.claim(job_id, row["task"], row["source"], worker).run
+        assert store.finish(finished, status="done", text="", worker=dead)
+        workers_table.retire(store.engine, dead)  # a job still running: marked dead at once
+
+        first = ocrq_requeue()
+        assert first.returncode == 0, first.stderr
+        said = " ".join(first.stderr.split())
+        assert "re-sent 1 running job(s) of dead workers" in said, said
+        assert ("put back 2 message(s) dead workers held (1 of them of jobs already final: "
+                "dropped when taken)") in said, said
+        assert ("1 running job(s) belong to workers heard from less than 60 s ago "
+                "(OCRQ_STALLED_AFTER_S)") in said and "run again later" in said, said
+        assert "1 running job(s) name a worker with no heartbeat on record" in said, said
+        assert sorted(first.stdout.split()) == sorted([running, unstarted]), first.stdout
+        # All three messages are back in the queue, the final job's too (its taker drops it).
+        assert sorted(queue_ids(r, queue)) == sorted([running, unstarted, finished, unrecorded])
+
+        # The quiet worker is dead in fact: once silent for OCRQ_STALLED_AFTER_S, run again.
+        time.sleep(1.5)
+        later = ocrq_requeue(OCRQ_STALLED_AFTER_S="1", OCRQ_HEARTBEAT_S="0.2")
+        said = " ".join(later.stderr.split())
+        assert later.returncode == 0 and "re-sent 1 running job(s) of dead workers" in said, said
+        assert "put back" not in said and "heard from" not in said, said
+        assert later.stdout.split() == [recent], later.stdout
+        again = ocrq_requeue()
+        said = " ".join(again.stderr.split())
+        assert "re-sent 0 running job(s) of dead workers" in said and not again.stdout, said
+    finally:
+        server.stop()

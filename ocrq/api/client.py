@@ -196,9 +196,10 @@ class Client:
 
     def requeue_stalled(
         self, stalled_after_s: float | None = None, exclude_worker: str | None = None
-    ) -> list[str]:
+    ) -> requeue.StalledRequeue:
         """Send again the `running` jobs of workers whose heartbeat is older than
-        `stalled_after_s` (default OCRQ_STALLED_AFTER_S): ocrq/core/requeue.py."""
+        `stalled_after_s` (default OCRQ_STALLED_AFTER_S), and put back the messages dead
+        workers held: ocrq/core/requeue.py."""
         return requeue.requeue_stalled(
             self.store, self.app, self.settings, stalled_after_s, exclude_worker
         )

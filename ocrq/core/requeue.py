@@ -57,6 +57,11 @@ class Recovered:
     stalled: list[str] = field(default_factory=list)
     orphaned: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    # Of `orphaned`: messages of jobs whose row is already final, held by a worker killed after
+    # it stored the result and before it acked (a kill -9 mid-drain). Put back all the same, or
+    # the broker's copy stays in a dead worker's hands; the worker that takes one drops it
+    # ("already done; redelivery ignored"), so it is not a job sent to run again.
+    final: list[str] = field(default_factory=list)
     # A step after the put-back failed (the database went away mid-sweep): the lists hold
     # what was done before it.
     failed: Exception | None = None
@@ -112,6 +117,7 @@ def recover(
                     store, app, settings, after, exclude_worker, skip=set(put_back)
                 )
                 done.orphaned = [j for j in put_back if j not in set(done.stalled)]
+                done.final = workers_table.final_among(store.engine, done.orphaned)
                 if lost:
                     done.lost = _resend_lost(view, store, app, settings, after)
             except Exception as exc:
@@ -122,21 +128,44 @@ def recover(
                 lock.release()
 
 
+@dataclass(frozen=True)
+class StalledRequeue:
+    """What `ocrq requeue --stalled` did, by kind: one count of all of it told an operator that
+    jobs already done were re-sent (the put-back messages of finished jobs were counted in)."""
+
+    stalled: list[str]  # `running` rows of dead workers, sent again (their message or rebuilt)
+    put_back: list[str]  # the other messages dead workers held, back in the queue
+    final: list[str]  # of `put_back`: jobs already final, which the worker taking them drops
+    # `running` rows left alone: of workers heard from within OCRQ_STALLED_AFTER_S (alive, or
+    # dead for less than that: a next run re-sends those), and of workers with no heartbeat
+    # on record (left to the broker's visibility timeout, as workers_table says).
+    running_heard: int = 0
+    running_unrecorded: int = 0
+
+    @property
+    def to_run(self) -> list[str]:
+        """The jobs that will run again: the stalled ones and the put-back ones not final."""
+        final = set(self.final)
+        return self.stalled + [j for j in self.put_back if j not in final]
+
+
 def requeue_stalled(
     store: JobStore,
     app: Celery,
     settings: Settings,
     stalled_after_s: float | None = None,
     exclude_worker: str | None = None,
-) -> list[str]:
+) -> StalledRequeue:
     """`ocrq requeue --stalled`: the jobs of dead workers, running or taken but not started."""
-    found = recover(store, app, settings, exclude_worker, stalled_after_s, lost=False)
+    after = settings.stalled_after_s if stalled_after_s is None else stalled_after_s
+    found = recover(store, app, settings, exclude_worker, after, lost=False)
     if found.failed is not None:
         if found.orphaned:
             log.warning("put back %d message(s) before failing: %s", len(found.orphaned),
                         " ".join(found.orphaned))
         raise found.failed
-    return found.stalled + found.orphaned
+    heard, unrecorded = workers_table.running_left(store.engine, after)
+    return StalledRequeue(found.stalled, found.orphaned, found.final, heard, unrecorded)
 
 
 def requeue_queued(

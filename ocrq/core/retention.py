@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import Engine, and_, delete, exists, or_, select, text
+from sqlalchemy import ColumnElement, Engine, Table, and_, delete, exists, func, or_, select, text
 from sqlalchemy.exc import OperationalError
 
 from ocrq.core.contract import PAGE_MARK
@@ -48,23 +48,52 @@ class Pruned:
     uploads_left: str | None = None
 
 
-def prune(db: Engine, cutoff: dt.datetime, upload_dir: Path | None = None) -> Pruned:
-    """Delete final rows and unreferenced uploads older than `cutoff` (see the module)."""
+def prune(
+    db: Engine, cutoff: dt.datetime, upload_dir: Path | None = None, dry_run: bool = False
+) -> Pruned:
+    """Delete final rows and unreferenced uploads older than `cutoff` (see the module).
+
+    `dry_run` (`ocrq prune --dry-run`): count what would be deleted, with the very predicates
+    the deletes use, and delete nothing. Counting first is exact: each predicate excludes what
+    another deletes (a job deleted is final and finished before the cutoff, which neither the
+    documents' nor the webhooks' predicate looks for), so the order the deletes run in does
+    not change what each finds. Counts, not a rolled-back delete: no row is locked meanwhile.
+    """
+    doomed = _doomed(cutoff)
+    with db.begin() as conn:
+        if dry_run:
+            jobs, documents, hooks = (
+                conn.execute(select(func.count()).select_from(table).where(where)).scalar_one()
+                for table, where in doomed
+            )
+        else:
+            jobs, documents, hooks = (
+                conn.execute(delete(table).where(where)).rowcount for table, where in doomed
+            )
+    uploads, left = (
+        _prune_uploads(db, upload_dir, cutoff, dry_run) if upload_dir is not None else (0, None)
+    )
+    return Pruned(jobs, documents, uploads, hooks, left)
+
+
+def _doomed(cutoff: dt.datetime) -> list[tuple[Table, ColumnElement[bool]]]:
+    """What `prune` deletes, table by table (jobs, documents, batch webhooks): one predicate
+    each, shared by the deletes and the dry run's counts so the two cannot drift apart."""
     pages = ocr_jobs.alias("pages")
     docs_in_flight = select(ocr_documents.c.id).where(ocr_documents.c.status.not_in(DOCUMENT_FINAL))
-    old_jobs = delete(ocr_jobs).where(
+    old_jobs = and_(
         ocr_jobs.c.status.in_(FINAL),
         ocr_jobs.c.finished_at < cutoff,
         or_(ocr_jobs.c.document_id.is_(None), ocr_jobs.c.document_id.not_in(docs_in_flight)),
     )
-    old_documents = delete(ocr_documents).where(
+    old_documents = and_(
         ocr_documents.c.status.in_(DOCUMENT_FINAL),
         ocr_documents.c.finished_at < cutoff,
         ~exists().where(
             and_(pages.c.document_id == ocr_documents.c.id, pages.c.status.not_in(FINAL))
         ),
     )
-    stale_hooks = delete(ocr_batch_hooks).where(
+    stale_hooks = and_(
         ocr_batch_hooks.c.registered_at < cutoff,
         ~exists().where(
             and_(
@@ -73,19 +102,17 @@ def prune(db: Engine, cutoff: dt.datetime, upload_dir: Path | None = None) -> Pr
             )
         ),
     )
-    with db.begin() as conn:
-        jobs = conn.execute(old_jobs).rowcount
-        documents = conn.execute(old_documents).rowcount
-        hooks = conn.execute(stale_hooks).rowcount
-    uploads, left = _prune_uploads(db, upload_dir, cutoff) if upload_dir is not None else (0, None)
-    return Pruned(jobs, documents, uploads, hooks, left)
+    return [(ocr_jobs, old_jobs), (ocr_documents, old_documents), (ocr_batch_hooks, stale_hooks)]
 
 
-def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> tuple[int, str | None]:
+def _prune_uploads(
+    db: Engine, folder: Path, cutoff: dt.datetime, dry_run: bool = False
+) -> tuple[int, str | None]:
     """Files with an upload's shape under `folder`, older than `cutoff` (mtime: the api
     touches a file again when the same bytes are uploaded), named by no row; how many were
-    deleted, and why the rest were not when the folder cannot be written here (the shipped
-    workers mount it read-only: the first refusal ends the pass over the files)."""
+    deleted (`dry_run`: how many would be), and why the rest were not when the folder cannot
+    be written here (the shipped workers mount it read-only: the first refusal ends the pass
+    over the files)."""
     root = folder  # as the api spells it in the rows it writes (not resolved: a symlinked
     # folder resolved would match no row, and every upload would look unreferenced)
     candidates = [
@@ -103,6 +130,8 @@ def _prune_uploads(db: Engine, folder: Path, cutoff: dt.datetime) -> tuple[int, 
         for table in (ocr_jobs, ocr_documents):
             query = select(table.c.source).where(table.c.source.like(f"{root}/%"))
             referenced.update(s.split(PAGE_MARK, 1)[0] for s in conn.execute(query).scalars())
+    if dry_run:
+        return len(named - referenced), None
     removed = 0
     for path in sorted(named - referenced):
         try:

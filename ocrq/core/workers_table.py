@@ -22,7 +22,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from ocrq.core.contract import BULK
 from ocrq.core.db import ocr_jobs, ocr_workers
-from ocrq.core.store import now
+from ocrq.core.store import FINAL, now
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -235,3 +235,33 @@ def still_queued(engine: Engine, job_ids: list[str]) -> set[str]:
     stmt = select(ocr_jobs.c.id).where(ocr_jobs.c.id.in_(job_ids), ocr_jobs.c.status == "queued")
     with engine.connect() as conn:
         return set(conn.execute(stmt).scalars())
+
+
+def final_among(engine: Engine, job_ids: list[str]) -> list[str]:
+    """The ids among `job_ids` whose row is final, in their order: messages put back for jobs
+    already finished are said apart from jobs sent to run again."""
+    if not job_ids:
+        return []
+    stmt = select(ocr_jobs.c.id).where(ocr_jobs.c.id.in_(job_ids), ocr_jobs.c.status.in_(FINAL))
+    with engine.connect() as conn:
+        final = set(conn.execute(stmt).scalars())
+    return [i for i in job_ids if i in final]
+
+
+def running_left(engine: Engine, stalled_after_s: float) -> tuple[int, int]:
+    """`running` rows a sweep leaves alone: (those whose worker beat within `stalled_after_s`,
+    those whose worker has no heartbeat row). Why: a sweep run right after a kill -9 re-sent
+    nothing and said nothing of the jobs it would re-send once the worker's silence reached
+    OCRQ_STALLED_AFTER_S. One query over the running rows, which a sweep reads anyway."""
+    joined = ocr_jobs.outerjoin(ocr_workers, ocr_workers.c.name == ocr_jobs.c.worker)
+    stmt = (
+        select(
+            func.count().filter(ocr_workers.c.heartbeat_at >= _cutoff(engine, stalled_after_s)),
+            func.count().filter(ocr_workers.c.name.is_(None)),
+        )
+        .select_from(joined)
+        .where(ocr_jobs.c.status == "running")
+    )
+    with engine.connect() as conn:
+        heard, unrecorded = conn.execute(stmt).one()
+    return int(heard), int(unrecorded)

@@ -76,6 +76,7 @@ def check_database(settings: Settings) -> int | None:
     from tenacity import retry, stop_after_delay, wait_exponential
 
     from ocrq.core.migrate import SchemaNotAtHead, check_at_head
+    from ocrq.core.problems import infrastructure_problem
 
     was_away = False
 
@@ -109,10 +110,11 @@ def check_database(settings: Settings) -> int | None:
         log.critical("worker cannot start: %s", exc)
         return STARTUP_FAILED_EXIT_CODE
     except OperationalError as exc:  # still down: exit, and let the supervisor try again
-        log.critical(
-            "worker cannot start: database unreachable or missing (`ocrq migrate` creates it): %s",
-            exc.orig or exc,
-        )
+        # Said as the CLI says it (ocrq/core/problems.py): a server that does not answer and a
+        # database not created yet are told apart, and each says what to do; one message for
+        # both had an operator with a mistyped port run `ocrq migrate`, which failed the same.
+        problem = infrastructure_problem(exc)
+        log.critical("worker cannot start: %s", problem.message if problem else exc.orig or exc)
         return 1
     finally:
         metrics.DATABASE_WAIT_SINCE.set(0)

@@ -112,14 +112,21 @@ class Heartbeat:
         except Exception as exc:  # the broker or database went away: try at the next sweep
             log.warning("stalled-job sweep failed: %s: %s", type(exc).__name__, exc)
             return
-        for ids, what in (
-            (found.stalled, "running job(s) of dead workers"),
-            (found.orphaned, "job(s) dead workers had taken but not started"),
-            (found.lost, "queued job(s) whose message was nowhere in the broker"),
+        final = set(found.final)  # messages of finished jobs: put back, but not re-sent work
+        for done, ids, what in (
+            ("re-sent", found.stalled, "running job(s) of dead workers"),
+            (
+                "re-sent",
+                [j for j in found.orphaned if j not in final],
+                "job(s) dead workers had taken but not started",
+            ),
+            ("put back", found.final, "message(s) of jobs already final that dead workers held"),
+            ("re-sent", found.lost, "queued job(s) whose message was nowhere in the broker"),
         ):
             if ids:
                 log.warning(
-                    "stalled-job sweep: re-sent %d %s: %s",
+                    "stalled-job sweep: %s %d %s: %s",
+                    done,
                     len(ids),
                     what,
                     " ".join(ids[:20]) + (" ..." if len(ids) > 20 else ""),

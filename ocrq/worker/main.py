@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from ocrq.core import metrics
+from ocrq.core.problems import infrastructure_problem
 from ocrq.core.process import STATE, setup_process
 from ocrq.core.settings import Settings
 from ocrq.core.startup import gc_paused
@@ -139,7 +140,9 @@ def main(argv: Sequence[str]) -> int:
         with STATE.timeline.phase("settings"):
             settings = Settings()
     except Exception as exc:
-        logging.getLogger(__name__).critical("worker cannot start: invalid settings: %s", exc)
+        problem = infrastructure_problem(exc)  # one line, named by variable, as the CLI says it
+        said = problem.message if problem else f"invalid settings: {exc}"
+        logging.getLogger(__name__).critical("worker cannot start: %s", said)
         return exit_state.STARTUP_FAILED_EXIT_CODE
     return run(argv, settings)
 
