@@ -353,7 +353,11 @@ def worker(
     ] = None,
     queue: Annotated[str | None, typer.Option(help="Queue to consume.")] = None,
     max_images: Annotated[
-        int | None, typer.Option(help="Recycle the worker process after this many images.")
+        int | None,
+        typer.Option(
+            help="Recycle the worker process after at least this many images (the jobs in "
+            "flight finish first)."
+        ),
     ] = None,
     hostname: Annotated[str | None, typer.Option(help="Celery node name.")] = None,
     gpus: Annotated[
@@ -376,7 +380,7 @@ def worker(
     from ocrq.core.problems import infrastructure_problem
     from ocrq.worker.exit_state import STARTUP_FAILED_EXIT_CODE
     from ocrq.worker.gpus import GpuSelectionError, select
-    from ocrq.worker.main import log_to_stderr
+    from ocrq.worker.main import announce, log_to_stderr
     from ocrq.worker.main import run as run_worker
     from ocrq.worker.supervisor import supervise as run_supervised
     from ocrq.worker.supervisor import worker_children
@@ -417,6 +421,8 @@ def worker(
         argv += ["--concurrency", str(settings.concurrency)]
     # Stable across recycles, so Flower shows one worker going offline and online.
     node = hostname or f"ocrq-{settings.engine}-{os.getpid()}@%h"
+    log_to_stderr()  # the worker's own lines, or the supervisor's (where it serves metrics)
+    announce(settings)
     if not supervise:
         if settings.gpus:
             err.print(
@@ -426,7 +432,6 @@ def worker(
                 soft_wrap=True,
             )
             raise typer.Exit(STARTUP_FAILED_EXIT_CODE)
-        log_to_stderr()
         raise typer.Exit(run_worker([*argv, "--hostname", node], settings))
     # A child interpreter per worker process (per GPU with --gpus), its options in its
     # environment. GPUs are found without CUDA: this process never initialises it.

@@ -562,6 +562,10 @@ def test_a_group_stop_stops_a_worker_once_and_retires_its_row(
     assert worker.proc.returncode == 0, text[-3000:]
     assert text.count("Warm shutdown") == 1, text[-3000:]
     assert "shutdown: heartbeat row of" in text
+    # The supervisor says the stop began and how it ended: its last line, not a cut-off log.
+    assert text.count("ocrq supervisor: stopping on SIGTERM") == 1, text[-3000:]
+    assert "ocrq supervisor: worker exited (code 0)" in text, text[-3000:]
+    assert text.rstrip().endswith("ocrq supervisor: stopped (exit 0)"), text[-3000:]
     assert not names & set(workers_table.heartbeats(store.engine))
 
 

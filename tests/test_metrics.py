@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -294,6 +295,58 @@ def test_readyz_says_the_worker_waits_for_its_database(
         admin.dispose()
 
 
+def test_readyz_names_a_broker_it_cannot_reach_and_the_log_says_where_it_serves(
+    service_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A worker whose broker does not answer (a wrong port) is stuck in Celery's retries for
+    ever: /readyz said "engine not loaded yet", the log only Celery's "Cannot connect" lines.
+    Now /readyz names OCRQ_BROKER_URL (its password redacted) and one WARNING does, however
+    many retries follow. The supervisor's own start-up lines (where the metrics are served,
+    which database and broker) were dropped, its logging never configured; alembic's setup
+    lines were logged at every start."""
+    from ocrq.core.db import shown_database
+
+    port = free_port()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    shown = f"redis://***@127.0.0.1:{closed}/12"
+    env = {
+        **service_env,
+        "OCRQ_BROKER_URL": f"redis://:hunter2secret@127.0.0.1:{closed}/12",
+        "OCRQ_QUEUE": f"ocr-nobroker-{uuid.uuid4().hex[:6]}",
+        "OCRQ_METRICS_PORT": str(port),
+    }
+    worker = WorkerProcess(env, tmp_path / "worker.log", "--concurrency", "1")
+    try:
+        def reason() -> str:
+            try:
+                return str(httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).json())
+            except (httpx.HTTPError, ValueError):
+                return ""
+
+        wait_for(lambda: "waiting for the broker" in reason(), 90,
+                 f"/readyz naming the broker\n{worker.text()[-3000:]}")
+        answer = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["reason"] == f"waiting for the broker (OCRQ_BROKER_URL={shown})"
+        assert probe(port, "/healthz") == 200  # waiting is not dead: no restart loop
+        wait_for(lambda: worker.text().count("Trying again") >= 2, 60,
+                 f"Celery retrying twice\n{worker.text()[-3000:]}")
+        text = worker.text()
+        named = [line for line in text.splitlines() if "WARNING" in line
+                 and f"OCRQ_BROKER_URL={shown}" in line]
+        assert len(named) == 1, text[-3000:]
+        assert "hunter2secret" not in text and "hunter2secret" not in answer.text
+        assert f"metrics and health on http://127.0.0.1:{port}/" in text, text[:3000]
+        database = shown_database(env["OCRQ_DATABASE_URL"])
+        assert f"database {database} (OCRQ_DATABASE_URL), broker {shown}" in text, text[:3000]
+        assert "alembic" not in text, text[:3000]
+    finally:
+        worker.stop()
+    assert worker.proc.returncode == 0, worker.text()[-3000:]
+
+
 def test_health_verdicts() -> None:
     """The decision itself, on the clock's edges."""
     now = 1000.0
@@ -305,6 +358,10 @@ def test_health_verdicts() -> None:
     assert health.readiness(waiting, live(waiting, now, 30, 960), None).reason.startswith(
         "waiting for the database"
     )
+    broker = health.WorkerState(started_at=990, broker_wait_since=995)
+    assert live(broker, now, 30, 960).reason == "waiting for the broker"
+    said = health.readiness(broker, live(broker, now, 30, 960), None, "OCRQ_BROKER_URL=redis://h")
+    assert said.reason == "waiting for the broker (OCRQ_BROKER_URL=redis://h)", said
     beat = health.WorkerState(ready=1, started_at=900, heartbeat_at=975)
     assert live(beat, now, 30, 960).ok and not live(beat, now, 20, 960).ok
     hung = health.WorkerState(ready=1, started_at=1, heartbeat_at=999, batch_since=30)

@@ -44,6 +44,15 @@ def is_redis(url: str) -> bool:
     return url.strip().lower().startswith((*PLAIN_SCHEMES, SENTINEL_SCHEME))
 
 
+def shown_url(url: str) -> str:
+    """The broker URL as logs and probes show it: each `;`-separated entry (Sentinel's list, a
+    failover list) redacted on its own, since a password in the second entry would otherwise
+    pass through (`redact_url` reads one URL's userinfo)."""
+    from ocrq.core.contract import redact_url
+
+    return ";".join(redact_url(part) for part in url.split(";"))
+
+
 def sentinel_kwargs(settings: Settings) -> dict[str, Any]:
     """How to talk to the sentinels themselves (redis-py's `sentinel_kwargs`)."""
     kwargs: dict[str, Any] = {

@@ -26,6 +26,23 @@ from sqlalchemy.dialects.postgresql import JSONB
 if TYPE_CHECKING:
     from ocrq.core.settings import Settings
 
+
+
+def shown_database(url: str) -> str:
+    """Where a database URL points, as logs show it: `host:port/dbname` (a SQLite file: its
+    path), never its user or password."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parts = make_url(url)
+    except Exception:  # not a URL SQLAlchemy reads: show nothing of it rather than a secret
+        return "(unparseable URL)"
+    if not parts.host:
+        return f"{parts.get_backend_name()}:{parts.database or ''}"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.host}{port}/{parts.database or ''}"
+
+
 metadata = MetaData()
 
 # JSONB on PostgreSQL (queryable, compact), plain JSON on SQLite.

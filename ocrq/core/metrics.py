@@ -212,6 +212,11 @@ DATABASE_WAIT_SINCE = Gauge(
     "0 once it answered",
     multiprocess_mode="livemax",
 )
+BROKER_WAIT_SINCE = Gauge(
+    "ocrq_worker_broker_wait_since_timestamp_seconds",
+    "When the worker's first failed attempt to reach its broker was; 0 once connected",
+    multiprocess_mode="livemax",
+)
 BATCH_SINCE = Gauge(
     "ocrq_batch_running_since_timestamp_seconds",
     "When the batch running now started (the running loop, an engine process: the last time a "

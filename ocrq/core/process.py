@@ -78,6 +78,9 @@ class ProcessState:
     # (ocrq/worker/exit_state.py).
     exit_code: int | None = None
     exit_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The stop signal Celery's warm shutdown began with ("SIGTERM"), whoever sent it: set at
+    # `worker_shutting_down` (ocrq/worker/celery_app.py); a recycle due after it is no recycle.
+    stopping: str | None = None
     # Task id -> when its task returned, until its message is acked (ocrq/worker/acking.py).
     returned: dict[str, float] = field(default_factory=dict)
     returned_lock: threading.Lock = field(default_factory=threading.Lock)

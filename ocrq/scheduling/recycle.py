@@ -64,8 +64,7 @@ class Recycler:
         reason = self._check()
         if reason is not None:
             self.reason = reason
-            log.warning("recycling worker: %s", reason)
-            self._trigger(reason)
+            self._trigger(reason)  # the trigger logs it (a stop under way may overrule it)
 
     def _check(self) -> str | None:
         p = self.policy

@@ -31,6 +31,7 @@ import datetime as dt
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -330,7 +331,65 @@ class TolerantChannel(redis.Channel):
             return True
 
 
-class TolerantRedisTransport(redis.Transport):
+class _BrokerWait:
+    """Whether this process has reached its broker, for the probes and the log.
+
+    Why here: Celery retries a broker it cannot reach for ever, logging only its own "Cannot
+    connect ... Trying again" lines, and no signal of Celery's marks a connection made (its
+    `worker_ready` comes later, and not at all while the broker stays away); the transport's
+    `establish_connection` (a channel that pings Redis) is the one call every connection
+    attempt, the consumer's and the event dispatcher's, goes through. A failed one sets the
+    gauge /readyz names the wait from (ocrq/worker/health.py) and, the first time until a
+    connection succeeds, logs one WARNING naming OCRQ_BROKER_URL; a successful one clears it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = False
+
+    def failed(self, exc: BaseException) -> None:
+        from ocrq.core import metrics
+        from ocrq.core.broker_redis import shown_url
+
+        with self._lock:
+            if self._waiting:
+                return
+            self._waiting = True
+        metrics.BROKER_WAIT_SINCE.set(time.time())
+        settings = STATE.settings
+        url = shown_url(settings.broker_url) if settings is not None else "(not configured)"
+        log.warning(
+            "broker not reachable at OCRQ_BROKER_URL=%s: %s: %s; retrying until it answers "
+            "(/readyz says so meanwhile)", url, type(exc).__name__, exc,
+        )
+
+    def reached(self) -> None:
+        from ocrq.core import metrics
+
+        with self._lock:
+            if not self._waiting:
+                return
+            self._waiting = False
+        metrics.BROKER_WAIT_SINCE.set(0)
+        log.info("broker reached")
+
+
+BROKER_WAIT = _BrokerWait()
+
+
+class _WatchedConnect:
+    """A transport whose connection attempts are reported to `BROKER_WAIT`."""
+
+    def establish_connection(self) -> Any:
+        try:
+            connection = super().establish_connection()  # type: ignore[misc]
+        except Exception as exc:
+            BROKER_WAIT.failed(exc)
+            raise
+        BROKER_WAIT.reached()
+        return connection
+
+
+class TolerantRedisTransport(_WatchedConnect, redis.Transport):
     Channel = TolerantChannel
 
 
@@ -345,7 +404,7 @@ class TolerantSentinelChannel(TolerantChannel, redis.SentinelChannel):
     )
 
 
-class TolerantSentinelTransport(redis.SentinelTransport):
+class TolerantSentinelTransport(_WatchedConnect, redis.SentinelTransport):
     Channel = TolerantSentinelChannel
 
 

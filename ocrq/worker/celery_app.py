@@ -143,11 +143,13 @@ def _load_engine_at_start(**_: object) -> None:
 
 
 @signals.worker_shutting_down.connect
-def _not_ready(**_: object) -> None:
+def _not_ready(sig: object = None, **_: object) -> None:
     """A warm shutdown (a recycle, SIGTERM) stops consuming: not ready from now on."""
     from ocrq.core import metrics
+    from ocrq.core.process import STATE
 
     metrics.READY.set(0)
+    STATE.stopping = str(sig or "a stop")
 
 
 @signals.worker_shutdown.connect

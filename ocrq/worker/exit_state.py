@@ -36,20 +36,32 @@ log = logging.getLogger(__name__)
 STARTUP_FAILED_EXIT_CODE = 78  # EX_CONFIG: restarting will not help (a missing model, say)
 DATABASE_WAIT_S = 60.0  # how long a starting worker waits for an unreachable database
 
-def _request_exit(code: int, reason: str) -> bool:
+def _request_exit(code: int, reason: str, level: int = logging.WARNING) -> bool:
     """Ask this worker process for a warm shutdown (SIGTERM is Celery's), remembering why."""
     with STATE.exit_lock:  # the process's exit state: ocrq/core/process.py
         if STATE.exit_code is not None:
             return False
         STATE.exit_code = code
-    log.warning("worker exit requested (%d): %s", code, reason)
+    log.log(level, "worker exit requested (%d): %s", code, reason)
     os.kill(os.getpid(), signal.SIGTERM)
     return True
 
 
 def request_recycle(reason: str) -> None:
-    """Recycle: a fresh process replaces this one (see the module docstring)."""
-    if _request_exit(RECYCLE_EXIT_CODE, f"recycle: {reason}"):
+    """Recycle: a fresh process replaces this one (see the module docstring). Logged at INFO: a
+    planned recycle is routine, not an alert.
+
+    A recycle falling due while a stop is already under way (the drain of a SIGTERM finishing
+    the batch that reaches --max-images) is not one: the process is ending because it was
+    asked to, and its log and exit code say so rather than `recycle`."""
+    if STATE.stopping is not None:
+        with STATE.exit_lock:
+            if STATE.exit_code is not None:
+                return
+        log.info("recycle due (%s), but a stop (%s) is under way: stopping, not recycling",
+                 reason, STATE.stopping)
+        return
+    if _request_exit(RECYCLE_EXIT_CODE, f"recycle: {reason}", logging.INFO):
         metrics.RECYCLES.labels(reason.split(" ")[0]).inc()
 
 

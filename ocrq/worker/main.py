@@ -157,8 +157,26 @@ def log_to_stderr() -> None:
     lines before that (the cost model and its recommended batch, the task threads, a database
     still away) are the ones an operator reads first. Every way a worker process starts sets
     it: a supervisor's child here, `ocrq worker --no-supervise` in the CLI (before, that one
-    set none and they were lost, under every shipped unit and manifest)."""
+    set none and they were lost, under every shipped unit and manifest), and the supervisor
+    itself (where its metrics are served was dropped there).
+
+    Alembic's INFO lines (its plugins set up, its migration context) come from the schema
+    checks at every start and recycle, and every 10 s from /readyz: noise here. `ocrq migrate`
+    does not come through here and keeps them."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def announce(settings: Settings) -> None:
+    """Once per `ocrq worker`: which database and broker it uses, without their passwords.
+    A worker pointed at the wrong one otherwise looked healthy in its log."""
+    from ocrq.core.broker_redis import shown_url
+    from ocrq.core.db import shown_database
+
+    logging.getLogger(__name__).info(
+        "database %s (OCRQ_DATABASE_URL), broker %s (OCRQ_BROKER_URL)",
+        shown_database(settings.database_url), shown_url(settings.broker_url),
+    )
 
 
 if __name__ == "__main__":

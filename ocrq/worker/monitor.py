@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from ocrq.core.broker_redis import shown_url
 from ocrq.core.settings import Settings
 from ocrq.worker import health
 from ocrq.worker.queue_depth import queue_depth_registry
@@ -81,6 +82,7 @@ class Monitor:
         self.queue_depth = queue_depth_registry(settings)
         self.schema = SchemaCheck(settings.database_url)
         self.process_alive = process_alive
+        self.broker = f"OCRQ_BROKER_URL={shown_url(settings.broker_url)}"
         self.stale_after_s = max(3 * settings.heartbeat_s, 5.0)  # 3 missed beats
         self.hung_after_s = settings.job_timeout_s + 60.0
 
@@ -95,7 +97,7 @@ class Monitor:
         if not self.process_alive():
             return health.Verdict(False, "no worker process")
         schema = self.schema.error() if live.ok and state.ready else None
-        return health.readiness(state, live, schema)
+        return health.readiness(state, live, schema, self.broker)
 
     def metrics(self) -> bytes:
         body = generate_latest(self.registry)

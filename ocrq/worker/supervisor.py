@@ -201,6 +201,11 @@ def supervise(
             return STARTUP_FAILED_EXIT_CODE
 
     def forward(signum: int, _frame: object) -> None:
+        if not stopping.is_set():  # a stop reaches us twice (the group's, a repeat): say it once
+            print(
+                f"ocrq supervisor: stopping on {signal.Signals(signum).name}",
+                file=sys.stderr, flush=True,
+            )
         stopping.set()
         with lock:
             live = list(running.values())
@@ -230,6 +235,7 @@ def supervise(
             if watch is not None:
                 watch.exited(proc.pid)
             if stopping.is_set():
+                _say(child, f"worker exited (code {code})")
                 return 0 if code in (0, RECYCLE_EXIT_CODE, -signal.SIGTERM) else code
             if code == STARTUP_FAILED_EXIT_CODE:
                 others = len(children) - 1
@@ -287,6 +293,10 @@ def supervise(
             if watch is not None:
                 watch.close()
     failed = [c for c in codes if c]
-    if STARTUP_FAILED_EXIT_CODE in failed:
-        return STARTUP_FAILED_EXIT_CODE
-    return failed[0] if failed else 0
+    code = (
+        STARTUP_FAILED_EXIT_CODE if STARTUP_FAILED_EXIT_CODE in failed
+        else failed[0] if failed else 0
+    )
+    # The last line of a supervisor's log, so a stop reads as finished, not cut off.
+    print(f"ocrq supervisor: stopped (exit {code})", file=sys.stderr, flush=True)
+    return code
