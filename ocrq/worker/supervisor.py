@@ -202,10 +202,11 @@ def supervise(
 
     def forward(signum: int, _frame: object) -> None:
         if not stopping.is_set():  # a stop reaches us twice (the group's, a repeat): say it once
-            print(
-                f"ocrq supervisor: stopping on {signal.Signals(signum).name}",
-                file=sys.stderr, flush=True,
-            )
+            # os.write, not print: a handler that interrupts a print of the main thread's would
+            # re-enter the same buffered writer and raise.
+            line = f"ocrq supervisor: stopping on {signal.Signals(signum).name}\n"
+            with contextlib.suppress(OSError):
+                os.write(sys.stderr.fileno(), line.encode())
         stopping.set()
         with lock:
             live = list(running.values())
