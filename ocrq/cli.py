@@ -641,9 +641,14 @@ def jobs(
     from ocrq.api.client import Client
 
     statuses = [s.strip() for item in status or () for s in item.split(",") if s.strip()]
-    bad = sorted(set(statuses) - {"queued", "running", "done", "failed", "cancelled", "expired"})
+    known = ("queued", "running", "done", "failed", "cancelled", "expired")
+    bad = sorted(set(statuses) - set(known))
     if bad:
-        raise typer.BadParameter(f"unknown status {bad}", param_hint="--status")
+        raise typer.BadParameter(
+            f"unknown status {', '.join(bad)}; one of {', '.join(known)} (comma-separated for "
+            "several)",
+            param_hint="--status",
+        )
     created_after = since_time(since) if since else None
     client = Client(_settings())
     after = None
@@ -1081,7 +1086,9 @@ def tune(
         import matplotlib  # noqa: F401
     except ImportError:
         err.print(
-            "ocrq tune draws its plot with matplotlib: pip install 'ocrq[tune]'", markup=False
+            "ocrq tune draws its plot with matplotlib: in a checkout, `bash scripts/venv.sh "
+            "service,tune`; an installed ocrq, `pip install 'ocrq[tune]'`",
+            markup=False,
         )
         raise typer.Exit(2) from None
     if not 0 < knee <= 1 or not 0 <= headroom < 1:

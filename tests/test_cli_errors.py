@@ -236,3 +236,13 @@ def test_worker_database_unreachable_is_told_from_missing(service_env: dict[str,
     assert "cannot reach the database" in said[0], said
     assert "Start PostgreSQL or set OCRQ_DATABASE_URL" in said[0], said
     assert "unreachable or missing" not in done.stderr and "ocrq migrate" not in said[0], said
+
+
+def test_jobs_names_the_statuses_it_takes() -> None:
+    """`ocrq jobs --status bogus` said only "unknown status ['bogus']": it lists the ones it
+    takes, before touching a database."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OCRQ_")}
+    done = ocrq_cli(base, "jobs", "--status", "done,bogus")
+    assert done.returncode == EXIT_USAGE, done.stderr
+    said = " ".join(done.stderr.replace("│", " ").split())
+    assert "unknown status bogus; one of queued, running, done, failed, cancelled, expired" in said

@@ -26,7 +26,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import RedisError
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from ocrq.core import batch_hooks, batches
 from ocrq.core.broker_redis import broker_client, is_redis
@@ -106,7 +108,13 @@ class BatchHooks:
             moved = batch_hooks.adopt_legacy(
                 broker_client(self.settings, socket_timeout=5), self.engine
             )
-        except Exception:  # Redis or the database away: the next worker start tries again
+        except (RedisError, OSError, SQLAlchemyError) as exc:
+            # Redis or the database away: the next worker start tries again. One line: the
+            # broker's own wait is said elsewhere (ocrq/worker/broker.py), with its URL.
+            log.warning("could not move batch webhooks out of Redis (tried again at the next "
+                        "start): %s: %s", type(exc).__name__, exc)
+            return
+        except Exception:  # anything else is a bug: its traceback
             log.warning("could not move batch webhooks out of Redis", exc_info=True)
             return
         if moved:
