@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from ocrq.core.settings import Settings
 
 
-
 def shown_database(url: str) -> str:
     """Where a database URL points, as logs show it: `host:port/dbname` (a SQLite file: its
     path), never its user or password."""
