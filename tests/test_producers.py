@@ -25,7 +25,7 @@ from ocrq.core.db import get_engine
 from ocrq.core.samples import draw_text_image
 from ocrq.core.store import JobStore
 from tests.conftest import BIN, WorkerProcess
-from tests.pdfs import image_pdf, text_pdf
+from tests.pdfs import image_pdf, multipage_tiff, text_pdf
 from tests.test_api import Uvicorn
 
 QUEUE = f"ocr-producers-{uuid.uuid4().hex[:6]}"
@@ -150,6 +150,39 @@ def test_a_document_task_succeeds_with_its_pages(
     texts = [app.AsyncResult(page_id).get(timeout=60) for page_id in result["page_jobs"]]
     assert [t["status"] for t in texts] == ["done", "done"]
     assert all(t["text"] for t in texts), texts
+
+
+def test_a_page_failed_while_its_inline_document_was_split_has_a_failure_result(
+    producer_worker: WorkerProcess, broker_url: str, tmp_path: Path
+) -> None:
+    """An inline document's page that cannot be read fails while the document is split (a TIFF
+    frame is checked there; a PDF page is copied out whole) and is sent to no one; its id is in
+    `page_jobs` all the same, and `AsyncResult(id).get()` waited out its whole timeout. Its
+    FAILURE is stored by the splitting task: it raises at once, with the page's error, while
+    the page beside it is done."""
+    import base64
+
+    from PIL import Image
+
+    tiff = multipage_tiff(
+        [draw_text_image(["FIRST"]), Image.new("1", (40000, 8), 1)], tmp_path / "sliver.tif"
+    )
+    app = Celery(broker=broker_url, backend=broker_url)
+    job_id = str(uuid.uuid4())
+    sent = app.send_task(
+        "ocrq.recognize",
+        kwargs={"image": {"b64": base64.b64encode(tiff.read_bytes()).decode()}, "job_id": job_id},
+        queue=QUEUE,
+        task_id=job_id,
+    )
+    result = sent.get(timeout=60)
+    assert result["pages"] == 2 and len(result["page_jobs"]) == 2, result
+    first, second = result["page_jobs"]
+    assert app.AsyncResult(first).get(timeout=60)["status"] == "done"
+    failed = app.AsyncResult(second).get(timeout=10, propagate=False)  # at once, not 10 s late
+    assert isinstance(failed, Exception), failed
+    assert app.AsyncResult(second).state == "FAILURE"
+    assert "page 2" in str(failed) and "too large" in str(failed), failed
 
 
 def test_bare_celery_producer_round_trip(

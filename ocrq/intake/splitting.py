@@ -33,6 +33,8 @@ PAGE_IDS = uuid.UUID("6f1d2a8e-5a0b-4c57-9d0e-0c2f3e7b9a41")
 
 # send(document_id, page job): enqueue one page job (a Celery message, or a local thread).
 SendPage = Callable[[str, JobRequest], None]
+# failed(page job id, error): a page that failed while its document was split, sent to no one.
+FailedPage = Callable[[str, str], None]
 
 
 def page_job_id(document_id: str, page: int) -> str:
@@ -46,6 +48,7 @@ def split(
     docs: DocumentStore,
     jobs: JobStore,
     send: SendPage,
+    failed: FailedPage | None = None,
 ) -> int:
     """Record `document` and send its page jobs; returns the page count. A document refused
     whole gets its failed row here and raises DocumentError (the job's row is the caller's)."""
@@ -83,6 +86,8 @@ def split(
             except DocumentError as exc:  # this page alone: fail its row, send nothing
                 log.warning("document %s page %d failed: %s", request.job_id, n, exc)
                 jobs.finish(job_id, status="failed", error=str(exc))
+                if failed is not None:
+                    failed(job_id, str(exc))
                 continue
             image: dict[str, Any] = {
                 "b64": base64.b64encode(data).decode("ascii"),

@@ -61,6 +61,9 @@ class JobOutcome:
     batch_id: str | None = None  # the batch that ran it (Flower shows it in the task result)
     batch_wait_s: float | None = None  # how long it waited for that batch to start
     pages: int | None = None  # a document's splitting job: the page jobs it made
+    # Of those, (id, error) of each that failed while the document was split and was sent to
+    # no one: its Celery result is the task's to store (ocrq/worker/tasks.py), or none comes.
+    split_failures: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of_row(
@@ -578,10 +581,12 @@ class JobRunner:
         """A document's own job: its page jobs made and sent, then its row done."""
         if self._send_page is None:
             self._send_page = splitting.celery_sender(self.settings)
+        failures: list[tuple[str, str]] = []
         try:
             with document:
                 pages = self._db(splitting.split)(
-                    request, document, self.settings, self.documents, self.store, self._send_page
+                    request, document, self.settings, self.documents, self.store, self._send_page,
+                    lambda page_id, error: failures.append((page_id, error)),
                 )
         except documents.DocumentError as exc:
             return self._fail(request.job_id, source, str(exc))
@@ -589,7 +594,9 @@ class JobRunner:
             request.job_id, status="done", error=None, worker=self.worker_name
         )
         self._count("done")
-        return JobOutcome(request.job_id, source, "done", pages=pages)
+        return JobOutcome(
+            request.job_id, source, "done", pages=pages, split_failures=tuple(failures)
+        )
 
     def _complete_document(self, job_id: str) -> tuple[str, str] | None:
         """The page's document assembled if this was its last page: (its id, its status) when

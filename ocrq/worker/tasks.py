@@ -77,7 +77,8 @@ def recognize(
         fields["priority"] = lane_of_queue((self.request.delivery_info or {}).get("routing_key"))
     try:
         _check_links(self, image, task, job_id, task_id)
-        result = _recognize(image, task, job_id, task_id, fields, refusal)
+        result, split_failures = _recognize(image, task, job_id, task_id, fields, refusal)
+        _store_split_failures(self, split_failures)
     except JobFailed as exc:
         _also_under_job_id(self, job_id, task_id, exc, "FAILURE")
         raise
@@ -118,6 +119,19 @@ def _also_under_job_id(self: Task, job_id: Any, task_id: Any, result: Any, state
         self.backend.store_result(canonical_job_id(job_id), result, state, request=self.request)
 
 
+def _store_split_failures(self: Task, failures: tuple[tuple[str, str], ...]) -> None:
+    """A page that failed while its document was split (an inline or URL document's page that
+    cannot be rendered) has no task, so no result would ever come under its id, which the
+    document's result lists in `page_jobs`: `AsyncResult(id).get()` waited out its timeout.
+    Its FAILURE is stored here, as its own task would have stored it."""
+    if not failures or self.request.ignore_result or getattr(
+        self.app.conf, "task_ignore_result", True
+    ):
+        return
+    for page_id, error in failures:
+        self.backend.store_result(page_id, JobFailed(error), "FAILURE")
+
+
 def _recognize(
     image: Any,
     task: str,
@@ -125,7 +139,9 @@ def _recognize(
     task_id: Any,
     fields: dict[str, Any],
     refusal: str | None = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], tuple[tuple[str, str], ...]]:
+    """The job's result, and the (id, error) of pages that failed while its document was
+    split (`_store_split_failures`)."""
     try:
         given = {k: v for k, v in fields.items() if v is not None}  # None: the default
         request = JobRequest.model_validate(
@@ -183,7 +199,7 @@ def _recognize(
         # Their ids, in page order: a producer with Celery only has no other way to its pages'
         # results (`AsyncResult(id).get()` each) than computing the uuid5s itself.
         result["page_jobs"] = [page_job_id(outcome.job_id, n) for n in range(1, outcome.pages + 1)]
-    return result
+    return result, outcome.split_failures
 
 
 def _check_links(self: Task, image: Any, task: Any, job_id: Any, task_id: Any) -> None:
