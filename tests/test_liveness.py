@@ -520,6 +520,56 @@ def test_a_stop_signal_delivered_twice_is_one_warm_stop() -> None:
         signal.signal(signal.SIGTERM, before)
 
 
+# A real Celery worker (make_app's, as `ocrq worker` runs it) whose broker never answers: at its
+# first failed connection it records whether Celery's SIGTERM handler is guarded yet, then
+# stops itself twice, as a process group's stop and the supervisor's copy reach it.
+_UNREACHABLE_BROKER_WORKER = r"""
+import os, signal, sys
+from ocrq.core.settings import Settings
+from ocrq.worker import broker
+from ocrq.worker.celery_app import make_app
+from ocrq.worker.exit_state import run_celery
+
+first = broker.BROKER_WAIT.failed
+seen = []
+
+def failed(exc):
+    first(exc)
+    if not seen:
+        seen.append(getattr(signal.getsignal(signal.SIGTERM), "ocrq_guarded", False))
+        sys.__stderr__.write(f"guarded at the first failed connect: {seen[0]}\n")
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+broker.BROKER_WAIT.failed = failed
+app = make_app(Settings(broker_url=sys.argv[1], queue=sys.argv[2]))
+sys.exit(run_celery(app, ["worker", "--pool", "threads", "--concurrency", "1",
+                          "--without-mingle", "--without-gossip", "--loglevel", "WARNING"]))
+"""
+
+
+def test_a_worker_still_reaching_its_broker_has_its_stop_signals_guarded(
+    tmp_path: Path,
+) -> None:
+    """The guard was put on at `worker_ready`, which never comes while the broker does not
+    answer: a worker stopped then (its group's SIGTERM and the supervisor's) hung in its warm
+    shutdown until killed (tests/test_metrics.py's unreachable-broker test, one CI run in
+    several). A worker bootstep guards the handlers before the consumer connects."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OCRQ_")}
+    proc = subprocess.run(
+        [str(BIN / "python"), "-c", _UNREACHABLE_BROKER_WORKER,
+         f"redis://127.0.0.1:{closed}/0", f"ocr-guard-{uuid.uuid4().hex[:6]}"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )
+    out = proc.stdout + proc.stderr
+    assert "guarded at the first failed connect: True" in out, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("Warm shutdown") == 1, out[-3000:]
+
+
 def test_a_second_ctrl_c_later_is_still_a_cold_stop() -> None:
     """SIGINT keeps its window: the group's and the supervisor's copies of one Ctrl-C are one
     stop, and a person's second Ctrl-C, later, reaches Celery (its cold stop)."""

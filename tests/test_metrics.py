@@ -342,6 +342,12 @@ def test_readyz_names_a_broker_it_cannot_reach_and_the_log_says_where_it_serves(
         database = shown_database(env["OCRQ_DATABASE_URL"])
         assert f"database {database} (OCRQ_DATABASE_URL), broker {shown}" in text, text[:3000]
         assert "alembic" not in text, text[:3000]
+        # SIGUSR1 to the supervisor's pid (the one `ocrq worker` shows) is passed on: the
+        # worker writes its threads' stacks; it killed the supervisor before.
+        os.kill(worker.proc.pid, signal.SIGUSR1)
+        wait_for(lambda: "LOCAL VARIABLES" in worker.text(), 30,
+                 f"the worker's stacks\n{worker.text()[-3000:]}")
+        assert worker.proc.poll() is None, worker.text()[-3000:]
     finally:
         worker.stop()
     assert worker.proc.returncode == 0, worker.text()[-3000:]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from celery import Celery, signals
+from celery import Celery, bootsteps, signals
 
 from ocrq.core.broker_redis import celery_options, is_redis, is_sentinel
 from ocrq.core.contract import DEFAULT_QUEUE, INTERACTIVE, TASK_NAME, queue_for
@@ -97,7 +97,27 @@ def make_app(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
     )
+    app.steps["worker"].add(GuardStopSignals)
     return app
+
+
+class GuardStopSignals(bootsteps.StartStopStep):
+    """Guard Celery's SIGTERM/SIGINT handlers (ocrq/worker/exit_state.py `guard_stop_signals`)
+    as soon as they exist: Celery installs them as its worker starts (`on_start`), before any
+    step; this step runs before the consumer, which Celery always starts last.
+
+    Why not at `worker_ready`: that comes only once the consumer has reached its broker. A
+    worker still retrying a broker that does not answer was stopped unguarded: the stop from
+    its process group and the supervisor's copy entered Celery's handler twice, the second
+    waited on the first's lock, and the worker hung in its warm shutdown until killed (seen in
+    tests/test_metrics.py's unreachable-broker test, one CI run in several)."""
+
+    label = "ocrq stop-signal guard"
+
+    def start(self, parent: object) -> None:
+        from ocrq.worker.exit_state import guard_stop_signals
+
+        guard_stop_signals()
 
 
 
@@ -127,10 +147,9 @@ def _load_engine_at_start(**_: object) -> None:
     """Load the model before the first message, so a missing model fails at start-up."""
     from ocrq.core import metrics
     from ocrq.core.process import STATE
-    from ocrq.worker.exit_state import guard_stop_signals, request_recycle, startup_failed
+    from ocrq.worker.exit_state import request_recycle, startup_failed
     from ocrq.worker.runtime import get_runtime
 
-    guard_stop_signals()  # Celery's handlers are installed by now
     timeline = STATE.timeline
     timeline.end("celery start")
     try:

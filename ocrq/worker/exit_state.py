@@ -177,7 +177,8 @@ def guard_stop_signals(signums: Sequence[int] = STOP_SIGNALS) -> None:
     """Let Celery's handlers for SIGTERM/SIGINT run one at a time, and ignore a repeat: of
     SIGTERM always (a warm stop is under way; Celery does nothing more for another), of SIGINT
     within REPEAT_SIGNAL_S (a person's second Ctrl-C, later, still asks for a cold stop).
-    Called once Celery has installed them (at worker_ready).
+    Called once Celery has installed them (the worker bootstep `GuardStopSignals`, before the
+    consumer connects: ocrq/worker/celery_app.py).
 
     Why: a stop reaches a worker twice, from its process group (systemd's control-group kill,
     a terminal's Ctrl-C, `kill -- -PGID`) and from its supervisor, which forwards it. Celery's

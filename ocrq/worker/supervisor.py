@@ -214,6 +214,16 @@ def supervise(
             if proc.poll() is None:
                 proc.send_signal(signum)
 
+    def pass_on(signum: int, _frame: object) -> None:
+        """SIGUSR1: Celery writes every thread's stacks to the log (a worker that seems stuck).
+        Sent to `ocrq worker`'s pid, the one an operator sees, it killed the supervisor (the
+        signal's default) and with it the worker it was meant to look into."""
+        with lock:
+            live = list(running.values())
+        for proc in live:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
     def keep(slot: int, child: Child) -> int:
         backoff = 1.0
         recycles = 0
@@ -262,6 +272,7 @@ def supervise(
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGUSR1, pass_on)
     codes: list[int | None] = [None] * len(children)
 
     def run(slot: int, child: Child) -> None:
