@@ -600,6 +600,23 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
+def duration_s(value: str, option: str, *, bare_seconds: bool = False) -> float:
+    """A duration option (90s, 30m, 2h, 7d, 1w) in seconds: every command spells durations
+    alike. `bare_seconds`: a plain number is seconds too (`requeue --older-than 600` was its
+    only spelling once); `prune` refuses one, where `30` could as well mean days."""
+    match = _DURATION.match(value)
+    if match:
+        return float(match[1]) * _SECONDS[match[2]]
+    if bare_seconds:
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if seconds >= 0:
+            return seconds
+    raise typer.BadParameter("a duration such as 90s, 30m, 12h, 30d or 1w", param_hint=option)
+
+
 def since_time(value: str, now: dt.datetime | None = None) -> dt.datetime:
     """`--since`: a duration back from now (90s, 30m, 2h, 7d, 1w) or an ISO time (UTC if it
     names no zone)."""
@@ -676,8 +693,12 @@ def jobs(
 @app.command()
 def requeue(
     older_than: Annotated[
-        float, typer.Option(help="Seconds a job may stay queued before it is sent again.")
-    ] = 600.0,
+        str,
+        typer.Option(
+            help="How long a job may stay queued before it is sent again: 90s, 10m, 2h (a bare "
+            "number is seconds)."
+        ),
+    ] = "10m",
     stalled: Annotated[
         bool,
         typer.Option(
@@ -688,11 +709,12 @@ def requeue(
         ),
     ] = False,
 ) -> None:
-    """Send again jobs still queued (never claimed) after --older-than seconds whose message
+    """Send again jobs still queued (never claimed) after --older-than whose message
     Redis no longer holds, or with --stalled the jobs of workers that stopped beating. Workers
     do both by themselves (docs/faults.md); this is for when none is running."""
     from ocrq.api.client import Client
 
+    older_than_s = duration_s(older_than, "--older-than", bare_seconds=True)
     settings = _settings()
     client = Client(settings)
     if stalled:
@@ -701,7 +723,7 @@ def requeue(
             err.print(line, soft_wrap=True, highlight=False)
         sent = done.to_run
     else:
-        sent = client.requeue(older_than)
+        sent = client.requeue(older_than_s)
         err.print(f"re-sent {len(sent)} queued job(s)")
     for job_id in sent:
         typer.echo(job_id)
@@ -969,11 +991,8 @@ def cancel(
 
 def older_than_cutoff(value: str, now: dt.datetime | None = None) -> dt.datetime:
     """`--older-than`: a duration (90s, 30m, 2h, 30d, 1w) back from now."""
-    match = _DURATION.match(value)
-    if not match:
-        raise typer.BadParameter("a duration such as 30d, 12h or 1w", param_hint="--older-than")
     now = now or dt.datetime.now(dt.UTC)
-    return now - dt.timedelta(seconds=float(match[1]) * _SECONDS[match[2]])
+    return now - dt.timedelta(seconds=duration_s(value, "--older-than"))
 
 
 # The shortest --older-than `ocrq prune` takes without --yes: `--older-than 0s` (meant as a

@@ -46,6 +46,27 @@ def test_version() -> None:
     assert ocrq.__version__ != "0+unknown"
 
 
+def test_every_command_spells_a_duration_alike() -> None:
+    """`requeue --older-than` took seconds only, `prune --older-than` needed a unit and
+    `jobs --since` took units: three spellings of one thing. All take 90s/30m/2h/7d/1w now;
+    requeue still takes a bare number of seconds (its old spelling), prune still refuses one
+    (`30` could as well mean days)."""
+    import typer
+
+    from ocrq.cli import duration_s
+
+    assert [duration_s(v, "--x") for v in ("90s", "10m", " 2h", "1.5d", "1w")] == [
+        90, 600, 7200, 129600, 604800
+    ]
+    assert duration_s("600", "--older-than", bare_seconds=True) == 600
+    for bad, bare in (("600", False), ("-5", True), ("soon", True), ("5y", True)):
+        with pytest.raises(typer.BadParameter):
+            duration_s(bad, "--older-than", bare_seconds=bare)
+    refused = ocrq_cli(dict(os.environ), "requeue", "--older-than", "soon")
+    assert refused.returncode == EXIT_USAGE and "--older-than" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
 def test_help_lists_the_exit_codes() -> None:
     done = ocrq_cli({**os.environ, "COLUMNS": "200"}, "--help")
     assert done.returncode == 0

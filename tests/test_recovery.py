@@ -90,7 +90,7 @@ def own_services(
 def test_requeue_resends_only_what_the_broker_lost(
     own_services: tuple[dict[str, str], str], image_root: Path
 ) -> None:
-    """`ocrq requeue --older-than 0` with a backlog of 30 waiting messages and 3 lost ones:
+    """`ocrq requeue --older-than 0s` with a backlog of 30 waiting messages and 3 lost ones:
     it re-sends the 3, and the queue holds 30 messages again, not 57."""
     service_env, database_url = own_services
     queue = f"ocr-requeue-{uuid.uuid4().hex[:6]}"
@@ -104,7 +104,7 @@ def test_requeue_resends_only_what_the_broker_lost(
     lost = lose(r, queue, 3)
     assert set(lost) <= set(ids) and r.llen(queue) == 27
     cli = subprocess.run(
-        [str(BIN / "ocrq"), "requeue", "--older-than", "0"],
+        [str(BIN / "ocrq"), "requeue", "--older-than", "0s"],
         env=env,
         capture_output=True,
         text=True,
