@@ -243,19 +243,21 @@ def test_worker_bad_setting_is_one_line_naming_the_variable(service_env: dict[st
 def test_worker_database_unreachable_is_told_from_missing(service_env: dict[str, str]) -> None:
     """A wrong port in OCRQ_DATABASE_URL: the worker said "database unreachable or missing
     (`ocrq migrate` creates it)", and migrate failed the same way. It says the server does not
-    answer, and what to do, as the CLI's commands do, after its minute of waiting for a
-    database still starting (ocrq/worker/exit_state.py); exit 1, for its supervisor."""
+    answer, and what to do, as the CLI's commands do, after its wait for a database still
+    starting (OCRQ_DATABASE_WAIT_S, a minute by default; 3 s here); exit 1, for its
+    supervisor."""
     url = f"postgresql+psycopg://postgres@127.0.0.1:{closed_port()}/ocrq"
     done = subprocess.run(
         [str(BIN / "ocrq"), "worker", "--no-supervise"],
-        env={**service_env, "OCRQ_DATABASE_URL": url},
-        capture_output=True, text=True, timeout=150, check=False,
+        env={**service_env, "OCRQ_DATABASE_URL": url, "OCRQ_DATABASE_WAIT_S": "3"},
+        capture_output=True, text=True, timeout=90, check=False,
     )
     assert done.returncode == 1, done.stderr[-2000:]
     said = [ln for ln in done.stderr.splitlines() if "worker cannot start" in ln]
     assert len(said) == 1, done.stderr[-2000:]
     assert "cannot reach the database" in said[0], said
     assert "Start PostgreSQL or set OCRQ_DATABASE_URL" in said[0], said
+    assert "waiting up to 3 s" in done.stderr, done.stderr[-2000:]
     assert "unreachable or missing" not in done.stderr and "ocrq migrate" not in said[0], said
 
 

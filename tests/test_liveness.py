@@ -656,19 +656,18 @@ def test_a_killed_supervisor_takes_its_worker_along(
     assert not names & set(workers_table.heartbeats(store.engine))  # retired on the way out
 
 
-def test_a_database_still_away_is_waited_for_out_loud(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_database_still_away_is_waited_for_out_loud(caplog: pytest.LogCaptureFixture) -> None:
     """A worker started before its database (compose, Kubernetes) says it is waiting, once,
     then exits 1 for its supervisor to start it again (78 is kept for a schema not at head,
     which no restart mends)."""
     from ocrq.worker import exit_state
 
-    monkeypatch.setattr(exit_state, "DATABASE_WAIT_S", 1.5)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    settings = Settings(database_url=f"postgresql+psycopg://postgres@127.0.0.1:{port}/ocrq")
+    settings = Settings(
+        database_url=f"postgresql+psycopg://postgres@127.0.0.1:{port}/ocrq", database_wait_s=1.5
+    )
     with caplog.at_level(logging.WARNING, logger=exit_state.__name__):
         assert exit_state.check_database(settings) == 1
     said = [r.getMessage() for r in caplog.records]
@@ -676,16 +675,15 @@ def test_a_database_still_away_is_waited_for_out_loud(
     assert any("cannot reach the database" in m and "Start PostgreSQL" in m for m in said), said
 
 
-def test_a_missing_database_is_said_as_missing(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_missing_database_is_said_as_missing(caplog: pytest.LogCaptureFixture) -> None:
     """The server answers but the database was never created: the worker says so and names
     `ocrq migrate`, where it once said "unreachable or missing" for both faults."""
     from ocrq.worker import exit_state
 
-    monkeypatch.setattr(exit_state, "DATABASE_WAIT_S", 1.5)
     missing = make_url(TEST_PG).set(database=f"ocrq_missing_{uuid.uuid4().hex[:8]}")
-    settings = Settings(database_url=missing.render_as_string(hide_password=False))
+    settings = Settings(
+        database_url=missing.render_as_string(hide_password=False), database_wait_s=1.5
+    )
     with caplog.at_level(logging.WARNING, logger=exit_state.__name__):
         assert exit_state.check_database(settings) == 1
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]

@@ -92,6 +92,10 @@ class ServiceSettings(SettingsGroup):
     # PostgreSQL's CPU in that bench): keep 0 unless the pool is the bottleneck.
     database_pool_size: int = Field(default=10, ge=1, le=1000)
     database_max_overflow: int = Field(default=0, ge=0, le=1000)
+    # How long a starting worker waits for a database that does not answer (compose and
+    # Kubernetes start it beside PostgreSQL), saying so once, before it exits 1 for its
+    # supervisor to start it again.
+    database_wait_s: float = Field(default=60.0, ge=0, le=3600)
     # A name of ocrq/models/registry.py's ENGINES: rapid, hunyuan, vllm or openai.
     engine: str = "rapid"
     # The queue workers consume (and `ocrq submit` and the api send to).

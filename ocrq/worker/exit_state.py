@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STARTUP_FAILED_EXIT_CODE = 78  # EX_CONFIG: restarting will not help (a missing model, say)
-DATABASE_WAIT_S = 60.0  # how long a starting worker waits for an unreachable database
 
 def _request_exit(code: int, reason: str, level: int = logging.WARNING) -> bool:
     """Ask this worker process for a warm shutdown (SIGTERM is Celery's), remembering why."""
@@ -105,13 +104,13 @@ def check_database(settings: Settings) -> int | None:
             error = state.outcome.exception() if state.outcome is not None else None
             log.warning(
                 "database not reachable yet; waiting up to %.0f s for it: %s",
-                DATABASE_WAIT_S, getattr(error, "orig", None) or error,
+                settings.database_wait_s, getattr(error, "orig", None) or error,
             )
 
     check = retry(
         retry=again,
         wait=wait_exponential(multiplier=0.5, max=5),
-        stop=stop_after_delay(DATABASE_WAIT_S),
+        stop=stop_after_delay(settings.database_wait_s),
         reraise=True,
         before_sleep=waiting,
     )(lambda url: check_at_head(url, wait_for_migrate=True))
