@@ -120,7 +120,6 @@ class GuardStopSignals(bootsteps.StartStopStep):
         guard_stop_signals()
 
 
-
 def preload(app: Celery) -> None:
     """What `worker_main` would import and build on its way to consuming, done before it: the
     worker's entry point calls this while its engine loads (ocrq/worker/engine_start.py), so

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 STARTUP_FAILED_EXIT_CODE = 78  # EX_CONFIG: restarting will not help (a missing model, say)
 
+
 def _request_exit(code: int, reason: str, level: int = logging.WARNING) -> bool:
     """Ask this worker process for a warm shutdown (SIGTERM is Celery's), remembering why."""
     with STATE.exit_lock:  # the process's exit state: ocrq/core/process.py

@@ -208,16 +208,13 @@ def supervise(
             with contextlib.suppress(OSError):
                 os.write(sys.stderr.fileno(), line.encode())
         stopping.set()
-        with lock:
-            live = list(running.values())
-        for proc in live:
-            if proc.poll() is None:
-                proc.send_signal(signum)
+        pass_on(signum, _frame)
 
     def pass_on(signum: int, _frame: object) -> None:
-        """SIGUSR1: Celery writes every thread's stacks to the log (a worker that seems stuck).
-        Sent to `ocrq worker`'s pid, the one an operator sees, it killed the supervisor (the
-        signal's default) and with it the worker it was meant to look into."""
+        """`signum` to every live child. Alone for SIGUSR1 (Celery writes every thread's
+        stacks to the log: a worker that seems stuck): sent to `ocrq worker`'s pid, the one an
+        operator sees, it killed the supervisor (the signal's default) and with it the worker
+        it was meant to look into."""
         with lock:
             live = list(running.values())
         for proc in live:
