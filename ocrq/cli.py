@@ -867,9 +867,9 @@ def retry(
         raise typer.Exit(EXIT_UNKNOWN)
     sent = client.retry_failed(batch, job_ids or None)
     err.print(f"re-sent {len(sent)} failed job(s)")
-    left = [f"{r['job_id']} ({r['status']})" for r in named if r["job_id"] not in set(sent)]
-    if left:
-        err.print(f"not failed, left as they are: {', '.join(left)}", soft_wrap=True)
+    left = client.not_rerun(job_ids, sent) if job_ids else {}
+    for job_id, why in left.items():
+        err.print(f"not re-sent: {job_id}: {why}", soft_wrap=True, markup=False)
     for job_id in sent:
         typer.echo(job_id)
 

@@ -8,6 +8,7 @@ after the missing file appears, re-run until every job is done, its attempts cou
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
 import re
@@ -192,13 +193,33 @@ def test_batch_wait_export_and_retry(
     after = api.get(f"/batches/{batch}").json()
     assert after["jobs"] == {"done": 6} and after["documents"] == {"done": 2}  # 3 images, 3 pages
     # Nothing failed is left to re-run, through the api too.
-    assert api.post("/jobs/retry", json={"batch": batch}).json() == {"job_ids": []}
+    assert api.post("/jobs/retry", json={"batch": batch}).json() == {
+        "job_ids": [], "not_retried": {}
+    }
     done_again = ocrq(service_env, "retry", ids[-2])
     assert done_again.returncode == 0 and done_again.stdout == "", done_again.stderr
-    assert f"not failed, left as they are: {ids[-2]} (done)" in done_again.stderr
+    assert f"not re-sent: {ids[-2]}: done, not failed" in done_again.stderr
     for unknown in ([str(uuid.uuid4())], ["--batch", f"nope-{uuid.uuid4().hex[:6]}"]):
         assert ocrq(service_env, "retry", *unknown).returncode == 4, unknown
     assert api.post("/jobs/retry", json={}).status_code == 422
+    # Each named job not re-run says why; a batch no job names is a 404, as GET says. (The api
+    # answered `{"job_ids": []}` to all of these, and the CLI called a failed inline job
+    # "not failed".)
+    inline = api.post("/jobs", json={"image": {"b64": base64.b64encode(b"not an image").decode()}})
+    inline_id = inline.json()["job_id"]
+    assert api.get(f"/jobs/{inline_id}", params={"wait": 60}).json()["status"] == "failed"
+    stranger = str(uuid.uuid4())
+    answer = api.post("/jobs/retry", json={"job_ids": [ids[-2], inline_id, stranger]})
+    assert answer.status_code == 200 and answer.json()["job_ids"] == [], answer.text
+    assert answer.json()["not_retried"] == {
+        ids[-2]: "done, not failed",
+        inline_id: "an inline (b64) image: its bytes were not kept, so submit it again",
+        stranger: "no such job",
+    }
+    nope = api.post("/jobs/retry", json={"batch": f"nope-{uuid.uuid4().hex[:6]}"})
+    assert nope.status_code == 404 and "no job names this batch" in nope.text
+    told = ocrq(service_env, "retry", inline_id)
+    assert told.returncode == 0 and f"not re-sent: {inline_id}: an inline (b64)" in told.stderr
     # Nor does the CLI re-run every failed job unless asked by name (--all); the count is said.
     bare = ocrq(service_env, "retry")
     said = " ".join(bare.stderr.split())

@@ -187,6 +187,11 @@ class Client:
             requeue.resend(self.app, self.settings, job.request)
         return [job.id for job in reopened]
 
+    def not_rerun(self, job_ids: Sequence[str], sent: Sequence[str]) -> dict[str, str]:
+        """Why each named job not in `sent` was not run again (ocrq/core/rerun.py)."""
+        ids = [_canonical_or_none(j) or j for j in job_ids]
+        return rerun.not_rerun(self.store.engine, ids, sent)
+
     def batch(self, name: str) -> batches.BatchSummary | None:
         """The batch's counts, times and ETA (`GET /batches/{id}`); None when unknown."""
         return batches.summary(self.store.engine, name)

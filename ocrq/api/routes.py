@@ -306,14 +306,23 @@ def router(settings: Settings, client: Client) -> APIRouter:
             raise HTTPException(404, "no job names this batch")
         return {**found.as_json(), "cancelled": len(cancelled)}
 
-    @api.post("/jobs/retry", response_model=Retried)
+    @api.post("/jobs/retry", response_model=Retried, responses={404: {}})
     async def retry_jobs(body: RetryIn) -> dict[str, Any]:
         """Run failed jobs again (of `batch`, and/or of `job_ids`): each goes back to
         `queued` as a new attempt (its row's `attempts` and `retries` count it) and is sent
         again; a document with a re-run page is assembled again. Copies of the old messages
-        still find the job as it is: only the re-run's own message runs it."""
+        still find the job as it is: only the re-run's own message runs it. A batch no job
+        names is a 404 (as `GET /batches/{batch}`); each named job not sent again is in
+        `not_retried` with why."""
+        if body.batch is not None and not await run_in_threadpool(
+            client.known_batches, [body.batch]
+        ):
+            raise HTTPException(404, "no job names this batch")
         sent = await run_in_threadpool(client.retry_failed, body.batch, body.job_ids)
-        return {"job_ids": sent}
+        skipped = (
+            await run_in_threadpool(client.not_rerun, body.job_ids, sent) if body.job_ids else {}
+        )
+        return {"job_ids": sent, "not_retried": skipped}
 
     async def wait_for(request: Request, ids: list[str], wait_s: float) -> list[dict[str, Any]]:
         """Rows once none is queued or running, or after wait_s (capped): polling the table,

@@ -185,6 +185,9 @@ class RetryIn(BaseModel):
 
 class Retried(BaseModel):
     job_ids: list[str]  # the jobs sent again (a failed inline job is never re-run)
+    # Each named job id not sent again, and why: "no such job", "done, not failed", an inline
+    # image whose bytes were not kept.
+    not_retried: dict[str, str] = {}
 
 
 class BatchOut(BaseModel):
