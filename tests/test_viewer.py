@@ -211,6 +211,10 @@ def test_a_documents_pages_are_drawn(
         assert time.monotonic() < deadline, doc
         time.sleep(0.3)
     assert doc["pages"] == 2 and [p["page"] for p in doc["page_results"]] == [1, 2]
+    # The document's own job read no image: it says where the pages' are (it said "the job is
+    # done: only done jobs have an image to show").
+    whole = api.get(f"/jobs/{document_id}/image")
+    assert whole.status_code == 404 and f"GET /documents/{document_id}" in whole.text, whole.text
 
     for url in (f"/view/documents/{document_id}", f"/view/{document_id}"):
         open_view(browser, f"{server}{url}#token={TOKEN}", images=2)

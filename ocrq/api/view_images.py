@@ -96,8 +96,17 @@ def job_image(row: dict[str, Any], document: dict[str, Any] | None, settings: Se
 
     `document` is the page's document row (None for an image job). Blocking: call it from a
     thread."""
-    if row["status"] != "done" or not row.get("sha256"):
+    if row["status"] != "done":
         raise NotShown(f"the job is {row['status']}: only done jobs have an image to show")
+    if row.get("page") is None and row.get("document_id") == row["id"]:
+        # Its own row read no image, only the file it split: "the job is done: only done
+        # jobs have an image to show" was said of it.
+        raise NotShown(
+            f"{row['id']} is a document: its pages have the images "
+            f"(GET /documents/{row['id']}, or /view/documents/{row['id']})"
+        )
+    if not row.get("sha256"):
+        raise NotShown("the job kept no digest of what it read: nothing to verify it by")
     try:
         if row.get("page") is not None:
             if document is None:
