@@ -293,6 +293,20 @@ def test_bad_fields_are_422_never_500(idle_settings: Settings) -> None:
         assert r.status_code == 422
         r = api.post("/jobs", content=b"x", headers={"Content-Type": "text/plain"})
         assert r.status_code == 415
+        pdf = api.post("/jobs", content=b"%PDF-1.7", headers={"Content-Type": "application/pdf"})
+        assert pdf.status_code == 415 and "POST /documents" in pdf.text, pdf.text
+        # A query parameter a route does not take is refused, as a JSON or multipart field is
+        # (a raw upload's `?taks=` was dropped without a word, its task left `text`).
+        typo = api.post("/jobs", content=b"x", headers={"Content-Type": "image/png"},
+                        params={"taks": "spotting"})
+        assert typo.status_code == 422 and "taks" in typo.text and "task" in typo.text, typo.text
+        doc = api.post("/documents", content=b"%PDF-1.7", params={"job_id": str(uuid.uuid4())})
+        assert doc.status_code == 422 and "job_id" in doc.text, doc.text
+        # A JSON-only route's body sent as a form (curl's -d) says to send JSON.
+        for route in ("/jobs/lookup", "/jobs/batch", "/jobs/retry"):
+            form = api.post(route, content=b'{"job_ids": []}',
+                            headers={"Content-Type": "application/x-www-form-urlencoded"})
+            assert form.status_code == 415 and "application/json" in form.text, (route, form.text)
 
 
 def test_uploads_need_an_upload_folder(idle_settings: Settings) -> None:

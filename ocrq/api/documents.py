@@ -18,6 +18,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel
 
 from ocrq.api.client import Client
+from ocrq.api.request_checks import known_query
 from ocrq.core.contract import MAX_BATCH_CHARS, MAX_NEW_TOKENS_LIMIT
 from ocrq.core.doc_formats import document_kind
 from ocrq.core.settings import Settings
@@ -50,6 +51,7 @@ def router(client: Client, settings: Settings) -> APIRouter:
         status_code=202,
         response_model=DocumentAccepted,
         openapi_extra=UPLOAD_BODY,
+        dependencies=[known_query("task", "batch", "max_new_tokens")],
         responses={
             413: {"description": "over OCRQ_MAX_IMAGE_BYTES"},
             415: {"description": "not a PDF or TIFF document"},

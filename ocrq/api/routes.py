@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -27,6 +27,7 @@ from starlette.datastructures import UploadFile
 
 from ocrq.api import document_status
 from ocrq.api.client import FINAL, Client, Delivery, Submitted
+from ocrq.api.request_checks import is_json, json_body, known_query
 from ocrq.api.schemas import (
     DELIVERY_FIELDS,
     Accepted,
@@ -204,6 +205,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
         status_code=202,
         response_model=Accepted,
         openapi_extra=CREATE_BODY,
+        dependencies=[known_query(*UPLOAD_FIELDS)],
         responses={
             200: {"model": Accepted, "description": "the job was already recorded (a retry)"},
             409: {"description": "job_id already used for a different image"},
@@ -227,7 +229,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
         in OCRQ_UPLOAD_DIR under their SHA-256 and sent as path jobs. 202 when recorded now, 200
         for a retry of a job already recorded."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind in ("", "application/json") or kind.endswith("+json"):  # as FastAPI
+        if is_json(request):
             try:
                 data = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -253,7 +255,12 @@ def router(settings: Settings, client: Client) -> APIRouter:
                 },
             )
         else:
-            raise HTTPException(415, "send application/json, multipart/form-data or image/*")
+            raise HTTPException(
+                415,
+                "send application/json, multipart/form-data, or the image itself as image/* or "
+                "application/octet-stream; a PDF or TIFF as the body goes to POST /documents "
+                "(or as a multipart `file` here)",
+            )
         (done,) = await submit([job])
         return JSONResponse(
             Accepted(job_id=done.job_id, created=done.created, status=done.status).model_dump(),
@@ -263,6 +270,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
     @api.post(
         "/jobs/batch",
         status_code=202,
+        dependencies=[Depends(json_body)],
         response_model=BatchAccepted,
         max_body_size=batch_bytes,
         responses={413: {"description": "body over its limit, or too many JSON values"}},
@@ -306,7 +314,10 @@ def router(settings: Settings, client: Client) -> APIRouter:
             raise HTTPException(404, "no job names this batch")
         return {**found.as_json(), "cancelled": len(cancelled)}
 
-    @api.post("/jobs/retry", response_model=Retried, responses={404: {}})
+    @api.post(
+        "/jobs/retry", response_model=Retried, responses={404: {}},
+        dependencies=[Depends(json_body)],
+    )
     async def retry_jobs(body: RetryIn) -> dict[str, Any]:
         """Run failed jobs again (of `batch`, and/or of `job_ids`): each goes back to
         `queued` as a new attempt (its row's `attempts` and `retries` count it) and is sent
@@ -369,6 +380,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
     @api.post(
         "/jobs/lookup",
         response_model=JobsFound,
+        dependencies=[Depends(json_body)],
         max_body_size=lookup_bytes,
         responses={413: {"description": "body over its limit, or too many JSON values"}},
     )
