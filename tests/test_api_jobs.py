@@ -251,6 +251,13 @@ def test_wait_is_capped_and_max_pixels_travels(
         row = api.get(f"/jobs/{job}", params={"wait": 30}).json()
         waited = time.monotonic() - started
         assert row["status"] == "queued" and 0.9 <= waited < 5, waited  # OCRQ_API_MAX_WAIT_S
+        # Longer asks are capped too, not refused (above 3600 was a 422).
+        for asked in (100_000, 1e300):
+            long = api.get(f"/jobs/{job}", params={"wait": asked})
+            assert long.status_code == 200 and long.json()["status"] == "queued", long.text
+        found = api.post("/jobs/lookup", json={"job_ids": [job], "wait": 100_000})
+        assert found.status_code == 200, found.text
+        assert api.get(f"/jobs/{job}", params={"wait": "nan"}).status_code == 422
         raw = api.post(
             "/jobs",
             content=b"x" * 100,

@@ -395,7 +395,9 @@ def router(settings: Settings, client: Client) -> APIRouter:
         request: Request,
         job_id: str,
         wait: Annotated[
-            float, Query(ge=0, le=3600, description="seconds to wait for a final status")
+            float,
+            Query(ge=0, allow_inf_nan=False,
+                  description="seconds to wait for a final status (capped at OCRQ_API_MAX_WAIT_S)"),
         ] = 0.0,
     ) -> dict[str, Any]:
         """The job's whole row; with `wait`, answered once it is done or failed or after

@@ -222,7 +222,8 @@ class LookupIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     job_ids: Annotated[list[str], Field(min_length=1, max_length=DEFAULT_MAX_ITEMS)]
-    wait: Annotated[float, Field(ge=0, le=3600)] = 0.0
+    # Any length: capped at OCRQ_API_MAX_WAIT_S, as docs/api.md says (above 3600 was a 422).
+    wait: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
     @field_validator("job_ids")
     @classmethod
