@@ -290,10 +290,18 @@ def test_bad_fields_are_422_never_500(idle_settings: Settings) -> None:
             b'{"image": {"path": "/a.png"}, "job_id": "not-a-uuid"}',
             b'{"image": {"path": "/a.png"}, "max_pixels": 5}',
             b'{"image": {"b64": "aGk=", "name": "/srv/other.png"}}',  # a producer's name
+            # What no worker can read: accepted, then failed in the worker, until now.
+            b'{"image": {"path": "hello.png"}}',
+            b'{"image": {"url": "ftp://example.org/a.png"}}',
+            b'{"image": {"url": "file:///etc/passwd"}}',
         ]
         for body in bodies:
             r = api.post("/jobs", content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == 422, (body, r.status_code, r.text)
+        relative = api.post("/jobs", json={"image": {"path": "hello.png"}})
+        assert "image.path must be absolute" in relative.text, relative.text
+        in_batch = api.post("/jobs/batch", json={"jobs": [{"image": {"url": "ftp://a.org/b"}}]})
+        assert in_batch.status_code == 422 and "http or https" in in_batch.text, in_batch.text
         r = api.post("/jobs", files={"file": ("a.png", b"x")}, data={"task": "a\x00b"})
         assert r.status_code == 422
         r = api.post("/jobs/batch", json={"jobs": [{"image": {"b64": "a\u0000"}}]})

@@ -94,10 +94,19 @@ class JobIn(_JobFields):  # type: ignore[misc,valid-type]
 
     @field_validator("image")
     @classmethod
-    def _decodable(cls, image: ImageRef) -> ImageRef:
-        """Inline bytes that are not base64 would be queued and fail only in the worker: the
-        producer hears it now, and nothing is recorded or sent. The worker's own decoder rule
-        (contract.b64_body), so every form it takes still passes."""
+    def _readable(cls, image: ImageRef) -> ImageRef:
+        """What no worker could ever read would be queued and fail only in the worker: the
+        producer hears it now, and nothing is recorded or sent. A relative path (a worker
+        reads paths on its own machine), a URL other than http(s) (ocrq/intake/fetch.py), and
+        inline bytes that are not base64, by the worker's own decoder rule (contract.b64_body,
+        so every form it takes still passes)."""
+        if image.path is not None and not image.path.startswith("/"):
+            raise ValueError(
+                "image.path must be absolute: a worker reads it on its own machine, under "
+                "OCRQ_ALLOWED_ROOTS"
+            )
+        if image.url is not None and not image.url.lower().startswith(("http://", "https://")):
+            raise ValueError("image.url must be an http or https URL")
         if image.b64 is not None:
             try:
                 data = decode_b64_body(b64_body(image.b64))
