@@ -34,13 +34,14 @@ from ocrq.core.samples import draw_text_image
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
 from ocrq.intake import fetch, images
+from ocrq.intake.fetch import NOT_FETCHED
 from ocrq.models.base import PreparedImage
 from ocrq.models.rapid import RapidEngine
 from tests.badfiles import png_bomb
 from tests.conftest import BIN, WorkerProcess
 from tests.servers import free_port
 
-GENERIC = "URL not fetched (not allowed, unreachable or too slow): "
+GENERIC = NOT_FETCHED  # "URL not fetched (not allowed, ...): "
 
 
 def png(image: Image.Image) -> bytes:

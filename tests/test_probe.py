@@ -45,6 +45,7 @@ from ocrq.core.contract import NAME_REFUSED
 from ocrq.core.db import get_engine, ocr_jobs
 from ocrq.core.samples import draw_text_image
 from ocrq.core.store import REUSED_ID, JobStore, now
+from ocrq.intake.fetch import NOT_FETCHED
 from ocrq.worker.envelope import REFUSED_HEADER
 from tests.badfiles import png_bomb, write_bad_files
 from tests.conftest import FIGURES
@@ -62,7 +63,7 @@ URL_DEADLINE_S = 3  # the worker's OCRQ_URL_DEADLINE_S: a slow loris is cut afte
 PUBLIC_HOST = "127.0.0.3"  # the only internal address the worker's allowlist lets through
 PASSWORD = "pw-probe-9911"  # a URL credential: never stored, shown or logged
 SECRET_WORDS = ("SECRET", "4711")  # the text of the image only a refused read could return
-URL_REFUSED = "URL not fetched (not allowed, unreachable or too slow): "
+URL_REFUSED = NOT_FETCHED  # "URL not fetched (not allowed, ...): "
 PATH_REFUSED = "image not found or outside allowed roots"
 PATH_ERROR = PATH_REFUSED + ": {} (path images must be regular files under OCRQ_ALLOWED_ROOTS)"
 INVALID = "invalid job request"

@@ -44,6 +44,13 @@ from ocrq.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# Every refusal and network failure alike, so jobs cannot scan the network (docs/security.md);
+# the one setting that lets a private host through is named, which says nothing of the network.
+NOT_FETCHED = (
+    "URL not fetched (not allowed, unreachable or too slow; a private host must be in "
+    "OCRQ_URL_ALLOW_NETWORKS): "
+)
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 REDIRECTS = {301, 302, 303, 307, 308}
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -110,9 +117,7 @@ def fetch(url: str, settings: Settings) -> bytes:
     except Exception as exc:  # policy, DNS, connect, TLS, protocol, deadline: one message
         detail = f"{type(exc).__name__}: {exc}"
         log.debug("URL not fetched: %s (%s)", shown, detail)
-        raise FetchError(
-            f"URL not fetched (not allowed, unreachable or too slow): {shown}", detail
-        ) from None
+        raise FetchError(NOT_FETCHED + shown, detail) from None
 
 
 def post(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> int:
