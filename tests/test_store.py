@@ -187,7 +187,8 @@ def test_reused_job_id_refused(store: JobStore) -> None:
     store.enqueue(job, "text", "/a.png")
     for source, task in (("/b.png", "text"), ("/a.png", "spotting")):
         claim = store.claim(job, task, source, "w1")
-        assert not claim.run and claim.error == "job_id already used for a different image"
+        assert not claim.run
+        assert claim.error == "job_id already used for a different image or task"
     row = store.get([job])[job]
     assert (row["status"], row["attempts"], row["source"], row["task"]) == (
         "queued",

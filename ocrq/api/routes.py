@@ -208,7 +208,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
         dependencies=[known_query(*UPLOAD_FIELDS)],
         responses={
             200: {"model": Accepted, "description": "the job was already recorded (a retry)"},
-            409: {"description": "job_id already used for a different image"},
+            409: {"description": "job_id already used for a different image or task"},
             413: {"description": "body or image too large"},
             415: {"description": "not JSON, multipart or an image (or uploads not enabled)"},
             503: {"description": "Redis or PostgreSQL unavailable; nothing was recorded"},

@@ -40,7 +40,7 @@ CANCELLABLE = ("queued", "running")
 CANCELLED = "cancelled by request"
 
 
-REUSED_ID = "job_id already used for a different image"
+REUSED_ID = "job_id already used for a different image or task"
 
 
 def gave_up(attempts: int) -> str:
