@@ -196,9 +196,19 @@ def test_text_layer_pdf_tiff_and_upload(
     )
     with TestClient(create_app(settings)) as api:
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        answer = api.post("/documents?task=text", content=data, headers=auth)
+        mine = str(uuid.uuid4())
+        answer = api.post(f"/documents?task=text&job_id={mine}", content=data, headers=auth)
         assert answer.status_code == 202, answer.text
         uploaded = answer.json()["document_id"]
+        assert uploaded == mine
+        # A retry after a timeout, with the same job_id: the document is recorded once (there
+        # was no job_id: every retry made another document).
+        again = api.post(f"/documents?job_id={mine.upper()}", content=data, headers=auth)
+        assert again.status_code == 200 and again.json()["document_id"] == mine, again.text
+        other = api.post(
+            f"/documents?job_id={mine}&task=spotting", content=data, headers=auth
+        )
+        assert other.status_code == 409, other.text
         refused = api.post("/documents", content=b"just text", headers=auth)
         assert refused.status_code == 415
         rows = {r["job_id"]: r for r in wait_documents(client, [by_path, tiff_id, uploaded], 400)}

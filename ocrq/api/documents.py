@@ -15,11 +15,18 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from ocrq.api.client import Client
 from ocrq.api.request_checks import known_query
-from ocrq.core.contract import MAX_BATCH_CHARS, MAX_NEW_TOKENS_LIMIT
+from ocrq.core.contract import (
+    MAX_BATCH_CHARS,
+    MAX_NEW_TOKENS_LIMIT,
+    JobRequest,
+    canonical_job_id,
+)
 from ocrq.core.doc_formats import document_kind
 from ocrq.core.settings import Settings
 
@@ -51,8 +58,10 @@ def router(client: Client, settings: Settings) -> APIRouter:
         status_code=202,
         response_model=DocumentAccepted,
         openapi_extra=UPLOAD_BODY,
-        dependencies=[known_query("task", "batch", "max_new_tokens")],
+        dependencies=[known_query("task", "batch", "max_new_tokens", "job_id")],
         responses={
+            200: {"model": DocumentAccepted, "description": "already recorded (a retry)"},
+            409: {"description": "job_id already used for a different document or task"},
             413: {"description": "over OCRQ_MAX_IMAGE_BYTES"},
             415: {"description": "not a PDF or TIFF document"},
         },
@@ -67,9 +76,15 @@ def router(client: Client, settings: Settings) -> APIRouter:
             int | None,
             Query(ge=1, le=MAX_NEW_TOKENS_LIMIT, description="every page's cap on new tokens"),
         ] = None,
-    ) -> dict[str, str]:
+        job_id: Annotated[
+            str | None,
+            Query(description="a UUID of yours: a retry with it records the document once"),
+        ] = None,
+    ) -> JSONResponse:
         """Upload a PDF or multi-page TIFF as the request body; its pages become page jobs.
-        Read the result with `GET /documents/{document_id}` (or `GET /jobs/{job_id}`)."""
+        Read the result with `GET /documents/{document_id}` (or `GET /jobs/{job_id}`). With
+        `job_id`, a retry after a timeout records the document once (200 then), as
+        `POST /jobs` does."""
         body = await request.body()
         if len(body) > settings.max_image_bytes:
             raise HTTPException(
@@ -79,9 +94,19 @@ def router(client: Client, settings: Settings) -> APIRouter:
             raise HTTPException(415, "not a PDF or TIFF document")
         if "\x00" in task or (batch is not None and "\x00" in batch):
             raise HTTPException(422, "NUL characters are not allowed")
+        if job_id is not None:
+            try:
+                job_id = canonical_job_id(job_id)
+            except ValueError as exc:
+                raise HTTPException(422, f"job_id: {exc}") from None
         image = {"b64": base64.b64encode(body).decode("ascii")}
-        job_id = client.submit(image, task, batch=batch, max_new_tokens=max_new_tokens)
-        return {"job_id": job_id, "document_id": job_id}
+        given = {"job_id": job_id, "batch": batch, "max_new_tokens": max_new_tokens}
+        request = JobRequest.model_validate(
+            {"image": image, "task": task, **{k: v for k, v in given.items() if v is not None}}
+        )
+        (done,) = await run_in_threadpool(client.submit_many, [request])
+        answer = DocumentAccepted(job_id=done.job_id, document_id=done.job_id)
+        return JSONResponse(answer.model_dump(), status_code=202 if done.created else 200)
 
     @routes.get("/documents/{document_id}", responses={404: {"description": "no such document"}})
     def get_document(document_id: str) -> dict[str, Any]:
