@@ -233,6 +233,39 @@ def test_text_layer_pdf_tiff_and_upload(
     assert page_count_rows(database_url, uploaded) == 3
 
 
+def test_an_uploaded_document_is_kept_in_the_upload_folder(
+    capped_worker: WorkerProcess,
+    client: Client,
+    broker_url: str,
+    database_url: str,
+    folder: Path,
+) -> None:
+    """With OCRQ_UPLOAD_DIR set, `POST /documents` stores the file there and sends a path job,
+    as `POST /jobs` does with an upload. It always went inline: its row read `b64:17208 chars`,
+    the viewer could not draw its pages, a failed one could not be re-run and a retry under its
+    job_id was compared by length only. (The folder is inside the worker's allowed roots here;
+    a deployment shares it: docs/deploy.md, Uploads.)"""
+    data = text_pdf([["KEPT PAGE ONE"], ["KEPT PAGE TWO"]], folder / "kept.pdf")
+    settings = Settings(
+        broker_url=broker_url, database_url=database_url, queue=QUEUE, api_token=TOKEN,
+        upload_dir=folder / "uploads",
+    )
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(settings)) as api:
+        answer = api.post("/documents", content=data, headers=auth)
+        assert answer.status_code == 202, answer.text
+        document = answer.json()["document_id"]
+        (doc,) = wait_documents(client, [document], 200)
+        assert doc["status"] == "done", doc
+        assert [p["text"] for p in doc["page_results"]] == ["KEPT PAGE ONE", "KEPT PAGE TWO"]
+        row = api.get(f"/jobs/{document}", headers=auth).json()
+        assert row["path"].startswith(str((folder / "uploads").resolve())), row["path"]
+        page = doc["page_results"][1]["job_id"]
+        drawn = api.get(f"/jobs/{page}/image", headers=auth)
+        assert drawn.status_code == 200, drawn.text
+        assert drawn.headers["content-type"] == "image/jpeg"
+
+
 def test_a_documents_row_names_its_batch(
     capped_worker: WorkerProcess,
     client: Client,

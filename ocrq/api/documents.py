@@ -3,15 +3,19 @@
 A document named by path or URL needs no route of its own: `POST /jobs` with
 `{"image": {"path": "/srv/docs/report.pdf"}}` is a document job (the worker tells a document
 from an image by its bytes), and its job id is the document's id. `POST /documents` takes the
-file itself as the request body; it travels to the worker inline, once, capped by
-OCRQ_MAX_IMAGE_BYTES (the worker's cap on inline bytes): the worker then sends each page on as a
-one-page document, so no later message holds the whole file.
+file itself as the request body, capped by OCRQ_MAX_IMAGE_BYTES. Where OCRQ_UPLOAD_DIR is set it
+is stored there, content-addressed, and sent as a path job, as `POST /jobs` does with an upload:
+the viewer can draw its pages, `ocrq retry` can read it again, and a retry under the same
+`job_id` is compared by content. Without it the document travels to the worker inline, once
+(the worker's cap on inline bytes is the same), and the worker sends each page on as a one-page
+document, so no later message holds the whole file.
 """
 
 from __future__ import annotations
 
 import base64
 import uuid
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -21,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ocrq.api.client import Client
 from ocrq.api.request_checks import known_query
+from ocrq.api.uploads import Uploads, stored_or_refused
 from ocrq.core.contract import (
     MAX_BATCH_CHARS,
     MAX_NEW_TOKENS_LIMIT,
@@ -52,6 +57,19 @@ class DocumentAccepted(BaseModel):
 
 def router(client: Client, settings: Settings) -> APIRouter:
     routes = APIRouter(tags=["documents"])
+    uploads = (
+        Uploads(settings.upload_dir, settings.max_image_bytes) if settings.upload_dir else None
+    )
+
+    async def stored(body: bytes) -> dict[str, str]:
+        """The document as the job's image: its upload's path, or inline without a folder."""
+        if uploads is None:
+            return {"b64": base64.b64encode(body).decode("ascii")}
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield body
+
+        return {"path": str(await stored_or_refused(uploads, chunks()))}
 
     @routes.post(
         "/documents",
@@ -99,7 +117,7 @@ def router(client: Client, settings: Settings) -> APIRouter:
                 job_id = canonical_job_id(job_id)
             except ValueError as exc:
                 raise HTTPException(422, f"job_id: {exc}") from None
-        image = {"b64": base64.b64encode(body).decode("ascii")}
+        image = await stored(body)
         given = {"job_id": job_id, "batch": batch, "max_new_tokens": max_new_tokens}
         request = JobRequest.model_validate(
             {"image": image, "task": task, **{k: v for k, v in given.items() if v is not None}}

@@ -44,7 +44,7 @@ from ocrq.api.schemas import (
     Status,
     capped,
 )
-from ocrq.api.uploads import CHUNK, Uploads, UploadTooLarge
+from ocrq.api.uploads import CHUNK, Uploads, stored_or_refused
 from ocrq.core.contract import canonical_job_id
 from ocrq.core.settings import Settings
 
@@ -152,16 +152,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
                 "by the api and every worker (docs/deploy.md, Uploads), or send JSON that names "
                 "the image by path or url",
             )
-        try:
-            return str(await uploads.store(chunks))
-        except UploadTooLarge as exc:
-            raise HTTPException(413, str(exc)) from None
-        except OSError as exc:  # a read-only or missing volume: say which setting, not a 500
-            raise HTTPException(
-                503,
-                f"cannot store the upload in OCRQ_UPLOAD_DIR ({uploads.folder}): "
-                f"{exc.strerror or type(exc).__name__}",
-            ) from None
+        return str(await stored_or_refused(uploads, chunks))
 
     async def from_multipart(request: Request) -> JobIn:
         async with request.form(max_files=1, max_fields=len(UPLOAD_FIELDS)) as form:

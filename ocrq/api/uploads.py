@@ -90,3 +90,20 @@ class Uploads:
             yield data
 
         return await self.store(once())
+
+
+async def stored_or_refused(uploads: Uploads, chunks: AsyncIterator[bytes]) -> Path:
+    """`Uploads.store` with its failures as the answers a producer can act on: 413 past the
+    size cap, 503 naming OCRQ_UPLOAD_DIR for a folder the api cannot write (was a 500)."""
+    from fastapi import HTTPException
+
+    try:
+        return await uploads.store(chunks)
+    except UploadTooLarge as exc:
+        raise HTTPException(413, str(exc)) from None
+    except OSError as exc:  # a read-only or missing volume
+        raise HTTPException(
+            503,
+            f"cannot store the upload in OCRQ_UPLOAD_DIR ({uploads.folder}): "
+            f"{exc.strerror or type(exc).__name__}",
+        ) from None
