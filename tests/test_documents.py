@@ -209,6 +209,8 @@ def test_text_layer_pdf_tiff_and_upload(
             f"/documents?job_id={mine}&task=spotting", content=data, headers=auth
         )
         assert other.status_code == 409, other.text
+        not_uuid = api.post("/documents?job_id=mine", content=data, headers=auth)
+        assert not_uuid.status_code == 422 and "UUID" in not_uuid.text, not_uuid.text
         refused = api.post("/documents", content=b"just text", headers=auth)
         assert refused.status_code == 415
         rows = {r["job_id"]: r for r in wait_documents(client, [by_path, tiff_id, uploaded], 400)}

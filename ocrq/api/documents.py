@@ -20,18 +20,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ocrq.api.client import Client
 from ocrq.api.request_checks import known_query
 from ocrq.api.uploads import Uploads, stored_or_refused
-from ocrq.core.contract import (
-    MAX_BATCH_CHARS,
-    MAX_NEW_TOKENS_LIMIT,
-    JobRequest,
-    canonical_job_id,
-)
+from ocrq.core.contract import MAX_BATCH_CHARS, MAX_NEW_TOKENS_LIMIT, JobRequest
 from ocrq.core.doc_formats import document_kind
 from ocrq.core.settings import Settings
 
@@ -112,16 +107,15 @@ def router(client: Client, settings: Settings) -> APIRouter:
             raise HTTPException(415, "not a PDF or TIFF document")
         if "\x00" in task or (batch is not None and "\x00" in batch):
             raise HTTPException(422, "NUL characters are not allowed")
-        if job_id is not None:
-            try:
-                job_id = canonical_job_id(job_id)
-            except ValueError as exc:
-                raise HTTPException(422, f"job_id: {exc}") from None
-        image = await stored(body)
-        given = {"job_id": job_id, "batch": batch, "max_new_tokens": max_new_tokens}
-        request = JobRequest.model_validate(
-            {"image": image, "task": task, **{k: v for k, v in given.items() if v is not None}}
-        )
+        given = {"task": task, "job_id": job_id, "batch": batch, "max_new_tokens": max_new_tokens}
+        fields = {k: v for k, v in given.items() if v is not None}
+        try:  # the worker's rules (a job_id that is no UUID...), checked before anything is kept
+            JobRequest.model_validate({"image": {"path": "/"}, **fields})
+        except ValidationError as exc:
+            raise HTTPException(
+                422, "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+            ) from None
+        request = JobRequest.model_validate({"image": await stored(body), **fields})
         (done,) = await run_in_threadpool(client.submit_many, [request])
         answer = DocumentAccepted(job_id=done.job_id, document_id=done.job_id)
         return JSONResponse(answer.model_dump(), status_code=202 if done.created else 200)
