@@ -867,7 +867,7 @@ def retry(
         raise typer.Exit(EXIT_UNKNOWN)
     sent = client.retry_failed(batch, job_ids or None)
     err.print(f"re-sent {len(sent)} failed job(s)")
-    left = client.not_rerun(job_ids, sent) if job_ids else {}
+    left = client.not_rerun(job_ids, sent, batch) if job_ids else {}
     for job_id, why in left.items():
         err.print(f"not re-sent: {job_id}: {why}", soft_wrap=True, markup=False)
     for job_id in sent:

@@ -187,10 +187,12 @@ class Client:
             requeue.resend(self.app, self.settings, job.request)
         return [job.id for job in reopened]
 
-    def not_rerun(self, job_ids: Sequence[str], sent: Sequence[str]) -> dict[str, str]:
+    def not_rerun(
+        self, job_ids: Sequence[str], sent: Sequence[str], batch: str | None = None
+    ) -> dict[str, str]:
         """Why each named job not in `sent` was not run again (ocrq/core/rerun.py)."""
         ids = [_canonical_or_none(j) or j for j in job_ids]
-        return rerun.not_rerun(self.store.engine, ids, sent)
+        return rerun.not_rerun(self.store.engine, ids, sent, batch)
 
     def batch(self, name: str) -> batches.BatchSummary | None:
         """The batch's counts, times and ETA (`GET /batches/{id}`); None when unknown."""

@@ -322,7 +322,9 @@ def router(settings: Settings, client: Client) -> APIRouter:
             raise HTTPException(404, "no job names this batch")
         sent = await run_in_threadpool(client.retry_failed, body.batch, body.job_ids)
         skipped = (
-            await run_in_threadpool(client.not_rerun, body.job_ids, sent) if body.job_ids else {}
+            await run_in_threadpool(client.not_rerun, body.job_ids, sent, body.batch)
+            if body.job_ids
+            else {}
         )
         return {"job_ids": sent, "not_retried": skipped}
 

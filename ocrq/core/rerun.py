@@ -100,23 +100,27 @@ def reopen_failed(
 INLINE_NOT_KEPT = "an inline (b64) image: its bytes were not kept, so submit it again"
 
 
-def not_rerun(engine: Engine, job_ids: Sequence[str], sent: Sequence[str]) -> dict[str, str]:
-    """Why each of `job_ids` not in `sent` was not run again, by job id. `ocrq retry` called a
-    failed inline job "not failed", and `POST /jobs/retry` answered an empty list for a typo'd
-    id, a done job and an inline one alike."""
-    left = [j for j in dict.fromkeys(job_ids) if j not in set(sent)]
+def not_rerun(
+    engine: Engine, job_ids: Sequence[str], sent: Sequence[str], batch: str | None = None
+) -> dict[str, str]:
+    """Why each of `job_ids` not in `sent` was not run again, by job id (`batch`: the filter
+    the re-run had besides). `ocrq retry` called a failed inline job "not failed", and
+    `POST /jobs/retry` answered an empty list for a typo'd id, a done job and an inline one
+    alike."""
+    done = set(sent)
+    left = [j for j in dict.fromkeys(job_ids) if j not in done]
     if not left:
         return {}
     with engine.connect() as conn:
         rows = {
             r.id: r
             for r in conn.execute(
-                select(ocr_jobs.c.id, ocr_jobs.c.status, ocr_jobs.c.reference).where(
-                    ocr_jobs.c.id.in_(left)
-                )
+                select(
+                    ocr_jobs.c.id, ocr_jobs.c.status, ocr_jobs.c.reference, ocr_jobs.c.batch
+                ).where(ocr_jobs.c.id.in_(left))
             )
         }
-    reasons = {}
+    reasons: dict[str, str] = {}
     for job_id in left:
         row = rows.get(job_id)
         if row is None:
@@ -125,7 +129,8 @@ def not_rerun(engine: Engine, job_ids: Sequence[str], sent: Sequence[str]) -> di
             reasons[job_id] = f"{row.status}, not failed"
         elif row.reference is None:
             reasons[job_id] = INLINE_NOT_KEPT
+        elif batch is not None and row.batch != batch:
+            reasons[job_id] = f"not in batch {batch}"
         else:  # failed and rebuildable, yet not reopened: another re-run took it first
             reasons[job_id] = "re-run by another request at the same time"
     return reasons
-
