@@ -220,6 +220,13 @@ def test_batch_wait_export_and_retry(
     assert nope.status_code == 404 and "no job names this batch" in nope.text
     told = ocrq(service_env, "retry", inline_id)
     assert told.returncode == 0 and f"not re-sent: {inline_id}: an inline (b64)" in told.stderr
+    # A failed job that could run again, named with a batch it is not in: not re-run, and why.
+    gone = api.post("/jobs", json={"image": {"path": str(image_root / "never-there.png")}})
+    gone_id = gone.json()["job_id"]
+    assert api.get(f"/jobs/{gone_id}", params={"wait": 60}).json()["status"] == "failed"
+    both = api.post("/jobs/retry", json={"batch": batch, "job_ids": [gone_id]}).json()
+    assert both == {"job_ids": [], "not_retried": {gone_id: f"not in batch {batch}"}}, both
+    assert api.post("/jobs/retry", json={"job_ids": [gone_id]}).json()["job_ids"] == [gone_id]
     # Nor does the CLI re-run every failed job unless asked by name (--all); the count is said.
     bare = ocrq(service_env, "retry")
     said = " ".join(bare.stderr.split())
