@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ocrq.api.client import Client
 from ocrq.api.request_checks import known_query
+from ocrq.api.schemas import validation_messages
 from ocrq.api.uploads import Uploads, stored_or_refused
 from ocrq.core.contract import MAX_BATCH_CHARS, MAX_NEW_TOKENS_LIMIT, JobRequest
 from ocrq.core.doc_formats import document_kind
@@ -112,9 +113,7 @@ def router(client: Client, settings: Settings) -> APIRouter:
         try:  # the worker's rules (a job_id that is no UUID...), checked before anything is kept
             JobRequest.model_validate({"image": {"path": "/"}, **fields})
         except ValidationError as exc:
-            raise HTTPException(
-                422, "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
-            ) from None
+            raise HTTPException(422, validation_messages(exc)) from None
         request = JobRequest.model_validate({"image": await stored(body), **fields})
         (done,) = await run_in_threadpool(client.submit_many, [request])
         answer = DocumentAccepted(job_id=done.job_id, document_id=done.job_id)

@@ -58,9 +58,18 @@ _JobFields = create_model("_JobFields", __module__=__name__, **JOB_FIELDS)  # ty
 DELIVERY_FIELDS = ("expires_at", "callback_url")
 
 
+def _is_http(url: str) -> bool:
+    return url.lower().startswith(("http://", "https://"))
+
+
+def validation_messages(exc: ValidationError) -> str:
+    """A model's errors as one line, without pydantic's "Value error, " prefixes."""
+    return "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+
+
 def _http_callback(value: str | None) -> str | None:
     """A job's or a batch's webhook: http(s) only (the address policy is checked when sent)."""
-    if value is not None and not value.lower().startswith(("http://", "https://")):
+    if value is not None and not _is_http(value):
         raise ValueError("callback_url must be an http or https URL")
     return value
 
@@ -105,7 +114,7 @@ class JobIn(_JobFields):  # type: ignore[misc,valid-type]
                 "image.path must be absolute: a worker reads it on its own machine, under "
                 "OCRQ_ALLOWED_ROOTS"
             )
-        if image.url is not None and not image.url.lower().startswith(("http://", "https://")):
+        if image.url is not None and not _is_http(image.url):
             raise ValueError("image.url must be an http or https URL")
         if image.b64 is not None:
             try:
@@ -128,9 +137,7 @@ class JobIn(_JobFields):  # type: ignore[misc,valid-type]
         try:  # NUL, lone surrogates, ...: the worker's rules, as a 422 that echoes no value
             self.request()
         except ValidationError as exc:
-            raise ValueError(
-                "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
-            ) from None
+            raise ValueError(validation_messages(exc)) from None
         return self
 
     def request(self) -> JobRequest:
