@@ -1020,6 +1020,7 @@ def prune(
     OCRQ_RETENTION_DAYS has workers do the same daily (docs/operations.md, Retention)."""
     from ocrq.core.db import engine_for
     from ocrq.core.retention import prune as prune_rows
+    from ocrq.core.retention import queued_in_broker
 
     now = dt.datetime.now(dt.UTC)
     cutoff = older_than_cutoff(older_than, now)
@@ -1033,7 +1034,13 @@ def prune(
         )
         raise typer.Exit(EXIT_USAGE)
     settings = _settings()
-    pruned = prune_rows(engine_for(settings), cutoff, settings.upload_dir, dry_run=dry_run)
+    pruned = prune_rows(
+        engine_for(settings),
+        cutoff,
+        settings.upload_dir,
+        dry_run=dry_run,
+        still_queued=queued_in_broker(settings),
+    )
     hooks = f", {pruned.batch_hooks} unsent batch webhook(s)" if pruned.batch_hooks else ""
     verb = "would delete" if dry_run else "deleted"
     err.print(

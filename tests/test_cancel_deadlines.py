@@ -618,10 +618,11 @@ def test_prune_where_the_upload_folder_is_read_only_prunes_rows_and_says_why(
     _backdate(store, old, "done", now() - 40 * DAY)
     files = [_upload(tmp_path / "uploads", 40 * DAY) for _ in range(2)]
 
-    def read_only(path: Any) -> None:
+    def read_only(path: Any, *_: Any) -> None:
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
     monkeypatch.setattr(retention.os, "unlink", read_only)
+    monkeypatch.setattr(retention.os, "rename", read_only)
     pruned = retention.prune(store.engine, now() - 30 * DAY, tmp_path / "uploads")
     assert _status_of(store, old) is None and pruned.jobs >= 1
     assert pruned.uploads == 0 and all(f.exists() for f in files)
@@ -649,7 +650,7 @@ def test_one_retention_pass_at_a_time_its_lock_pinned_to_one_transaction(
     seen: dict[str, Any] = {}
     real_prune = retention.prune
 
-    def observed(db: Any, cutoff: dt.datetime, upload_dir: Path | None) -> Any:
+    def observed(db: Any, cutoff: dt.datetime, upload_dir: Path | None, **kwargs: Any) -> Any:
         with db.connect() as conn:
             seen["holders"] = conn.execute(text(
                 "SELECT a.state FROM pg_locks l "
@@ -661,7 +662,7 @@ def test_one_retention_pass_at_a_time_its_lock_pinned_to_one_transaction(
             ).scalars().all()
             # (a bigint key is (classid, objid): its high and low halves)
         seen["rival"] = retention.prune_once_locked(db, cutoff, upload_dir)
-        return real_prune(db, cutoff, upload_dir)
+        return real_prune(db, cutoff, upload_dir, **kwargs)
 
     # A key of this test's own: a worker of this session pruning at its start cannot take it.
     monkeypatch.setattr(retention, "LOCK_KEY", int.from_bytes(os.urandom(6)) + 1)
@@ -772,3 +773,84 @@ def test_prune_dry_run_counts_and_a_cutoff_under_an_hour_needs_yes(
     said = " ".join(forced.stderr.split())
     assert forced.returncode == 0 and "deleted 1 job(s), 0 document(s) and 1 upload(s)" in said
     assert left() == {**everything, "old_done": None, "old_failed": None, "recent_done": None}
+
+
+def test_prune_keeps_what_a_queued_message_needs_and_its_dry_run_counts_the_uploads_it_frees(
+    private_database: str, broker_url: str, tmp_path: Path
+) -> None:
+    """Two holes of `ocrq prune`. A job cancelled while its message waited in Redis lost its
+    row, and a worker then took the message for a new job and ran it (`done`): such a row stays
+    while the broker holds its message, and goes once it does not. And `--dry-run` counted 0
+    uploads where the prune then deleted them: an upload named only by a row the prune deletes
+    is freed by it, and the dry run counts it."""
+    store = JobStore(get_engine(private_database))
+    queue = f"prune-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "OCRQ_DATABASE_URL": private_database, "OCRQ_BROKER_URL": broker_url,
+           "OCRQ_UPLOAD_DIR": str(tmp_path / "uploads"), "OCRQ_QUEUE": queue}
+    upload = _upload(tmp_path / "uploads", 2 * HOUR)
+    ids = {name: str(uuid.uuid4()) for name in ("waiting", "cancelled", "done")}
+    for name, job_id in ids.items():
+        store.enqueue(job_id, "text", str(upload) if name == "done" else f"/gone/{name}.png")
+        _backdate(store, job_id, "done" if name == "done" else "cancelled", now() - 2 * HOUR)
+    producer = Celery("prune-test", broker=broker_url)
+    try:
+        producer.send_task(
+            "ocrq.recognize", kwargs={"image": {"path": "/gone/waiting.png"}},
+            task_id=ids["waiting"], queue=queue,
+        )
+    finally:
+        producer.close()
+
+    dry = _ocrq(env, "prune", "--older-than", "1h", "--dry-run")
+    said = " ".join(dry.stderr.split())
+    assert "would delete 2 job(s), 0 document(s) and 1 upload(s)" in said, said
+    real = _ocrq(env, "prune", "--older-than", "1h")
+    said = " ".join(real.stderr.split())
+    assert real.returncode == 0 and "deleted 2 job(s), 0 document(s) and 1 upload(s)" in said, said
+    assert _status_of(store, ids["waiting"]) == "cancelled" and not upload.exists()
+    assert _status_of(store, ids["cancelled"]) is None and _status_of(store, ids["done"]) is None
+
+    redis.Redis.from_url(broker_url).delete(queue)  # a worker took the message and dropped it
+    again = _ocrq(env, "prune", "--older-than", "1h")
+    assert "deleted 1 job(s)" in " ".join(again.stderr.split()), again.stderr
+    assert _status_of(store, ids["waiting"]) is None
+
+
+def test_prune_keeps_an_upload_uploaded_again_while_it_runs(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prune deleted an upload that a new job had just re-used (4 of 4 runs): the api found
+    the file, touched it and named it in the new row while the prune, which had listed it as
+    old and unreferenced, deleted it. Here the same bytes are uploaded again at the worst
+    moment, as the prune's first change to the folder happens: the file survives, fresh."""
+    import asyncio
+
+    from ocrq.api.uploads import Uploads
+    from ocrq.core import retention
+
+    folder = tmp_path / "uploads"
+    uploads = Uploads(folder, 1 << 20)
+    data = uuid.uuid4().bytes * 8
+    path = asyncio.run(uploads.store_bytes(data))
+    stamp = (dt.datetime.now(dt.UTC) - 40 * DAY).timestamp()
+    os.utime(path, (stamp, stamp))
+    store = JobStore(get_engine(database_url))
+    real_rename, real_unlink = os.rename, os.unlink
+    raced: list[str] = []
+
+    def uploaded_again_first(real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            if not raced:
+                raced.append(str(args[0]))
+                assert asyncio.run(uploads.store_bytes(data)) == path
+                store.enqueue(str(uuid.uuid4()), "text", str(path))
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(retention.os, "rename", uploaded_again_first(real_rename))
+    monkeypatch.setattr(retention.os, "unlink", uploaded_again_first(real_unlink))
+    pruned = retention.prune(store.engine, now() - 30 * DAY, folder)
+    assert raced == [str(path)]  # the race did happen, on this file
+    assert path.exists() and path.read_bytes() == data and pruned.uploads == 0
+    assert not list(path.parent.glob("*.pruning-*"))

@@ -78,11 +78,11 @@ class Uploads:
         final = self.path_for(digest)
         final.parent.mkdir(exist_ok=True)
         partial.chmod(FILE_MODE)
-        if final.exists():  # the same bytes again: keep the first copy
-            partial.unlink()
-            os.utime(final)  # fresh again: retention keeps an upload younger than its cutoff
-        else:
-            os.replace(partial, final)
+        # The same bytes again replace the first copy (atomically: a reader keeps the file it
+        # opened). Always written, never only touched: the file is fresh before the job's row
+        # names it, which is what lets retention keep an upload re-used while it prunes
+        # (ocrq/core/retention.py); a touch could find the file just moved aside.
+        os.replace(partial, final)
         return final
 
     async def store_bytes(self, data: bytes) -> Path:

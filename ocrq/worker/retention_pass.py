@@ -28,7 +28,7 @@ from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
 from ocrq.core.broker_redis import broker_client, is_redis
-from ocrq.core.retention import prune_once_locked
+from ocrq.core.retention import prune_once_locked, queued_in_broker
 from ocrq.core.settings import Settings
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class RetentionPass:
         self.db = db
         self.days = settings.retention_days
         self.upload_dir = settings.upload_dir
+        self.still_queued = queued_in_broker(settings)
         self.key = day_key(settings.database_url)
         self._redis: redis.Redis | None = (
             broker_client(
@@ -129,7 +130,7 @@ class RetentionPass:
         """One pass; whether it is done (or another process's, holding the lock, is on it)."""
         cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(days=self.days)
         try:
-            pruned = prune_once_locked(self.db, cutoff, self.upload_dir)
+            pruned = prune_once_locked(self.db, cutoff, self.upload_dir, self.still_queued)
         except Exception:
             log.exception("retention pass failed; tried again within the next hours")
             return False
