@@ -332,3 +332,36 @@ def test_parquet_is_written_a_chunk_at_a_time(tmp_path: Path) -> None:
     table = pq.read_table(out).to_pylist()
     assert [r["job_id"] for r in table] == [r["job_id"] for r in records]
     assert json.loads(table[-1]["lines"])[0]["text"] == table[-1]["text"]
+
+
+def test_csv_cells_open_as_text_and_md_names_fit_the_file_system(tmp_path: Path) -> None:
+    """Two export faults a probe found. CSV cells that begin like a formula (`=HYPERLINK(...)`
+    read off a receipt) were written as they are, and a spreadsheet ran them (OWASP's CSV
+    injection): they get the leading `'` that makes them text. And `--format md` died with
+    ENAMETOOLONG on a long non-ASCII file name (100 characters of Chinese are 300 bytes, past
+    the 255 a name may have), losing every later record."""
+    from ocrq.core import export as exporting
+
+    stamp = "2026-12-02T06:00:00+00:00"
+
+    def rec(i: int, path: str, text: str) -> dict[str, Any]:
+        return {**dict.fromkeys(exporting.FIELDS), "job_id": f"{i:08d}-job", "kind": "image",
+                "status": "done", "path": path, "text": text, "created_at": stamp, "lines": []}
+
+    hostile = ['=HYPERLINK("http://x.invalid","pay")', "+1+2", "-3+4", "@SUM(A1)", "\tTAB"]
+    records = [rec(i, f"/in/r{i}.png", t) for i, t in enumerate(hostile)]
+    records.append(rec(9, "/in/plain.png", "TOTAL 12.50 - paid"))
+    table = tmp_path / "out.csv"
+    exporting.write(iter(records), "csv", table)
+    with table.open(newline="") as fh:
+        texts = [r["text"] for r in csv.DictReader(fh)]
+    assert texts == ["'" + t for t in hostile] + ["TOTAL 12.50 - paid"]
+
+    long_name = "/in/" + "销售报告" * 40 + ".png"  # 160 characters, 480 bytes
+    named = [rec(20, long_name, "one"), rec(21, long_name, "two"), rec(22, "/in/after.png", "3")]
+    md = tmp_path / "md"
+    done = exporting.write(iter(named), "md", md)
+    assert done.files == 3
+    names = sorted(p.name for p in md.iterdir())
+    assert all(len(n.encode()) <= 255 for n in names) and "after.md" in names, names
+    assert sorted(p.read_text() for p in md.iterdir()) == ["3\n", "one\n", "two\n"]

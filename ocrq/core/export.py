@@ -171,12 +171,27 @@ def _write_text(
         writer = csv.DictWriter(fh, fieldnames=FIELDS)
         writer.writeheader()
         for rec in records:
-            writer.writerow({**rec, "lines": json.dumps(rec["lines"], ensure_ascii=False)})
+            row = {**rec, "lines": json.dumps(rec["lines"], ensure_ascii=False)}
+            writer.writerow({k: cell(v) for k, v in row.items()})
             done.records += 1
     else:
         raise ValueError(f"unknown format {fmt!r}: one of {', '.join(FORMATS)}")
     fh.flush()
     return done
+
+
+# A cell a spreadsheet would run as a formula (OWASP, "CSV Injection"): OCR'd text is whatever
+# the image said, and `=HYPERLINK(...)` on a receipt must reach the user as text.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def cell(value: Any) -> Any:
+    """A CSV cell that opens as text in a spreadsheet: a string that starts like a formula
+    gets a leading `'` (the quote spreadsheets hide and treat as "text"); other values as
+    they are. JSONL and Parquet keep the text exactly."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
 
 
 def parquet_missing() -> str | None:
@@ -233,7 +248,18 @@ def stem(source: str) -> str:
     base = source.partition(PAGE_MARK)[0].split("?", 1)[0].rstrip("/")
     name = base.rsplit("/", 1)[-1] or "job"
     name = name.rsplit(".", 1)[0] if "." in name[1:] else name
-    return _UNSAFE.sub("_", name)[:100] or "job"
+    return _shortened(_UNSAFE.sub("_", name)) or "job"
+
+
+# Bytes of a stem: a file system's name limit is 255 bytes (NAME_MAX), and a stem gets up to
+# `-<8 of the job id>.md` after it. Counted in UTF-8 bytes, not characters: 100 characters of
+# CJK or Cyrillic are 200-300 bytes, and the export died with ENAMETOOLONG.
+STEM_BYTES = 200
+
+
+def _shortened(name: str) -> str:
+    cut = name.encode("utf-8")[:STEM_BYTES]
+    return cut.decode("utf-8", errors="ignore")
 
 
 class _Names:
