@@ -41,6 +41,8 @@ NO_ROW_YET = (
 )
 EXIT_DATABASE = 5  # PostgreSQL unreachable, the database missing or not migrated
 EXIT_BROKER = 6  # the broker (Redis) unreachable
+EXIT_UNAVAILABLE = 69  # `ocrq api`: its address cannot be bound (EX_UNAVAILABLE; uvicorn's 3
+# would have read as EXIT_PENDING)
 EXIT_CONFIG = 78  # invalid settings, e.g. an unknown engine (EX_CONFIG; also `ocrq worker`'s)
 # What `ocrq --help` says first: the two ways to use ocrq (the module's docstring is for its
 # readers, and was the help's first line until stop 48).
@@ -53,6 +55,7 @@ HELP = (
 EPILOG = (
     "Exit codes: 0 ok; 1 a job failed; 2 bad usage; 3 jobs still pending at --timeout; "
     "4 unknown job id; 5 database unreachable, missing or not migrated; 6 broker unreachable; "
+    "69 `ocrq api` cannot listen (its port taken); "
     "78 invalid settings (an unknown engine, a bad OCRQ_* value); 75 a worker process's "
     "recycle (its supervisor starts the next)."
 )
@@ -503,6 +506,17 @@ def submit(
     for target in targets:
         if target.startswith(("http://", "https://")):
             refs.append(target)
+        elif target.endswith(("/", os.sep)) and not Path(target).is_dir():
+            # A folder by its spelling that is not there: it became one job per "file" named
+            # like the folder, failing on a worker. A missing file still becomes a job (the
+            # worker's host may hold it); a folder is walked here, so this host must.
+            err.print(
+                f"[red]ocrq submit:[/] {escape(target)} is not a folder here (a folder is "
+                "searched on this host for the images to submit)",
+                soft_wrap=True,
+                highlight=False,
+            )
+            raise typer.Exit(EXIT_USAGE)
         else:
             found = find_inputs([Path(target)])
             refs.extend(str(p) for p in found.files)
@@ -1250,8 +1264,41 @@ def api(
     if public_docs:
         err.print(f"api docs: http://{host}:{port}/docs (open on loopback; OCRQ_API_DOCS=token "
                   "puts them behind the token)")
+    refused = _cannot_listen(host, port)
+    if refused is not None:
+        err.print(f"[red]ocrq api cannot start:[/] {refused}", soft_wrap=True, highlight=False)
+        raise typer.Exit(EXIT_UNAVAILABLE)
     err.print(f"results viewer: http://{host}:{port}/view/JOB_ID#token=... (docs/api.md#viewer)")
-    uvicorn.run("ocrq.api.http:app", host=host, port=port, log_level=log_level)
+    try:
+        uvicorn.run("ocrq.api.http:app", host=host, port=port, log_level=log_level)
+    except SystemExit as exc:
+        # uvicorn's start-up failure is exit 3, which ocrq's scripts read as "jobs pending"
+        # (a port taken between the look above and the bind, the app's lifespan failing).
+        if exc.code == 3:
+            raise typer.Exit(EXIT_UNAVAILABLE) from None
+        raise
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on (the port taken, the address not this host's),
+    or None. Asked before uvicorn starts: its own answer is a log line and exit 3."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve --host {host}: {exc.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            taken = exc.errno == errno.EADDRINUSE
+            hint = " (another `ocrq api`? pick one with --port)" if taken else ""
+            return f"cannot listen on {host}:{port}: {exc.strerror}{hint}"
+    return None
 
 
 @app.command()

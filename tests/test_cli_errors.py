@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 import ocrq
-from ocrq.cli import EXIT_BROKER, EXIT_CONFIG, EXIT_DATABASE, EXIT_USAGE
+from ocrq.cli import EXIT_BROKER, EXIT_CONFIG, EXIT_DATABASE, EXIT_UNAVAILABLE, EXIT_USAGE
 from tests.conftest import BIN, TEST_PG
 
 
@@ -269,3 +269,29 @@ def test_jobs_names_the_statuses_it_takes() -> None:
     assert done.returncode == EXIT_USAGE, done.stderr
     said = " ".join(done.stderr.replace("│", " ").split())
     assert "unknown status bogus; one of queued, running, done, failed, cancelled, expired" in said
+
+
+def test_submit_of_a_folder_that_is_not_there_is_a_usage_error(tmp_path: Path) -> None:
+    """`ocrq submit DIR/` of a missing folder sent a job named like the folder, which then
+    failed on a worker. Spelt as a folder and not one here: exit 2 naming it, before the broker
+    is touched (a closed port here: a send would have been exit 6)."""
+    env = {**os.environ, "OCRQ_BROKER_URL": f"redis://127.0.0.1:{closed_port()}/0",
+           "COLUMNS": "1000"}
+    missing = f"{tmp_path / 'scans'}/"
+    done = ocrq_cli(env, "submit", missing)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert one_line(done).startswith(f"ocrq submit: {missing} is not a folder here")
+
+
+def test_api_on_a_port_already_taken_says_so_with_its_own_exit_code() -> None:
+    """`ocrq api` on a busy port exited 3, which ocrq's scripts read as "jobs still pending"
+    (uvicorn's start-up failure): it says the port is taken and exits 69 (EX_UNAVAILABLE)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "OCRQ_API_TOKEN": "t-" + uuid.uuid4().hex, "COLUMNS": "1000"}
+        done = ocrq_cli(env, "api", "--port", str(port))
+    assert done.returncode == EXIT_UNAVAILABLE, done.stderr
+    assert f"ocrq api cannot start: cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Address already in use" in done.stderr and "Traceback" not in done.stderr
