@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -239,6 +240,27 @@ def _found_inputs(command: str, looked: list[str], found: int, inputs: Inputs) -
         raise typer.Exit(EXIT_USAGE)
     if skipped or inputs.unreadable:
         err.print(f"[yellow]ocrq {command}:[/] {what}", soft_wrap=True, highlight=False)
+
+
+def _result_line(row: dict[str, Any], width: int | None) -> str:
+    """`submit --wait`'s line for one result: id, status, path, the text's start. On a
+    terminal (`width`) it fits the line, the path cut from its start (its file name is what
+    tells images apart) and the text from its end; every row wrapped at 80 columns before.
+    Piped (None), the path whole and 80 characters of text, as scripts have read it."""
+    text = (row.get("text") or row.get("error") or "").replace("\n", " | ")
+    path = str(row.get("path"))
+    head = f"{row['job_id']}  {row['status']:7}  "
+    if width is None:
+        return f"{head}{path}  {text[:80]}"
+    room = max(width - len(head), 24)
+    name = path.rsplit("/", 1)[-1]
+    keep = min(len(path), max(room // 3, min(len(name) + 1, room - 10)))
+    if len(path) > keep:
+        path = "…" + path[len(path) - keep + 1 :]
+    left = room - len(path) - 2
+    if len(text) > left:
+        text = text[: max(left - 1, 0)] + "…"
+    return f"{head}{path}  {text}".rstrip()
 
 
 def _results_file() -> Path:
@@ -548,14 +570,10 @@ def submit(
 
         results = client.wait(ids, timeout, on_progress=on_progress)
     counts: dict[str, int] = {}
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
     for row in results:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
-        typer.echo(
-            json.dumps(row, ensure_ascii=False)
-            if as_json
-            else f"{row['job_id']}  {row['status']:7}  {row.get('path')}  "
-            f"{(row.get('text') or row.get('error') or '').replace(chr(10), ' | ')[:80]}"
-        )
+        typer.echo(json.dumps(row, ensure_ascii=False) if as_json else _result_line(row, width))
     documents = any("pages" in row for row in results)  # a document's row, not an image's
     err.print(_summary(counts, len(ids), time.monotonic() - started, _unit(False, documents)))
     # partial: a document some of whose pages failed (it is finished, and counts as failed)

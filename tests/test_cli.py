@@ -65,6 +65,14 @@ def test_submit_wait_fails_when_a_job_fails(
     # Every job failed: still 1; a timeout with jobs unfinished: 3 (documented codes).
     only_bad = ocrq(service_env, "submit", str(missing), "--wait", "--timeout", "120")
     assert only_bad.returncode == 1 and "done: 0, failed: 1, total: 1" in only_bad.stderr
+    # On an 80-column terminal each result is one line that fits (every row wrapped: the path
+    # and the error's text took 150+ columns); the file name and the status stay readable.
+    code, shown, _ = ocrq_on_tty(
+        service_env, "submit", str(missing), "--wait", "--timeout", "120", columns=80
+    )
+    lines = [line for line in ANSI.sub("", shown).splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1, shown
+    assert len(lines[0]) <= 80 and "failed" in lines[0] and missing.name in lines[0], lines
 
 
 def test_status_prints_whole_ids_and_fails_on_unknown(
