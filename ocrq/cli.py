@@ -1137,9 +1137,11 @@ def tune(
     """Probe the device with real batches, fit the memory cost model, write the profile that
     workers load at start (plus a PNG of throughput and peak memory against batch size); with
     --images, find the knee on your images and recommend the settings to paste."""
+    from ocrq.tuning.probing import NothingMeasured
     from ocrq.tuning.tune import BudgetError, fit_summary, table, tune_engine
 
     _logging(log_level)
+    quiet_compilers()
     try:  # checked before minutes of probing, not after
         import matplotlib  # noqa: F401
     except ImportError:
@@ -1163,8 +1165,11 @@ def tune(
         )
     except BudgetError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    except NothingMeasured as exc:
+        err.print(f"[red]ocrq tune:[/] {exc}", soft_wrap=True, highlight=False)
+        raise typer.Exit(EXIT_USAGE) from None
     assert outcome.report.fit is not None
-    Console(width=140).print(table(outcome.report, f"ocrq tune: {settings.engine}"))
+    _tables().print(table(outcome.report, f"ocrq tune: {settings.engine}"))
     typer.echo(fit_summary(outcome.report.fit))
     if outcome.running:
         r = outcome.running
@@ -1175,6 +1180,29 @@ def tune(
     typer.echo(f"profile: {outcome.profile}")
     typer.echo(f"plot: {outcome.plot}")
     typer.echo("for the sweet spot on your own images and the settings to paste: --images DIR")
+
+
+def _tables() -> Console:
+    """Where tune's tables go: a terminal's own width (at a fixed 160 every row wrapped on an
+    80-column one; rich fits a table by wrapping within its cells instead), 160 when piped so a
+    saved report keeps one line a row."""
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+# Modules whose warnings are their compilers talking (FlashAttention-4's CuTe DSL JIT, Triton):
+# one UserWarning per kernel shape compiled reached the user's terminal mid-tune.
+COMPILER_MODULES = r"(cutlass|flash_attn|triton|nvidia_cutlass_dsl)(\.|$)"
+
+
+def quiet_compilers() -> None:
+    """Keep kernel compilers' warnings off tune's terminal; `--log-level DEBUG` still shows them
+    (they then go to the log, as every warning does)."""
+    import warnings
+
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        logging.captureWarnings(True)
+        return
+    warnings.filterwarnings("ignore", module=COMPILER_MODULES)
 
 
 def _tune_images(
@@ -1203,10 +1231,10 @@ def _tune_images(
     except (SampleProblem, SweepProblem) as exc:
         measured = getattr(exc, "sweep", None)
         if measured is not None:
-            Console(width=160).print(sweep_table(measured, None, "what the sweep measured"))
+            _tables().print(sweep_table(measured, None, "what the sweep measured"))
         err.print(f"ocrq tune: {exc}")
         raise typer.Exit(2) from None
-    console = Console(width=160)
+    console = _tables()
     rec = outcome.recommendation
     console.print(sweep_table(outcome.sweep, rec, f"ocrq tune --images: {settings.engine}, "
                                                   "images/s per max batch"))

@@ -794,3 +794,47 @@ def test_first_pass_stops_at_the_deadline_and_gives_the_rest_the_median(tmp_path
     calls.clear()
     assert output_lengths(engine, rows).tokens == (5,) * len(rows)  # no deadline: every image
     assert calls == [FIRST_PASS_ROWS, 2]
+
+
+def test_tune_tables_fit_the_terminal_they_are_shown_on(tmp_path: Path) -> None:
+    """`ocrq tune` printed its tables 160 columns wide whatever the terminal: on an 80-column
+    one every row wrapped. On a terminal the tables take its width (piped: 160, one line a row,
+    as the other tune tests read them)."""
+    from tests.terminal import ANSI, on_terminal
+
+    env = {**os.environ, "OCRQ_PROFILE_DIR": str(tmp_path)}
+    code, shown, errors = on_terminal(
+        env, "tune", "--engine", "rapid", "--budget", "2", "--max-seconds", "20", columns=80
+    )
+    lines = [line.rstrip("\r") for line in ANSI.sub("", shown).splitlines()]
+    assert code == 0, errors[-2000:]
+    assert any("peak GiB" in line for line in lines), shown  # the table is there
+    rows = [line for line in lines if line[:1] in "┏┃┡│└"]  # the table's lines, its frame
+    assert len(rows) >= 5 and max(len(line) for line in rows) <= 80, "\n".join(lines)
+    # Too little time for any probe: one line saying what to change, not a traceback.
+    short = run_tune(env, "--engine", "rapid", "--budget", "2", "--max-seconds", "0.01")
+    assert short.returncode == 2 and "Traceback" not in short.stderr, short.stderr[-2000:]
+    assert "give more --max-seconds" in " ".join(short.stderr.split()), short.stderr
+
+
+def test_tune_keeps_kernel_compilers_warnings_off_the_terminal() -> None:
+    """FlashAttention-4's CuTe DSL compiler warned once per kernel shape, on the user's
+    terminal mid-tune. Its modules' (and Triton's) warnings are dropped at the default log
+    level; ocrq's own, and any other library's, still show."""
+    import warnings
+
+    from ocrq.cli import quiet_compilers
+
+    def warn_from(module: str, message: str) -> None:
+        code = compile(f"import warnings\nwarnings.warn({message!r}, UserWarning)", module, "exec")
+        exec(code, {"__name__": module})
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_compilers()
+        warn_from("cutlass.base_dsl.jit_executor", "compiling a kernel")
+        warn_from("flash_attn.cute.interface", "a JIT note")
+        warn_from("triton.runtime.jit", "autotuning")
+        warn_from("ocrq.tuning.sweep", "ours")
+        warn_from("cutlassy", "not a compiler")
+    assert [str(w.message) for w in seen] == ["ours", "not a compiler"]

@@ -36,6 +36,10 @@ from ocrq.models.costs import GiB, ItemCost
 from ocrq.models.memory import MemoryProbing, OutOfMemory, ProbePage, catch_oom, memory_of
 from ocrq.tuning.calibration import Fit, Sample, fit
 
+
+class NothingMeasured(RuntimeError):
+    """Every probe was skipped or failed: `ocrq tune` says what to change (was a traceback)."""
+
 log = logging.getLogger(__name__)
 
 SAFETY = 1.15  # a prediction from one series' measurements is inflated by this before comparing
@@ -262,7 +266,10 @@ def run_probes(
 
     samples = report.samples()
     if not samples:
-        raise RuntimeError("no probe ran within the budget and time; nothing to fit")
+        raise NothingMeasured(
+            "no probe finished within the budget and --max-seconds, so there is nothing to fit: "
+            "give more --max-seconds (a loaded host runs each probe slower) or a larger --budget"
+        )
     # The decode part is the engine's KV-cache arithmetic, not fitted (ocrq/tuning/calibration.py).
     default = engine.cost_model()
     report.fit = fit(
