@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -838,3 +839,44 @@ def test_tune_keeps_kernel_compilers_warnings_off_the_terminal() -> None:
         warn_from("ocrq.tuning.sweep", "ours")
         warn_from("cutlassy", "not a compiler")
     assert [str(w.message) for w in seen] == ["ours", "not a compiler"]
+
+
+def test_each_setting_runs_in_interleaved_rounds_and_its_rate_is_their_median() -> None:
+    """On a loaded host one run per setting moved the knee. Each setting that ran runs again in
+    later rounds that take the settings in turn (so a slow spell falls on every setting, not
+    one), while the deadline allows; its rate is the median round, and the spread is shown."""
+    from ocrq.models.rapid import RapidEngine
+    from ocrq.tuning.images import sweep_table
+    from ocrq.tuning.probing import draw_page
+    from ocrq.tuning.sweep import ROUNDS
+
+    engine = RapidEngine()
+    engine.load()
+    rows = [PreparedImage(f"r{i}", draw_page(240, 60, [f"TOTAL {i}.50"], 20), (240, 60))
+            for i in range(2)]
+    for row in rows:
+        engine.prepare(row)
+    order: list[int] = []
+    sweep = run_sweep(engine, rows, 4 * GiB, max_batch=2, deadline=time.monotonic() + 300,
+                      warm_each=False, on_batch=lambda setting, n: order.append(setting))
+    assert [(p.setting, p.status, len(p.rates)) for p in sweep.points] == [
+        (1, "ok", ROUNDS), (2, "ok", ROUNDS)
+    ]
+    # warm calls, then 1, 1, 2 (first pass), then the rounds in turn: 1, 1, 2, 1, 1, 2
+    assert order[-6:] == [1, 1, 2, 1, 1, 2], order
+    for p in sweep.points:
+        assert p.images_per_s == pytest.approx(sorted(p.rates)[1])  # the median of three
+        assert p.spread().endswith(f"({ROUNDS} runs)")
+    from rich.console import Console
+
+    console = Console(width=160, record=True)
+    console.print(sweep_table(sweep, None, "rounds"))
+    assert "(3 runs)" in console.export_text()
+
+    # No time for a second round: one run each, and the table says so.
+    calls = iter(range(1000))
+    short = run_sweep(engine, rows, 4 * GiB, max_batch=2, deadline=100.0, warm_each=False,
+                      clock=lambda: 0.0 if next(calls) < 8 else 1e9)
+    assert [len(p.rates) for p in short.points if p.ran] and all(
+        p.spread() == "1 run" for p in short.points if p.ran
+    )

@@ -34,6 +34,7 @@ from ocrq.tuning.sample import UserSample, load_sample
 from ocrq.tuning.sweep import (
     FRACTION,
     HEADROOM,
+    ROUNDS,
     Recommendation,
     Sweep,
     SweepProblem,
@@ -81,10 +82,13 @@ class ImagesOutcome:
 
 
 def planned_images(rows: int, max_batch: int, warm_each: bool, loop: bool) -> int:
-    """Images the sweep runs when every setting runs (the progress bar's total)."""
-    if loop:
-        return 1 + sum(loop_rows(rows, n) + n for n in settings_to_try(max_batch))
-    return 1 + sum(-(-rows // n) * n + (n if warm_each else 0) for n in settings_to_try(max_batch))
+    """Images the sweep runs when every setting runs every round (the progress bar's total;
+    where --max-seconds ends the rounds early, the bar is completed when the sweep ends)."""
+    if loop:  # each run of a setting opens and warms the loop again
+        return 1 + ROUNDS * sum(loop_rows(rows, n) + n for n in settings_to_try(max_batch))
+    return 1 + sum(
+        (n if warm_each else 0) + ROUNDS * -(-rows // n) * n for n in settings_to_try(max_batch)
+    )
 
 
 def paste_lines(rec: Recommendation, budget_bytes: int) -> list[str]:
@@ -253,7 +257,7 @@ def sweep_json(sweep: Sweep) -> list[dict[str, Any]]:
     return [
         {"setting": p.setting, "status": p.status, "images": p.images,
          "seconds": round(p.seconds, 3), "images_per_s": p.images_per_s,
-         "peak_bytes": p.peak_bytes}
+         "rates": [round(r, 4) for r in p.rates], "peak_bytes": p.peak_bytes}
         for p in sweep.points
     ]
 
@@ -263,8 +267,9 @@ def sweep_table(sweep: Sweep, rec: Recommendation | None, title: str) -> Any:
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("max batch", "images", "seconds", "images/s", "peak GiB", "budget", "status"):
-        t.add_column(col, justify="left" if col == "status" else "right")
+    for col in ("max batch", "images", "seconds", "images/s", "spread", "peak GiB", "budget",
+                "status"):
+        t.add_column(col, justify="left" if col in ("status", "spread") else "right")
     for p in sweep.points:
         mark = "  <- knee" if rec is not None and p.setting == rec.setting and p.ran else ""
         t.add_row(
@@ -272,6 +277,7 @@ def sweep_table(sweep: Sweep, rec: Recommendation | None, title: str) -> Any:
             str(p.images) if p.ran else "-",
             f"{p.seconds:.2f}" if p.ran else "-",
             f"{p.images_per_s:.2f}" if p.ran else "-",
+            p.spread(),
             f"{p.peak_bytes / GiB:.3f}" if p.peak_bytes is not None else "-",
             f"{p.peak_bytes / sweep.budget_bytes:.0%}" if p.peak_bytes is not None else "-",
             p.status + mark,

@@ -8,6 +8,12 @@ work, so the rates compare like for like. bench/sustained.py's definition (compl
 running loop is saturated) needs a loop fed from a queue; a static batch is saturated by
 construction, so its steady-state rate is the same quantity.
 
+Each setting that ran is run again, in later rounds that visit the settings in turn (1, 2, 4,
+... then 1, 2, 4, ... again) while --max-seconds allows, up to ROUNDS in all: on a loaded host
+one run per setting moved the knee, and interleaved rounds spread a slow spell over every
+setting instead of one. A setting's rate is the median of its rounds, and the table shows
+their spread; the first round needs no warm-up again (each shape is warm by then).
+
 The sweep is bounded: each setting's time is predicted from the last one's seconds per image,
 scaled as if batching were perfect (an optimistic bound, with SLACK; the first from a warm call
 of one image, since the engine's cold first call pays for allocations and, on a GPU, graph
@@ -24,9 +30,10 @@ the settings whose peak keeps HEADROOM of the budget free.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ocrq.models.base import Engine, PreparedImage
@@ -37,6 +44,7 @@ from ocrq.tuning.calibration import Sample
 FRACTION = 0.95  # the knee: the smallest setting within this share of the best images/s
 HEADROOM = 0.15  # share of the budget the recommended setting's peak leaves free
 SLACK = 1.5  # a setting's predicted time is inflated by this before checking the deadline
+ROUNDS = 3  # runs of each setting at most: the first pass, then rounds while time allows
 
 
 class SweepProblem(ValueError):
@@ -67,14 +75,31 @@ class SweepPoint:
     seconds: float = 0.0  # timed seconds
     peak_bytes: int | None = None  # warm-up batch included
     batches: tuple[Sample, ...] = ()  # each batch's costs and peak, for the cost-model fit
+    # images/s of each round after the first (the first is images / seconds)
+    again: tuple[float, ...] = ()
 
     @property
     def ran(self) -> bool:
         return self.status == "ok"
 
     @property
+    def rates(self) -> tuple[float, ...]:
+        """images/s of each round this setting ran."""
+        if not self.ran or self.seconds <= 0:
+            return ()
+        return (self.images / self.seconds, *self.again)
+
+    @property
     def images_per_s(self) -> float:
-        return self.images / self.seconds if self.ran and self.seconds > 0 else 0.0
+        """The median round: one slow spell on a loaded host does not move the knee."""
+        return statistics.median(self.rates) if self.rates else 0.0
+
+    def spread(self) -> str:
+        """The rounds' range, as the table shows it ("1 run" where only one ran)."""
+        rates = self.rates
+        if len(rates) < 2:
+            return "1 run" if rates else "-"
+        return f"{min(rates):.2f}-{max(rates):.2f} ({len(rates)} runs)"
 
 
 @dataclass
@@ -198,8 +223,39 @@ def run_sweep(
                 point.batches,
             )
             break
+    _more_rounds(sweep, one, rows, deadline, clock, loop, on_batch)
     sweep.seconds = clock() - started
     return sweep
+
+
+def _more_rounds(
+    sweep: Sweep,
+    one: Callable[[list[PreparedImage], int], tuple[float, Sample] | OutOfMemory],
+    rows: Sequence[PreparedImage],
+    deadline: float,
+    clock: Callable[[], float],
+    loop: LoopRunner | None,
+    on_batch: Callable[[int, int], None] | None,
+) -> None:
+    """Rounds 2..ROUNDS over the settings that ran, in turn, while each fits before the
+    deadline (predicted from its own first run); a round that fails or is cut ends them."""
+    for _ in range(ROUNDS - 1):
+        for i, point in enumerate(sweep.points):
+            if not point.ran:
+                continue
+            if clock() + SLACK * point.seconds > deadline:
+                return
+            if loop is None:
+                run = run_setting(one, rows, point.setting, point.images, False, deadline, clock)
+            else:
+                run = loop.run(rows, point.setting, point.images, on_batch, deadline)
+            if not run.ran:
+                return
+            peak = max(point.peak_bytes or 0, run.peak_bytes or 0) or None
+            sweep.points[i] = replace(
+                point, peak_bytes=peak, batches=point.batches + run.batches,
+                again=(*point.again, run.images / run.seconds),
+            )
 
 
 def run_setting(
