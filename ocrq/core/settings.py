@@ -350,6 +350,11 @@ class DeliverySettings(SettingsGroup):
     # (e.g. "myapp.*"), never `ocrq.*` or `celery.*`; a job with any other link, a chain or a
     # chord fails without running. Empty: no links at all (ocrq/worker/links.py).
     link_tasks: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # The queues a link may be sent to (fnmatch patterns; the producer's callback queues, e.g.
+    # "myapp"): a link names one as `signature(name, queue=...)`; one naming another queue, an
+    # exchange or a routing key, or none, fails its job like a link OCRQ_LINK_TASKS does not
+    # name. Empty: no links at all.
+    link_queues: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Webhooks (`callback_url` on a job): the key their HMAC-SHA256 signature is made with;
     # unset, the api refuses callback_url and workers send none; empty, nothing starts (a key of
     # b"" is one anyone can sign with). Set it on the api and workers.
@@ -376,7 +381,7 @@ class DeliverySettings(SettingsGroup):
     # bench/results/service_gpu/service_gpu_reading.md, runs 10-11); off elsewhere.
     engine_process: bool | None = None
 
-    @field_validator("link_tasks", mode="before")
+    @field_validator("link_tasks", "link_queues", mode="before")
     @classmethod
     def _split_link_tasks(cls, value: object) -> object:
         if isinstance(value, str):
