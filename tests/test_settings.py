@@ -274,6 +274,28 @@ def test_each_setting_given_empty_means_its_default_or_is_refused_by_name(
     assert getattr(Settings(_env_file=None), name) == _default(name)
 
 
+def test_an_empty_webhook_secret_stops_the_worker_naming_it(tmp_path: Path) -> None:
+    """It signed every webhook with the key b"" (issue 52): anyone could forge one. Given in
+    code (embedded mode) it is refused the same."""
+    import subprocess
+
+    from pydantic import SecretStr
+
+    from tests.conftest import BIN
+
+    env = {**os.environ, "OCRQ_WEBHOOK_SECRET": "", "OCRQ_ALLOWED_ROOTS": str(tmp_path)}
+    worker = subprocess.run(
+        [str(BIN / "ocrq"), "worker", "--no-supervise"], env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert worker.returncode == 78, worker.stderr[-2000:]
+    assert "OCRQ_WEBHOOK_SECRET is empty: webhooks would be signed with an empty key" in (
+        worker.stderr
+    )
+    with pytest.raises(ValidationError, match="OCRQ_WEBHOOK_SECRET is empty"):
+        Settings(_env_file=None, webhook_secret=SecretStr(" "))
+
+
 def test_an_empty_upload_dir_adds_no_root_and_no_roots_is_still_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

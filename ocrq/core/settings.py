@@ -83,7 +83,8 @@ class SettingsGroup(BaseModel):
             return values
         kept = {}
         for name, value in values.items():
-            if isinstance(value, str) and not value.strip():
+            text = value.get_secret_value() if isinstance(value, SecretStr) else value
+            if isinstance(text, str) and not text.strip():
                 if name in EMPTY_REFUSED:
                     raise ValueError(f"OCRQ_{name.upper()} is empty: {EMPTY_REFUSED[name]}")
                 continue
