@@ -57,7 +57,7 @@ G = TypeVar("G", bound="SettingsGroup")
 # Settings refused when given empty (`OCRQ_X=`), with why; any other empty setting means the same
 # as unset, its default. A secret left empty is a variable that was meant to be filled
 # (`OCRQ_WEBHOOK_SECRET=${SECRET}` with SECRET unset), not a choice: a webhook signed with the
-# key b"" can be forged by anyone, and the api's token says where its own refusal lies.
+# key b"" can be forged by anyone, and an empty api token would be no token at all.
 EMPTY_REFUSED = {
     "webhook_secret": (
         "webhooks would be signed with an empty key, which anyone can forge: set a secret "
