@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT, PRIORITIES, TASKS, queue_for
 from ocrq.core.process import STATE, setup_process
-from ocrq.core.settings import Settings
+from ocrq.core.settings import Settings, warn_unknown_variables
 from ocrq.models.registry import ENGINES
 
 if TYPE_CHECKING:
@@ -171,6 +171,7 @@ def _db_url(db: str) -> str:
 def _settings(**overrides: object) -> Settings:
     """Settings from OCRQ_* and the options given; an unknown engine is refused here, before
     any model, broker or database is touched."""
+    warn_unknown_variables(os.environ)  # a misspelt OCRQ_* variable would be ignored silently
     settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     if settings.engine not in ENGINES:
         raise ConfigProblem(

@@ -182,6 +182,7 @@ def scene(
         **{k: v for k, v in service_env.items() if not k.startswith("OCRQ_API_")},
         "OCRQ_QUEUE": QUEUE,
         "OCRQ_LINK_TASKS": "cbtest.*",
+        "OCRQ_LINK_QUEUES": CALLBACK_QUEUE,
         "OCRQ_WEBHOOK_SECRET": SECRET,
         "OCRQ_WEBHOOK_BACKOFF_S": "0.2",
         "OCRQ_URL_ALLOW_NETWORKS": "127.0.0.1/32",

@@ -13,10 +13,20 @@ from ocrq.core.settings import Settings
 from ocrq.worker.links import MAX_LINKS, link_refusal
 
 ALLOWED = ["myapp.*", "billing.notify"]
+QUEUES = ["myapp-callbacks"]
 
 
-def sig(name: object) -> dict[str, object]:
-    return {"task": name, "args": [], "kwargs": {}, "options": {}}
+def sig(name: object, **options: object) -> dict[str, object]:
+    """A plain signature as Celery writes it: `signature(name, queue="myapp-callbacks")`."""
+    return {
+        "task": name, "args": [], "kwargs": {}, "options": {"queue": QUEUES[0], **options},
+        "subtask_type": None, "immutable": False,
+    }  # fmt: skip
+
+
+def disguised(kind: str, *inner: dict[str, object]) -> dict[str, object]:
+    """A group/chain/chord under an allowed name: Celery rebuilds it by `subtask_type`."""
+    return {**sig("myapp.done"), "subtask_type": kind, "kwargs": {"tasks": list(inner)}}
 
 
 @pytest.mark.parametrize(
@@ -32,17 +42,31 @@ def sig(name: object) -> dict[str, object]:
         ({"chain": [sig("myapp.done")]}, "carries a Celery chain"),
         ({"chord": sig("myapp.done")}, "carries a Celery chord"),
         ({"callbacks": [sig("myapp.x")] * (MAX_LINKS + 1)}, f"at most {MAX_LINKS}"),
+        # Not plain, or sent elsewhere (issue 52): each would have made the worker send more.
+        ({"callbacks": [disguised("group", sig("billing.refund_all"))]}, "a Celery group"),
+        ({"errbacks": [disguised("chain", sig("myapp.a"))]}, "a Celery chain"),
+        ({"callbacks": [disguised("chord", sig("myapp.a"))]}, "a Celery chord"),
+        ({"callbacks": [{**sig("myapp.done"), "chord_size": 3}]}, "not a plain signature"),
+        ({"callbacks": [{**sig("myapp.done"), "tasks": []}]}, "carries tasks"),
+        ({"callbacks": [sig("myapp.done", queue="victimq")]}, "the queue 'victimq'"),
+        ({"callbacks": [{**sig("myapp.done"), "options": {}}]}, "names no queue"),
+        ({"callbacks": [sig("myapp.done", exchange="x")]}, "options exchange"),
+        ({"callbacks": [sig("myapp.done", routing_key="victimq")]}, "options routing_key"),
+        ({"callbacks": [sig("myapp.done", link=sig("myapp.more"))]}, "options link"),
+        ({"callbacks": [sig("myapp.done", countdown=5, priority=3)]}, None),
+        ({"callbacks": [{**sig("myapp.done"), "options": "x"}]}, "is not a signature"),
     ],
 )
 def test_link_rule(embed: dict[str, object], refused: str | None) -> None:
-    reason = link_refusal(embed, ALLOWED)
+    reason = link_refusal(embed, ALLOWED, QUEUES)
     assert (reason is None) if refused is None else (reason is not None and refused in reason)
 
 
 def test_no_pattern_allows_any_link_by_default() -> None:
-    assert link_refusal({"callbacks": [sig("myapp.done")]}, []) is not None
+    assert link_refusal({"callbacks": [sig("myapp.done")]}, [], QUEUES) is not None
+    assert link_refusal({"callbacks": [sig("myapp.done")]}, ALLOWED, []) is not None
     # "*" still never reaches ocrq's or Celery's own tasks.
-    assert link_refusal({"callbacks": [sig("celery.group")]}, ["*"]) is not None
+    assert link_refusal({"callbacks": [sig("celery.group")]}, ["*"], ["*"]) is not None
 
 
 def test_api_checks_callback_fields(broker_url: str, database_url: str) -> None:

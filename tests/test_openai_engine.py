@@ -134,6 +134,24 @@ def test_remote_worker_matches_transformers_per_image(
         assert rows[job]["text"] == references[name], (name, rows[job]["text"], references[name])
 
 
+def test_start_up_says_the_numerics_are_transformers_not_the_trained_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The `hunyuan` engine follows the training code; a vLLM server cannot (issue 52): one
+    start-up line says so, even with the server not up yet."""
+    from ocrq.models.openai.engine import NUMERICS_NOTE
+    from ocrq.models.registry import create_engine
+
+    settings = Settings(openai_url=f"http://127.0.0.1:{free_port()}/v1", openai_retry_s=0)
+    engine = create_engine("openai", settings)
+    with caplog.at_level("INFO", logger="ocrq.models.openai.engine"):
+        engine.load()
+    engine.close()
+    said = [r.getMessage() for r in caplog.records if "XD-RoPE" in r.getMessage()]
+    assert said == [NUMERICS_NOTE]
+    assert "not the trained ones" in NUMERICS_NOTE and "hunyuan-numerics.md" in NUMERICS_NOTE
+
+
 def test_4xx_fails_the_job_and_the_worker_goes_on(
     worker: WorkerProcess,
     env: dict[str, str],

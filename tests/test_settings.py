@@ -243,3 +243,109 @@ def test_every_list_setting_takes_a_comma_separated_variable(
     assert len(s.image_formats) == 2 and len(s.url_allow_networks) == 2
     assert s.task_max_pixels == {"text": 1000000, "parse": 2000000}
     assert s.delivery.link_tasks == s.link_tasks  # the group view parses the same
+
+
+def _default(name: str) -> object:
+    info = Settings.model_fields[name]
+    return info.default_factory() if info.default_factory else info.default  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("name", sorted(Settings.model_fields))
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_each_setting_given_empty_means_its_default_or_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, name: str, empty: str
+) -> None:
+    """`OCRQ_X=` means what unset means (docs/settings.md): the default, nothing wider. Before,
+    `OCRQ_UPLOAD_DIR=` was Path("") (the working directory, then an allowed root) and
+    `OCRQ_MAX_BATCH=`, `OCRQ_METRICS_PORT=` or `OCRQ_PDF_DPI=` stopped every command with 78.
+    The two secrets are refused empty, naming the variable: a forgeable webhook key, an api
+    token that is none."""
+    from ocrq.core.problems import infrastructure_problem
+    from ocrq.core.settings import EMPTY_REFUSED
+
+    variable = f"OCRQ_{name.upper()}"
+    monkeypatch.setenv(variable, empty)
+    if name in EMPTY_REFUSED:
+        with pytest.raises(ValidationError) as refused:
+            Settings(_env_file=None)
+        problem = infrastructure_problem(refused.value)
+        assert problem is not None and f"{variable} is empty: " in problem.message
+        return
+    assert getattr(Settings(_env_file=None), name) == _default(name)
+
+
+def test_an_empty_webhook_secret_stops_the_worker_naming_it(tmp_path: Path) -> None:
+    """It signed every webhook with the key b"" (issue 52): anyone could forge one. Given in
+    code (embedded mode) it is refused the same."""
+    import subprocess
+
+    from pydantic import SecretStr
+
+    from tests.conftest import BIN
+
+    env = {**os.environ, "OCRQ_WEBHOOK_SECRET": "", "OCRQ_ALLOWED_ROOTS": str(tmp_path)}
+    worker = subprocess.run(
+        [str(BIN / "ocrq"), "worker", "--no-supervise"], env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert worker.returncode == 78, worker.stderr[-2000:]
+    assert "OCRQ_WEBHOOK_SECRET is empty: webhooks would be signed with an empty key" in (
+        worker.stderr
+    )
+    with pytest.raises(ValidationError, match="OCRQ_WEBHOOK_SECRET is empty"):
+        Settings(_env_file=None, webhook_secret=SecretStr(" "))
+
+
+def test_an_empty_upload_dir_adds_no_root_and_no_roots_is_still_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OCRQ_UPLOAD_DIR", "")
+    monkeypatch.delenv("OCRQ_ALLOWED_ROOTS", raising=False)
+    monkeypatch.delenv("OCRQ_ALLOW_ANY_PATH", raising=False)
+    settings = Settings(_env_file=None)
+    assert settings.roots() == []
+    with pytest.raises(ValueError, match="OCRQ_ALLOWED_ROOTS is not set"):
+        settings.require_safe_roots()
+    assert Settings(_env_file=None, allowed_roots=[tmp_path / "a"]).roots() == [tmp_path / "a"]
+
+
+def test_an_unknown_ocrq_variable_is_warned_once_naming_the_nearest_setting(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """`OCRQ_MAXBATCH=4` started a worker with 8 and said nothing. Now `ocrq` commands (the
+    worker here, as users start it) and the api as uvicorn starts it say so, once."""
+    import subprocess
+
+    from ocrq.api.http import create_app
+    from ocrq.core import settings as module
+    from tests.conftest import BIN
+
+    env = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith("OCRQ_") or k in module.OTHER_VARIABLES
+    }  # fmt: skip
+    # No allowed roots: the worker refuses to start right after reading its settings.
+    env.update(OCRQ_MAXBATCH="4", OCRQ_API_URL="http://x", OCRQ_QUEUE="ocr-unknown")
+    worker = subprocess.run(
+        [str(BIN / "ocrq"), "worker", "--no-supervise"], env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    said = "OCRQ_MAXBATCH is not an ocrq setting and is ignored: did you mean OCRQ_MAX_BATCH?"
+    assert worker.stderr.count(said) == 1, worker.stderr[-2000:]
+    assert "OCRQ_API_URL" not in worker.stderr and "OCRQ_QUEUE is not" not in worker.stderr
+
+    monkeypatch.setattr(module, "_unknown_said", set())
+    monkeypatch.setenv("OCRQ_WEBHOOK_SECERT", "x")
+    monkeypatch.setenv("OCRQ_API_TOKEN", "t0ken-0123456789abcdef")
+    with caplog.at_level("WARNING", logger="ocrq.core.settings"):
+        create_app()
+        create_app()
+    lines = [r.getMessage() for r in caplog.records if "OCRQ_WEBHOOK_SECERT" in r.getMessage()]
+    assert lines == [
+        "OCRQ_WEBHOOK_SECERT is not an ocrq setting and is ignored: did you mean "
+        "OCRQ_WEBHOOK_SECRET?"
+    ]
+    assert module.unknown_variables({"OCRQ_FOO": "1", "OCRQ_MAX_BATCH": "2"}) == [
+        "OCRQ_FOO is not an ocrq setting and is ignored: docs/settings.md lists them"
+    ]

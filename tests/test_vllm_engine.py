@@ -135,6 +135,16 @@ def test_worker_matches_transformers_per_image(
     assert worker.alive()
 
 
+def test_start_up_says_the_numerics_are_transformers_not_the_trained_ones(
+    worker: WorkerProcess,
+) -> None:
+    """vLLM runs HunYuanVL through transformers, whatever OCRQ_HUNYUAN_* say (issue 52): one
+    start-up line says so."""
+    from ocrq.models.vllm.engine import NUMERICS_NOTE
+
+    assert worker.text().count(NUMERICS_NOTE) == 1, worker.text()[-3000:]
+
+
 def test_image_vllm_refuses_fails_alone(
     worker: WorkerProcess,
     env: dict[str, str],

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -42,7 +43,7 @@ from ocrq import __version__
 from ocrq.api import docs, documents, health, routes, viewer
 from ocrq.api.client import Client, NotSent
 from ocrq.api.json_budget import JsonBudget
-from ocrq.core.settings import Settings
+from ocrq.core.settings import Settings, warn_unknown_variables
 from ocrq.core.store import REUSED_ID, JobIdReused
 
 MIN_TOKEN_CHARS = 16
@@ -162,7 +163,9 @@ async def id_reused(_: Request, exc: Exception) -> JSONResponse:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings()
+    if settings is None:  # the app as uvicorn starts it: a misspelt OCRQ_* is said, not ignored
+        warn_unknown_variables(os.environ)
+        settings = Settings()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

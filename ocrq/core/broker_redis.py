@@ -22,26 +22,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
+from ocrq.core.broker_urls import is_redis as is_redis  # its callers import it from here
+from ocrq.core.broker_urls import is_sentinel
+
 if TYPE_CHECKING:
     import redis
 
     from ocrq.core.settings import Settings
 
-PLAIN_SCHEMES = ("redis://", "rediss://")
-SENTINEL_SCHEME = "sentinel://"
 SENTINEL_PORT = 26379
 # Answering "who is the master" is one round trip on loopback or a LAN: a sentinel that does
 # not answer within this is skipped for the next one, rather than holding a reconnect.
 SENTINEL_TIMEOUT_S = 2.0
-
-
-def is_sentinel(url: str) -> bool:
-    return url.strip().lower().startswith(SENTINEL_SCHEME)
-
-
-def is_redis(url: str) -> bool:
-    """A broker (or result backend) URL that names Redis, directly or through Sentinel."""
-    return url.strip().lower().startswith((*PLAIN_SCHEMES, SENTINEL_SCHEME))
 
 
 def shown_url(url: str) -> str:

@@ -16,14 +16,18 @@ and a field moves between groups without renaming its variable.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal, Self, TypeVar
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ocrq.core.broker_urls import is_redis, is_sentinel
 from ocrq.core.contract import MAX_NEW_TOKENS_LIMIT
 
 # HunyuanOCR's generation loop: ocrq's own (ocrq/models/hunyuan/decode.py) or transformers'
@@ -50,8 +54,42 @@ HunyuanNumerics = Literal["trained", "transformers"]
 G = TypeVar("G", bound="SettingsGroup")
 
 
+# Settings refused when given empty (`OCRQ_X=`), with why; any other empty setting means the same
+# as unset, its default. A secret left empty is a variable that was meant to be filled
+# (`OCRQ_WEBHOOK_SECRET=${SECRET}` with SECRET unset), not a choice: a webhook signed with the
+# key b"" can be forged by anyone, and an empty api token would be no token at all.
+EMPTY_REFUSED = {
+    "webhook_secret": (
+        "webhooks would be signed with an empty key, which anyone can forge: set a secret "
+        "(e.g. `openssl rand -hex 32`) on the api and the workers, or unset it to send none"
+    ),
+    "api_token": (
+        "set a secret of at least 16 characters (e.g. `openssl rand -hex 32`), or unset it "
+        "and set OCRQ_API_ALLOW_NO_AUTH=true behind an authenticating proxy"
+    ),
+}
+
+
 class SettingsGroup(BaseModel):
     """A group of settings: declared as fields of its own, inherited by the flat `Settings`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_unset(cls, values: object) -> object:
+        """An empty (or blank) value means what unset means: the default, as docs/settings.md
+        says. Before, pydantic read it as a value: `OCRQ_UPLOAD_DIR=` became Path("") (the
+        working directory, then an allowed root) and `OCRQ_MAX_BATCH=` failed to parse."""
+        if not isinstance(values, dict):
+            return values
+        kept = {}
+        for name, value in values.items():
+            text = value.get_secret_value() if isinstance(value, SecretStr) else value
+            if isinstance(text, str) and not text.strip():
+                if name in EMPTY_REFUSED:
+                    raise ValueError(f"OCRQ_{name.upper()} is empty: {EMPTY_REFUSED[name]}")
+                continue
+            kept[name] = value
+        return kept
 
     @classmethod
     def of(cls, settings: SettingsGroup) -> Self:
@@ -116,8 +154,6 @@ class ServiceSettings(SettingsGroup):
 
     @model_validator(mode="after")
     def _sentinel_master(self) -> ServiceSettings:
-        from ocrq.core.broker_redis import is_sentinel
-
         if is_sentinel(self.broker_url) and not (self.broker_master_name or "").strip():
             raise ValueError(
                 "OCRQ_BROKER_URL is a sentinel:// URL: set OCRQ_BROKER_MASTER_NAME to the name "
@@ -315,8 +351,14 @@ class DeliverySettings(SettingsGroup):
     # (e.g. "myapp.*"), never `ocrq.*` or `celery.*`; a job with any other link, a chain or a
     # chord fails without running. Empty: no links at all (ocrq/worker/links.py).
     link_tasks: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # The queues a link may be sent to (fnmatch patterns; the producer's callback queues, e.g.
+    # "myapp"): a link names one as `signature(name, queue=...)`; one naming another queue, an
+    # exchange or a routing key, or none, fails its job like a link OCRQ_LINK_TASKS does not
+    # name. Empty: no links at all.
+    link_queues: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Webhooks (`callback_url` on a job): the key their HMAC-SHA256 signature is made with;
-    # unset, the api refuses callback_url and workers send none. Set it on the api and workers.
+    # unset, the api refuses callback_url and workers send none; empty, nothing starts (a key of
+    # b"" is one anyone can sign with). Set it on the api and workers.
     webhook_secret: SecretStr | None = None
     # Tries per webhook (the first included), and the wait before the first retry, doubling
     # each time (capped at 5 minutes): a receiver down for a few minutes still gets the call.
@@ -340,7 +382,7 @@ class DeliverySettings(SettingsGroup):
     # bench/results/service_gpu/service_gpu_reading.md, runs 10-11); off elsewhere.
     engine_process: bool | None = None
 
-    @field_validator("link_tasks", mode="before")
+    @field_validator("link_tasks", "link_queues", mode="before")
     @classmethod
     def _split_link_tasks(cls, value: object) -> object:
         if isinstance(value, str):
@@ -716,6 +758,49 @@ class Settings(
             )
 
 
+# OCRQ_* variables that are not settings: the Python client's, a worker's from its supervisor,
+# the tests' and benches'. Not warned about.
+OTHER_VARIABLES = frozenset(
+    {
+        "OCRQ_API_URL",
+        "OCRQ_SUPERVISOR_PID",
+        "OCRQ_EVAL_DATA",
+        "OCRQ_VLLM_VENV",
+        "OCRQ_GPU_BASE_IMAGE",
+        "OCRQ_TEST_PG_URL",
+        "OCRQ_TEST_BROKER_URL",
+    }
+)
+_unknown_said: set[str] = set()
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One sentence for each OCRQ_* variable that names no setting, with the nearest name that
+    does. pydantic-settings ignores them (`extra="ignore"`): `OCRQ_MAXBATCH=4` started a
+    worker with 8 and said nothing."""
+    prefix = str(Settings.model_config["env_prefix"])
+    known = sorted(prefix + name.upper() for name in Settings.model_fields)
+    said = []
+    for name in sorted(environ):
+        upper = name.upper()  # the names are case-insensitive
+        if not upper.startswith(prefix) or upper in known or upper in OTHER_VARIABLES:
+            continue
+        # Compared without the prefix, which every name shares: OCRQ_FOO is near no setting.
+        fields = [k.removeprefix(prefix) for k in known]
+        nearest = difflib.get_close_matches(upper.removeprefix(prefix), fields, n=1, cutoff=0.6)
+        hint = f"did you mean {prefix}{nearest[0]}?" if nearest else "docs/settings.md lists them"
+        said.append(f"{name} is not an ocrq setting and is ignored: {hint}")
+    return said
+
+
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """Log `unknown_variables` at start-up (`ocrq` commands, the api), each once a process."""
+    for sentence in unknown_variables(environ):
+        if sentence not in _unknown_said:
+            _unknown_said.add(sentence)
+            logging.getLogger(__name__).warning("%s", sentence)
+
+
 def result_backend_url(settings: Settings) -> str | None:
     """The Celery result backend the worker stores task results in, or None for none.
 
@@ -726,8 +811,6 @@ def result_backend_url(settings: Settings) -> str | None:
     if value.lower() in ("", "none", "off", "disabled"):
         return None
     if value.lower() == "broker":
-        from ocrq.core.broker_redis import is_redis
-
         url = settings.broker_url
         return url if is_redis(url) else None
     return value

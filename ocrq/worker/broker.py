@@ -236,11 +236,13 @@ class TolerantChannel(redis.Channel):
         "ocrq_task_names",
         "ocrq_max_eta_s",
         "ocrq_link_tasks",
+        "ocrq_link_queues",
     )
     ocrq_task_queues: Collection[str] = ()
     ocrq_task_names: Collection[str] = ()
     ocrq_max_eta_s: float = float("inf")
     ocrq_link_tasks: Sequence[str] = ()
+    ocrq_link_queues: Sequence[str] = ()
     # Whether the current read reached a delivery callback: an exception before that came from
     # decoding the popped item itself.
     _delivering = False
@@ -306,7 +308,8 @@ class TolerantChannel(redis.Channel):
             }
         try:
             reason = task_refusal(
-                payload, self.ocrq_max_eta_s, dt.datetime.now(dt.UTC), self.ocrq_link_tasks
+                payload, self.ocrq_max_eta_s, dt.datetime.now(dt.UTC), self.ocrq_link_tasks,
+                self.ocrq_link_queues,
             )
             rewritten = refused(payload, reason) if reason is not None else None
         except Exception as exc:  # checked sound already; never let it reach the event loop

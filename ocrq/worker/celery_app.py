@@ -87,10 +87,12 @@ def make_app(settings: Settings) -> Celery:
             # so an interactive message never waits behind a bulk one in Redis.
             "queue_order_strategy": "priority",
             "ocrq_task_names": [TASK_NAME],
-            # ETAs farther ahead, and links to tasks OCRQ_LINK_TASKS does not name, fail the
-            # job instead (envelope.task_refusal, ocrq/worker/links.py).
+            # ETAs farther ahead, and links to tasks OCRQ_LINK_TASKS does not name (or not
+            # plain, or not to OCRQ_LINK_QUEUES), fail the job instead (envelope.task_refusal,
+            # ocrq/worker/links.py).
             "ocrq_max_eta_s": settings.eta_bound_s,
             "ocrq_link_tasks": list(settings.link_tasks),
+            "ocrq_link_queues": list(settings.link_queues),
             **ha.get("broker_transport_options", {}),
         },
         result_backend_transport_options=ha.get("result_backend_transport_options", {}),

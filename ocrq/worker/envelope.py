@@ -202,18 +202,20 @@ def task_refusal(
     max_eta_s: float,
     now: dt.datetime,
     link_tasks: Sequence[str] = (),
+    link_queues: Sequence[str] = (),
 ) -> str | None:
     """Why a sound task message must fail its job instead of running: an ETA more than
     `max_eta_s` ahead (held unacked, Redis would deliver it again every visibility timeout until
     then), or links that would have the worker send further tasks other than the producer's own
-    callbacks named by OCRQ_LINK_TASKS (`link_tasks`; ocrq/worker/links.py has the rule)."""
+    callbacks named by OCRQ_LINK_TASKS and sent to OCRQ_LINK_QUEUES (`link_tasks`,
+    `link_queues`; ocrq/worker/links.py has the rule)."""
     headers = payload.get("headers") or {}
     if "task" in headers:
         eta, links = headers.get("eta"), _embed(payload)
     else:  # protocol 1: everything in the body
         data = kombu_loads(decoded_body(payload))
         eta, links = data.get("eta"), data
-    reason = link_refusal(links, link_tasks)
+    reason = link_refusal(links, link_tasks, link_queues)
     if reason is not None:
         return reason
     if eta is not None:

@@ -207,7 +207,8 @@ def _check_links(self: Task, image: Any, task: Any, job_id: Any, task_id: Any) -
     its links dropped first: not one is called, its errbacks neither."""
     request = self.request
     embed = {k: getattr(request, k, None) for k in (*LINK_KEYS, *NEVER)}
-    reason = link_refusal(embed, get_runtime().settings.link_tasks)
+    settings = get_runtime().settings
+    reason = link_refusal(embed, settings.link_tasks, settings.link_queues)
     if reason is None:
         return
     for key in embed:

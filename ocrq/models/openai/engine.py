@@ -53,6 +53,15 @@ from ocrq.models.openai.client import ChatClient, Completion
 from ocrq.models.slots import RunningBudget
 
 log = logging.getLogger(__name__)
+# Said once at start-up: the `hunyuan` engine follows the training code by default; a vLLM
+# server (0.32 on, HunYuanVL through its transformers backend) does not, and nothing sent from
+# here changes that (docs/hunyuan-numerics.md).
+NUMERICS_NOTE = (
+    "openai engine: a vLLM server gives image tokens transformers' XD-RoPE layout and ViT "
+    "position interpolation, not the trained ones (OCRQ_HUNYUAN_ROPE / "
+    "OCRQ_HUNYUAN_VIT_POSITIONS apply to the hunyuan engine only; no request can switch them): "
+    "docs/hunyuan-numerics.md"
+)
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,7 @@ class OpenAIEngine(Engine, StreamingEngine):
             self._where(),
             s.openai_concurrency,
         )
+        log.info("%s", NUMERICS_NOTE)
 
     def close(self) -> None:
         if self.client is not None:

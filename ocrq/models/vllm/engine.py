@@ -49,6 +49,13 @@ from ocrq.models.hunyuan.versions import LATEST, version_of_checkpoint
 from ocrq.models.vllm.options import engine_args
 
 log = logging.getLogger(__name__)
+# Said once at start-up: the `hunyuan` engine follows the training code by default, this one
+# cannot (vLLM 0.32 runs HunYuanVL through its transformers backend; docs/hunyuan-numerics.md).
+NUMERICS_NOTE = (
+    "vllm engine: image tokens get transformers' XD-RoPE layout and ViT position "
+    "interpolation, not the trained ones (OCRQ_HUNYUAN_ROPE / OCRQ_HUNYUAN_VIT_POSITIONS apply "
+    "to the hunyuan engine only; vLLM cannot switch them): docs/hunyuan-numerics.md"
+)
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,7 @@ class VllmEngine(Engine):
             time.perf_counter() - started,
             ", ".join(f"{k}={v}" for k, v in args.items() if k != "model"),
         )
+        log.info("%s", NUMERICS_NOTE)
 
     def close(self) -> None:
         """Stop vLLM's engine processes and wait for them (see the module docstring)."""
