@@ -30,6 +30,7 @@ from ocrq.models.rapid.crops import (
 )
 from ocrq.models.rapid.geometry import DET_LIMIT_SIDE_LEN, MAX_SIDE_LEN, DetPlan, det_plan
 from ocrq.models.rapid.ordering import Box, group_rows, read_blocks, union
+from ocrq.models.rapid.punctuation import fold_latin
 from ocrq.models.rapid.spacing import word_gaps
 from ocrq.models.rapid.tiles import (
     REC_TILE_COLUMNS,
@@ -109,6 +110,7 @@ class RapidEngine(Engine):
         box_thresh: float = 0.5,
         unclip_ratio: float = 1.6,
         model_dir: Path | None = None,
+        latin_punctuation: bool = True,
     ) -> None:
         """
         rec_batch_size: crops per classifier/recogniser call, across all images of a batch.
@@ -118,6 +120,7 @@ class RapidEngine(Engine):
         merge_gap: boxes on one row closer than this many line heights become one Line.
         box_thresh, unclip_ratio: the DB detector's box score floor and box growth.
         model_dir: where the three .onnx files are; default the rapidocr-onnxruntime wheel's.
+        latin_punctuation: fold Chinese punctuation in Latin text to ASCII (`punctuation`).
         """
         if rec_batch_size < 1:
             raise ValueError("rec_batch_size must be >= 1")
@@ -132,6 +135,7 @@ class RapidEngine(Engine):
         self.box_thresh = box_thresh
         self.unclip_ratio = unclip_ratio
         self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.latin_punctuation = latin_punctuation
         self._det: Any = None
         self._cls: Any = None
         self._rec: Any = None
@@ -496,6 +500,8 @@ class RapidEngine(Engine):
                     _clamp(math.ceil(x2 * sx), ow),
                     _clamp(math.ceil(y2 * sy), oh),
                 )
+                if self.latin_punctuation:
+                    text = fold_latin(text)
                 blocks[-1].append(Line(text=text, box=box, score=score))
         text = "\n\n".join("\n".join(line.text for line in block) for block in blocks)
         return OcrResult(text=text, lines=[line for block in blocks for line in block])
