@@ -453,6 +453,23 @@ class ApiSettings(SettingsGroup):
     api_max_batch: int = Field(default=1000, ge=1, le=100_000)
 
 
+class RapidSettings(SettingsGroup):
+    """OCRQ_ENGINE=rapid: the CPU engine (ocrq/models/rapid)."""
+
+    # The CPU engine rapid (OCRQ_ENGINE=rapid; docs/engines.md).
+    # Fold the Chinese punctuation the recogniser reads in Latin text to ASCII ("（GST）：" to
+    # "(GST):", a dash read as "一" to "-"), where the letters around it are not CJK
+    # (ocrq/models/rapid/punctuation.py). Empty means on; off keeps the recogniser's characters,
+    # for CJK text with Latin words in it.
+    rapid_latin_punctuation: bool = True
+
+    @field_validator("rapid_latin_punctuation", mode="before")
+    @classmethod
+    def _on_when_empty(cls, value: object) -> object:
+        empty = value is None or (isinstance(value, str) and not value.strip())
+        return True if empty else value
+
+
 class ModelSettings(BudgetSettings):
     """The model an engine serves, the same for each of the HunyuanOCR engines (ocrq's own,
     in-process vLLM, an OpenAI-compatible server): the base of their groups."""
@@ -661,6 +678,7 @@ class Settings(
     BatchingSettings,
     DeliverySettings,
     ApiSettings,
+    RapidSettings,
     HunyuanSettings,
     VllmSettings,
     OpenAISettings,
@@ -695,6 +713,10 @@ class Settings(
     @property
     def api(self) -> ApiSettings:
         return self.view(ApiSettings)
+
+    @property
+    def rapid(self) -> RapidSettings:
+        return self.view(RapidSettings)
 
     @property
     def hunyuan(self) -> HunyuanSettings:

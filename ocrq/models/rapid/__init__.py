@@ -24,8 +24,11 @@ Departures from the library's own pipeline, each measured on the shared eval set
   refused with a per-image `LineTooLong`. A 1x100000 PNG once asked for 22 GB.
 * Crops are cut from the image as handed in, not from the detector's downscaled copy: a 4961x7016
   receipt is detected at 1414x2000 but its lines are read at full resolution.
-* Lines come back top-to-bottom, left-to-right; boxes on one row a word space apart are merged
-  into one Line, boxes further apart (page columns, the two sides of a receipt line) are not.
+* Lines come back in reading order: the page is cut into columns and blocks (an XY-cut over the
+  detected boxes, `ordering`), read block by block, each top-to-bottom and left-to-right, with a
+  blank line between blocks in the text; a receipt, one column, is read row by row as before.
+  Boxes on one row a word space apart are merged into one Line, boxes further apart (the two
+  sides of a receipt line) are not.
 
 Nothing is downloaded: the model files ship with the wheel, and `load()` fails at start-up with a
 clear error when they are missing.

@@ -29,7 +29,8 @@ from ocrq.models.rapid.crops import (
     widen,
 )
 from ocrq.models.rapid.geometry import DET_LIMIT_SIDE_LEN, MAX_SIDE_LEN, DetPlan, det_plan
-from ocrq.models.rapid.ordering import Box, group_rows, merge_rows, union
+from ocrq.models.rapid.ordering import Box, group_rows, read_blocks, union
+from ocrq.models.rapid.punctuation import fold_latin
 from ocrq.models.rapid.spacing import word_gaps
 from ocrq.models.rapid.tiles import (
     REC_TILE_COLUMNS,
@@ -109,6 +110,7 @@ class RapidEngine(Engine):
         box_thresh: float = 0.5,
         unclip_ratio: float = 1.6,
         model_dir: Path | None = None,
+        latin_punctuation: bool = True,
     ) -> None:
         """
         rec_batch_size: crops per classifier/recogniser call, across all images of a batch.
@@ -118,6 +120,7 @@ class RapidEngine(Engine):
         merge_gap: boxes on one row closer than this many line heights become one Line.
         box_thresh, unclip_ratio: the DB detector's box score floor and box growth.
         model_dir: where the three .onnx files are; default the rapidocr-onnxruntime wheel's.
+        latin_punctuation: fold Chinese punctuation in Latin text to ASCII (`punctuation`).
         """
         if rec_batch_size < 1:
             raise ValueError("rec_batch_size must be >= 1")
@@ -132,6 +135,7 @@ class RapidEngine(Engine):
         self.box_thresh = box_thresh
         self.unclip_ratio = unclip_ratio
         self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.latin_punctuation = latin_punctuation
         self._det: Any = None
         self._cls: Any = None
         self._rec: Any = None
@@ -479,20 +483,28 @@ class RapidEngine(Engine):
         )
 
     def _assemble(self, item: PreparedImage, pieces: list[_Piece]) -> OcrResult:
-        """Drop weak lines, order and merge, and express boxes in original-image pixels."""
+        """Drop weak lines, order and merge, and express boxes in original-image pixels.
+
+        The text is the lines in reading order, a blank line between blocks (`ordering`).
+        """
         kept = [(p.text, p.box, p.score) for p in pieces if p.text and p.score >= self.text_score]
         sx, sy = item.scale_to_original()
         ow, oh = item.original_size
-        lines = []
-        for text, (x1, y1, x2, y2), score in merge_rows(kept, self.merge_gap):
-            box = (
-                _clamp(math.floor(x1 * sx), ow),
-                _clamp(math.floor(y1 * sy), oh),
-                _clamp(math.ceil(x2 * sx), ow),
-                _clamp(math.ceil(y2 * sy), oh),
-            )
-            lines.append(Line(text=text, box=box, score=score))
-        return OcrResult(text="\n".join(line.text for line in lines), lines=lines)
+        blocks: list[list[Line]] = []
+        for block in read_blocks(kept, self.merge_gap):
+            blocks.append([])
+            for text, (x1, y1, x2, y2), score in block:
+                box = (
+                    _clamp(math.floor(x1 * sx), ow),
+                    _clamp(math.floor(y1 * sy), oh),
+                    _clamp(math.ceil(x2 * sx), ow),
+                    _clamp(math.ceil(y2 * sy), oh),
+                )
+                if self.latin_punctuation:
+                    text = fold_latin(text)
+                blocks[-1].append(Line(text=text, box=box, score=score))
+        text = "\n\n".join("\n".join(line.text for line in block) for block in blocks)
+        return OcrResult(text=text, lines=[line for block in blocks for line in block])
 
 
 def _longer_than_a_tile(w: int, h: int) -> bool:

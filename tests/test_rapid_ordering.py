@@ -1,0 +1,75 @@
+"""Reading order of the CPU engine (ocrq/models/rapid/ordering.py) on boxes its detector found
+on real eval images (tests/rapid_detected_boxes.json): a magazine page read column by column,
+receipts read row by row as before. Pure geometry, no model: milliseconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ocrq.models.rapid.ordering import Piece, blocks, merge_rows, read_blocks
+
+BOXES = Path(__file__).with_name("rapid_detected_boxes.json")
+MERGE_GAP = 0.3  # RapidEngine's default
+
+
+def pieces(name: str) -> list[Piece]:
+    rows = json.loads(BOXES.read_text(encoding="utf-8"))[name]
+    return [(text, (b[0], b[1], b[2], b[3]), score) for text, b, score in rows]
+
+
+def column(line: Piece) -> int:
+    """Which of the page's four text columns holds a line (the .uzn zones' x ranges)."""
+    x = (line[1][0] + line[1][2]) / 2
+    return sum(x > edge for edge in (830, 1600, 2400))
+
+
+def test_a_three_column_page_reads_column_by_column() -> None:
+    read = read_blocks(pieces("page_8071_093"), MERGE_GAP)
+    # Each column its own block, the pull quote under column 2 after it, then the title's rows.
+    assert [block[0][0] for block in read] == [
+        "HE MoPED. She sighed. She",
+        "cause of her sadness. Gently, sim--",
+        "Listen to the voices",
+        "Guarendi's book shows that tradi-",
+        "one day when he was trying to",
+        "What Kids",
+        "PhOTO: O PAUL BaATON/THe StOCK MaRKET",
+    ]
+    body = [line for block in read for line in block if line[1][3] < 1820]
+    columns = [column(line) for line in body]
+    assert columns == sorted(columns), "a line of one column read inside another"
+    texts = [line[0] for line in body]
+    # The end of a column runs on into the top of the next, not into its neighbour's line 2.
+    at = texts.index("questioned her until he learned the")
+    assert texts[at + 1] == "cause of her sadness. Gently, sim--"
+    at = texts.index("lar had this confirmed in reverse")
+    assert texts[at + 1] == "one day when he was trying to"
+
+
+@pytest.mark.parametrize("name", ["receipt_086", "receipt_211", "receipt_548"])
+def test_a_receipt_keeps_its_rows(name: str) -> None:
+    """Each receipt has a column of prices clear of the items beside it, which must not be
+    read as a page column: the lines come out as the row-by-row order had them."""
+    found = pieces(name)
+    read = read_blocks(found, MERGE_GAP)
+    assert [line for block in read for line in block] == merge_rows(found, MERGE_GAP)
+    assert len(read) > 1  # its sections, a blank line apart in the text
+
+
+def test_evenly_spaced_lines_are_one_block_and_a_wide_gap_parts_them() -> None:
+    # Lines 64 px apart, 34 px tall: ocrq's own sample images (0.9 line heights between them).
+    even = [(10.0, 30.0 + 64 * i, 300.0, 64.0 + 64 * i) for i in range(5)]
+    assert blocks(even) == [[0, 1, 2, 3, 4]]
+    spaced = even[:3] + [(10.0, 300.0 + 64 * i, 300.0, 334.0 + 64 * i) for i in range(2)]
+    assert blocks(spaced) == [[0, 1, 2], [3, 4]]
+
+
+def test_two_columns_of_short_rows_are_a_table_not_columns() -> None:
+    # Item and price a wide gap apart on every row: read row by row, whatever the gap.
+    rows = [(10.0, 10.0 + 40 * i, 300.0, 40.0 + 40 * i) for i in range(6)]
+    prices = [(700.0, 10.0 + 40 * i, 800.0, 40.0 + 40 * i) for i in range(6)]
+    boxes = [b for pair in zip(rows, prices, strict=True) for b in pair]
+    assert blocks(boxes) == [list(range(12))]
