@@ -149,3 +149,61 @@ def test_the_body_leaves_out_the_servers_path(receiver: Receiver) -> None:
         assert receiver.bodies == [{"event": "job.finished", "job_id": "j", "status": "done"}]
     finally:
         hooks.close(within_s=0)
+
+
+def test_a_batch_behind_more_than_a_page_of_orphans_still_fires(
+    private_database: str, receiver: Receiver
+) -> None:
+    """105 registrations older than the batch's that never fire (no job of theirs exists):
+    reading the 100 oldest only, every sweep found the same orphans and batch.finished never
+    came. Sweeps page on."""
+    import datetime as dt
+    import uuid
+
+    from sqlalchemy import insert
+
+    from ocrq.core.db import get_engine, ocr_batch_hooks, ocr_jobs
+    from ocrq.worker.batch_hooks import BatchHooks
+
+    engine = get_engine(private_database)
+    old = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    batch = f"real-{uuid.uuid4().hex[:6]}"
+    with engine.begin() as conn:
+        conn.execute(
+            insert(ocr_batch_hooks),
+            [
+                {"batch": f"orphan-{i:03d}", "url": receiver.url, "registered_at": old}
+                for i in range(105)
+            ],
+        )
+        conn.execute(
+            insert(ocr_batch_hooks).values(
+                batch=batch, url=receiver.url, registered_at=old + dt.timedelta(seconds=1)
+            )
+        )
+        conn.execute(
+            insert(ocr_jobs).values(
+                id=str(uuid.uuid4()),
+                status="done",
+                task="text",
+                source="x",
+                attempts=1,
+                created_at=old,
+                finished_at=old,
+                batch=batch,
+            )
+        )
+    hooks = Webhooks(_settings())
+    batches = BatchHooks(_settings(), engine, lambda: hooks)
+    try:
+        sent: list[str] = []
+        for _ in range(3):  # a page, then the next: the sweep's own pace when pages are full
+            batches.sweep()
+            sent += batches.check()
+        assert sent == [batch]
+        deadline = time.monotonic() + 5
+        while not receiver.bodies and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [b["event"] for b in receiver.bodies] == ["batch.finished"]
+    finally:
+        hooks.close(within_s=0)
