@@ -221,8 +221,11 @@ def scene(
 
     # Deadlines: Celery's `expires` passes before a worker sees the message; a far one does
     # not; a re-send (as `ocrq requeue` makes, no `expires`) of a row whose deadline passed.
+    # Both with a webhook: an expired job's is sent like any final job's.
     soon = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
-    (expired,) = client.submit_many([_request(text_images["hello"])], [Delivery(soon)])
+    (expired,) = client.submit_many(
+        [_request(text_images["hello"])], [Delivery(soon, f"{base}/expired-hook")]
+    )
     (far,) = client.submit_many(
         [_request(text_images["word"])], [Delivery(started + dt.timedelta(hours=1))]
     )
@@ -231,7 +234,14 @@ def scene(
     source = str(text_images["invoice"])
     past = started - dt.timedelta(seconds=1)
     reference = {"path": source}
-    store.enqueue_many([NewJob(resent, "text", source, reference=reference, expires_at=past)])
+    store.enqueue_many(
+        [
+            NewJob(
+                resent, "text", source, reference=reference, expires_at=past,
+                callback_url=f"{base}/expired-hook",
+            )
+        ]
+    )
     resend(client.app, settings, JobRequest.model_validate({"image": reference, "job_id": resent}))
     ids["resent_expired"] = resent
 
@@ -390,6 +400,16 @@ def test_jobs_past_their_deadline_never_run(scene: Scene) -> None:
         row = _row(scene, ids[key])
         assert "deadline" in row["error"] and row["text"] is None and row["started_at"] is None
     assert scene.results.AsyncResult(ids["expired"]).state == "REVOKED"  # Celery's own
+
+    # Each fired its job.finished, once (neither did before), without the server's path.
+    def hooked() -> list[dict[str, Any]] | None:
+        bodies = [json.loads(b) for p, b in scene.hooks.elsewhere if p == "/expired-hook"]
+        return bodies if len(bodies) >= 2 else None
+
+    bodies = scene.budget.until("the expired jobs' webhooks", hooked, 30, scene.worker.text)
+    assert sorted(b["job_id"] for b in bodies) == sorted([ids["expired"], ids["resent_expired"]])
+    assert all(b["event"] == "job.finished" and b["status"] == "expired" for b in bodies)
+    assert all("path" not in b for b in bodies)
 
 
 def test_api_cancel_of_a_running_job_drops_only_its_result(scene: Scene) -> None:

@@ -179,3 +179,66 @@ def test_submit_refuses_an_unknown_priority(service_env: dict[str, str], tmp_pat
         check=False,
     )
     assert done.returncode == 2 and "interactive, bulk" in done.stderr, done
+
+
+def test_bulk_is_fetched_within_its_wait_while_interactive_jobs_keep_coming(
+    service_env: dict[str, str],
+    private_database: str,
+    text_images: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """Bulk jobs queued first, then an interactive stream that keeps the worker busy: each
+    bulk job is taken while interactive messages still wait in Redis (the broker's half of
+    OCRQ_BULK_MAX_WAIT_S, ocrq/worker/lane_fetch.py). Strictly interactive-first fetching
+    left them there until the last interactive job was gone (seen: 88.7 s)."""
+    import redis as redis_py
+
+    queue = f"ocr-starve-{uuid.uuid4().hex[:6]}"
+    interactive_queue = queue_for(INTERACTIVE, queue)
+    env = {
+        **service_env,
+        "OCRQ_DATABASE_URL": private_database,
+        "OCRQ_QUEUE": queue,
+        "OCRQ_CONSUME_DEFAULT_QUEUE": "false",
+        "OCRQ_BULK_MAX_WAIT_S": "1",
+    }
+    settings = Settings(
+        broker_url=env["OCRQ_BROKER_URL"], database_url=private_database, queue=queue
+    )
+    client = Client(settings)
+    bulk = [client.submit({"path": str(text_images["word"])}) for _ in range(3)]
+    # Interactive jobs that fail at once (their file is missing): the stream is the fetching
+    # it causes, not OCR work, so it lasts seconds however fast or slow the machine is.
+    missing = str(Path(env["OCRQ_ALLOWED_ROOTS"].split(":")[0]) / "missing.png")
+    producer = Celery("producer", broker=env["OCRQ_BROKER_URL"])
+    with producer.connection_for_write() as conn:
+        for _ in range(200):
+            kwargs = job_kwargs({"path": missing}, priority=INTERACTIVE)
+            producer.send_task(
+                TASK_NAME,
+                kwargs=kwargs,
+                queue=interactive_queue,
+                task_id=kwargs["job_id"],
+                connection=conn,
+            )
+    redis_client = redis_py.Redis.from_url(env["OCRQ_BROKER_URL"])
+    budget = Budget(200, "bulk under an interactive stream")
+    worker = WorkerProcess(env, tmp_path / "worker.log", "--no-supervise", "--concurrency", "1")
+    try:
+        waiting = budget.until(
+            "every bulk job final",
+            lambda: (
+                redis_client.llen(interactive_queue) + 1
+                if not _pending(private_database, bulk)
+                else None
+            ),
+            150,
+            detail=lambda: f"{_pending(private_database, bulk)}\n{worker.text()[-2000:]}",
+        )
+        # The interactive stream was still there when the last bulk job ended.
+        assert waiting - 1 > 0, worker.text()[-3000:]
+        assert "bulk lane not served" in worker.text()
+    finally:
+        producer.close()
+        redis_client.close()
+        worker.stop()

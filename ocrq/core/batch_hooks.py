@@ -87,6 +87,24 @@ def pending(engine: Engine, older_than_s: float, limit: int) -> list[str]:
         return [r[0] for r in conn.execute(stmt)]
 
 
+def pending_page(
+    engine: Engine, older_than_s: float, limit: int, after: tuple[dt.datetime, str] | None
+) -> list[tuple[dt.datetime, str]]:
+    """`pending`'s rows as (registered_at, batch), oldest first, from just after `after`: a
+    sweep pages through them all, so registrations that never fire (batches with no job, or
+    one never final) cannot hide a later one. With 105 such older ones, reading the 100 oldest
+    only, a batch's webhook never came."""
+    cutoff = _now() - dt.timedelta(seconds=older_than_s)
+    c = ocr_batch_hooks.c
+    stmt = select(c.registered_at, c.batch).where(c.registered_at < cutoff)
+    if after is not None:
+        at, batch = after
+        stmt = stmt.where((c.registered_at > at) | ((c.registered_at == at) & (c.batch > batch)))
+    stmt = stmt.order_by(c.registered_at, c.batch).limit(limit)
+    with engine.connect() as conn:
+        return [(r[0], r[1]) for r in conn.execute(stmt)]
+
+
 # The registration time given to one moved out of Redis, which kept none: it was registered
 # before the upgrade, so the workers' sweep (older ones only) looks at it at once.
 LEGACY_REGISTERED_AT = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)

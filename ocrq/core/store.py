@@ -120,6 +120,9 @@ class Claim:
     callback_url: str | None = None  # the job's webhook, posted once its row is final
     # Not run: the row is `running` under this other worker (a claim with take_running=False).
     elsewhere: str | None = None
+    # Not run: this claim found the job past its deadline and made its row `expired` (its
+    # webhook is due now, once).
+    expired_now: bool = False
 
 
 class JobStore:
@@ -340,7 +343,7 @@ class JobStore:
             if expires_at is not None and expires_at <= t:  # past its deadline: never run
                 fields = {"status": "expired", "error": expired_error(expires_at), "finished_at": t}
                 conn.execute(update(ocr_jobs).where(where).values(**fields))
-                return Claim(run=False, row={**row, **fields})
+                return Claim(run=False, row={**row, **fields}, expired_now=True)
             this_run = row["attempts"] - (row.get("retry_attempts") or 0)
             if max_attempts is not None and this_run >= max(max_attempts, 1):
                 error = gave_up(this_run)

@@ -63,13 +63,19 @@ _resolver = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ocrq-dns")
 class FetchError(Exception):
     """The URL was not fetched; `str()` is safe to show (redacted), `detail` is for debug logs."""
 
-    def __init__(self, message: str, detail: str = "") -> None:
+    def __init__(self, message: str, detail: str = "", permanent: bool = False) -> None:
         super().__init__(message)
         self.detail = detail
+        # The URL itself is refused (its scheme, its address): asking again cannot change it.
+        self.permanent = permanent
 
 
 class _Refused(Exception):
     """A policy refusal or network failure: becomes the one generic FetchError."""
+
+
+class _PolicyRefused(_Refused):
+    """A refusal of the URL as written or of where it points, not of the network's state."""
 
 
 class Deadline:
@@ -116,7 +122,9 @@ def fetch(url: str, settings: Settings) -> bytes:
         raise
     except Exception as exc:  # policy, DNS, connect, TLS, protocol, deadline: one message
         detail = f"{type(exc).__name__}: {exc}"
-        log.debug("URL not fetched: %s (%s)", shown, detail)
+        # The reason in the worker's own log only (the job's error stays generic: it reaches
+        # producers, and says nothing of the worker's network).
+        log.info("URL not fetched: %s (%s)", shown, detail)
         raise FetchError(NOT_FETCHED + shown, detail) from None
 
 
@@ -162,6 +170,7 @@ def post(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> 
         raise FetchError(
             f"URL not reached (not allowed, unreachable or too slow): {shown}",
             f"{type(exc).__name__}: {exc}",
+            permanent=isinstance(exc, _PolicyRefused),
         ) from None
 
 
@@ -169,11 +178,11 @@ def _parse(url: str) -> httpx.URL:
     try:
         target = httpx.URL(url)  # scheme and host come back lower-cased
     except httpx.InvalidURL:
-        raise _Refused("invalid URL") from None
+        raise _PolicyRefused("invalid URL") from None
     if target.scheme not in ("http", "https"):
-        raise _Refused("unsupported URL scheme (http/https only)")
+        raise _PolicyRefused("unsupported URL scheme (http/https only)")
     if not target.host:
-        raise _Refused("invalid URL (no host)")
+        raise _PolicyRefused("invalid URL (no host)")
     return target
 
 
@@ -252,7 +261,7 @@ def _checked_addresses(host: str, port: int, settings: Settings, deadline: Deadl
     for ip in addresses:
         reason = refusal(ip, settings.url_allow_networks)
         if reason:
-            raise _Refused(f"{host} resolves to {ip}: {reason}")
+            raise _PolicyRefused(f"{host} resolves to {ip}: {reason}")
     return list(dict.fromkeys(str(ip) for ip in addresses))
 
 

@@ -13,13 +13,15 @@ each of those (one grouped query, ocrq/core/batches.py), and when one is final t
 webhook (one taker among all workers) and hands it to the job webhooks' sender, which signs,
 retries with backoff and applies the URL-image address policy (ocrq/worker/webhooks.py). So
 the task threads never wait on the database, a summary or a POST for a batch. Every
-`SWEEP_S` the thread also notes the webhooks registered longer ago than that: a batch whose
+`SWEEP_S` the thread also notes the webhooks registered longer ago than that, `SWEEP_LIMIT` at a
+time, each sweep going on from the last (the next at once while pages are full): a batch whose
 last job ended in a worker that died (or was recycled) before it looked fires from another
-worker's sweep instead of never.
+worker's sweep instead of never, however many registrations that never fire are older.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 SWEEP_S = 60.0  # how often a worker re-checks webhooks older than this
-SWEEP_LIMIT = 100  # the oldest this many a sweep looks at
+SWEEP_LIMIT = 100  # registrations a sweep looks at; the next goes on from the last
 
 
 class BatchHooks:
@@ -53,6 +55,10 @@ class BatchHooks:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Where the next sweep goes on from (None: the oldest), and whether the last one read a
+        # full page (then the next comes at the next poll, not a minute later).
+        self._cursor: tuple[dt.datetime, str] | None = None
+        self._more = False
 
     def start(self) -> BatchHooks:
         """The thread that looks at noted batches and sweeps old webhooks, after moving an older
@@ -96,10 +102,14 @@ class BatchHooks:
         self._stop.set()
 
     def sweep(self, older_than_s: float = SWEEP_S) -> None:
-        """Note the webhooks registered more than `older_than_s` ago (the next `check` looks)."""
-        found = batch_hooks.pending(self.engine, older_than_s, SWEEP_LIMIT)
+        """Note the next `SWEEP_LIMIT` webhooks registered more than `older_than_s` ago (the
+        next `check` looks), going on from where the last sweep stopped and starting again
+        from the oldest after the last page."""
+        page = batch_hooks.pending_page(self.engine, older_than_s, SWEEP_LIMIT, self._cursor)
+        self._more = len(page) == SWEEP_LIMIT
+        self._cursor = page[-1] if self._more else None
         with self._lock:
-            self._noted.update(found)
+            self._noted.update(batch for _, batch in page)
 
     def _adopt_legacy(self) -> None:
         if not is_redis(self.settings.broker_url):
@@ -127,7 +137,7 @@ class BatchHooks:
         swept = -SWEEP_S
         while True:
             try:
-                if time.monotonic() - swept >= SWEEP_S:
+                if self._more or time.monotonic() - swept >= SWEEP_S:
                     swept = time.monotonic()
                     self.sweep()
                 self.check()

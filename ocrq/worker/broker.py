@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
+from queue import Empty
 from typing import Any
 
 from kombu.transport import redis
@@ -49,6 +50,7 @@ from ocrq.worker.envelope import (
     safe_text,
     task_refusal,
 )
+from ocrq.worker.lane_fetch import LaneOrder
 
 log = logging.getLogger(__name__)
 
@@ -237,15 +239,25 @@ class TolerantChannel(redis.Channel):
         "ocrq_max_eta_s",
         "ocrq_link_tasks",
         "ocrq_link_queues",
+        "ocrq_bulk_max_wait_s",
     )
     ocrq_task_queues: Collection[str] = ()
     ocrq_task_names: Collection[str] = ()
     ocrq_max_eta_s: float = float("inf")
     ocrq_link_tasks: Sequence[str] = ()
     ocrq_link_queues: Sequence[str] = ()
+    # None: kombu's own queue order (queue_order_strategy); a number: the lanes' order with the
+    # bulk lane never starved longer than that (ocrq/worker/lane_fetch.py).
+    ocrq_bulk_max_wait_s: float | None = None
     # Whether the current read reached a delivery callback: an exception before that came from
     # decoding the popped item itself.
     _delivering = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.ocrq_bulk_max_wait_s is not None:
+            self._queue_cycle = LaneOrder(self.ocrq_bulk_max_wait_s)
+            self._update_queue_cycle()
 
     def basic_consume(
         self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
@@ -325,6 +337,10 @@ class TolerantChannel(redis.Channel):
         self._delivering = False
         try:
             return super()._brpop_read(**options)
+        except Empty:
+            if isinstance(self._queue_cycle, LaneOrder):
+                self._queue_cycle.fetched(None)
+            raise
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             if self._delivering:
                 raise

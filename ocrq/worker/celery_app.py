@@ -84,8 +84,11 @@ def make_app(settings: Settings) -> Celery:
             # Poll the queues in the order the worker names them (`--queues`, interactive lane
             # first: ocrq/worker/queue_depth.py `consumed_queues`), not kombu's default round
             # robin: one BRPOP over all of them returns the first non-empty one in that order,
-            # so an interactive message never waits behind a bulk one in Redis.
+            # so an interactive message never waits behind a bulk one in Redis; except that a
+            # bulk lane not served for OCRQ_BULK_MAX_WAIT_S is then fetched every other time
+            # until a lane runs dry (ocrq/worker/lane_fetch.py).
             "queue_order_strategy": "priority",
+            "ocrq_bulk_max_wait_s": settings.bulk_max_wait_s,
             "ocrq_task_names": [TASK_NAME],
             # ETAs farther ahead, and links to tasks OCRQ_LINK_TASKS does not name (or not
             # plain, or not to OCRQ_LINK_QUEUES), fail the job instead (envelope.task_refusal,

@@ -301,6 +301,8 @@ class JobRunner:
                 raise RunningElsewhere(request.job_id, claim.elsewhere)
             claim = self._claim(request, source, take_running=True)  # its worker let it go
         if not claim.run:
+            if claim.expired_now:
+                self._expired_webhook(claim.row or {})
             return self._not_run(request.job_id, source, claim)
         try:
             outcome = self._run_claimed(request, source, claim, task, started)
@@ -379,6 +381,27 @@ class JobRunner:
         if self._batches is None:
             self._batches = BatchHooks(self.settings, self.store.engine, self._webhook)
         return self._batches
+
+    def expire(self, job_id: str, task: str, source: str, when: dt.datetime) -> bool:
+        """A job Celery discarded past its `expires`: its row `expired` and, when this made it
+        so, its webhooks (job, document, batch) as for any other final job; before, an expired
+        job fired none."""
+        if not self.store.expire(job_id, task, source, when):
+            return False
+        row = self._db(self.store.get)([job_id]).get(job_id) or {}
+        self._expired_webhook(row)
+        if row.get("page") is not None:
+            ended = self._db(self._complete_document)(job_id)
+            if ended is not None:
+                self._document_webhook(*ended)
+        self._batch_hooks.job_ended(row.get("batch"))
+        return True
+
+    def _expired_webhook(self, row: dict[str, Any]) -> None:
+        """job.finished for a job that expired unrun (a page's webhook is its document's)."""
+        if row.get("callback_url") and row.get("page") is None and row.get("id"):
+            outcome = JobOutcome.of_row(row["id"], row.get("source", ""), row, "expired")
+            self._webhook().send(row["callback_url"], outcome.as_json())
 
     def _document_webhook(self, document_id: str, status: str) -> None:
         """The document's own job's webhook, with the document's outcome (document.finished),

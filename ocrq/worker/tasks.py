@@ -239,7 +239,7 @@ def _expired(sender: Any = None, request: Any = None, expired: bool = False, **_
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
     task = storable_text(str(kwargs.get("task", "text")), limit=4000)
-    stored = get_runtime().runner.store.expire(job_id, task, storable_text(source), when)
+    stored = get_runtime().runner.expire(job_id, task, storable_text(source), when)
     log.info("job %s expired before it ran (%s)", job_id, "row updated" if stored else "final")
 
 
