@@ -42,6 +42,7 @@ from ocrq import __version__
 from ocrq.api import docs, documents, health, routes, viewer
 from ocrq.api.client import Client, NotSent
 from ocrq.api.json_budget import JsonBudget
+from ocrq.api.request_checks import declared_query
 from ocrq.core.settings import Settings
 from ocrq.core.store import REUSED_ID, JobIdReused
 
@@ -192,12 +193,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(NotSent, not_sent)
     app.add_exception_handler(JobIdReused, id_reused)
     client = Client(settings)
-    app.include_router(health.router(client.app, lambda: client.store.engine))
+    # Every api route refuses query parameters it does not take (the viewer's page, which
+    # holds no data, and the docs take what a browser adds).
+    strict = [Depends(declared_query)]
+    app.include_router(health.router(client.app, lambda: client.store.engine), dependencies=strict)
     # The bearer scheme in the schema of every route behind the token, so Swagger UI's
     # "Authorize" sends it; BearerAuth checks it (the dependency never refuses).
     bearer = [Depends(HTTPBearer(auto_error=False))]
-    app.include_router(routes.router(settings, client), dependencies=bearer)
-    app.include_router(documents.router(client, settings), dependencies=bearer)
+    app.include_router(routes.router(settings, client), dependencies=[*bearer, *strict])
+    app.include_router(documents.router(client, settings), dependencies=[*bearer, *strict])
     app.include_router(viewer.router(settings, client), dependencies=bearer)
     viewer.mount(app)
     if settings.api_docs != "off":

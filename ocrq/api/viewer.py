@@ -20,13 +20,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from ocrq.api import view_images
 from ocrq.api.client import Client
+from ocrq.api.request_checks import declared_query
 from ocrq.core.settings import Settings
 
 PREFIX = "/view/"
@@ -72,6 +73,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
         "/jobs/{job_id}/image",
         tags=["jobs"],
         response_class=Response,
+        dependencies=[Depends(declared_query)],
         responses={
             200: {"content": {"image/jpeg": {}}, "description": "the image the job read"},
             404: {"description": "no such job, or its image cannot be shown (detail says why)"},
