@@ -40,9 +40,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ocrq import __version__
 from ocrq.api import docs, documents, health, routes, viewer
+from ocrq.api.body_idle import BodyIdle
 from ocrq.api.client import Client, NotSent
 from ocrq.api.json_budget import JsonBudget
 from ocrq.api.request_checks import declared_query
+from ocrq.api.uploads import UploadSlots
 from ocrq.core.settings import Settings
 from ocrq.core.store import REUSED_ID, JobIdReused
 
@@ -181,7 +183,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
         openapi_url=None if settings.api_docs == "off" else docs.OPENAPI,
     )
-    # The last added runs first: the token is checked before a JSON body is counted.
+    # The last added runs first: the token is checked before a JSON body is counted, and a
+    # body's pauses are bounded under both.
+    app.add_middleware(BodyIdle, idle_s=settings.api_body_idle_s)
     app.add_middleware(JsonBudget, settings=settings)
     app.add_middleware(BearerAuth, settings=settings)
     app.add_exception_handler(RequestValidationError, validation_failed)
@@ -200,8 +204,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # The bearer scheme in the schema of every route behind the token, so Swagger UI's
     # "Authorize" sends it; BearerAuth checks it (the dependency never refuses).
     bearer = [Depends(HTTPBearer(auto_error=False))]
-    app.include_router(routes.router(settings, client), dependencies=[*bearer, *strict])
-    app.include_router(documents.router(client, settings), dependencies=[*bearer, *strict])
+    slots = UploadSlots(settings.api_max_uploads)  # one count for every route's uploads
+    app.include_router(routes.router(settings, client, slots), dependencies=[*bearer, *strict])
+    app.include_router(documents.router(client, settings, slots), dependencies=[*bearer, *strict])
     app.include_router(viewer.router(settings, client), dependencies=bearer)
     viewer.mount(app)
     if settings.api_docs != "off":

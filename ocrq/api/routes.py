@@ -46,7 +46,7 @@ from ocrq.api.schemas import (
     StoredBatch,
     capped,
 )
-from ocrq.api.uploads import CHUNK, Uploads, stored_or_refused
+from ocrq.api.uploads import CHUNK, Uploads, UploadSlots, stored_or_refused
 from ocrq.core.contract import canonical_job_id
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobIdReused
@@ -126,8 +126,9 @@ def _utc(value: dt.datetime | None) -> dt.datetime | None:
     return value
 
 
-def router(settings: Settings, client: Client) -> APIRouter:
+def router(settings: Settings, client: Client, slots: UploadSlots | None = None) -> APIRouter:
     api = APIRouter(tags=["jobs"])
+    slots = slots or UploadSlots(settings.api_max_uploads)
     BatchIn, LookupIn = capped(settings.api_max_batch)
     n, most = settings.api_max_batch, settings.api_max_body_bytes
     batch_bytes = min(most, n * BATCH_BYTES_PER_JOB + BODY_SLACK)
@@ -237,19 +238,21 @@ def router(settings: Settings, client: Client) -> APIRouter:
                 ) from None
             job = _job_in(data)
         elif kind == "multipart/form-data":
-            job = await from_multipart(request)
+            with slots.slot():
+                job = await from_multipart(request)
         elif kind.startswith(RAW_TYPES):
-            job = await from_raw(
-                request,
-                {
-                    "task": task,
-                    "job_id": job_id,
-                    "max_pixels": max_pixels,
-                    "max_new_tokens": max_new_tokens,
-                    "priority": priority,
-                    "batch": batch,
-                },
-            )
+            with slots.slot():
+                job = await from_raw(
+                    request,
+                    {
+                        "task": task,
+                        "job_id": job_id,
+                        "max_pixels": max_pixels,
+                        "max_new_tokens": max_new_tokens,
+                        "priority": priority,
+                        "batch": batch,
+                    },
+                )
         else:
             raise HTTPException(
                 415,
