@@ -153,9 +153,16 @@ class Client:
         done = set(self.store.cancel([j for j in ids if _canonical_or_none(j)]))
         return [{**row, "cancelled": row["job_id"] in done} for row in self.status(ids)]
 
-    def register_batch_webhook(self, batch: str, url: str) -> None:
-        """The batch's webhook, sent by a worker once the batch is final (core/batch_hooks.py)."""
-        batch_hooks.register(self.store.engine, batch, url)
+    def register_batch_webhook(self, batch: str, url: str) -> tuple[str, dt.datetime] | None:
+        """The batch's webhook, sent by a worker once the batch is final (core/batch_hooks.py);
+        the registration it replaced, for `withdraw_batch_webhook`."""
+        return batch_hooks.register(self.store.engine, batch, url)
+
+    def withdraw_batch_webhook(
+        self, batch: str, url: str, previous: tuple[str, dt.datetime] | None
+    ) -> None:
+        """Undo a registration whose request recorded no job (batch_hooks.withdraw)."""
+        batch_hooks.withdraw(self.store.engine, batch, url, previous)
 
     def cancel_batch(self, batch: str) -> tuple[list[str], batches.BatchSummary | None]:
         """Cancel every job of the batch not final yet (store.cancel_batch); the ids cancelled

@@ -3,19 +3,19 @@
 A document named by path or URL needs no route of its own: `POST /jobs` with
 `{"image": {"path": "/srv/docs/report.pdf"}}` is a document job (the worker tells a document
 from an image by its bytes), and its job id is the document's id. `POST /documents` takes the
-file itself as the request body, capped by OCRQ_MAX_IMAGE_BYTES. Where OCRQ_UPLOAD_DIR is set it
-is stored there, content-addressed, and sent as a path job, as `POST /jobs` does with an upload:
-the viewer can draw its pages, `ocrq retry` can read it again, and a retry under the same
-`job_id` is compared by content. Without it the document travels to the worker inline, once
-(the worker's cap on inline bytes is the same), and the worker sends each page on as a one-page
-document, so no later message holds the whole file.
+file itself as the request body, capped by OCRQ_MAX_IMAGE_BYTES as it arrives. Where
+OCRQ_UPLOAD_DIR is set it is streamed there, content-addressed, and sent as a path job, as
+`POST /jobs` does with an upload: the viewer can draw its pages, `ocrq retry` can read it
+again, and a retry under the same `job_id` is compared by content. Without it the document
+travels to the worker inline, once (the worker's cap on inline bytes is the same), and the
+worker sends each page on as a one-page document, so no later message holds the whole file.
+Either way at most OCRQ_API_MAX_UPLOADS are taken in at once (uploads.py, UploadSlots).
 """
 
 from __future__ import annotations
 
 import base64
 import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -26,13 +26,14 @@ from starlette.concurrency import run_in_threadpool
 from ocrq.api.client import Client
 from ocrq.api.request_checks import known_query
 from ocrq.api.schemas import validation_messages
-from ocrq.api.uploads import Uploads, stored_or_refused
+from ocrq.api.uploads import Uploads, UploadSlots, checked_head, stored_or_refused
 from ocrq.core.contract import MAX_BATCH_CHARS, MAX_NEW_TOKENS_LIMIT, JobRequest
 from ocrq.core.doc_formats import document_kind
 from ocrq.core.settings import Settings
 
 MAX_TASK_CHARS = 4000
 DOCUMENT_TYPES = ("application/pdf", "image/tiff", "application/octet-stream")
+DOCUMENT_HEAD = 1024  # bytes that tell a PDF or TIFF (core/doc_formats.py)
 
 # The handler reads the raw body itself (FastAPI declares no body for it), so the schema says
 # what it takes: the document's bytes; the type is told from the bytes, not the header.
@@ -51,21 +52,30 @@ class DocumentAccepted(BaseModel):
     document_id: str
 
 
-def router(client: Client, settings: Settings) -> APIRouter:
+def router(client: Client, settings: Settings, slots: UploadSlots | None = None) -> APIRouter:
     routes = APIRouter(tags=["documents"])
     uploads = (
         Uploads(settings.upload_dir, settings.max_image_bytes) if settings.upload_dir else None
     )
+    slots = slots or UploadSlots(settings.api_max_uploads)
+    most = settings.max_image_bytes
 
-    async def stored(body: bytes) -> dict[str, str]:
-        """The document as the job's image: its upload's path, or inline without a folder."""
-        if uploads is None:
-            return {"b64": base64.b64encode(body).decode("ascii")}
+    def a_document(head: bytes) -> None:
+        if document_kind(head[:DOCUMENT_HEAD]) is None:
+            raise HTTPException(415, "not a PDF or TIFF document")
 
-        async def chunks() -> AsyncIterator[bytes]:
-            yield body
-
-        return {"path": str(await stored_or_refused(uploads, chunks()))}
+    async def stored(request: Request) -> dict[str, str]:
+        """The document as the job's image: streamed to its upload's path, or read whole and
+        sent inline without a folder (capped as it arrives, either way)."""
+        chunks = checked_head(request.stream(), DOCUMENT_HEAD, a_document)
+        if uploads is not None:
+            return {"path": str(await stored_or_refused(uploads, chunks))}
+        body = bytearray()
+        async for chunk in chunks:
+            if len(body) + len(chunk) > most:
+                raise HTTPException(413, f"document over {most} bytes (OCRQ_MAX_IMAGE_BYTES)")
+            body += chunk
+        return {"b64": base64.b64encode(body).decode("ascii")}
 
     @routes.post(
         "/documents",
@@ -99,13 +109,6 @@ def router(client: Client, settings: Settings) -> APIRouter:
         Read the result with `GET /documents/{document_id}` (or `GET /jobs/{job_id}`). With
         `job_id`, a retry after a timeout records the document once (200 then), as
         `POST /jobs` does."""
-        body = await request.body()
-        if len(body) > settings.max_image_bytes:
-            raise HTTPException(
-                413, f"document over {settings.max_image_bytes} bytes (OCRQ_MAX_IMAGE_BYTES)"
-            )
-        if document_kind(body[:1024]) is None:
-            raise HTTPException(415, "not a PDF or TIFF document")
         if "\x00" in task or (batch is not None and "\x00" in batch):
             raise HTTPException(422, "NUL characters are not allowed")
         given = {"task": task, "job_id": job_id, "batch": batch, "max_new_tokens": max_new_tokens}
@@ -114,7 +117,9 @@ def router(client: Client, settings: Settings) -> APIRouter:
             JobRequest.model_validate({"image": {"path": "/"}, **fields})
         except ValidationError as exc:
             raise HTTPException(422, validation_messages(exc)) from None
-        request = JobRequest.model_validate({"image": await stored(body), **fields})
+        with slots.slot():
+            image = await stored(request)
+        request = JobRequest.model_validate({"image": image, **fields})
         (done,) = await run_in_threadpool(client.submit_many, [request])
         answer = DocumentAccepted(job_id=done.job_id, document_id=done.job_id)
         return JSONResponse(answer.model_dump(), status_code=202 if done.created else 200)

@@ -41,8 +41,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ocrq import __version__
 from ocrq.api import docs, documents, health, routes, viewer
+from ocrq.api.body_idle import BodyIdle
 from ocrq.api.client import Client, NotSent
 from ocrq.api.json_budget import JsonBudget
+from ocrq.api.request_checks import declared_query
+from ocrq.api.uploads import UploadSlots
 from ocrq.core.settings import Settings, warn_unknown_variables
 from ocrq.core.store import REUSED_ID, JobIdReused
 
@@ -183,7 +186,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
         openapi_url=None if settings.api_docs == "off" else docs.OPENAPI,
     )
-    # The last added runs first: the token is checked before a JSON body is counted.
+    # The last added runs first: the token is checked before a JSON body is counted, and a
+    # body's pauses are bounded under both.
+    app.add_middleware(BodyIdle, idle_s=settings.api_body_idle_s)
     app.add_middleware(JsonBudget, settings=settings)
     app.add_middleware(BearerAuth, settings=settings)
     app.add_exception_handler(RequestValidationError, validation_failed)
@@ -195,12 +200,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(NotSent, not_sent)
     app.add_exception_handler(JobIdReused, id_reused)
     client = Client(settings)
-    app.include_router(health.router(client.app, lambda: client.store.engine))
+    # Every api route refuses query parameters it does not take (the viewer's page, which
+    # holds no data, and the docs take what a browser adds).
+    strict = [Depends(declared_query)]
+    app.include_router(health.router(client.app, lambda: client.store.engine), dependencies=strict)
     # The bearer scheme in the schema of every route behind the token, so Swagger UI's
     # "Authorize" sends it; BearerAuth checks it (the dependency never refuses).
     bearer = [Depends(HTTPBearer(auto_error=False))]
-    app.include_router(routes.router(settings, client), dependencies=bearer)
-    app.include_router(documents.router(client, settings), dependencies=bearer)
+    slots = UploadSlots(settings.api_max_uploads)  # one count for every route's uploads
+    app.include_router(routes.router(settings, client, slots), dependencies=[*bearer, *strict])
+    app.include_router(documents.router(client, settings, slots), dependencies=[*bearer, *strict])
     app.include_router(viewer.router(settings, client), dependencies=bearer)
     viewer.mount(app)
     if settings.api_docs != "off":

@@ -23,6 +23,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ocrq.api.schemas import DEFAULT_MAX_ITEMS as RETRY_MAX_IDS
 from ocrq.core.settings import Settings
 
 STRUCTURAL = (b",", b":", b"[", b"{")
@@ -49,6 +50,7 @@ def budgets(settings: Settings) -> dict[tuple[str, str], int]:
         ("POST", "/jobs"): SINGLE_JOB_VALUES,
         ("POST", "/jobs/batch"): max(MIN_VALUES, n * VALUES_PER_JOB),
         ("POST", "/jobs/lookup"): max(MIN_VALUES, n * VALUES_PER_ID),
+        ("POST", "/jobs/retry"): max(MIN_VALUES, RETRY_MAX_IDS * VALUES_PER_ID),
     }
 
 

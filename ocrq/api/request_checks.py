@@ -30,23 +30,45 @@ def json_body(request: Request) -> None:
         )
 
 
+def _query_names(dependant: Any) -> set[str]:
+    """The query parameters a route takes: its own and its dependencies'."""
+    names = {f.alias for f in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+def _refuse_unknown(request: Request, names: set[str]) -> None:
+    unknown = sorted(set(request.query_params) - names)
+    if unknown:
+        takes = ", ".join(sorted(names)) or "none"
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("query", k[:64]),
+                    "msg": f"unknown query parameter (this route takes: {takes})",
+                    "type": "extra_forbidden",
+                }
+                for k in unknown[:20]  # a URL of thousands: the first are enough
+            ]
+        )
+
+
+def declared_query(request: Request) -> None:
+    """A dependency refusing query parameters the route does not declare, on every route it is
+    given to (http.py gives it to all the api's routes): `GET /jobs?stauts=failed` listed
+    every job, and a raw upload's `?taks=spotting` was dropped without a word (its task stayed
+    `text`), where the same typo in JSON or a multipart field is a 422."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is not None:
+        _refuse_unknown(request, _query_names(dependant))
+
+
 def known_query(*names: str) -> Any:
-    """A dependency refusing query parameters the route does not take: a raw upload's
-    `?taks=spotting` was dropped without a word (its task stayed `text`), where the same typo
-    in JSON or a multipart field is a 422."""
+    """As `declared_query`, for a route that reads its query parameters itself: these names."""
 
     def check(request: Request) -> None:
-        unknown = sorted(set(request.query_params) - set(names))
-        if unknown:
-            raise RequestValidationError(
-                [
-                    {
-                        "loc": ("query", k[:64]),
-                        "msg": f"unknown query parameter (this route takes: {', '.join(names)})",
-                        "type": "extra_forbidden",
-                    }
-                    for k in unknown[:20]  # a URL of thousands: the first are enough
-                ]
-            )
+        _refuse_unknown(request, set(names))
 
     return Depends(check)

@@ -28,6 +28,7 @@ from starlette.datastructures import UploadFile
 from ocrq.api import document_status
 from ocrq.api.client import FINAL, Client, Delivery, Submitted
 from ocrq.api.request_checks import is_json, json_body, known_query
+from ocrq.api.schemas import DEFAULT_MAX_ITEMS as RETRY_MAX_IDS
 from ocrq.api.schemas import (
     DELIVERY_FIELDS,
     Accepted,
@@ -42,11 +43,13 @@ from ocrq.api.schemas import (
     Retried,
     RetryIn,
     Status,
+    StoredBatch,
     capped,
 )
-from ocrq.api.uploads import CHUNK, Uploads, stored_or_refused
+from ocrq.api.uploads import CHUNK, Uploads, UploadSlots, stored_or_refused
 from ocrq.core.contract import canonical_job_id
 from ocrq.core.settings import Settings
+from ocrq.core.store import JobIdReused
 
 RAW_TYPES = ("image/", "application/octet-stream")
 # Body limits of the JSON-only routes, from what their capped lists need (and never above
@@ -123,12 +126,15 @@ def _utc(value: dt.datetime | None) -> dt.datetime | None:
     return value
 
 
-def router(settings: Settings, client: Client) -> APIRouter:
+def router(settings: Settings, client: Client, slots: UploadSlots | None = None) -> APIRouter:
     api = APIRouter(tags=["jobs"])
+    slots = slots or UploadSlots(settings.api_max_uploads)
     BatchIn, LookupIn = capped(settings.api_max_batch)
     n, most = settings.api_max_batch, settings.api_max_body_bytes
     batch_bytes = min(most, n * BATCH_BYTES_PER_JOB + BODY_SLACK)
     lookup_bytes = min(most, n * LOOKUP_BYTES_PER_ID + BODY_SLACK)
+    # A retry names a batch and/or at most RETRY_MAX_IDS ids (69 MB of `{}` items took 1.82 GB).
+    retry_bytes = min(most, RETRY_MAX_IDS * LOOKUP_BYTES_PER_ID + BODY_SLACK)
     uploads = (
         Uploads(settings.upload_dir, settings.max_image_bytes) if settings.upload_dir else None
     )
@@ -232,19 +238,21 @@ def router(settings: Settings, client: Client) -> APIRouter:
                 ) from None
             job = _job_in(data)
         elif kind == "multipart/form-data":
-            job = await from_multipart(request)
+            with slots.slot():
+                job = await from_multipart(request)
         elif kind.startswith(RAW_TYPES):
-            job = await from_raw(
-                request,
-                {
-                    "task": task,
-                    "job_id": job_id,
-                    "max_pixels": max_pixels,
-                    "max_new_tokens": max_new_tokens,
-                    "priority": priority,
-                    "batch": batch,
-                },
-            )
+            with slots.slot():
+                job = await from_raw(
+                    request,
+                    {
+                        "task": task,
+                        "job_id": job_id,
+                        "max_pixels": max_pixels,
+                        "max_new_tokens": max_new_tokens,
+                        "priority": priority,
+                        "batch": batch,
+                    },
+                )
         else:
             raise HTTPException(
                 415,
@@ -274,18 +282,24 @@ def router(settings: Settings, client: Client) -> APIRouter:
         `callback_url` is the batch's webhook: sent once every job of the batch is final."""
         name = batch.batch or str(uuid.uuid4())
         jobs = [j if j.batch else j.model_copy(update={"batch": name}) for j in batch.jobs]
-        if batch.callback_url is not None:  # known before any job is sent (it may end at once)
+        hook, previous = batch.callback_url, None
+        if hook is not None:  # known before any job is sent (it may end at once)
             if settings.webhook_secret is None:
                 raise HTTPException(422, "callback_url needs OCRQ_WEBHOOK_SECRET set")
-            await run_in_threadpool(client.register_batch_webhook, name, batch.callback_url)
-        done = await submit(jobs)
+            previous = await run_in_threadpool(client.register_batch_webhook, name, hook)
+        try:
+            done = await submit(jobs)
+        except (JobIdReused, HTTPException):  # nothing recorded: nor is the webhook
+            if hook is not None:
+                await run_in_threadpool(client.withdraw_batch_webhook, name, hook, previous)
+            raise
         return BatchAccepted(
             jobs=[Accepted(job_id=d.job_id, created=d.created, status=d.status) for d in done],
             batch=name,
         )
 
     @api.get("/batches/{batch:path}", response_model=BatchOut, responses={404: {}})
-    async def get_batch(batch: str) -> dict[str, Any]:
+    async def get_batch(batch: StoredBatch) -> dict[str, Any]:
         """A batch's jobs counted by status (images and documents' pages), its documents, its
         first and last finish, and an ETA from the batch's own completion rate. Its jobs
         themselves: `GET /jobs?batch=...`, paged."""
@@ -295,7 +309,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
         return found.as_json()
 
     @api.delete("/batches/{batch:path}", response_model=BatchCancelled, responses={404: {}})
-    async def cancel_batch(batch: str) -> dict[str, Any]:
+    async def cancel_batch(batch: StoredBatch) -> dict[str, Any]:
         """Cancel every job of the batch not final yet: queued ones never run, running ones are
         dropped from the running loop at its next harvest (or, on an engine without one, their
         result is not stored). Final jobs and other batches are not touched. The batch's
@@ -306,8 +320,11 @@ def router(settings: Settings, client: Client) -> APIRouter:
         return {**found.as_json(), "cancelled": len(cancelled)}
 
     @api.post(
-        "/jobs/retry", response_model=Retried, responses={404: {}},
+        "/jobs/retry",
+        response_model=Retried,
         dependencies=[Depends(json_body)],
+        max_body_size=retry_bytes,
+        responses={404: {}, 413: {"description": "body over its limit, or too many JSON values"}},
     )
     async def retry_jobs(body: RetryIn) -> dict[str, Any]:
         """Run failed jobs again (of `batch`, and/or of `job_ids`): each goes back to
@@ -349,7 +366,7 @@ def router(settings: Settings, client: Client) -> APIRouter:
         created_before: dt.datetime | None = None,
         limit: Annotated[int, Query(ge=1)] = 50,
         cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
-        batch: Annotated[str | None, Query(description="only this batch's jobs")] = None,
+        batch: Annotated[StoredBatch | None, Query(description="only this batch's jobs")] = None,
     ) -> dict[str, Any]:
         """Jobs newest first, filtered by status, creation time and batch; page on with
         `cursor` (a `limit` above OCRQ_API_MAX_BATCH gets that many, and a `next_cursor`)."""

@@ -11,6 +11,7 @@ import datetime as dt
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -35,8 +36,19 @@ from ocrq.core.contract import (
 MAX_REF_CHARS = 8192  # a path or URL longer than this is not a real reference
 DEFAULT_MAX_ITEMS = 1000  # OCRQ_API_MAX_BATCH's default; `capped` builds the configured models
 
+
+
+def _storable_batch(value: str | None) -> str | None:
+    return None if value is None else require_storable(value, "batch")
+
+
+# A batch name as a route reads it (path, query or body): a NUL cannot be stored or looked up
+# in PostgreSQL text, and was a 500 on five routes; now the 422 says so.
+StoredBatch = Annotated[str, AfterValidator(_storable_batch)]
 # The producer's grouping of jobs; not `batch_id`, the engine batch that ran a job.
-BatchName = Annotated[str | None, Field(min_length=1, max_length=MAX_BATCH_CHARS)]
+BatchName = Annotated[
+    str | None, Field(min_length=1, max_length=MAX_BATCH_CHARS), AfterValidator(_storable_batch)
+]
 Status = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
 # A document (PDF, multi-page TIFF) is shown by its own job id; `partial`: some pages failed.
 JobStatus = Status | Literal["partial"]

@@ -21,7 +21,7 @@ import contextlib
 import hashlib
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
@@ -32,8 +32,61 @@ FILE_MODE = 0o644  # workers may run as another user of the same group or none
 CHUNK = 1 << 20
 
 
+RETRY_AFTER_S = "5"
+
+
 class UploadTooLarge(Exception):
     pass
+
+
+class UploadSlots:
+    """How many uploads the api takes in at once (OCRQ_API_MAX_UPLOADS), one count for every
+    route that takes one. Past it a request is refused with a 503 and Retry-After before a byte
+    of its body is read: 64 slow 48 MiB documents at once had been buffered whole (47 x 500,
+    3.78 GB of a 4 GiB cap). Counted on the event loop's thread only: no lock needed."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.taken = 0
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        from fastapi import HTTPException
+
+        if self.taken >= self.most:
+            raise HTTPException(
+                503,
+                f"{self.most} uploads are being taken in already (OCRQ_API_MAX_UPLOADS): "
+                f"try again in a few seconds",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        self.taken += 1
+        try:
+            yield
+        finally:
+            self.taken -= 1
+
+
+async def checked_head(
+    chunks: AsyncIterator[bytes], size: int, check: Callable[[bytes], None]
+) -> AsyncIterator[bytes]:
+    """The chunks as they come, with `check` run on the first `size` bytes (or all, if fewer)
+    before any is passed on: a document's type is known from its head, so a body that is not
+    one is refused before the rest is read or stored."""
+    head, checked = b"", False
+    async for chunk in chunks:
+        if checked:
+            yield chunk
+            continue
+        head += chunk
+        if len(head) >= size:
+            check(head)
+            checked = True
+            yield head
+    if not checked:  # fewer than `size` bytes in all
+        check(head)
+        if head:
+            yield head
 
 
 class Uploads:

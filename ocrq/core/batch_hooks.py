@@ -15,7 +15,7 @@ import datetime as dt
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, delete, select
+from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ocrq.core.broker_scan import as_text
@@ -38,13 +38,41 @@ def _insert(engine: Engine, batch: str, url: str, at: dt.datetime) -> Any:
     return insert(ocr_batch_hooks).values(batch=batch, url=url, registered_at=at)
 
 
-def register(engine: Engine, batch: str, url: str) -> None:
-    """The batch's webhook: the last one registered for a batch name wins."""
-    stmt = _insert(engine, batch, url, _now())
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["batch"],
-        set_={"url": stmt.excluded.url, "registered_at": stmt.excluded.registered_at},
-    )
+def register(engine: Engine, batch: str, url: str) -> tuple[str, dt.datetime] | None:
+    """The batch's webhook: the last one registered for a batch name wins. Returns the
+    registration it replaced (url, registered_at), for `withdraw` to put back."""
+    with engine.begin() as conn:
+        before = conn.execute(
+            select(ocr_batch_hooks.c.url, ocr_batch_hooks.c.registered_at)
+            .where(ocr_batch_hooks.c.batch == batch)
+            .with_for_update()
+        ).first()
+        stmt = _insert(engine, batch, url, _now())
+        conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["batch"],
+                set_={"url": stmt.excluded.url, "registered_at": stmt.excluded.registered_at},
+            )
+        )
+    return None if before is None else (str(before[0]), before[1])
+
+
+def withdraw(
+    engine: Engine, batch: str, url: str, previous: tuple[str, dt.datetime] | None
+) -> None:
+    """Undo `register(batch, url)` for a request refused before any of its jobs was recorded
+    (a reused job_id): the registration it replaced is put back, or none is left. A 409 had
+    moved `batch.finished` to the refused caller's URL. Only while the row is still the
+    refused one's: a registration made since stays."""
+    ours = (ocr_batch_hooks.c.batch == batch) & (ocr_batch_hooks.c.url == url)
+    if previous is None:
+        stmt: Any = delete(ocr_batch_hooks).where(ours)
+    else:
+        stmt = (
+            update(ocr_batch_hooks)
+            .where(ours)
+            .values(url=previous[0], registered_at=previous[1])
+        )
     with engine.begin() as conn:
         conn.execute(stmt)
 

@@ -451,6 +451,13 @@ class ApiSettings(SettingsGroup):
     api_max_wait_s: float = Field(default=60.0, ge=0, le=3600)
     # Most jobs in one batch submit or bulk lookup, and rows in one page of GET /jobs.
     api_max_batch: int = Field(default=1000, ge=1, le=100_000)
+    # Most uploads (POST /jobs with a file or image body, POST /documents) taken in at once;
+    # one more is a 503 with Retry-After before its body is read. Each streams to
+    # OCRQ_UPLOAD_DIR, but an inline document (no folder) is held whole, ~2.4x its size.
+    api_max_uploads: int = Field(default=8, ge=1, le=10_000)
+    # Longest pause in a request body: a client that stops sending for this long gets a 408,
+    # its connection is closed and its partial upload removed (they were held 150 s and more).
+    api_body_idle_s: float = Field(default=30.0, gt=0, le=3600)
 
 
 class RapidSettings(SettingsGroup):
