@@ -119,13 +119,14 @@ def test_every_ocrq_name_maps_to_the_same_field_and_default_as_before_the_groups
 
 
 def test_each_field_is_declared_in_exactly_one_group() -> None:
-    """The groups partition Settings: a field declared twice would have two defaults."""
+    """The groups partition Settings: a field declared twice would have two defaults. Every
+    group is importable from ocrq.core.settings, wherever it is declared."""
     from ocrq.core import settings as module
+    from ocrq.core.settings import SettingsGroup
 
     groups = [
         cls for cls in vars(module).values()
-        if isinstance(cls, type) and cls.__name__.endswith("Settings") and cls is not Settings
-        and cls.__module__ == module.__name__
+        if isinstance(cls, type) and issubclass(cls, SettingsGroup) and cls is not Settings
     ]
     declared: dict[str, str] = {}
     for cls in groups:
@@ -133,6 +134,46 @@ def test_each_field_is_declared_in_exactly_one_group() -> None:
             assert name not in declared, f"{name} in {cls.__name__} and {declared[name]}"
             declared[name] = cls.__name__
     assert set(declared) == set(Settings.model_fields)
+
+
+# The lab levers (ocrq/core/settings_lab.py): knobs for experiments and benches, listed apart in
+# docs/settings.md. A lever moved in or out of the lab is a choice to make here too.
+LAB_LEVERS = {
+    "attention", "hunyuan_rope", "hunyuan_vit_positions", "decode", "decode_attention",
+    "vision_attention", "vision_gemm_dtype", "prefill_attention", "kv_cache_dtype",
+    "kv_fp8_products", "preprocess", "prefill_schedule", "prefill_tokens", "prefill_gap_steps",
+    "prefill_packed", "prefill_stream", "interactive_pass_steps", "interactive_prefill_tokens",
+    "interactive_prefill_gap_steps", "interactive_bulk_rows", "loop_bulk_max_wait_steps",
+    "switch_interval_ms",
+}
+
+
+def test_the_lab_levers_are_a_group_of_their_own_that_the_engine_still_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`LabSettings` holds the lab levers and no operator's group declares one; HunyuanOCR's
+    group inherits its own levers, so the engine built from that group reads them as before."""
+    from ocrq.core import settings as module
+    from ocrq.core.settings import HunyuanSettings, LabSettings, SettingsGroup
+
+    assert set(LabSettings.model_fields) == LAB_LEVERS
+    operator = [
+        cls for cls in vars(module).values()
+        if isinstance(cls, type) and issubclass(cls, SettingsGroup) and "Lab" not in cls.__name__
+    ]
+    assert len(operator) >= 11
+    for cls in operator:
+        assert not LAB_LEVERS & set(inspect.get_annotations(cls)), cls.__name__
+    monkeypatch.setenv("OCRQ_PREFILL_STREAM", "true")
+    monkeypatch.setenv("OCRQ_SWITCH_INTERVAL_MS", "0.5")
+    settings = Settings()
+    assert settings.prefill_stream and settings.lab.prefill_stream
+    assert settings.hunyuan.prefill_stream and settings.lab.switch_interval_ms == 0.5
+    assert set(LabSettings.model_fields) - {"switch_interval_ms"} <= set(
+        HunyuanSettings.model_fields
+    )
+    with pytest.raises(ValidationError, match="prefill_gap_steps"):
+        LabSettings(prefill_gap_steps=0)
 
 
 @pytest.mark.parametrize(
@@ -143,6 +184,7 @@ def test_each_field_is_declared_in_exactly_one_group() -> None:
         ("OCRQ_HEARTBEAT_S", "1.5", "delivery", 1.5),
         ("OCRQ_API_MAX_WAIT_S", "3", "api", 3.0),
         ("OCRQ_PREFILL_GAP_STEPS", "9", "hunyuan", 9),
+        ("OCRQ_PREFILL_GAP_STEPS", "9", "lab", 9),
         ("OCRQ_VLLM_MAX_NUM_SEQS", "5", "vllm", 5),
         ("OCRQ_OPENAI_CONCURRENCY", "4", "openai", 4),
         ("OCRQ_DATABASE_POOL_SIZE", "3", "service", 3),

@@ -45,14 +45,30 @@ def test_a_new_field_changes_the_doc() -> None:
     from ocrq.core.settings import Settings
 
     gen = _generator()
-    source = gen.SOURCE.read_text(encoding="utf-8")
+    sources = gen.read_sources()
+    service = gen.OPERATOR_SOURCES[0]
     anchor = "    batch_wait_ms: int = Field(default=50, ge=0, le=60_000)\n"
-    assert anchor in source
+    assert anchor in sources[service]
     added = anchor + "    # Brand new knob, said here.\n    brand_new_knob: int = 7\n"
 
     class Extended(Settings):
         brand_new_knob: int = Field(default=7, ge=1)
 
-    text = gen.render(Extended, source.replace(anchor, added))
+    text = gen.render(Extended, {**sources, service: sources[service].replace(anchor, added)})
     assert text != gen.render()
     assert "| `OCRQ_BRAND_NEW_KNOB` | int (1 ≤ x) | `7` | Brand new knob, said here. |" in text
+
+
+def test_the_lab_levers_come_last_in_a_section_of_their_own() -> None:
+    """An operator reads every setting of theirs before the lab section opens, and every lab
+    lever after it, with the sentence that says to leave them alone."""
+    from ocrq.core.settings import LabSettings, Settings
+
+    text = _generator().render()
+    operator, lab = text.split("\n## Lab levers\n")
+    assert "Operators should leave them alone" in lab
+    assert "\n## " not in lab  # the lab's groups are its subsections
+    for name in Settings.model_fields:
+        row = f"| `OCRQ_{name.upper()}` |"
+        assert (row in lab) == (name in LabSettings.model_fields), name
+        assert (row in operator) != (row in lab), name
