@@ -46,9 +46,10 @@ HOSTILE = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2
 
 
 @pytest.fixture(scope="module")
-def env(service_env: dict[str, str]) -> dict[str, str]:
+def env(service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     base = {k: v for k, v in service_env.items() if not k.startswith("OCRQ_API_")}
-    return {**base, "OCRQ_QUEUE": f"ocr-viewer-{uuid.uuid4().hex[:6]}"}
+    uploads = str(tmp_path_factory.mktemp("viewer-uploads"))
+    return {**base, "OCRQ_QUEUE": f"ocr-viewer-{uuid.uuid4().hex[:6]}", "OCRQ_UPLOAD_DIR": uploads}
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +329,19 @@ def test_a_wrong_address_is_a_404_page_that_drops_the_token(
         )
         assert "token=" not in browser.current_url, (url, browser.current_url)
         assert "No such page" in browser.find_element(By.ID, "notice").text
+
+
+def test_an_upload_is_shown_under_its_own_name(
+    api: httpx.Client, server: str, browser: webdriver.Chrome
+) -> None:
+    """An upload is stored under its SHA-256; the page names it as the client did."""
+    png = io.BytesIO()
+    draw_text_image(["NAMED UPLOAD"]).save(png, "PNG")
+    answer = api.post("/jobs", files={"file": ("Receipt March.png", png.getvalue())})
+    assert answer.status_code == 202, answer.text
+    row = api.get(f"/jobs/{answer.json()['job_id']}", params={"wait": 60}).json()
+    assert row["status"] == "done" and row["file_name"] == "Receipt March.png", row
+    open_view(browser, f"{server}/view/{row['job_id']}#token={TOKEN}", images=1)
+    meta = browser.find_element(By.CSS_SELECTOR, "section.page .meta").text
+    assert "Receipt March.png" in meta and row["path"] in meta, meta
+    assert "Receipt March.png" in browser.find_element(By.ID, "title").text

@@ -77,7 +77,9 @@ function drawPage(page, heading) {
   const height = Number(page.height) || 0;
   const side = el("div", { class: "side" });
   side.append(el("h2", {}, heading));
-  const meta = [page.status, width && height ? `${width}×${height} px` : null, page.path]
+  const meta = [
+    page.status, width && height ? `${width}×${height} px` : null, page.file_name, page.path,
+  ]
     .filter(Boolean).join(" · ");
   side.append(el("div", { class: "meta" }, meta));
   if (page.error) side.append(el("div", { class: "error" }, page.error));
@@ -156,7 +158,8 @@ async function loadImage(jobId, sheet, svg, width, height) {
 async function showDocument(id) {
   const doc = await json(`/documents/${encodeURIComponent(id)}`);
   const pages = Array.isArray(doc.page_results) ? doc.page_results : [];
-  $("title").textContent = `document ${id} · ${doc.status} · ${doc.pages ?? "?"} page(s)`;
+  const name = doc.file_name ? ` · ${doc.file_name}` : "";
+  $("title").textContent = `document ${id}${name} · ${doc.status} · ${doc.pages ?? "?"} page(s)`;
   if (doc.error) notice(doc.error);
   for (const page of pages) drawPage(page, `page ${page.page}`);
 }
@@ -164,7 +167,7 @@ async function showDocument(id) {
 async function showJob(id) {
   const row = await json(`/jobs/${encodeURIComponent(id)}`);
   if (row.document_id === row.job_id && row.page == null) return showDocument(id);
-  $("title").textContent = `job ${id} · ${row.status}`;
+  $("title").textContent = `job ${id}${row.file_name ? " · " + row.file_name : ""} · ${row.status}`;
   drawPage(row, row.page ? `page ${row.page} of document ${row.document_id}` : "image");
 }
 
