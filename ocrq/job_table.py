@@ -107,7 +107,7 @@ def print_table(rows: Sequence[dict[str, Any]], console: Console) -> None:
         left = console.width - fixed
         if left >= FILE_MAX + 2 + TEXT_ROOM:
             break
-    names = [file_name(r.get("path")) for r in rows]
+    names = [r.get("file_name") or file_name(r.get("path")) for r in rows]
     longest = max((Text(n).cell_len for n in names), default=0)
     share = max(FILE_MIN, min(FILE_MAX, left // 2))
     file_cells = max(len("file"), min(longest, share, left))
@@ -138,7 +138,8 @@ def print_blocks(rows: Sequence[dict[str, Any]], console: Console) -> None:
         pages = pages_cell(row)
         status = f"{status_cell(row)}{'  ' + pages + ' pages' if pages else ''}"
         head = f"{row['job_id']}  {status}"
-        fields = [("file", file_name(row.get("path"))), ("text", one_line(row))]
+        shown = row.get("file_name") or file_name(row.get("path"))  # an upload's own name
+        fields = [("file", shown), ("text", one_line(row))]
         if len(head) > width:
             head = row["job_id"]
             fields.insert(0, ("status", status))
@@ -171,6 +172,7 @@ def _legend(rows: Sequence[dict[str, Any]], console: Console) -> None:
 DETAIL_FIELDS = (
     ("status", "status"),
     ("path", "path"),
+    ("file", "file_name"),  # an upload's name on the producer's side
     ("pages", "pages"),
     ("pages failed", "pages_failed"),
     ("page", "page"),

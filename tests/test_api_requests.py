@@ -7,26 +7,36 @@ FastAPI's TestClient in front of real Redis and PostgreSQL, no worker reads its 
 
 from __future__ import annotations
 
+import io
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from rich.console import Console
 from sqlalchemy import create_engine, text
 
 from ocrq.api.http import create_app
+from ocrq.core import export
+from ocrq.core.db import get_engine
+from ocrq.core.samples import draw_text_image
 from ocrq.core.settings import Settings
+from ocrq.job_table import print_detail
+from tests.pdfs import image_pdf
 
 TOKEN = "requests-token-" + uuid.uuid4().hex
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def settings(broker_url: str, database_url: str) -> Settings:
+def settings(
+    broker_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Settings:
     return Settings(
         broker_url=broker_url,
         database_url=database_url,
+        upload_dir=tmp_path_factory.mktemp("requests-uploads"),
         queue=f"ocr-requests-{uuid.uuid4().hex[:6]}",
         api_token=TOKEN,
         webhook_secret="requests-secret-" + uuid.uuid4().hex,
@@ -143,3 +153,61 @@ def test_a_refused_batch_leaves_its_webhook_as_it_was(
         ).all()
     engine.dispose()
     assert left == []
+
+
+def test_an_upload_keeps_its_own_name_for_display(
+    api: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    """Uploads are stored under their SHA-256, and jobs, `ocrq status`, exports and the viewer
+    showed only that. The client's file name is kept beside it, for display only: its last
+    part, printable characters, never a path the api writes to."""
+    png = io.BytesIO()
+    draw_text_image(["NAMED"]).save(png, "PNG")
+    sent = {
+        "multipart": api.post(
+            "/jobs", files={"file": ("C:\\scans\\März receipt.png", png.getvalue())}
+        ),
+        "raw": api.post(
+            "/jobs",
+            content=png.getvalue() + b"x",  # another file: another stored path
+            params={"file_name": "../../etc/passwd\u202e\u0007.png"},
+            headers={"Content-Type": "image/png"},
+        ),
+        "document": api.post(
+            "/documents",
+            content=image_pdf([draw_text_image(["PAGE"])], tmp_path / "a.pdf").read_bytes(),
+            params={"file_name": "Quarterly report.pdf"},
+            headers={"Content-Type": "application/pdf"},
+        ),
+        "json": api.post("/jobs", json={"image": {"path": str(tmp_path / "p.png")}}),
+    }
+    expected = {
+        "multipart": "März receipt.png",
+        "raw": "passwd.png",
+        "document": "Quarterly report.pdf",
+        "json": None,
+    }
+    rows = {}
+    for how, answer in sent.items():
+        assert answer.status_code == 202, (how, answer.text)
+        row = api.get(f"/jobs/{answer.json()['job_id']}").json()
+        assert row["file_name"] == expected[how], (how, row)
+        if how != "json":  # stored by content, whatever the name said
+            assert row["path"].startswith(str(settings.upload_dir)), row
+            assert expected[how] not in row["path"], row
+        rows[how] = row
+    listed = api.get("/jobs", params={"limit": 10}).json()["jobs"]
+    assert {r["file_name"] for r in listed} >= {"März receipt.png", "passwd.png"}
+    names = [p.name for p in settings.upload_dir.rglob("*")]  # type: ignore[union-attr]
+    assert not any("passwd" in n or "März" in n for n in names), names
+
+    # `ocrq status ID`: the name on a line of its own.
+    shown = io.StringIO()
+    print_detail(rows["multipart"], Console(file=shown, width=100))
+    assert "file" in shown.getvalue() and "März receipt.png" in shown.getvalue()
+    # Exports: a column of its own.
+    engine = get_engine(settings.database_url)
+    records = {r["job_id"]: r for r in export.rows(engine, None, None)}
+    engine.dispose()
+    assert records[rows["raw"]["job_id"]]["file_name"] == "passwd.png"
+    assert "file_name" in export.FIELDS

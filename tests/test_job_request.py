@@ -71,7 +71,8 @@ def test_every_job_request_field_has_an_api_field_a_column_and_a_message_key() -
     # An upload's form fields and a raw body's query parameters: the same job fields.
     assert set(UPLOAD_FIELDS) == job_fields - {"image"}
     spec = create_app(Settings(api_token=TOKEN)).openapi()["paths"]["/jobs"]["post"]
-    assert {p["name"] for p in spec["parameters"]} == set(UPLOAD_FIELDS)
+    # ... plus a raw body's own name, shown with the job (display only: not a job field).
+    assert {p["name"] for p in spec["parameters"]} == {*UPLOAD_FIELDS, "file_name"}
     request = JobRequest.model_validate(FULL)
     columns = request.columns()
     assert set(columns) <= set(ocr_jobs.c.keys())

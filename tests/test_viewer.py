@@ -46,9 +46,10 @@ HOSTILE = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2
 
 
 @pytest.fixture(scope="module")
-def env(service_env: dict[str, str]) -> dict[str, str]:
+def env(service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     base = {k: v for k, v in service_env.items() if not k.startswith("OCRQ_API_")}
-    return {**base, "OCRQ_QUEUE": f"ocr-viewer-{uuid.uuid4().hex[:6]}"}
+    uploads = str(tmp_path_factory.mktemp("viewer-uploads"))
+    return {**base, "OCRQ_QUEUE": f"ocr-viewer-{uuid.uuid4().hex[:6]}", "OCRQ_UPLOAD_DIR": uploads}
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +302,46 @@ def test_the_image_route_reads_only_what_the_job_read(
     )
     assert len(browser.find_elements(By.CSS_SELECTOR, "rect.box")) == len(row["lines"]) > 0
     assert not browser.find_elements(By.CSS_SELECTOR, "image.scan")
+    # Why there is no image is said on the page, above the blank (it was a hover tooltip).
+    note = browser.find_element(By.CSS_SELECTOR, ".sheet .no-image")
+    assert note.is_displayed() and "inline" in note.text, note.text
     items = browser.find_elements(By.CSS_SELECTOR, "ol.lines li")
     assert len(items) == len(row["lines"])
     assert all(i.text.startswith(x["text"]) for i, x in zip(items, row["lines"], strict=True))
     assert api.get(f"/jobs/{uuid.uuid4()}/image").status_code == 404
     assert api.get("/jobs/not-a-uuid/image").status_code == 404
+
+
+def test_a_wrong_address_is_a_404_page_that_drops_the_token(
+    server: str, browser: webdriver.Chrome
+) -> None:
+    """Under /view/ but no viewer address: the page as a 404, which takes `#token=` out of the
+    address bar as the viewer does (a JSON 404 had left it in the address and the history)."""
+    answer = httpx.get(f"{server}/view/no/such/page")
+    assert answer.status_code == 404 and "script-src 'self'" in answer.headers[
+        "content-security-policy"
+    ]
+    assert httpx.get(f"{server}/view/static/viewer.js").status_code == 200  # not shadowed
+    for url in ("/view/no/such/page", "/view/", "/view/documents/"):
+        browser.get(f"{server}{url}#token={TOKEN}")
+        WebDriverWait(browser, PAGE_S).until(
+            lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready")
+        )
+        assert "token=" not in browser.current_url, (url, browser.current_url)
+        assert "No such page" in browser.find_element(By.ID, "notice").text
+
+
+def test_an_upload_is_shown_under_its_own_name(
+    api: httpx.Client, server: str, browser: webdriver.Chrome
+) -> None:
+    """An upload is stored under its SHA-256; the page names it as the client did."""
+    png = io.BytesIO()
+    draw_text_image(["NAMED UPLOAD"]).save(png, "PNG")
+    answer = api.post("/jobs", files={"file": ("Receipt March.png", png.getvalue())})
+    assert answer.status_code == 202, answer.text
+    row = api.get(f"/jobs/{answer.json()['job_id']}", params={"wait": 60}).json()
+    assert row["status"] == "done" and row["file_name"] == "Receipt March.png", row
+    open_view(browser, f"{server}/view/{row['job_id']}#token={TOKEN}", images=1)
+    meta = browser.find_element(By.CSS_SELECTOR, "section.page .meta").text
+    assert "Receipt March.png" in meta and row["path"] in meta, meta
+    assert "Receipt March.png" in browser.find_element(By.ID, "title").text

@@ -49,6 +49,7 @@ class Delivery:
 
     expires_at: dt.datetime | None = None
     callback_url: str | None = None
+    file_name: str | None = None  # an upload's own name, display only (uploads.display_name)
 
 
 class NotSent(Exception):
@@ -117,7 +118,7 @@ class Client:
             raise ValueError(NAME_REFUSED)  # the worker would refuse it: say so now
         asked = list(deliveries) if deliveries is not None else [Delivery()] * len(requests)
         news = [
-            NewJob.of(r, d.expires_at, d.callback_url)
+            NewJob.of(r, d.expires_at, d.callback_url, d.file_name)
             for r, d in zip(requests, asked, strict=True)
         ]
         existing = self.store.enqueue_many(news)

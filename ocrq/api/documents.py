@@ -23,10 +23,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ocrq.api.client import Client
+from ocrq.api.client import Client, Delivery
 from ocrq.api.request_checks import known_query
 from ocrq.api.schemas import validation_messages
-from ocrq.api.uploads import Uploads, UploadSlots, checked_head, stored_or_refused
+from ocrq.api.uploads import (
+    Uploads,
+    UploadSlots,
+    checked_head,
+    display_name,
+    stored_or_refused,
+)
 from ocrq.core.contract import MAX_BATCH_CHARS, MAX_NEW_TOKENS_LIMIT, JobRequest
 from ocrq.core.doc_formats import document_kind
 from ocrq.core.settings import Settings
@@ -82,7 +88,7 @@ def router(client: Client, settings: Settings, slots: UploadSlots | None = None)
         status_code=202,
         response_model=DocumentAccepted,
         openapi_extra=UPLOAD_BODY,
-        dependencies=[known_query("task", "batch", "max_new_tokens", "job_id")],
+        dependencies=[known_query("task", "batch", "max_new_tokens", "job_id", "file_name")],
         responses={
             200: {"model": DocumentAccepted, "description": "already recorded (a retry)"},
             409: {"description": "job_id already used for a different document or task"},
@@ -104,6 +110,9 @@ def router(client: Client, settings: Settings, slots: UploadSlots | None = None)
             str | None,
             Query(description="a UUID of yours: a retry with it records the document once"),
         ] = None,
+        file_name: Annotated[
+            str | None, Query(description="the file's own name, shown with the document")
+        ] = None,
     ) -> JSONResponse:
         """Upload a PDF or multi-page TIFF as the request body; its pages become page jobs.
         Read the result with `GET /documents/{document_id}` (or `GET /jobs/{job_id}`). With
@@ -120,7 +129,8 @@ def router(client: Client, settings: Settings, slots: UploadSlots | None = None)
         with slots.slot():
             image = await stored(request)
         request = JobRequest.model_validate({"image": image, **fields})
-        (done,) = await run_in_threadpool(client.submit_many, [request])
+        delivery = Delivery(file_name=display_name(file_name))  # display only
+        (done,) = await run_in_threadpool(client.submit_many, [request], [delivery])
         answer = DocumentAccepted(job_id=done.job_id, document_id=done.job_id)
         return JSONResponse(answer.model_dump(), status_code=202 if done.created else 200)
 
@@ -134,6 +144,7 @@ def router(client: Client, settings: Settings, slots: UploadSlots | None = None)
         view = client.documents.view(key)
         if view is None:
             raise HTTPException(404, "no such document")
-        return view
+        row = client.store.get([key]).get(key)  # its own job's: an upload's own name
+        return {**view, "file_name": row.get("file_name") if row else None}
 
     return routes

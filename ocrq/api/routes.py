@@ -46,7 +46,7 @@ from ocrq.api.schemas import (
     StoredBatch,
     capped,
 )
-from ocrq.api.uploads import CHUNK, Uploads, UploadSlots, stored_or_refused
+from ocrq.api.uploads import CHUNK, Uploads, UploadSlots, display_name, stored_or_refused
 from ocrq.core.contract import canonical_job_id
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobIdReused
@@ -139,7 +139,7 @@ def router(settings: Settings, client: Client, slots: UploadSlots | None = None)
         Uploads(settings.upload_dir, settings.max_image_bytes) if settings.upload_dir else None
     )
 
-    async def submit(jobs: list[JobIn]) -> list[Submitted]:
+    async def submit(jobs: list[JobIn], names: list[str | None] | None = None) -> list[Submitted]:
         if settings.webhook_secret is None and any(job.callback_url for job in jobs):
             raise HTTPException(
                 422,
@@ -147,7 +147,11 @@ def router(settings: Settings, client: Client, slots: UploadSlots | None = None)
                 "webhooks are always signed (docs/security.md, Webhooks)",
             )
         requests = [job.request() for job in jobs]
-        deliveries = [Delivery(job.expires_at, job.callback_url) for job in jobs]
+        names = names or [None] * len(jobs)
+        deliveries = [
+            Delivery(job.expires_at, job.callback_url, name)
+            for job, name in zip(jobs, names, strict=True)
+        ]
         return await run_in_threadpool(client.submit_many, requests, deliveries)
 
     async def stored_upload(chunks: Any) -> str:
@@ -160,7 +164,7 @@ def router(settings: Settings, client: Client, slots: UploadSlots | None = None)
             )
         return str(await stored_or_refused(uploads, chunks))
 
-    async def from_multipart(request: Request) -> JobIn:
+    async def from_multipart(request: Request) -> tuple[JobIn, str | None]:
         async with request.form(max_files=1, max_fields=len(UPLOAD_FIELDS)) as form:
             file = form.get("file")
             if not isinstance(file, UploadFile):
@@ -189,7 +193,8 @@ def router(settings: Settings, client: Client, slots: UploadSlots | None = None)
             fields = {k: form[k] for k in UPLOAD_FIELDS if isinstance(form.get(k), str)}
             _job_in({"image": {"path": "/"}, **fields})  # fields checked before storing
             path = await stored_upload(chunks())
-        return _job_in({"image": {"path": path}, **fields})
+            name = display_name(file.filename)
+        return _job_in({"image": {"path": path}, **fields}), name
 
     async def from_raw(request: Request, given: dict[str, Any]) -> JobIn:
         fields = {k: v for k, v in given.items() if v is not None}
@@ -202,7 +207,7 @@ def router(settings: Settings, client: Client, slots: UploadSlots | None = None)
         status_code=202,
         response_model=Accepted,
         openapi_extra=CREATE_BODY,
-        dependencies=[known_query(*UPLOAD_FIELDS)],
+        dependencies=[known_query(*UPLOAD_FIELDS, "file_name")],
         responses={
             200: {"model": Accepted, "description": "the job was already recorded (a retry)"},
             409: {"description": "job_id already used for a different image or task"},
@@ -219,6 +224,10 @@ def router(settings: Settings, client: Client, slots: UploadSlots | None = None)
         max_new_tokens: Annotated[int | None, Query(description="raw image bodies only")] = None,
         priority: Annotated[str | None, Query(description="raw image bodies only")] = None,
         batch: Annotated[str | None, Query(description="raw image bodies only")] = None,
+        file_name: Annotated[
+            str | None,
+            Query(description="raw image bodies only: the file's own name, shown with the job"),
+        ] = None,
     ) -> JSONResponse:
         """Submit one job: a JSON `JobIn`, a multipart upload (`file` plus optional `task`,
         `job_id`, `max_pixels`, `max_new_tokens`, `priority`, `batch` fields) or a raw image
@@ -226,6 +235,7 @@ def router(settings: Settings, client: Client, slots: UploadSlots | None = None)
         in OCRQ_UPLOAD_DIR under their SHA-256 and sent as path jobs. 202 when recorded now, 200
         for a retry of a job already recorded."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        name: str | None = None  # an upload's own name, shown with the job (display only)
         if is_json(request):
             try:
                 data = await request.json()
@@ -239,8 +249,9 @@ def router(settings: Settings, client: Client, slots: UploadSlots | None = None)
             job = _job_in(data)
         elif kind == "multipart/form-data":
             with slots.slot():
-                job = await from_multipart(request)
+                job, name = await from_multipart(request)
         elif kind.startswith(RAW_TYPES):
+            name = display_name(file_name)
             with slots.slot():
                 job = await from_raw(
                     request,
@@ -260,7 +271,7 @@ def router(settings: Settings, client: Client, slots: UploadSlots | None = None)
                 "application/octet-stream; a PDF or TIFF as the body goes to POST /documents "
                 "(or as a multipart `file` here)",
             )
-        (done,) = await submit([job])
+        (done,) = await submit([job], [name])
         return JSONResponse(
             Accepted(job_id=done.job_id, created=done.created, status=done.status).model_dump(),
             status_code=202 if done.created else 200,

@@ -293,6 +293,8 @@ class JobOut(BaseModel):
     lines: list[dict[str, Any]] = []
     error: str | None = None
     truncated: Literal["max_tokens", "repetition"] | None = None
+    # An upload's name on the producer's side (display only: `path` is where it is stored)
+    file_name: str | None = None
     task: str | None = None
     max_pixels: int | None = None
     max_new_tokens: int | None = None  # the job's own cap; None: the worker's

@@ -33,6 +33,21 @@ CHUNK = 1 << 20
 
 
 RETRY_AFTER_S = "5"
+MAX_NAME_CHARS = 255  # ocr_jobs.file_name (migrations/0012)
+
+
+def display_name(raw: str | None) -> str | None:
+    """The client's name for an upload, fit to show and nothing else: its last path part only
+    (`C:\\scans\\a.png` and `../../a.png` are `a.png`), no control or unprintable characters
+    (NUL, newlines, escapes, lone surrogates), at most 255 characters; None when nothing is
+    left. Files are stored under their SHA-256 whatever this says; a job showed only that."""
+    if not raw:
+        return None
+    name = raw.replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(c for c in name if c.isprintable()).strip()
+    if name in ("", ".", ".."):
+        return None
+    return name[:MAX_NAME_CHARS]
 
 
 class UploadTooLarge(Exception):

@@ -58,10 +58,17 @@ def open_prefixes() -> tuple[str, ...]:
     return (PREFIX,)
 
 
-def _page(request: Request) -> HTMLResponse:
+def _page(request: Request, status_code: int = 200) -> HTMLResponse:
     root = html.escape(request.scope.get("root_path", "").rstrip("/"), quote=True)
     text = (FOLDER / "viewer.html").read_text().replace("{static}", root + STATIC)
-    return HTMLResponse(text, headers=PAGE_HEADERS)
+    return HTMLResponse(text, status_code=status_code, headers=PAGE_HEADERS)
+
+
+def _no_such_page(request: Request, rest: str) -> HTMLResponse:
+    """Any other address under /view/: the page again, as a 404, so that its script takes a
+    `#token=` out of the address bar there too (a JSON 404 left it in the address and the
+    history) and says where the viewer is."""
+    return _page(request, 404)
 
 
 class Decodes:
@@ -149,3 +156,5 @@ def router(settings: Settings, client: Client) -> APIRouter:
 
 def mount(app: FastAPI) -> None:
     app.mount(STATIC, StaticFiles(directory=FOLDER), name="viewer-static")
+    # After the static files, which it would otherwise shadow.
+    app.add_api_route(PREFIX + "{rest:path}", _no_such_page, include_in_schema=False)

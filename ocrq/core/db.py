@@ -94,6 +94,8 @@ ocr_jobs = Table(
     # worker's default cap, the bulk lane.
     Column("max_new_tokens", Integer),
     Column("priority", String(16)),
+    # An upload's file name on the producer's side, for display only (migrations/0012).
+    Column("file_name", String(255)),
 )
 
 # One row per document (PDF, multi-page TIFF; migrations/0004). Its pages are the ocr_jobs rows

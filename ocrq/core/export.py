@@ -40,8 +40,8 @@ STDOUT = Path("-")  # `--out -`: jsonl or csv to standard output
 CHUNK_ROWS = 500  # rows per round trip of the server-side cursor
 TICK_ROWS = 100  # the progress callback is told every this many records (and at the end)
 FIELDS = (
-    "job_id", "batch", "kind", "document_id", "page", "path", "status", "task", "text",
-    "error", "truncated", "attempts", "retries", "engine", "width", "height", "created_at",
+    "job_id", "batch", "kind", "document_id", "page", "path", "file_name", "status", "task",
+    "text", "error", "truncated", "attempts", "retries", "engine", "width", "height", "created_at",
     "finished_at", "lines",
 )  # fmt: skip
 
@@ -101,6 +101,7 @@ def record(row: dict[str, Any]) -> dict[str, Any]:
         "document_id": row.get("document_id"),
         "page": row.get("page"),
         "path": row["source"],
+        "file_name": row.get("file_name"),  # an upload's own name (display only)
         "status": row["status"],
         "task": row["task"],
         "text": row.get("text"),
@@ -310,7 +311,8 @@ def _write_md(records: Iterator[dict[str, Any]], folder: Path) -> Exported:
                 written_pages += 1
             elif rec["status"] == "done":
                 text = rec["text"] or ""
-                names.new(rec["path"], rec["job_id"]).write_text(text + "\n", "utf-8")
+                name = rec["file_name"] or rec["path"]  # an upload: its own name
+                names.new(name, rec["job_id"]).write_text(text + "\n", "utf-8")
                 done.files += 1
             else:
                 done.skipped += 1

@@ -65,6 +65,7 @@ class NewJob:
     max_new_tokens: int | None = None  # the job's own output cap; NULL: the worker's
     priority: str | None = None  # its lane; NULL: bulk
     retries: int = 0  # its user re-run generation
+    file_name: str | None = None  # an upload's name on the producer's side: display only
 
     @classmethod
     def of(
@@ -72,10 +73,16 @@ class NewJob:
         request: JobRequest,
         expires_at: dt.datetime | None = None,
         callback_url: str | None = None,
+        file_name: str | None = None,
     ) -> NewJob:
         """The row of a request: every one of its fields (`JobRequest.columns`), so a re-send
         from the row (`JobRequest.from_row`) is the same job, plus its delivery's."""
-        return cls(**request.columns(), expires_at=expires_at, callback_url=callback_url)
+        return cls(
+            **request.columns(),
+            expires_at=expires_at,
+            callback_url=callback_url,
+            file_name=file_name,
+        )
 
 
 def expired_error(expires_at: dt.datetime) -> str:
@@ -551,6 +558,7 @@ def full_view(row: dict[str, Any]) -> dict[str, Any]:
     view plus task, timings, engine, worker, attempts, batch and image facts."""
     return {
         **public_view(row),
+        "file_name": row.get("file_name"),  # an upload's own name (display only)
         "task": row.get("task"),
         "max_pixels": row.get("max_pixels"),
         "max_new_tokens": row.get("max_new_tokens"),

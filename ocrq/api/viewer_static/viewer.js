@@ -77,7 +77,9 @@ function drawPage(page, heading) {
   const height = Number(page.height) || 0;
   const side = el("div", { class: "side" });
   side.append(el("h2", {}, heading));
-  const meta = [page.status, width && height ? `${width}×${height} px` : null, page.path]
+  const meta = [
+    page.status, width && height ? `${width}×${height} px` : null, page.file_name, page.path,
+  ]
     .filter(Boolean).join(" · ");
   side.append(el("div", { class: "meta" }, meta));
   if (page.error) side.append(el("div", { class: "error" }, page.error));
@@ -96,7 +98,7 @@ function drawPage(page, heading) {
     svg.append(el("svg:rect", { class: "blank", x: 0, y: 0, width, height }));
     sheet.append(svg);
     section.append(sheet);
-    loadImage(page.job_id, svg, width, height);
+    loadImage(page.job_id, sheet, svg, width, height);
   }
   section.append(side);
   lines.forEach((line, i) => {
@@ -125,13 +127,21 @@ function drawPage(page, heading) {
   $("pages").append(section);
 }
 
-async function loadImage(jobId, svg, width, height) {
+// Why a page shows its boxes on a blank sheet, said on the page itself, above the sheet (it
+// was only a tooltip over the blank: a URL or inline job looked like a broken page).
+function noImage(sheet, svg, reason) {
+  svg.setAttribute("data-image", "none");
+  sheet.prepend(el("p", { class: "no-image" }, "No image to show: " + reason));
+}
+
+async function loadImage(jobId, sheet, svg, width, height) {
   try {
     const response = await api(`/jobs/${encodeURIComponent(jobId)}/image`);
     if (!response.ok) {
       const body = await response.json().catch(() => ({}));
-      svg.setAttribute("data-image", "none");
-      svg.append(el("svg:title", {}, "no image: " + (body.detail || response.statusText)));
+      const detail = typeof body.detail === "string" ? body.detail : response.statusText;
+      const reason = detail.replace(/^no image to show: /, "");
+      noImage(sheet, svg, `${reason} (the boxes are drawn on a blank page of the image's size)`);
       return;
     }
     const url = URL.createObjectURL(await response.blob());
@@ -141,14 +151,15 @@ async function loadImage(jobId, svg, width, height) {
     image.addEventListener("load", () => svg.setAttribute("data-image", "loaded"), { once: true });
     svg.querySelector("rect.blank").after(image); // under the boxes
   } catch (error) {
-    svg.setAttribute("data-image", "none");
+    noImage(sheet, svg, error.message || "the image could not be loaded");
   }
 }
 
 async function showDocument(id) {
   const doc = await json(`/documents/${encodeURIComponent(id)}`);
   const pages = Array.isArray(doc.page_results) ? doc.page_results : [];
-  $("title").textContent = `document ${id} · ${doc.status} · ${doc.pages ?? "?"} page(s)`;
+  const name = doc.file_name ? ` · ${doc.file_name}` : "";
+  $("title").textContent = `document ${id}${name} · ${doc.status} · ${doc.pages ?? "?"} page(s)`;
   if (doc.error) notice(doc.error);
   for (const page of pages) drawPage(page, `page ${page.page}`);
 }
@@ -156,7 +167,7 @@ async function showDocument(id) {
 async function showJob(id) {
   const row = await json(`/jobs/${encodeURIComponent(id)}`);
   if (row.document_id === row.job_id && row.page == null) return showDocument(id);
-  $("title").textContent = `job ${id} · ${row.status}`;
+  $("title").textContent = `job ${id}${row.file_name ? " · " + row.file_name : ""} · ${row.status}`;
   drawPage(row, row.page ? `page ${row.page} of document ${row.document_id}` : "image");
 }
 
@@ -175,6 +186,15 @@ function askForToken() {
 async function main() {
   const rest = decodeURIComponent(path.slice(base.length + "/view/".length));
   const [kind, id] = rest.startsWith("documents/") ? ["document", rest.slice(10)] : ["job", rest];
+  if (!id || id.includes("/")) {
+    // Not a viewer address (the server answered 404 with this page): the token still leaves
+    // the address bar, as on every other page.
+    takeToken();
+    $("title").textContent = "";
+    notice("No such page: the viewer is at /view/JOB_ID or /view/documents/DOCUMENT_ID.");
+    document.body.setAttribute("data-ready", "error");
+    return;
+  }
   try {
     await (kind === "document" ? showDocument(id) : showJob(id));
     document.body.setAttribute("data-ready", "true");
