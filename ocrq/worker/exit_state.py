@@ -104,6 +104,12 @@ def check_database(settings: Settings) -> int | None:
     def waiting(state: Any) -> None:  # once, so a wait of up to a minute is not silent
         if state.attempt_number == 1:
             error = state.outcome.exception() if state.outcome is not None else None
+            if _missing_database(error):  # the server answered: not a reachability problem
+                log.warning(
+                    "%s; waiting up to %.0f s for `ocrq migrate` to create it",
+                    _first_line(error), settings.database_wait_s,
+                )
+                return
             log.warning(
                 "database not reachable yet; waiting up to %.0f s for it: %s",
                 settings.database_wait_s, getattr(error, "orig", None) or error,
@@ -128,10 +134,29 @@ def check_database(settings: Settings) -> int | None:
         # both had an operator with a mistyped port run `ocrq migrate`, which failed the same.
         problem = infrastructure_problem(exc)
         log.critical("worker cannot start: %s", problem.message if problem else exc.orig or exc)
+        if _missing_database(exc):
+            # A server that answers "no such database" gives the same answer to every restart:
+            # restarted every minute for ever before. Exit EX_CONFIG, which no supervisor of
+            # ocrq's restarts (ocrq/worker/supervisor.py; deploy/systemd's
+            # RestartPreventExitStatus).
+            return STARTUP_FAILED_EXIT_CODE
         return 1
     finally:
         metrics.DATABASE_WAIT_SINCE.set(0)
     return None
+
+
+def _first_line(error: BaseException | None) -> str:
+    text = str(getattr(error, "orig", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _missing_database(error: BaseException | None) -> bool:
+    """PostgreSQL answered that the database does not exist (`database "x" does not exist`)."""
+    from sqlalchemy.exc import OperationalError
+
+    line = _first_line(error) if isinstance(error, OperationalError) else ""
+    return "database" in line and "does not exist" in line
 
 
 def check_roots(settings: Settings) -> int | None:
