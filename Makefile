@@ -25,4 +25,5 @@ worker:
 flower:
 	@case "$${FLOWER_BASIC_AUTH:-}" in *:?*) ;; *) echo "set FLOWER_BASIC_AUTH=user:password first" >&2; exit 2;; esac
 	.venv/bin/celery --broker=$${OCRQ_BROKER_URL:-redis://localhost:6379/0} flower \
-		--address=127.0.0.1 --port=5555 --basic-auth="$$FLOWER_BASIC_AUTH"
+		--address=127.0.0.1 --port=5555 --basic-auth="$$FLOWER_BASIC_AUTH" \
+		--purge_offline_workers=3600

@@ -295,3 +295,26 @@ def test_api_on_a_port_already_taken_says_so_with_its_own_exit_code() -> None:
     assert done.returncode == EXIT_UNAVAILABLE, done.stderr
     assert f"ocrq api cannot start: cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "Address already in use" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_supervised_worker_with_a_missing_database_says_so_and_is_not_restarted(
+    service_env: dict[str, str],
+) -> None:
+    """The server answers, the database does not exist: the worker said "database not
+    reachable yet", exited 1 after its wait, and its supervisor restarted it every minute for
+    ever. It names the missing database, exits 78, and the supervisor stops there."""
+    missing = make_url(TEST_PG).set(database=f"ocrq_missing_{uuid.uuid4().hex[:8]}")
+    done = subprocess.run(
+        [str(BIN / "ocrq"), "worker"],  # supervised, as `ocrq worker` runs by default
+        env={
+            **service_env,
+            "OCRQ_DATABASE_URL": missing.render_as_string(hide_password=False),
+            "OCRQ_DATABASE_WAIT_S": "2",
+        },
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 78, log[-3000:]
+    assert "not reachable" not in log, log[-3000:]
+    assert f'database "{missing.database}" does not exist' in log, log[-3000:]
+    assert "restarting in" not in log and "not restarting" in log, log[-3000:]

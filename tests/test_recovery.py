@@ -421,3 +421,43 @@ def test_requeue_stalled_says_each_kind_apart(
         assert "re-sent 0 running job(s) of dead workers" in said and not again.stdout, said
     finally:
         server.stop()
+
+
+def test_a_backlog_longer_than_the_scan_limit_still_has_its_lost_jobs_found(
+    own_services: tuple[dict[str, str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog longer than a sweep reads from the newest end (SCAN_LIMIT: 20,000; 5,000 here,
+    to keep the test fast), and the 3 oldest jobs' messages lost as a worker took them. The
+    sweep read its limit, saw that the queue went on, and looked for no lost message at all
+    until the backlog drained. It reads the oldest end too: the 3 are re-sent, and nothing of
+    the backlog."""
+    import json
+
+    from ocrq.core import requeue
+
+    monkeypatch.setattr(requeue, "SCAN_LIMIT", 5000)
+
+    service_env, database_url = own_services
+    queue = f"ocr-long-{uuid.uuid4().hex[:6]}"
+    settings = Settings(broker_url=service_env["OCRQ_BROKER_URL"], database_url=database_url,
+                        queue=queue)  # fmt: skip
+    store = JobStore(get_engine(database_url))
+    r = redis.Redis.from_url(settings.broker_url)
+    ids = [str(uuid.uuid4()) for _ in range(6_003)]
+    ref = {"path": "/nowhere/long.png"}
+    lost, waiting = ids[:3], ids[3:]
+    # Rows oldest first (the lost ones in a statement of their own: older than every other),
+    # 2,000 a statement; every waiting job's message in one pipeline.
+    for chunk in [lost, *(waiting[at : at + 2000] for at in range(0, len(waiting), 2000))]:
+        store.enqueue_many([NewJob(j, "text", ref["path"], reference=ref) for j in chunk])
+    pipe = r.pipeline(transaction=False)
+    for job_id in waiting:  # as kombu stores a message: the id in the headers is what is read
+        pipe.lpush(queue, json.dumps({"headers": {"id": job_id}, "body": ""}))
+    pipe.execute()
+    assert r.llen(queue) > requeue.SCAN_LIMIT
+    app = requeue.producer_app(settings)
+    try:
+        found = requeue.recover(store, app, settings, stalled_after_s=0.0)
+    finally:
+        r.delete(queue)
+    assert found.failed is None and sorted(found.lost) == sorted(lost), found

@@ -38,6 +38,10 @@ from celery import Celery
 # Delivery tag -> "worker name<TAB>job id", written by ocrq's workers next to kombu's `unacked`.
 HOLDERS_KEY = "ocrq.unacked_holders"
 PAGE = 500  # messages per LRANGE
+# Read from the right (the end BRPOP pops), pages overlap by this many messages: each pop
+# between two page reads shifts the list by one toward that end, and without the overlap the
+# message moved across the page boundary would be skipped (and look lost).
+OVERLAP = 100
 # How long a holder entry without its `unacked` entry is given to get one before it is dropped
 # as stale (`BrokerView.held`): the two are written one Redis round trip apart.
 STALE_RECHECK_S = 0.05
@@ -162,6 +166,64 @@ class BrokerView:
                     break
                 start += PAGE
         return found, True
+
+    def queued_ends(
+        self,
+        wanted: Collection[str],
+        limit: int,
+        tail: int,
+        reference: Collection[str] = (),
+    ) -> tuple[set[str], dict[str, tuple[set[str], set[str]]]]:
+        """As `queued`, but a queue too long to read whole within `limit` messages is also read
+        at its other end, its oldest `tail` messages: which of `wanted` have a message, and, for
+        each list not read whole, (the wanted ids seen in its newest messages, those seen in
+        its oldest; `reference`: more ids to note there, for the order). The caller judges by
+        order what the unread middle may hold (requeue.py
+        `_present`). Why: with a backlog over `limit`, `queued` proved nothing, and the sweep
+        stopped looking for lost messages until the backlog drained; a message lost as it was
+        taken is among the oldest of its lane, exactly what the old end shows."""
+        missing = set(wanted)
+        noted = missing | set(reference)
+        found: set[str] = set()
+        partial: dict[str, tuple[set[str], set[str]]] = {}
+        read = 0
+        for key in self.lists:
+            start = 0
+            newest: set[str] = set()
+            whole = not missing
+            while missing and not whole and read < limit:
+                page = self.client.lrange(key, start, start + PAGE - 1)
+                for raw in page:
+                    job_id = message_job_id(raw)
+                    if job_id in noted:
+                        newest.add(job_id)
+                    if job_id in missing:
+                        missing.discard(job_id)
+                        found.add(job_id)
+                read += len(page)
+                whole = len(page) < PAGE
+                start += PAGE
+            if whole or not missing:
+                continue
+            oldest, reached = self._oldest(key, noted, tail)
+            if not reached:  # a list the tail read whole (one the limit left unread) is whole
+                partial[key] = (newest, oldest)
+            found |= oldest & missing
+            missing -= oldest
+        return found, partial
+
+    def _oldest(self, key: str, wanted: set[str], tail: int) -> tuple[set[str], bool]:
+        """The ids of `wanted` among the oldest `tail` messages of the list `key`, and whether
+        that read reached the list's newest end."""
+        seen: set[str] = set()
+        start = 0  # from the right end
+        while start < tail:
+            page = self.client.lrange(key, -(start + PAGE), -(start + 1))
+            seen.update(j for j in map(message_job_id, page) if j in wanted)
+            if len(page) < PAGE:
+                return seen, True
+            start += PAGE - OVERLAP
+        return seen, False
 
     def restore(self, tag: str) -> None:
         """Put a held message back at the head of its queue, as kombu does at a clean shutdown

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 # for them: bounded work every OCRQ_STALLED_SWEEP_S, whatever the backlog.
 LOST_CANDIDATES = 1000
 SCAN_LIMIT = 20_000
+# Of a queue longer than that, its oldest this many messages are read too (_present).
+SCAN_TAIL = 2 * LOST_CANDIDATES
 # A message is declared lost only when two readings this far apart both miss it: between
 # BRPOP and kombu's unacked write, or while a restore moves it back, a message is briefly in
 # neither place.
@@ -235,7 +237,7 @@ def _resend_lost(
     for reading in range(2):
         if reading:
             time.sleep(RECHECK_S)
-        present = _present(view, missing, SCAN_LIMIT)
+        present = _present(view, missing, SCAN_LIMIT, reference=[r.id for r in rows])
         if present is None:
             return []
         missing = [i for i in missing if i not in present]
@@ -245,16 +247,36 @@ def _resend_lost(
     return _resend_rows(store, app, settings, [r for r in rows if r.id in lost])
 
 
-def _present(view: BrokerView, job_ids: list[str], limit: int | None) -> set[str] | None:
-    """The ids among `job_ids` with a message in the queue or in a worker's hands; None when the
-    queue was too long to read whole (`limit`) and some were not seen."""
+def _present(
+    view: BrokerView, job_ids: list[str], limit: int | None, reference: list[str] | None = None
+) -> set[str] | None:
+    """The ids among `job_ids` with a message in the queue or in a worker's hands, or that may
+    have one where the queue was not read. `reference`: the candidates these are taken from,
+    oldest row first (default: `job_ids`, in that order), whose messages place them in order.
+
+    A queue longer than `limit` is read at both ends (`BrokerView.queued_ends`); its middle is
+    judged by order, as a queue is first in first out: a job whose row is older than one whose
+    message sits among the oldest would be there too, and one newer than one among the newest
+    would be there; only those in between may wait unread in the middle, and count as present.
+    Before, such a queue proved nothing and no lost message was looked for until it drained
+    (a backlog over 20,000). A message out of that order (a restored one, a re-send) may be
+    judged lost wrongly: it is then sent twice, and its claim keeps it to one row and one run."""
     if not job_ids:
         return set()
-    found, whole = view.queued(job_ids, limit)  # the lists first, then unacked: a message
-    held = {h.job_id for h in view.held()}  # moving from one to the other is seen in unacked
-    found |= held & set(job_ids)
-    if not whole and len(found) < len(set(job_ids)):
-        return None
+    if limit is None:
+        found, _whole = view.queued(job_ids, None)
+        partial: dict[str, tuple[set[str], set[str]]] = {}
+    else:
+        found, partial = view.queued_ends(job_ids, limit, SCAN_TAIL, reference or ())
+    held = {h.job_id for h in view.held()}  # the lists first, then unacked: a message moving
+    found |= held & set(job_ids)  # from one to the other is seen in unacked
+    ranked = reference if reference is not None else job_ids
+    order = {j: i for i, j in enumerate(ranked)}
+    for newest, oldest in partial.values():
+        below = max((order[j] for j in oldest if j in order), default=-1)
+        above = min((order[j] for j in newest if j in order), default=len(ranked))
+        # Unplaced (not in `reference`): anywhere, so maybe in the middle.
+        found |= {j for j in job_ids if j not in order or below < order[j] < above}
     return found
 
 

@@ -173,11 +173,21 @@ def _not_ready(sig: object = None, **_: object) -> None:
 
     metrics.READY.set(0)
     STATE.stopping = str(sig or "a stop")
+    global _warm_stop
+    if _warm_stop is None and STATE.settings is not None:
+        from ocrq.worker.exit_state import WarmStopReport
+
+        _warm_stop = WarmStopReport(STATE.settings.job_timeout_s).start()
+
+
+_warm_stop = None  # what the warm shutdown waits for, said until Celery stops
 
 
 @signals.worker_shutdown.connect
 def _close_engine(**_: object) -> None:
     from ocrq.worker.runtime import shutdown_runtime
 
+    if _warm_stop is not None:
+        _warm_stop.done()
     log.info("shutdown: Celery has stopped; closing the runtime")
     shutdown_runtime()

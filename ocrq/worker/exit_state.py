@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,12 @@ def check_database(settings: Settings) -> int | None:
     def waiting(state: Any) -> None:  # once, so a wait of up to a minute is not silent
         if state.attempt_number == 1:
             error = state.outcome.exception() if state.outcome is not None else None
+            if _missing_database(error):  # the server answered: not a reachability problem
+                log.warning(
+                    "%s; waiting up to %.0f s for `ocrq migrate` to create it",
+                    _first_line(error), settings.database_wait_s,
+                )
+                return
             log.warning(
                 "database not reachable yet; waiting up to %.0f s for it: %s",
                 settings.database_wait_s, getattr(error, "orig", None) or error,
@@ -127,10 +134,29 @@ def check_database(settings: Settings) -> int | None:
         # both had an operator with a mistyped port run `ocrq migrate`, which failed the same.
         problem = infrastructure_problem(exc)
         log.critical("worker cannot start: %s", problem.message if problem else exc.orig or exc)
+        if _missing_database(exc):
+            # A server that answers "no such database" gives the same answer to every restart:
+            # restarted every minute for ever before. Exit EX_CONFIG, which no supervisor of
+            # ocrq's restarts (ocrq/worker/supervisor.py; deploy/systemd's
+            # RestartPreventExitStatus).
+            return STARTUP_FAILED_EXIT_CODE
         return 1
     finally:
         metrics.DATABASE_WAIT_SINCE.set(0)
     return None
+
+
+def _first_line(error: BaseException | None) -> str:
+    text = str(getattr(error, "orig", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _missing_database(error: BaseException | None) -> bool:
+    """PostgreSQL answered that the database does not exist (`database "x" does not exist`)."""
+    from sqlalchemy.exc import OperationalError
+
+    line = _first_line(error) if isinstance(error, OperationalError) else ""
+    return "database" in line and "does not exist" in line
 
 
 def check_roots(settings: Settings) -> int | None:
@@ -217,3 +243,50 @@ def guard_stop_signals(signums: Sequence[int] = STOP_SIGNALS) -> None:
         handler = signal.getsignal(signum)
         if callable(handler) and not getattr(handler, "ocrq_guarded", False):
             signal.signal(signum, guard(handler))
+
+
+class WarmStopReport:
+    """What a warm shutdown waits for, said as it starts and every `EVERY_S` until the process
+    ends. Why: Celery says nothing between "worker: Warm shutdown" and its exit, and with jobs
+    in flight that was 35 s of silence, which an operator reads as a hang (and kills)."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, bound_s: float) -> None:
+        self.bound_s = bound_s
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+
+    def start(self) -> WarmStopReport:
+        active, reserved = _requests()
+        log.info(
+            "warm shutdown: waiting for %d job(s) in progress to finish (at most %.0f s, "
+            "OCRQ_JOB_TIMEOUT_S); %d message(s) taken but not started go back to the queue",
+            active,
+            self.bound_s,
+            reserved,
+        )
+        threading.Thread(target=self._run, name="ocrq-warm-stop", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.EVERY_S):
+            active, _ = _requests()
+            log.info(
+                "warm shutdown: %d job(s) still in progress after %.0f s",
+                active,
+                time.monotonic() - self.started,
+            )
+
+    def done(self) -> None:
+        self._stop.set()
+        log.info("warm shutdown: jobs finished after %.1f s", time.monotonic() - self.started)
+
+
+def _requests() -> tuple[int, int]:
+    """Celery's own count of the requests this worker runs and those it holds unstarted."""
+    from celery.worker import state
+
+    active = {r.id for r in tuple(state.active_requests)}
+    reserved = {r.id for r in tuple(state.reserved_requests)} - active
+    return len(active), len(reserved)
