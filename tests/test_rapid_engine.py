@@ -98,6 +98,19 @@ def test_reading_order_rows_then_left_to_right(engine: RapidEngine) -> None:
     assert max(b.box[3], a.box[3]) < c.box[1]
 
 
+def test_two_columns_are_read_one_after_the_other(engine: RapidEngine) -> None:
+    # Rows of the two columns side by side: the row order read "FIRST", "SECOND", "AND", ...
+    left = ["THE FIRST COLUMN STARTS", "AND IT GOES ON BELOW", "TO ITS THIRD LINE HERE"]
+    right = ["THE SECOND COLUMN TOO", "RUNS DOWN ITS OWN WAY", "UNTIL THE PAGE ENDS"]
+    texts = [((40, 40 + 56 * i), t) for i, t in enumerate(left)]
+    texts += [((720, 40 + 56 * i), t) for i, t in enumerate(right)]
+    image, _ = draw((1300, 260), texts, font_size=34)
+    out = result(engine.run([PreparedImage("columns", image, image.size)])[0])
+    blocks = [[normalize_word(line) for line in b.split("\n")] for b in out.text.split("\n\n")]
+    assert blocks == [[normalize_word(t) for t in left], [normalize_word(t) for t in right]]
+    assert [normalize_word(line.text) for line in out.lines] == blocks[0] + blocks[1]
+
+
 def test_tight_word_crop_is_read_whole(engine: RapidEngine) -> None:
     # Tight crops are where the library's detector finds nothing; the engine must still read.
     image, _ = draw((400, 120), [((10, 20), "STATION")], font_size=64)

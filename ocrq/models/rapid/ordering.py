@@ -8,10 +8,10 @@ a column of text (COLUMN_MIN_ROWS rows, COLUMN_MIN_WIDTH line heights wide); fai
 one block, read row by row. Sorting the whole page into rows, as before, read a 3-column page
 across its columns, line 1 of each column, then line 2 (character error rate of the whole page
 0.74, 0.03 now). The column test is what keeps a receipt read row by row: its prices stand
-apart from the items in a narrow column of their own (2-4 line heights wide on the SROIE
-receipts, 7.4 at most with the rows beside them), where a page's columns are 12 line heights
-wide and 13 rows or more deep. bench/results/reading_order/ has the figures; a layout model
-was not tried: this needs no model and takes milliseconds a page.
+apart from the items in a narrow column of their own (on the 20 SROIE receipts the narrower
+side of every gap down was at most 7.4 line heights wide, or 2 rows deep), where a page's
+columns are 12 line heights wide and 13 rows or more deep. bench/results/reading_order/ has
+the figures; a layout model was not tried: this needs no model and takes milliseconds a page.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ Piece = tuple[str, Box, float]
 # and its sections 0.8-4.6. Lines drawn evenly 1.6 font sizes apart (0.77) stay one block.
 BLOCK_GAP = 0.5
 # A vertical gap this wide (line heights) may part two columns; the eval page's gutters are
-# 0.35-0.4 (words on a row more than 0.3 apart are not merged, so they cannot fake one over
-# many rows unless they line up as a table does, which the column test catches).
+# 0.35-0.4. A word space is about as wide, but one running down every row of a region is a
+# gutter, or the gap in a table, which the column test catches.
 COLUMN_GAP = 0.2
 COLUMN_MIN_ROWS = 3
 COLUMN_MIN_WIDTH = 8.0  # line heights: about 20 characters
