@@ -57,7 +57,7 @@ class FusedConfig:
 
     block_n: int = 16  # output columns a GEMV program covers (tl.dot needs >= 16)
     block_k: int = 256  # inputs a GEMV loop iteration reads
-    lm_block_n: int = 64  # the lm_head's columns a program
+    lm_block_n: int = 128  # the lm_head's columns a program
     split_k: int = 512  # inputs a split-K program covers (O and down projections)
     attn_block_n: int = 64  # keys an attention loop iteration reads
     attn_programs: int = 256  # aim: rows x KV heads x key ranges about this many
