@@ -189,7 +189,7 @@ def main() -> None:
     ap.add_argument("--kv", default="auto,fp8")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--configs", default="16x256,32x256,16x512",
+    ap.add_argument("--configs", default="16x256,32x256,16x512,32x512",
                     help="fused GEMV block_n x block_k tried at 1 row (the best one then used)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -286,7 +286,7 @@ def main() -> None:
             # the fused step rewrites the same columns with the same values
             fused = case.fused_step().float().clone()
             again = case.fused_step().float().clone()
-            case.tok = torch.roll(case.tok, 1) + 1
+            case.tok = (torch.roll(case.tok, 1) + 1) % int(text.lm_head.weight.shape[0])
             other = case.fused_step().float().clone()
         row = {
             "kv": kv, "rows": rows, "contexts": ctxs,
