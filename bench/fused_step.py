@@ -189,7 +189,7 @@ def main() -> None:
     ap.add_argument("--kv", default="auto,fp8")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--configs", default="16x256,32x256,16x512,32x512",
+    ap.add_argument("--configs", default="16x256,16x1024,32x1024,16x1024w8,32x1024w8",
                     help="fused GEMV block_n x block_k tried at 1 row (the best one then used)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -216,7 +216,7 @@ def main() -> None:
     kvs = args.kv.split(",")
     if smoke:
         rows_list, args.context, args.spread, kvs = [1, 2], 40, "20", ["auto"]
-        args.replays, args.runs, args.configs = 1, 1, "16x256"
+        args.replays, args.runs, args.configs = 1, 1, "16x32,16x1024"
 
     def run(fn: Any) -> float:
         if smoke:
@@ -234,17 +234,20 @@ def main() -> None:
     # the GEMV blocks, at one row of the default context over a bf16 pool
     best, best_ms = FusedConfig(), float("inf")
     for spec in args.configs.split(","):
-        bn, bk = (int(x) for x in spec.split("x"))
-        cfg = FusedConfig(block_n=bn, block_k=bk)
+        blocks, _, warps = spec.partition("w")
+        bn, bk = (int(x) for x in blocks.split("x"))
+        cfg = FusedConfig(block_n=bn, block_k=bk, num_warps=int(warps or 4))
         case = Case(text, 1, [args.context], kvs[0], device, cfg, 1)
         with torch.inference_mode():
             ms = run(case.fused_step)
-        result["configs"].append({"block_n": bn, "block_k": bk, "fused_ms": round(ms, 4)})
+        result["configs"].append({"block_n": bn, "block_k": bk, "num_warps": cfg.num_warps,
+                                  "fused_ms": round(ms, 4)})
         print(f"config {spec}: {ms:.4f} ms", flush=True)
         if ms < best_ms:
             best, best_ms = cfg, ms
         del case
-    result["config"] = {"block_n": best.block_n, "block_k": best.block_k}
+    result["config"] = {"block_n": best.block_n, "block_k": best.block_k,
+                        "num_warps": best.num_warps}
 
     cases = [(r, args.context) for r in rows_list]
     cases += [(max(rows_list), int(c)) for c in args.spread.split(",") if c]
@@ -308,7 +311,8 @@ def main() -> None:
         f"{gpu}, torch {torch.__version__}; weights read a step {weights / 1e9:.3f} GB; "
         f"floors at {DATASHEET_TB_S[card]} TB/s (datasheet) and {result['copy_tb_s']} TB/s "
         "(a device copy, read + write); GEMV blocks "
-        f"{best.block_n}x{best.block_k}. Token ids to logits, one CUDA graph each.", "",
+        f"{best.block_n}x{best.block_k}, {best.num_warps} warps. Token ids to logits, one "
+        "CUDA graph each.", "",
         "| pool | rows | context | today ms | again | fused ms | x floor (datasheet) | "
         "x floor (copy) | today / fused |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]

@@ -56,7 +56,9 @@ class FusedConfig:
     """Block shapes (the bench may try others)."""
 
     block_n: int = 16  # output columns a GEMV program covers (tl.dot needs >= 16)
-    block_k: int = 256  # inputs a GEMV loop iteration reads
+    # inputs a norm + GEMV loop iteration reads; >= hidden: the whole row in one tile (ONE_K)
+    block_k: int = 1024
+    split_block_k: int = 256  # inputs a split-K loop iteration reads
     lm_block_n: int = 128  # the lm_head's columns a program
     split_k: int = 512  # inputs a split-K program covers (O and down projections)
     attn_block_n: int = 64  # keys an attention loop iteration reads
@@ -134,7 +136,7 @@ def _kernels() -> tuple[Any, Any, Any]:
         X, Tok, Emb, P, NW, W, Y, HOut,
         B, N, K, eps, s_x, s_e, s_p, s_w, s_y, s_h, gate_off,
         EMB: tl.constexpr, HAS_P: tl.constexpr, GATE: tl.constexpr, UPCAST: tl.constexpr,
-        BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        ONE_K: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = tl.arange(0, BP)
@@ -145,49 +147,79 @@ def _kernels() -> tuple[Any, Any, Any]:
             src = Emb + tok * s_e
         else:
             src = X + rows.to(tl.int64) * s_x
-        # pass 1: the residual (h + pending, rounded as transformers rounds) and its mean square
-        ss = tl.zeros([BP], tl.float32)
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            ok = r_ok[:, None] & (ks[None, :] < K)
-            h = tl.load(src[:, None] + ks[None, :], mask=ok, other=0.0)
-            if HAS_P:
-                p = tl.load(P + rows[:, None] * s_p + ks[None, :], mask=ok, other=0.0)
-                h = (h.to(tl.float32) + p.to(dtype).to(tl.float32)).to(dtype)
-            hf = h.to(tl.float32)
-            ss += tl.sum(hf * hf, 1)
-            if pid == 0:
-                tl.store(HOut + rows[:, None] * s_h + ks[None, :], h, mask=ok)
-        rs = tl.rsqrt(ss / K + eps)
         offs_n = pid * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         acc = tl.zeros([BP, BN], tl.float32)
         acc_u = tl.zeros([BP, BN], tl.float32)
         w_rows = W + offs_n.to(tl.int64)[:, None] * s_w
-        # pass 2: the normalised row (L1/L2-resident) against this program's weight columns
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
+        if ONE_K:  # the whole row in one tile: h read once, every weight load issued at once
+            ks = tl.arange(0, BK)
             k_ok = ks < K
             ok = r_ok[:, None] & k_ok[None, :]
+            wk = w_rows + ks[None, :]
+            w = tl.load(wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if GATE:
+                u = tl.load(wk + gate_off * s_w, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             h = tl.load(src[:, None] + ks[None, :], mask=ok, other=0.0)
             if HAS_P:
                 p = tl.load(P + rows[:, None] * s_p + ks[None, :], mask=ok, other=0.0)
                 h = (h.to(tl.float32) + p.to(dtype).to(tl.float32)).to(dtype)
-            y = (h.to(tl.float32) * rs[:, None]).to(dtype).to(tl.float32)
+            if pid == 0:
+                tl.store(HOut + rows[:, None] * s_h + ks[None, :], h, mask=ok)
+            hf = h.to(tl.float32)
+            rs = tl.rsqrt(tl.sum(hf * hf, 1) / K + eps)
+            y = (hf * rs[:, None]).to(dtype).to(tl.float32)
             nw = tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
             x = (nw[None, :] * y).to(dtype)
-            wk = w_rows + ks[None, :]
-            w = tl.load(wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if UPCAST:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
             if GATE:
-                u = tl.load(wk + gate_off * s_w, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 if UPCAST:
                     acc_u += tl.dot(x, tl.trans(u), input_precision="ieee")
                 else:
                     acc_u += tl.dot(x, tl.trans(u))
+        else:
+            # pass 1: the residual (h + pending, rounded as transformers rounds), mean square
+            ss = tl.zeros([BP], tl.float32)
+            for k0 in range(0, K, BK):
+                ks = k0 + tl.arange(0, BK)
+                ok = r_ok[:, None] & (ks[None, :] < K)
+                h = tl.load(src[:, None] + ks[None, :], mask=ok, other=0.0)
+                if HAS_P:
+                    p = tl.load(P + rows[:, None] * s_p + ks[None, :], mask=ok, other=0.0)
+                    h = (h.to(tl.float32) + p.to(dtype).to(tl.float32)).to(dtype)
+                hf = h.to(tl.float32)
+                ss += tl.sum(hf * hf, 1)
+                if pid == 0:
+                    tl.store(HOut + rows[:, None] * s_h + ks[None, :], h, mask=ok)
+            rs = tl.rsqrt(ss / K + eps)
+            # pass 2: the normalised row (L1/L2-resident) against this program's weight columns
+            for k0 in range(0, K, BK):
+                ks = k0 + tl.arange(0, BK)
+                k_ok = ks < K
+                ok = r_ok[:, None] & k_ok[None, :]
+                h = tl.load(src[:, None] + ks[None, :], mask=ok, other=0.0)
+                if HAS_P:
+                    p = tl.load(P + rows[:, None] * s_p + ks[None, :], mask=ok, other=0.0)
+                    h = (h.to(tl.float32) + p.to(dtype).to(tl.float32)).to(dtype)
+                y = (h.to(tl.float32) * rs[:, None]).to(dtype).to(tl.float32)
+                nw = tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
+                x = (nw[None, :] * y).to(dtype)
+                wk = w_rows + ks[None, :]
+                w = tl.load(wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if UPCAST:
+                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(w))
+                if GATE:
+                    u = tl.load(wk + gate_off * s_w, mask=n_ok[:, None] & k_ok[None, :],
+                                other=0.0)
+                    if UPCAST:
+                        acc_u += tl.dot(x, tl.trans(u), input_precision="ieee")
+                    else:
+                        acc_u += tl.dot(x, tl.trans(u))
         if GATE:  # silu(gate) * up as kernels.silu_mul rounds it
             g = acc.to(dtype).to(tl.float32)
             act = tl.math.div_rn(g, 1.0 + tl.math.exp(-g)).to(dtype).to(tl.float32)
@@ -419,6 +451,8 @@ class FusedStep:
         hd, H, KVH = w.head_dim, w.heads, w.kv_heads
         self.sums.zero_()
         hA, hB = self.h
+        one_k = c.block_k >= self.hidden  # the norm's row in one tile
+        bk = _pow2(self.hidden) if one_k else c.block_k
         col = col.contiguous()
         for li, lay in enumerate(w.layers):
             first = li == 0
@@ -429,7 +463,7 @@ class FusedStep:
                 B, n_qkv, self.hidden, lay.eps, hA.stride(0), w.embed.stride(0),
                 pend.stride(0), lay.qkv.stride(0), self.qkv.stride(0), hB.stride(0), 0,
                 EMB=first, HAS_P=not first, GATE=False, UPCAST=up, BP=BP, BN=c.block_n,
-                BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
+                BK=bk, ONE_K=one_k, num_warps=c.num_warps, num_stages=c.num_stages,
             )
             kc, vc = keys[li], values[li]
             attention[(B, KVH, self.splits)](
@@ -451,7 +485,7 @@ class FusedStep:
                 B, n_gate, self.hidden, lay.eps, hB.stride(0), w.embed.stride(0),
                 o_sum.stride(0), lay.gate_up.stride(0), self.act.stride(0), hA.stride(0),
                 n_gate, EMB=False, HAS_P=True, GATE=True, UPCAST=up, BP=BP, BN=c.block_n,
-                BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
+                BK=bk, ONE_K=one_k, num_warps=c.num_warps, num_stages=c.num_stages,
             )
             self._splitk(splitk, self.act, lay.down, self.sums[1, li], up)
         last = self.sums[1, len(w.layers) - 1]
@@ -461,7 +495,7 @@ class FusedStep:
             B, vocab, self.hidden, w.norm_eps, hA.stride(0), w.embed.stride(0), last.stride(0),
             w.lm_head.stride(0), self.logits.stride(0), hB.stride(0), 0,
             EMB=False, HAS_P=True, GATE=False, UPCAST=up, BP=BP, BN=c.lm_block_n,
-            BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
+            BK=bk, ONE_K=one_k, num_warps=c.num_warps, num_stages=c.num_stages,
         )
         return self.logits
 
@@ -469,10 +503,10 @@ class FusedStep:
                 up: bool) -> None:
         c = self.c
         n, k = weight.shape
-        ks_len = -(-c.split_k // c.block_k) * c.block_k
+        ks_len = -(-c.split_k // c.split_block_k) * c.split_block_k
         kernel[(triton_cdiv(n, c.block_n), triton_cdiv(k, ks_len))](
             x, weight, acc, self.batch, n, k, x.stride(0), weight.stride(0), acc.stride(0),
-            ks_len, UPCAST=up, BP=16, BN=c.block_n, BK=min(c.block_k, ks_len),
+            ks_len, UPCAST=up, BP=16, BN=c.block_n, BK=min(c.split_block_k, ks_len),
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
