@@ -58,12 +58,15 @@ class FusedConfig:
     block_n: int = 16  # output columns a GEMV program covers (tl.dot needs >= 16)
     # inputs a norm + GEMV loop iteration reads; >= hidden: the whole row in one tile (ONE_K)
     block_k: int = 1024
-    split_block_k: int = 256  # inputs a split-K loop iteration reads
     lm_block_n: int = 128  # the lm_head's columns a program
-    split_k: int = 512  # inputs a split-K program covers (O and down projections)
+    split_k: int = 512  # inputs a split-K program covers in one tile (O and down projections)
     attn_block_n: int = 64  # keys an attention loop iteration reads
-    attn_programs: int = 256  # aim: rows x KV heads x key ranges about this many
-    max_splits: int = 32
+    attn_programs: int = 128  # aim: rows x KV heads x key ranges about this many
+    max_splits: int = 16
+    # Programmatic dependent launch (CUDA only): each kernel lets the next one start at once,
+    # and the next loads its weights (which no kernel writes) before waiting for the last
+    # kernel's results, so a weight read overlaps the tail of the kernel before it.
+    pdl: bool = True
     num_warps: int = 4
     num_stages: int = 3
 
@@ -137,8 +140,11 @@ def _kernels() -> tuple[Any, Any, Any]:
         B, N, K, eps, s_x, s_e, s_p, s_w, s_y, s_h, gate_off,
         EMB: tl.constexpr, HAS_P: tl.constexpr, GATE: tl.constexpr, UPCAST: tl.constexpr,
         ONE_K: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
+        if PDL:  # let the next kernel start its own weight loads now (FusedConfig.pdl)
+            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.arange(0, BP)
         r_ok = rows < B
         dtype = W.dtype.element_ty
@@ -160,6 +166,8 @@ def _kernels() -> tuple[Any, Any, Any]:
             w = tl.load(wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if GATE:
                 u = tl.load(wk + gate_off * s_w, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if PDL:  # the weights are loading; what the last kernel wrote is read from here on
+                tl.extra.cuda.gdc_wait()
             h = tl.load(src[:, None] + ks[None, :], mask=ok, other=0.0)
             if HAS_P:
                 p = tl.load(P + rows[:, None] * s_p + ks[None, :], mask=ok, other=0.0)
@@ -181,6 +189,8 @@ def _kernels() -> tuple[Any, Any, Any]:
                 else:
                     acc_u += tl.dot(x, tl.trans(u))
         else:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             # pass 1: the residual (h + pending, rounded as transformers rounds), mean square
             ss = tl.zeros([BP], tl.float32)
             for k0 in range(0, K, BK):
@@ -231,29 +241,31 @@ def _kernels() -> tuple[Any, Any, Any]:
 
     @triton.jit
     def gemv_splitk_kernel(
-        X, W, Acc, B, N, K, s_x, s_w, s_a, ks_len,
+        X, W, Acc, B, N, K, s_x, s_w, s_a,
         UPCAST: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
         sk = tl.program_id(1)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.arange(0, BP)
         r_ok = rows < B
         offs_n = pid * BN + tl.arange(0, BN)
         n_ok = offs_n < N
+        ks = sk * BK + tl.arange(0, BK)
+        k_ok = ks < K
+        w = tl.load(W + offs_n.to(tl.int64)[:, None] * s_w + ks[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(X + rows[:, None] * s_x + ks[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         acc = tl.zeros([BP, BN], tl.float32)
-        w_rows = W + offs_n.to(tl.int64)[:, None] * s_w
-        lo = sk * ks_len
-        hi = tl.minimum(K, lo + ks_len)
-        for k0 in range(lo, hi, BK):
-            ks = k0 + tl.arange(0, BK)
-            k_ok = ks < hi
-            x = tl.load(X + rows[:, None] * s_x + ks[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+        if UPCAST:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
         tl.atomic_add(Acc + rows[:, None] * s_a + offs_n[None, :], acc,
                       mask=r_ok[:, None] & n_ok[None, :])
 
@@ -264,12 +276,15 @@ def _kernels() -> tuple[Any, Any, Any]:
         s_q, s_c, s_kh, s_kl, s_vh, s_vl, s_vd, s_o, s_ab, s_ah, s_as, s_mb, s_mh,
         eps, qk_scale, H: tl.constexpr, KVH: tl.constexpr,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        S: tl.constexpr, UPCAST: tl.constexpr, CAST_KV: tl.constexpr, SAT: tl.constexpr,
-        FP8_MAX: tl.constexpr,
+        S: tl.constexpr, SP: tl.constexpr, UPCAST: tl.constexpr, CAST_KV: tl.constexpr,
+        SAT: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         dtype = QKV.dtype.element_ty
         offs_d = tl.arange(0, D)
         offs_g = tl.arange(0, GP)
@@ -373,21 +388,21 @@ def _kernels() -> tuple[Any, Any, Any]:
             # the last range of (row, KV head) to finish merges them all: no merge kernel
             tl.debug_barrier()
             done = tl.atomic_add(Cnt + b * KVH + kvh, 1, sem="acq_rel", scope="gpu")
-            if done == S - 1:
-                m_max = tl.full([GP], float("-inf"), tl.float32)
-                for j in range(S):
-                    m_max = tl.maximum(m_max, tl.load(pm + j, mask=g_ok, other=0.0,
-                                                      cache_modifier=".cg"))
-                den = tl.zeros([GP], tl.float32)
-                out = tl.zeros([GP, D], tl.float32)
-                for j in range(S):
-                    mj = tl.load(pm + j, mask=g_ok, other=0.0, cache_modifier=".cg")
-                    w = tl.exp2(mj - m_max)
-                    den += w * tl.load(PL + b * s_mb + heads * s_mh + j, mask=g_ok, other=0.0,
-                                       cache_modifier=".cg")
-                    out += w[:, None] * tl.load(pa + j * s_as, mask=g_ok[:, None], other=0.0,
-                                                cache_modifier=".cg")
-                tl.store(o_ptr, (out / den[:, None]).to(Out.dtype.element_ty), mask=g_ok[:, None])
+            if done == S - 1:  # every range of each head in one load: no chain of loads
+                offs_s = tl.arange(0, SP)
+                s_ok = offs_s < S
+                for g in tl.static_range(G):
+                    hd = kvh * G + g
+                    m = tl.load(PM + b * s_mb + hd * s_mh + offs_s, mask=s_ok,
+                                other=float("-inf"), cache_modifier=".cg")
+                    lsum = tl.load(PL + b * s_mb + hd * s_mh + offs_s, mask=s_ok, other=0.0,
+                                   cache_modifier=".cg")
+                    part = tl.load(PAcc + b * s_ab + hd * s_ah + offs_s[:, None] * s_as
+                                   + offs_d[None, :], mask=s_ok[:, None], other=0.0,
+                                   cache_modifier=".cg")
+                    wgt = tl.where(s_ok, tl.exp2(m - tl.max(m, 0)), 0.0)
+                    merged = tl.sum(part * wgt[:, None], 0) / tl.sum(wgt * lsum, 0)
+                    tl.store(Out + b * s_o + hd * D + offs_d, merged.to(Out.dtype.element_ty))
                 tl.store(Cnt + b * KVH + kvh, 0)
 
     return norm_gemv_kernel, gemv_splitk_kernel, attention_kernel
@@ -411,6 +426,8 @@ class FusedStep:
         if w.head_dim != _pow2(w.head_dim) or w.head_dim < 16:
             raise ValueError(f"head_dim {w.head_dim} must be a power of two >= 16")
         self.w, self.c, self.batch = w, c, batch
+        self.pdl = c.pdl and torch.device(device).type == "cuda"
+        self.launch = {"launch_pdl": True} if self.pdl else {}
         if sm_count is None:
             sm_count = (torch.cuda.get_device_properties(device).multi_processor_count
                         if torch.device(device).type == "cuda" else 4)
@@ -463,7 +480,8 @@ class FusedStep:
                 B, n_qkv, self.hidden, lay.eps, hA.stride(0), w.embed.stride(0),
                 pend.stride(0), lay.qkv.stride(0), self.qkv.stride(0), hB.stride(0), 0,
                 EMB=first, HAS_P=not first, GATE=False, UPCAST=up, BP=BP, BN=c.block_n,
-                BK=bk, ONE_K=one_k, num_warps=c.num_warps, num_stages=c.num_stages,
+                BK=bk, ONE_K=one_k, PDL=self.pdl, num_warps=c.num_warps,
+                num_stages=c.num_stages, **self.launch,
             )
             kc, vc = keys[li], values[li]
             attention[(B, KVH, self.splits)](
@@ -474,8 +492,8 @@ class FusedStep:
                 self.pacc.stride(1), self.pacc.stride(2), self.pm.stride(0), self.pm.stride(1),
                 lay.qk_eps, w.scale * LOG2E, H=H, KVH=KVH, G=H // KVH,
                 GP=max(16, _pow2(H // KVH)), D=hd, BLOCK_N=c.attn_block_n, S=self.splits,
-                UPCAST=up, CAST_KV=kc.dtype != dt, SAT=kc.dtype != dt, FP8_MAX=FP8_MAX,
-                num_warps=c.num_warps,
+                SP=_pow2(self.splits), UPCAST=up, CAST_KV=kc.dtype != dt, SAT=kc.dtype != dt,
+                FP8_MAX=FP8_MAX, PDL=self.pdl, num_warps=c.num_warps, **self.launch,
             )
             o_sum = self.sums[0, li]
             self._splitk(splitk, self.o, lay.o, o_sum, up)
@@ -485,7 +503,8 @@ class FusedStep:
                 B, n_gate, self.hidden, lay.eps, hB.stride(0), w.embed.stride(0),
                 o_sum.stride(0), lay.gate_up.stride(0), self.act.stride(0), hA.stride(0),
                 n_gate, EMB=False, HAS_P=True, GATE=True, UPCAST=up, BP=BP, BN=c.block_n,
-                BK=bk, ONE_K=one_k, num_warps=c.num_warps, num_stages=c.num_stages,
+                BK=bk, ONE_K=one_k, PDL=self.pdl, num_warps=c.num_warps,
+                num_stages=c.num_stages, **self.launch,
             )
             self._splitk(splitk, self.act, lay.down, self.sums[1, li], up)
         last = self.sums[1, len(w.layers) - 1]
@@ -495,7 +514,8 @@ class FusedStep:
             B, vocab, self.hidden, w.norm_eps, hA.stride(0), w.embed.stride(0), last.stride(0),
             w.lm_head.stride(0), self.logits.stride(0), hB.stride(0), 0,
             EMB=False, HAS_P=True, GATE=False, UPCAST=up, BP=BP, BN=c.lm_block_n,
-            BK=bk, ONE_K=one_k, num_warps=c.num_warps, num_stages=c.num_stages,
+            BK=bk, ONE_K=one_k, PDL=self.pdl, num_warps=c.num_warps,
+                num_stages=c.num_stages, **self.launch,
         )
         return self.logits
 
@@ -503,11 +523,11 @@ class FusedStep:
                 up: bool) -> None:
         c = self.c
         n, k = weight.shape
-        ks_len = -(-c.split_k // c.split_block_k) * c.split_block_k
-        kernel[(triton_cdiv(n, c.block_n), triton_cdiv(k, ks_len))](
+        bk = _pow2(c.split_k)
+        kernel[(triton_cdiv(n, c.block_n), triton_cdiv(k, bk))](
             x, weight, acc, self.batch, n, k, x.stride(0), weight.stride(0), acc.stride(0),
-            ks_len, UPCAST=up, BP=16, BN=c.block_n, BK=min(c.split_block_k, ks_len),
-            num_warps=c.num_warps, num_stages=c.num_stages,
+            UPCAST=up, BP=16, BN=c.block_n, BK=bk, PDL=self.pdl,
+            num_warps=c.num_warps, num_stages=c.num_stages, **self.launch,
         )
 
 
