@@ -34,6 +34,15 @@ Layout as the running loop keeps it (ocrq/models/hunyuan/running.py): one pool p
 (1, KV heads, width, D), keys token-major, values token-major (bf16) or transposed (fp8, any
 strides work); row r reads [start_r, end_r) and writes column col_r = end_r - 1.
 
+Wiring (not done here): the running loop's `_step` over k <= 16 slots would call
+`fused_decode_step(text, step, tok[:k], pos[:, :k], col, start[:k], end[:k], keys, values)`
+with one `FusedStep(FusedWeights.from_text(text), k, device)` per bucket, in place of
+`text.step(...)`; its start/end/col already mean what the kernels read.
+
+Measured (bench/results/fused_step/README.md): the first version was 10-15% slower than
+today's step on an H100 (its attention merge ~20 us a layer); the merge and programmatic
+dependent launch (FusedConfig.pdl) came after, not yet measured on a GPU.
+
 Triton is imported lazily; with TRITON_INTERPRET=1 the kernels run on the CPU (float32 models).
 """
 
