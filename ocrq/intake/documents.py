@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import logging
 import math
 import os
 import re
@@ -41,6 +42,8 @@ from ocrq.core.pixel_budget import PixelBudget, Stage
 from ocrq.core.settings import Settings
 from ocrq.intake import images, render_pool
 from ocrq.intake.images import ImageError, LoadedImage
+
+log = logging.getLogger(__name__)
 
 # Every call into PDFium holds this (the library keeps global state and is not thread-safe).
 PDFIUM = threading.Lock()
@@ -233,14 +236,34 @@ def page_dpi(
 ) -> float:
     """The DPI a PDF page renders at: OCRQ_PDF_DPI, else the one that draws the page at
     `pixels` (its pixel budget's render target: what the model sees), else DEFAULT_DPI, at
-    most the one that draws it at `ceiling` pixels; within the min/max DPI."""
+    most the one that draws it at `ceiling` pixels; within the min/max DPI, unless even the
+    minimum would draw more than the image caps let in (`fitting_dpi`): a large-format page
+    is then drawn below the minimum, as large as they allow (the model scales it down anyway),
+    rather than refused. OCRQ_PDF_DPI is the operator's fixed choice and is never moved."""
     if settings.pdf_dpi is not None:
         return settings.pdf_dpi
     area_in2 = max((width_pt / POINTS_PER_INCH) * (height_pt / POINTS_PER_INCH), 1e-6)
     dpi = math.sqrt(pixels / area_in2) if pixels else DEFAULT_DPI
     if ceiling:
         dpi = min(dpi, math.sqrt(ceiling / area_in2))
-    return min(max(dpi, settings.pdf_min_dpi), settings.pdf_max_dpi)
+    dpi = min(max(dpi, settings.pdf_min_dpi), settings.pdf_max_dpi)
+    return min(dpi, fitting_dpi(width_pt, height_pt, settings, ceiling))
+
+
+def fitting_dpi(
+    width_pt: float, height_pt: float, settings: Settings, ceiling: int | None = None
+) -> float:
+    """The highest DPI whose bitmap meets the image caps the page's size is checked against
+    (OCRQ_MAX_IMAGE_PIXELS, or `ceiling` where lower; OCRQ_MAX_IMAGE_SIDE), counting the pixel
+    pypdfium2's rounding up may add to each side: with a, b the sides in inches,
+    (a·d + 1)(b·d + 1) <= cap. Without that pixel a 33x47 in page drawn to exactly 40 MP came
+    out at 40,009,518 pixels and was refused."""
+    cap = min(settings.max_image_pixels, ceiling or settings.max_image_pixels)
+    a = max(width_pt / POINTS_PER_INCH, 1e-6)
+    b = max(height_pt / POINTS_PER_INCH, 1e-6)
+    by_pixels = (-(a + b) + math.sqrt((a + b) ** 2 + 4 * a * b * (cap - 1))) / (2 * a * b)
+    by_side = settings.max_image_side / max(a, b)
+    return min(by_pixels, by_side)
 
 
 def render_pdf_page(
@@ -258,6 +281,13 @@ def render_pdf_page(
         _check_page_number(page, count, document.source)
         width_pt, height_pt = pdf.get_page_size(page - 1)  # type: ignore[attr-defined]
         dpi = page_dpi(width_pt, height_pt, pixels, settings, ceiling)
+        if settings.pdf_dpi is None and dpi < settings.pdf_min_dpi:
+            log.warning(
+                "%s page %d (%.0fx%.0f in) drawn at %.1f dpi, below OCRQ_PDF_MIN_DPI (%g), "
+                "to fit the image caps (OCRQ_MAX_IMAGE_PIXELS, OCRQ_MAX_IMAGE_SIDE)",
+                document.source, page, width_pt / POINTS_PER_INCH, height_pt / POINTS_PER_INCH,
+                dpi, settings.pdf_min_dpi,
+            )  # fmt: skip
         scale = dpi / POINTS_PER_INCH
         # pypdfium2 sizes its bitmap as ceil(points x scale): the same arithmetic here.
         size = (math.ceil(width_pt * scale), math.ceil(height_pt * scale))
