@@ -450,19 +450,6 @@ def test_kill_9_mid_document_loses_and_duplicates_nothing(
         assert (rows[job_id]["text"], rows[job_id]["finished_at"]) == (text, finished)
 
 
-def test_inline_pages_are_single_page_documents(folder: Path, eval_pages: list[Path]) -> None:
-    """What the splitting job sends for an inline or URL document: each page alone, so the
-    messages together weigh about what the document does."""
-    from ocrq.intake.documents import Document, one_page
-
-    pdf = image_pdf([Image.open(p) for p in eval_pages], folder / "split.pdf").read_bytes()
-    settings = Settings()
-    parts = [one_page(Document("pdf", pdf, "split.pdf"), n, settings) for n in (1, 2, 3)]
-    assert all(p.startswith(b"%PDF-") for p in parts)
-    assert sum(len(p) for p in parts) < 1.2 * len(pdf)
-    assert max(len(p) for p in parts) < 0.9 * len(pdf)  # no part is the whole
-
-
 def test_a_large_format_page_is_drawn_within_the_image_caps(
     folder: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -32,7 +32,7 @@ from ocrq.core.upload_paths import upload_folder_of
 
 log = logging.getLogger(__name__)
 
-DOCUMENT_FINAL = ("done", "partial", "failed")
+DOCUMENT_FINAL = ("done", "partial", "failed", "cancelled")
 # pg_try_advisory_lock key for the daily pass: any fixed number no other code uses ("ocrq" + 1).
 LOCK_KEY = 0x6F637271_0001
 

@@ -4,8 +4,8 @@ A document is never held whole in memory as pixels: the splitting job only count
 each page job renders its own page in its task thread. A path document is read through the
 same allowed-roots opener as images (ocrq/intake/images.py), lazily: PDFium and Pillow read the
 parts of the file a page needs from the descriptor. A URL or inline document is read once by
-its splitting job, which sends each page on inline as a one-page document
-(ocrq/intake/splitting.py).
+its splitting job, which stores it once in the database; its page jobs name it and read it
+from there (ocrq/intake/splitting.py, ocrq/intake/stored.py).
 
 Each refusal is a DocumentError (an ImageError: the job fails alone with its message), raised
 before the expensive step: the page count against OCRQ_MAX_PDF_PAGES before any page job is
@@ -30,7 +30,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 PDFIUM = threading.Lock()
 DEFAULT_DPI = 200.0  # engines without a resolution preset (the CPU engine)
 POINTS_PER_INCH = 72.0
+# Reads a stored document's bytes by its id (ocrq/intake/stored.py); None: none stored.
+Stored = Callable[[str], bytes | None]
 
 
 class DocumentError(ImageError):
@@ -80,12 +82,24 @@ class Document:
         self.close()
 
 
-def take(ref: ImageRef, settings: Settings) -> Document | bytes:
+def take(ref: ImageRef, settings: Settings, stored: Stored | None = None) -> Document | bytes:
     """The request's bytes, read once: a Document, or an image's bytes for images.decode.
 
     A single-frame TIFF is an image; a file whose name says PDF but whose bytes do not is
-    refused as such (rather than as "not an image").
+    refused as such (rather than as "not an image"). `stored` reads a stored document's bytes
+    (ocrq/intake/stored.py), for a page job that names one.
     """
+    if ref.document:
+        data = stored(ref.document) if stored is not None else None
+        if data is None:
+            raise DocumentError(
+                f"the stored copy of document {ref.document} is gone (it goes when the "
+                "document is done, cancelled or pruned): submit the document again"
+            )
+        kind = _document_kind(io.BytesIO(data))
+        if kind is None:
+            raise DocumentError(f"the stored copy of document {ref.document} is no document")
+        return Document(kind, data, ref.describe())
     if ref.path:
         fh = images.open_path(ref.path, settings)
         try:
@@ -341,7 +355,9 @@ def _check_page_size(size: tuple[int, int], page: int, dpi: float, settings: Set
         raise DocumentError(f"page {page} at {dpi:.0f} dpi: {exc}") from None
 
 
-def load_page(ref: ImageRef, settings: Settings, budget: PixelBudget | None) -> LoadedImage:
+def load_page(
+    ref: ImageRef, settings: Settings, budget: PixelBudget | None, stored: Stored | None = None
+) -> LoadedImage:
     """A page job's image: page `ref.page` of its document, rendered here (this is the
     prefetch thread) at the pixels `budget` targets (`render_target`; None: the default DPI),
     within its render stage, then kept within its decode stage like an image
@@ -351,7 +367,7 @@ def load_page(ref: ImageRef, settings: Settings, budget: PixelBudget | None) -> 
     budget = budget or PixelBudget()
     keep = budget.at(Stage.DECODE)
     source = ref.describe()
-    taken = take(ref, settings)
+    taken = take(ref, settings, stored)
     if isinstance(taken, bytes):
         if ref.page != 1:
             raise DocumentError(f"no page {ref.page} in {source}: an image has one page")
@@ -370,37 +386,3 @@ def load_page(ref: ImageRef, settings: Settings, budget: PixelBudget | None) -> 
     if keep:
         image = images.downscale(image, keep)
     return LoadedImage(image=image, original_size=original, sha256=digest_, source=source)
-
-
-def one_page(document: Document, page: int, settings: Settings) -> bytes:
-    """Page `page` alone, as a document of its own (a one-page PDF; a TIFF frame as PNG): what
-    a URL or inline document's page job is sent, so no message carries the whole document."""
-    if document.kind == "pdf":
-        import pypdfium2 as pdfium
-
-        with _pdf(document) as pdf:
-            single = pdfium.PdfDocument.new()
-            try:
-                single.import_pages(pdf, [page - 1])
-                out = io.BytesIO()
-                single.save(out)
-            finally:
-                single.close()
-        return out.getvalue()
-    try:
-        with _pillow_errors(), Image.open(document.stream(), formats=["TIFF"]) as tiff:
-            tiff.seek(page - 1)
-            images.check_header(*tiff.size, settings)
-            out = io.BytesIO()
-            try:
-                tiff.save(out, format="PNG")
-            except OSError:  # a mode PNG cannot hold (CMYK, F): its RGB form
-                out = io.BytesIO()
-                tiff.convert("RGB").save(out, format="PNG")
-    except ImageError as exc:
-        raise DocumentError(f"page {page}: {exc}") from None
-    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
-        raise DocumentError(
-            f"corrupt or truncated TIFF page {page}: {document.source} ({exc})"
-        ) from None
-    return out.getvalue()
