@@ -258,11 +258,11 @@ def test_page_rows_are_made_only_as_their_messages_are_sent(
     request = JobRequest.model_validate({"image": {"b64": base64.b64encode(pdf).decode()}})
     taken = documents.take(request.image, settings)
     assert isinstance(taken, documents.Document)
-    sent: list[int] = []
+    sent: list[str] = []
     ahead: list[int] = []
 
     def count(document_id: str, page: JobRequest) -> None:
-        sent.append(page.image.page or 0)
+        sent.append(page.job_id)
         with client.store.engine.connect() as conn:
             made = conn.execute(
                 select(func.count()).where(ocr_jobs.c.document_id == document_id,
@@ -272,13 +272,14 @@ def test_page_rows_are_made_only_as_their_messages_are_sent(
 
     docs = DocumentStore(client.store.engine)
     assert splitting.split(request, taken, settings, docs, client.store, count) == 300
-    assert sent == list(range(1, 301))
     assert max(ahead) < splitting.STEP, max(ahead)
+    pages = [splitting.page_job_id(request.job_id, n) for n in range(1, 301)]
+    assert sent == pages
     # A redelivered split sends the pages still queued again, and makes nothing twice.
-    again: list[int] = []
+    again: list[str] = []
     splitting.split(request, taken, settings, docs, client.store,
-                    lambda _d, p: again.append(p.image.page or 0))  # fmt: skip
-    assert again == list(range(1, 301)) and len(page_rows(client, request.job_id)) == 300
+                    lambda _d, p: again.append(p.job_id))  # fmt: skip
+    assert again == pages and len(page_rows(client, request.job_id)) == 300
 
 
 def test_the_stored_copy_is_read_once_for_many_pages(tmp_path: Path) -> None:
