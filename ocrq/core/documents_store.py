@@ -66,7 +66,10 @@ class DocumentStore:
                 )
                 .on_conflict_do_nothing(index_elements=["id"])
             )
-            if data is not None:
+            status = conn.execute(
+                select(ocr_documents.c.status).where(ocr_documents.c.id == document_id)
+            ).scalar_one()
+            if data is not None and status not in FINAL:  # a late copy keeps nothing again
                 conn.execute(
                     self._insert(ocr_document_bytes)
                     .values(document_id=document_id, data=data, created_at=t)
@@ -80,6 +83,8 @@ class DocumentStore:
                     select(ocr_jobs.c.page, ocr_jobs.c.status).where(_pages_of(document_id))
                 ).all()
             )
+        if status in FINAL:  # a late copy of a finished (or cancelled) document's split
+            return []
         return [n for n in range(1, pages + 1) if made.get(n, "queued") == "queued"]
 
     def add_pages(
