@@ -621,8 +621,10 @@ class JobRunner:
         stored = self._db(self.store.finish)(
             request.job_id, status="done", error=None, worker=self.worker_name
         )
-        if not stored:  # cancelled after the split's last look: its pages go with it
-            self._db(self.documents.cancel)(request.job_id)
+        if not stored:  # final already: cancelled after the split's last look, its pages
+            # go with it (finished by another copy of the split: left as that copy left it)
+            if self._db(self.store.cancelled_among)([request.job_id]):
+                self._db(self.documents.cancel)(request.job_id)
             return self._final_row(request.job_id, source)
         self._count("done")
         return JobOutcome(request.job_id, source, "done", pages=pages)
