@@ -36,7 +36,7 @@ from tests.waiting import Budget
 GiB = 1024**3
 QUEUE = f"ocr-split-{uuid.uuid4().hex[:6]}"
 TOKEN = "s" * 32
-PAGES = 12
+PAGES = 6
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +103,10 @@ def final_document(client: Client, document_id: str, budget: Budget, seconds: fl
 def test_an_inline_document_is_stored_once_not_once_a_page(
     worker: WorkerProcess, broker_url: str, client: Client
 ) -> None:
-    """12 pages sharing one 1 MB image, sent inline by a bare Celery producer: what Redis is
+    """Six pages sharing one 1 MB image, sent inline by a bare Celery producer: what Redis is
     sent in all stays about the document's own message (sent once, held once in `unacked`)
     plus a little a page, where one-page PDFs carried the image each (issue 52: 153.7 MB for
-    40 such pages; ~32 MB for these 12); every page runs once and reads right; the stored
+    40 such pages; 46.6 MB for 12 of these); every page runs once and reads right; the stored
     copy goes once the document is done."""
     budget = Budget(240, "inline document stored once")
     pdf = shared_image_pdf(PAGES)
