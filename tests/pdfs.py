@@ -9,6 +9,7 @@ Helvetica font, one text object per line), the smallest file a real PDF reader a
 from __future__ import annotations
 
 import io
+import random
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -187,3 +188,33 @@ def line_ops_pdf(
     objects.append(_stream(content))
     path.write_bytes(_assemble(objects))
     return path
+
+
+def shared_image_pdf(
+    pages: int, image_bytes: int = 1_000_000, size: tuple[float, float] = (300, 100)
+) -> bytes:
+    """`pages` pages, page n reading `PAGE n`, each drawing one image XObject that all pages
+    share (issue 52: `image_bytes` of noise, incompressible, drawn 12 pt wide in a corner): the
+    file weighs about the image once, a one-page copy of any page weighs the image too."""
+    side = int(image_bytes**0.5)
+    noise = random.Random(52).randbytes(side * side)
+    # 1 catalog, 2 pages, 3 font, 4 the image, then per page: page object, content stream.
+    kids = " ".join(f"{5 + 2 * i} 0 R" for i in range(pages))
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        f"<< /Type /Pages /Kids [{kids}] /Count {pages} >>".encode(),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+        f"<< /Type /XObject /Subtype /Image /Width {side} /Height {side} /ColorSpace /DeviceGray "
+        f"/BitsPerComponent 8 /Length {len(noise)} >>\nstream\n".encode()
+        + noise
+        + b"\nendstream",
+    ]
+    w, h = size
+    for n in range(1, pages + 1):
+        objects.append(
+            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 {w} {h}] /Contents {6 + 2 * (n - 1)} "
+            "0 R /Resources << /Font << /F1 3 0 R >> /XObject << /Im 4 0 R >> >> >>".encode()
+        )
+        content = f"q 12 0 0 12 {w - 16} 4 cm /Im Do Q BT /F1 24 Tf 20 40 Td (PAGE {n}) Tj ET"
+        objects.append(_stream(content.encode()))
+    return _assemble(objects)

@@ -24,9 +24,9 @@ def _document(store: DocumentStore) -> tuple[str, list[str]]:
     pages = [page_job_id(doc, n) for n in (1, 2)]
     source = f"/data/{doc}.pdf"
     references = {p: {"path": source, "page": n} for n, p in enumerate(pages, start=1)}
-    queued = store.open(doc, "text", source, "0" * 64, 2,
-                        [(pages[0], 1, f"{source}#1"), (pages[1], 2, f"{source}#2")], references)
-    assert queued == [1, 2]
+    assert store.open(doc, "text", source, "0" * 64, 2) == [1, 2]
+    store.add_pages(doc, "text", [(pages[0], 1, f"{source}#1"), (pages[1], 2, f"{source}#2")],
+                    references)
     return doc, pages
 
 

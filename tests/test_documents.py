@@ -450,14 +450,32 @@ def test_kill_9_mid_document_loses_and_duplicates_nothing(
         assert (rows[job_id]["text"], rows[job_id]["finished_at"]) == (text, finished)
 
 
-def test_inline_pages_are_single_page_documents(folder: Path, eval_pages: list[Path]) -> None:
-    """What the splitting job sends for an inline or URL document: each page alone, so the
-    messages together weigh about what the document does."""
-    from ocrq.intake.documents import Document, one_page
+def test_a_large_format_page_is_drawn_within_the_image_caps(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 4961x7016 scan saved at 150 dpi (a 33x47 in page; drawn to exactly 40 MP it came
+    out 9,518 pixels over the cap and was refused as a bomb) and a 200x200 in page (too large
+    even at OCRQ_PDF_MIN_DPI) are drawn as large as the image caps allow, the second below the
+    minimum DPI, which the log says; a page no DPI can fit (too elongated) still fails."""
+    from ocrq.core.pixel_budget import PixelBudget, Stage
+    from ocrq.intake.documents import Document, DocumentError, render_pdf_page
 
-    pdf = image_pdf([Image.open(p) for p in eval_pages], folder / "split.pdf").read_bytes()
     settings = Settings()
-    parts = [one_page(Document("pdf", pdf, "split.pdf"), n, settings) for n in (1, 2, 3)]
-    assert all(p.startswith(b"%PDF-") for p in parts)
-    assert sum(len(p) for p in parts) < 1.2 * len(pdf)
-    assert max(len(p) for p in parts) < 0.9 * len(pdf)  # no part is the whole
+    budget = PixelBudget(intake_limit=settings.max_image_pixels)  # the CPU engine's
+    scan = image_pdf([Image.new("L", (4961, 7016), 255)], folder / "a0.pdf", dpi=150)
+    poster = text_pdf([["POSTER"]], size=(14400, 14400))
+    strip = text_pdf([["STRIP"]], size=(14400, 10))
+
+    def draw(data: bytes) -> Image.Image:
+        document = Document("pdf", data, "large.pdf")
+        return render_pdf_page(
+            document, 1, settings, budget.render_target(), budget.at(Stage.RENDER)
+        )
+
+    for data in (scan.read_bytes(), poster):
+        image = draw(data)
+        w, h = image.size
+        assert 0.995 * settings.max_image_pixels < w * h <= settings.max_image_pixels
+    assert re.search(r"large\.pdf page 1 \(200x200 in\) drawn at 31\.\d dpi, below", caplog.text)
+    with pytest.raises(DocumentError, match="too elongated"):
+        draw(strip)

@@ -143,3 +143,44 @@ def test_each_budget_stops_its_bomb_and_the_pool_goes_on(tmp_path: Path) -> None
         with healthy.open("rb") as fh:  # bytes (a URL or inline page) draw the same pixels
             inline = render_pdf_page(Document("pdf", fh.read(), "inline"), 1, settings, None)
         assert inline.tobytes() == page.image.tobytes()
+
+
+def test_slow_healthy_pages_drawn_at_once_share_the_cores_not_the_deadline(
+    tmp_path: Path,
+) -> None:
+    """Six pages of ~0.45 s of drawing each, drawn at once by six render processes all on one
+    core, with a 1.5 s budget: each waits ~3 s of wall time for its share of the core, and a
+    wall-clock deadline failed them all as bombs (issue 52: 8 pages of 5.8 s); CPU time is
+    what the budget counts, so every page is drawn. The line bomb still fails on it.
+    (The bomb is drawn first, from this thread: a render process dies with the thread that
+    started it, PR_SET_PDEATHSIG, and the six threads end.)"""
+    import os
+    import threading
+
+    slow = line_ops_pdf(tmp_path / "slow.pdf", lines=5_000)
+    bomb = line_ops_pdf(tmp_path / "bomb.pdf", lines=3_000_000)
+    settings = Settings(
+        allowed_roots=[tmp_path], pdf_render_timeout_s=1.5, pdf_render_processes=6
+    )
+    with pytest.raises(DocumentError, match=r"of CPU time \(OCRQ_PDF_RENDER_TIMEOUT_S"):
+        load_page(ImageRef(path=str(bomb), page=1), settings, None)
+    core = {min(os.sched_getaffinity(0))}
+    outcomes: list[object] = []
+
+    def draw(path: Path) -> None:
+        os.sched_setaffinity(0, core)  # this thread, and the render process it starts
+        try:
+            outcomes.append(load_page(ImageRef(path=str(path), page=1), settings, None).image.size)
+        except DocumentError as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=draw, args=(slow,)) for _ in range(6)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    wall = time.monotonic() - t0
+    FIGURES.append(f"[pdf-bombs] 6 pages of ~0.45 s CPU on one core, 1.5 s budget: {wall:.1f} s")
+    assert outcomes == [(1167, 834)] * 6, outcomes
+    assert wall > 1.5  # they did wait longer than the budget, on the wall clock

@@ -52,6 +52,11 @@ NAME_REFUSED = (
     "(its row shows the path, the redacted URL or b64:<chars>)"
 )
 
+DOCUMENT_REFUSED = (
+    "image.document is set by ocrq for the page jobs of a document it stored only: it names "
+    "no page of that document here"
+)
+
 MAX_BATCH_CHARS = 128  # a producer's batch name (ocr_jobs.batch, migrations/0008)
 
 # Query parameters whose values are secrets in common signed/tokened URLs (S3 and GCS presigned
@@ -129,16 +134,28 @@ class ImageRef(BaseModel):
     # document already recorded under that name (NAME_REFUSED otherwise), and the api refuses
     # it, so no producer can give a job a name that reads like another file's path.
     name: Annotated[str | None, Field(max_length=MAX_NAME_CHARS)] = None
+    # A page of a URL or inline document whose bytes ocrq stored once, when it split it (the
+    # document's id; ocrq/core/documents_store.py): what its page jobs name instead of
+    # carrying the document again, each of them. Set by ocrq's document splitting only: a
+    # worker honours it only on that document's own page row (DOCUMENT_REFUSED otherwise).
+    document: str | None = None
+
+    @field_validator("document")
+    @classmethod
+    def _document_id(cls, value: str | None) -> str | None:
+        return None if value is None else canonical_job_id(value)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ImageRef:
-        given = [k for k in ("path", "url", "b64") if getattr(self, k)]
+        given = [k for k in ("path", "url", "b64", "document") if getattr(self, k)]
         if not given and self.b64 == "":  # e.g. Client.submit(b""): not a missing field
             raise ValueError(EMPTY_IMAGE)
         if not given and "" in (self.path, self.url):
             raise ValueError(f"image {'path' if self.path == '' else 'url'} is empty")
         if len(given) != 1:
             raise ValueError("image must give exactly one of 'path', 'url' or 'b64'")
+        if self.document is not None and self.page is None:
+            raise ValueError("image.document names a stored document: 'page' is needed too")
         return self
 
     def describe(self) -> str:
@@ -150,6 +167,8 @@ class ImageRef(BaseModel):
             where = self.path
         elif self.url:
             where = redact_url(self.url)
+        elif self.document:
+            where = f"document:{self.document}"
         else:
             where = f"b64:{len(self.b64 or '')} chars"
         return where if self.page is None else f"{where}{PAGE_MARK}{self.page}"
@@ -163,8 +182,9 @@ class ImageRef(BaseModel):
         sweep): the path or the whole URL, credentials included (the row's `reference` column,
         never shown; `source` is the redacted display), and the page. None for inline bytes: a
         row holds none, so an inline job's own message is its only copy. Never the `name`:
-        the display name is not a reference."""
-        for key in ("path", "url"):
+        the display name is not a reference. A stored document's page is one: its bytes are
+        kept while its document may need them (docs/documents.md)."""
+        for key in ("path", "url", "document"):
             value = getattr(self, key)
             if value:
                 return {key: value} if self.page is None else {key: value, "page": self.page}

@@ -14,7 +14,9 @@ from sqlalchemy import (
     Column,
     DateTime,
     Engine,
+    ForeignKey,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -105,7 +107,7 @@ ocr_documents = Table(
     "ocr_documents",
     metadata,
     Column("id", String(36), primary_key=True),  # the job id the document was submitted under
-    Column("status", String(16), nullable=False),  # running | done | partial | failed
+    Column("status", String(16), nullable=False),  # running|done|partial|failed|cancelled
     Column("task", Text, nullable=False),
     Column("source", Text, nullable=False),
     Column("sha256", String(64)),
@@ -118,6 +120,22 @@ ocr_documents = Table(
     # When a worker took the document's webhook to send (migrations/0010): set once, by the
     # one call that finds it NULL, so two page jobs ending together send it once.
     Column("notified_at", DateTime(timezone=True)),
+)
+
+# The bytes of a URL or inline document, stored once when it is split (migrations/0013;
+# ocrq/core/documents_store.py): its page jobs name it instead of each carrying the document.
+# Deleted with its document (the foreign key), and as soon as the document is done or cancelled.
+ocr_document_bytes = Table(
+    "ocr_document_bytes",
+    metadata,
+    Column(
+        "document_id",
+        String(36),
+        ForeignKey("ocr_documents.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("data", LargeBinary, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
 )
 
 # A batch's webhook until a worker sends it (migrations/0011; ocrq/core/batch_hooks.py): one row

@@ -11,13 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Engine, and_, func, select, update
+from sqlalchemy import Engine, and_, delete, func, select, update
 
-from ocrq.core.db import ocr_documents, ocr_jobs
+from ocrq.core.db import ocr_document_bytes, ocr_documents, ocr_jobs
 from ocrq.core.storable import storable
-from ocrq.core.store import now
+from ocrq.core.store import CANCELLABLE, CANCELLED, now
 
-FINAL = ("done", "partial", "failed")
+# A document cancelled while it was split is final too (`cancel`): its pages made so far are
+# cancelled, those not made never will be.
+FINAL = ("done", "partial", "failed", "cancelled")
 PAGE_JOB_FINAL = ("done", "failed", "cancelled", "expired")  # a page not done fails it
 PAGE_SEPARATOR = "\n\n"  # the pages' text joined like paragraphs (markdown for `parse`)
 NAMED_FAILURES = 50  # a partial document's error names at most this many failed pages
@@ -39,16 +41,16 @@ class DocumentStore:
         source: str,
         sha256: str,
         pages: int,
-        page_jobs: Sequence[tuple[str, int, str]],
-        references: Mapping[str, dict[str, Any]] | None = None,
-        batch: str | None = None,
-        columns: Mapping[str, Any] | None = None,
+        data: bytes | None = None,
     ) -> list[int]:
-        """Record a split document and its page jobs (id, page, source) as queued; return the
-        pages still queued, to be sent. Idempotent: a redelivered split keeps every row.
-        `references`: by page job id, what a re-send of the page names (ocr_jobs.reference).
-        `columns`: the document's own (JobRequest.columns(): its caps, lane, batch), which
-        every page row keeps, so a page re-sent from its row runs as its document asked."""
+        """Record a split document (and `data`, the bytes of a URL or inline document, kept
+        once for its page jobs: `stored_bytes`); return the pages still to send: those with no
+        row yet, or a row still queued. Idempotent: a redelivered split keeps every row.
+
+        Page rows are made as their pages are sent (`add_pages`), not all here first: a row
+        `queued` long before its message existed looked lost to the recovery sweep, which
+        rebuilt it while the split sent its own copy (issue 52: hundreds of copies, and a URL
+        document fetched again for each)."""
         t = now()
         with self.engine.begin() as conn:
             conn.execute(
@@ -64,39 +66,111 @@ class DocumentStore:
                 )
                 .on_conflict_do_nothing(index_elements=["id"])
             )
-            if page_jobs:
+            status = conn.execute(
+                select(ocr_documents.c.status).where(ocr_documents.c.id == document_id)
+            ).scalar_one()
+            if data is not None and status not in FINAL:  # a late copy keeps nothing again
                 conn.execute(
-                    self._insert(ocr_jobs)
-                    .values(
-                        [
-                            {
-                                **(columns or {}),
-                                "id": job_id,
-                                "status": "queued",
-                                "task": task,
-                                "source": page_source,
-                                "created_at": t,
-                                "attempts": 0,
-                                "document_id": document_id,
-                                "page": page,
-                                "reference": (references or {}).get(job_id),
-                                "batch": batch,
-                                "retries": 0,
-                            }
-                            for job_id, page, page_source in page_jobs
-                        ]
-                    )
-                    .on_conflict_do_nothing(index_elements=["id"])
+                    self._insert(ocr_document_bytes)
+                    .values(document_id=document_id, data=data, created_at=t)
+                    .on_conflict_do_nothing(index_elements=["document_id"])
                 )
             conn.execute(
                 update(ocr_jobs).where(ocr_jobs.c.id == document_id).values(document_id=document_id)
             )
-            queued = conn.execute(
-                select(ocr_jobs.c.page)
-                .where(_pages_of(document_id), ocr_jobs.c.status == "queued")
-                .order_by(ocr_jobs.c.page)
+            made = dict(
+                conn.execute(
+                    select(ocr_jobs.c.page, ocr_jobs.c.status).where(_pages_of(document_id))
+                ).all()
             )
-            return [row[0] for row in queued]
+        if status in FINAL:  # a late copy of a finished (or cancelled) document's split
+            return []
+        return [n for n in range(1, pages + 1) if made.get(n, "queued") == "queued"]
+
+    def add_pages(
+        self,
+        document_id: str,
+        task: str,
+        page_jobs: Sequence[tuple[str, int, str]],
+        references: Mapping[str, dict[str, Any]] | None = None,
+        batch: str | None = None,
+        columns: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Record page jobs (id, page, source) of a document as queued, just before their
+        messages are sent; a row already there is kept.
+        `references`: by page job id, what a re-send of the page names (ocr_jobs.reference).
+        `columns`: the document's own (JobRequest.columns(): its caps, lane, batch), which
+        every page row keeps, so a page re-sent from its row runs as its document asked."""
+        if not page_jobs:
+            return
+        t = now()
+        with self.engine.begin() as conn:
+            conn.execute(
+                self._insert(ocr_jobs)
+                .values(
+                    [
+                        {
+                            **(columns or {}),
+                            "id": job_id,
+                            "status": "queued",
+                            "task": task,
+                            "source": page_source,
+                            "created_at": t,
+                            "attempts": 0,
+                            "document_id": document_id,
+                            "page": page,
+                            "reference": (references or {}).get(job_id),
+                            "batch": batch,
+                            "retries": 0,
+                        }
+                        for job_id, page, page_source in page_jobs
+                    ]
+                )
+                .on_conflict_do_nothing(index_elements=["id"])
+            )
+
+    def stored_bytes(self, document_id: str) -> bytes | None:
+        """The bytes `open` kept for a URL or inline document; None when it kept none (a path
+        document) or they are gone with it (done, cancelled, pruned)."""
+        with self.engine.connect() as conn:
+            data = conn.execute(
+                select(ocr_document_bytes.c.data).where(
+                    ocr_document_bytes.c.document_id == document_id
+                )
+            ).scalar_one_or_none()
+        return None if data is None else bytes(data)
+
+    def cancel(self, document_id: str) -> bool:
+        """A document cancelled (its own job's row, by DELETE /jobs/{id}) while it was split:
+        its page rows not final are cancelled, and it is `cancelled` itself, final, with the
+        pages made so far as its result. True when this call cancelled it; a document final
+        already is left as it is."""
+        locked = select(ocr_documents).where(ocr_documents.c.id == document_id).with_for_update()
+        with self.engine.begin() as conn:
+            doc = conn.execute(locked).mappings().first()
+            if doc is None or doc["status"] in FINAL:
+                return False
+            t = now()
+            conn.execute(
+                update(ocr_jobs)
+                .where(_pages_of(document_id), ocr_jobs.c.status.in_(CANCELLABLE))
+                .values(status="cancelled", error=CANCELLED, finished_at=t)
+            )
+            rows = [dict(r) for r in conn.execute(_page_rows(document_id)).mappings()]
+            fields = storable(
+                {
+                    "status": "cancelled",
+                    "error": CANCELLED,
+                    "result": [page_view(r) for r in rows],
+                }
+            )
+            conn.execute(
+                update(ocr_documents)
+                .where(ocr_documents.c.id == document_id)
+                .values(**fields, finished_at=t)
+            )
+            conn.execute(_forget_bytes(document_id))
+            return True
 
     def fail(self, document_id: str, task: str, source: str, error: str, **fields: Any) -> None:
         """A document refused whole (unreadable, encrypted, no pages, too many): its row says
@@ -150,6 +224,8 @@ class DocumentStore:
                 .where(ocr_documents.c.id == document_id)
                 .values(**fields, finished_at=now())
             )
+            if fields["status"] == "done":  # no page of it can be re-run: its bytes may go
+                conn.execute(_forget_bytes(document_id))
             return str(fields["status"]), True
 
     def claim_notice(self, document_id: str) -> bool:
@@ -254,6 +330,10 @@ class DocumentStore:
             return conn.execute(
                 select(ocr_jobs.c.batch).where(ocr_jobs.c.id == document_id)
             ).scalar_one_or_none()
+
+
+def _forget_bytes(document_id: str) -> Any:
+    return delete(ocr_document_bytes).where(ocr_document_bytes.c.document_id == document_id)
 
 
 def _pages_of(document_id: str) -> Any:

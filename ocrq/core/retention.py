@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 # rows are kept for a later pass). `prune`'s argument; `queued_in_broker` makes one.
 StillQueued = Callable[[Collection[str]], set[str]]
 
-DOCUMENT_FINAL = ("done", "partial", "failed")
+DOCUMENT_FINAL = ("done", "partial", "failed", "cancelled")
 # pg_try_advisory_lock key for the daily pass: any fixed number no other code uses ("ocrq" + 1).
 LOCK_KEY = 0x6F637271_0001
 

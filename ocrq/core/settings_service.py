@@ -118,7 +118,7 @@ class IntakeSettings(SettingsGroup):
     pdf_min_dpi: float = Field(default=72.0, ge=10, le=1200)
     pdf_max_dpi: float = Field(default=300.0, ge=10, le=1200)
     # Pages are drawn in render processes (ocrq/intake/render_pool.py), each under this
-    # address-space cap, for at most this many seconds a page: what a PDF bomb may cost. A
+    # address-space cap, for at most this many CPU seconds a page: what a PDF bomb may cost. A
     # healthy page draws in 10-50 ms at 144-200 dpi (bench/results/documents); the cap leaves
     # room for the largest page the image caps admit (40 MP x 4 bytes) and PDFium's own needs.
     pdf_render_timeout_s: float = Field(default=20.0, gt=0, le=3600)

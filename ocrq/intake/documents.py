@@ -4,8 +4,8 @@ A document is never held whole in memory as pixels: the splitting job only count
 each page job renders its own page in its task thread. A path document is read through the
 same allowed-roots opener as images (ocrq/intake/images.py), lazily: PDFium and Pillow read the
 parts of the file a page needs from the descriptor. A URL or inline document is read once by
-its splitting job, which sends each page on inline as a one-page document
-(ocrq/intake/splitting.py).
+its splitting job, which stores it once in the database; its page jobs name it and read it
+from there (ocrq/intake/splitting.py, ocrq/intake/stored.py).
 
 Each refusal is a DocumentError (an ImageError: the job fails alone with its message), raised
 before the expensive step: the page count against OCRQ_MAX_PDF_PAGES before any page job is
@@ -24,12 +24,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import logging
 import math
 import os
 import re
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -42,10 +43,14 @@ from ocrq.core.settings import Settings
 from ocrq.intake import images, render_pool
 from ocrq.intake.images import ImageError, LoadedImage
 
+log = logging.getLogger(__name__)
+
 # Every call into PDFium holds this (the library keeps global state and is not thread-safe).
 PDFIUM = threading.Lock()
 DEFAULT_DPI = 200.0  # engines without a resolution preset (the CPU engine)
 POINTS_PER_INCH = 72.0
+# Reads a stored document's bytes by its id (ocrq/intake/stored.py); None: none stored.
+Stored = Callable[[str], bytes | None]
 
 
 class DocumentError(ImageError):
@@ -77,12 +82,24 @@ class Document:
         self.close()
 
 
-def take(ref: ImageRef, settings: Settings) -> Document | bytes:
+def take(ref: ImageRef, settings: Settings, stored: Stored | None = None) -> Document | bytes:
     """The request's bytes, read once: a Document, or an image's bytes for images.decode.
 
     A single-frame TIFF is an image; a file whose name says PDF but whose bytes do not is
-    refused as such (rather than as "not an image").
+    refused as such (rather than as "not an image"). `stored` reads a stored document's bytes
+    (ocrq/intake/stored.py), for a page job that names one.
     """
+    if ref.document:
+        data = stored(ref.document) if stored is not None else None
+        if data is None:
+            raise DocumentError(
+                f"the stored copy of document {ref.document} is gone (it goes when the "
+                "document is done, cancelled or pruned): submit the document again"
+            )
+        kind = _document_kind(io.BytesIO(data))
+        if kind is None:
+            raise DocumentError(f"the stored copy of document {ref.document} is no document")
+        return Document(kind, data, ref.describe())
     if ref.path:
         fh = images.open_path(ref.path, settings)
         try:
@@ -233,14 +250,34 @@ def page_dpi(
 ) -> float:
     """The DPI a PDF page renders at: OCRQ_PDF_DPI, else the one that draws the page at
     `pixels` (its pixel budget's render target: what the model sees), else DEFAULT_DPI, at
-    most the one that draws it at `ceiling` pixels; within the min/max DPI."""
+    most the one that draws it at `ceiling` pixels; within the min/max DPI, unless even the
+    minimum would draw more than the image caps let in (`fitting_dpi`): a large-format page
+    is then drawn below the minimum, as large as they allow (the model scales it down anyway),
+    rather than refused. OCRQ_PDF_DPI is the operator's fixed choice and is never moved."""
     if settings.pdf_dpi is not None:
         return settings.pdf_dpi
     area_in2 = max((width_pt / POINTS_PER_INCH) * (height_pt / POINTS_PER_INCH), 1e-6)
     dpi = math.sqrt(pixels / area_in2) if pixels else DEFAULT_DPI
     if ceiling:
         dpi = min(dpi, math.sqrt(ceiling / area_in2))
-    return min(max(dpi, settings.pdf_min_dpi), settings.pdf_max_dpi)
+    dpi = min(max(dpi, settings.pdf_min_dpi), settings.pdf_max_dpi)
+    return min(dpi, fitting_dpi(width_pt, height_pt, settings, ceiling))
+
+
+def fitting_dpi(
+    width_pt: float, height_pt: float, settings: Settings, ceiling: int | None = None
+) -> float:
+    """The highest DPI whose bitmap meets the image caps the page's size is checked against
+    (OCRQ_MAX_IMAGE_PIXELS, or `ceiling` where lower; OCRQ_MAX_IMAGE_SIDE), counting the pixel
+    pypdfium2's rounding up may add to each side: with a, b the sides in inches,
+    (a·d + 1)(b·d + 1) <= cap. Without that pixel a 33x47 in page drawn to exactly 40 MP came
+    out at 40,009,518 pixels and was refused."""
+    cap = min(settings.max_image_pixels, ceiling or settings.max_image_pixels)
+    a = max(width_pt / POINTS_PER_INCH, 1e-6)
+    b = max(height_pt / POINTS_PER_INCH, 1e-6)
+    by_pixels = (-(a + b) + math.sqrt((a + b) ** 2 + 4 * a * b * (cap - 1))) / (2 * a * b)
+    by_side = settings.max_image_side / max(a, b)
+    return min(by_pixels, by_side)
 
 
 def render_pdf_page(
@@ -258,6 +295,13 @@ def render_pdf_page(
         _check_page_number(page, count, document.source)
         width_pt, height_pt = pdf.get_page_size(page - 1)  # type: ignore[attr-defined]
         dpi = page_dpi(width_pt, height_pt, pixels, settings, ceiling)
+        if settings.pdf_dpi is None and dpi < settings.pdf_min_dpi:
+            log.warning(
+                "%s page %d (%.0fx%.0f in) drawn at %.1f dpi, below OCRQ_PDF_MIN_DPI (%g), "
+                "to fit the image caps (OCRQ_MAX_IMAGE_PIXELS, OCRQ_MAX_IMAGE_SIDE)",
+                document.source, page, width_pt / POINTS_PER_INCH, height_pt / POINTS_PER_INCH,
+                dpi, settings.pdf_min_dpi,
+            )  # fmt: skip
         scale = dpi / POINTS_PER_INCH
         # pypdfium2 sizes its bitmap as ceil(points x scale): the same arithmetic here.
         size = (math.ceil(width_pt * scale), math.ceil(height_pt * scale))
@@ -311,7 +355,9 @@ def _check_page_size(size: tuple[int, int], page: int, dpi: float, settings: Set
         raise DocumentError(f"page {page} at {dpi:.0f} dpi: {exc}") from None
 
 
-def load_page(ref: ImageRef, settings: Settings, budget: PixelBudget | None) -> LoadedImage:
+def load_page(
+    ref: ImageRef, settings: Settings, budget: PixelBudget | None, stored: Stored | None = None
+) -> LoadedImage:
     """A page job's image: page `ref.page` of its document, rendered here (this is the
     prefetch thread) at the pixels `budget` targets (`render_target`; None: the default DPI),
     within its render stage, then kept within its decode stage like an image
@@ -321,7 +367,7 @@ def load_page(ref: ImageRef, settings: Settings, budget: PixelBudget | None) -> 
     budget = budget or PixelBudget()
     keep = budget.at(Stage.DECODE)
     source = ref.describe()
-    taken = take(ref, settings)
+    taken = take(ref, settings, stored)
     if isinstance(taken, bytes):
         if ref.page != 1:
             raise DocumentError(f"no page {ref.page} in {source}: an image has one page")
@@ -340,37 +386,3 @@ def load_page(ref: ImageRef, settings: Settings, budget: PixelBudget | None) -> 
     if keep:
         image = images.downscale(image, keep)
     return LoadedImage(image=image, original_size=original, sha256=digest_, source=source)
-
-
-def one_page(document: Document, page: int, settings: Settings) -> bytes:
-    """Page `page` alone, as a document of its own (a one-page PDF; a TIFF frame as PNG): what
-    a URL or inline document's page job is sent, so no message carries the whole document."""
-    if document.kind == "pdf":
-        import pypdfium2 as pdfium
-
-        with _pdf(document) as pdf:
-            single = pdfium.PdfDocument.new()
-            try:
-                single.import_pages(pdf, [page - 1])
-                out = io.BytesIO()
-                single.save(out)
-            finally:
-                single.close()
-        return out.getvalue()
-    try:
-        with _pillow_errors(), Image.open(document.stream(), formats=["TIFF"]) as tiff:
-            tiff.seek(page - 1)
-            images.check_header(*tiff.size, settings)
-            out = io.BytesIO()
-            try:
-                tiff.save(out, format="PNG")
-            except OSError:  # a mode PNG cannot hold (CMYK, F): its RGB form
-                out = io.BytesIO()
-                tiff.convert("RGB").save(out, format="PNG")
-    except ImageError as exc:
-        raise DocumentError(f"page {page}: {exc}") from None
-    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
-        raise DocumentError(
-            f"corrupt or truncated TIFF page {page}: {document.source} ({exc})"
-        ) from None
-    return out.getvalue()

@@ -5,9 +5,13 @@ of nested Form XObjects drew 10^7 paths, 6 GB in 28 s, and killed the worker on 
 3,000,000 line operations drew for > 165 s holding the process-wide PDFium lock, and so every
 other document). Here each page is drawn by one of a few child processes
 (ocrq/intake/render_child.py), each under RLIMIT_AS = OCRQ_PDF_RENDER_MAX_BYTES; the worker
-waits at most OCRQ_PDF_RENDER_TIMEOUT_S for the pixels, then kills that child and starts
-another. A bomb fails its own page with a clear error; other pages go on in the other children,
-at their normal latency, and nothing in the worker holds a lock while a page draws.
+lets it spend at most OCRQ_PDF_RENDER_TIMEOUT_S of CPU time on a page, then kills that child
+and starts another. CPU time, not wall time: pages drawn at once share the host's cores, and
+with a wall-clock deadline 8 slow but healthy pages failed together where one alone drew in
+5.8 s (issue 52). A child that uses no CPU and sends nothing is stopped after WALL_FACTOR times
+the budget in wall time. A bomb fails its own page with a clear error; other pages go on in
+the other children, at their normal latency, and nothing in the worker holds a lock while a
+page draws.
 
 Children are plain `python -m` processes (fork+exec: nothing of the worker's threads, CUDA or
 sockets is inherited), started on first use, kept while they serve, replaced when killed.
@@ -19,6 +23,7 @@ import contextlib
 import logging
 import os
 import queue
+import select
 import socket
 import subprocess
 import sys
@@ -35,6 +40,25 @@ log = logging.getLogger(__name__)
 
 MODES = {"RGB": 3, "RGBA": 4, "RGBX": 4, "L": 1, "1": 0}
 BOMB = "possible PDF bomb"
+# A page's wall-clock backstop, in multiples of its CPU budget: a child blocked (not drawing)
+# never spends its CPU time, and is stopped by this instead.
+WALL_FACTOR = 10
+POLL_S = 0.1  # how often a drawing child's CPU time is read
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The process's CPU time (user + system) from /proc; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after the command name, which may hold spaces
+    try:
+        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (fields 14, 15)
+    except (IndexError, ValueError):
+        return None
 
 
 class RenderError(Exception):
@@ -145,12 +169,13 @@ class RenderPool:
                 b"" if fd is not None else data,
                 [fd] if fd is not None else [],
             )
-            child.sock.settimeout(self.budget.timeout_s)
+            self._await_answer(child, page, started)
+            child.sock.settimeout(self.budget.timeout_s)  # the answer is on its way
             got = render_wire.receive(child.sock, max_payload)
         except TimeoutError:
             child.kill()
             raise RenderError(
-                f"drawing page {page} took longer than {self.budget.timeout_s:g} s "
+                f"drawing page {page} took more than {self.budget.timeout_s:g} s of CPU time "
                 f"(OCRQ_PDF_RENDER_TIMEOUT_S), stopped: {BOMB}"
             ) from None
         except (OSError, ValueError) as exc:
@@ -174,6 +199,20 @@ class RenderPool:
             child.kill()
             raise RenderError(f"page {page}: the render process answered {mode} {got_size}")
         return Image.frombytes(mode, got_size, pixels)
+
+    def _await_answer(self, child: _Child, page: int, started: float) -> None:
+        """Until the child starts answering: TimeoutError once it has drawn for more than the
+        page's CPU budget, or WALL_FACTOR times that in wall time (the CPU time unread: wall
+        time only, as before)."""
+        budget = self.budget.timeout_s
+        first = cpu_seconds(child.proc.pid)
+        wall_limit = started + budget * (WALL_FACTOR if first is not None else 1)
+        while not select.select([child.sock], [], [], POLL_S)[0]:
+            now = cpu_seconds(child.proc.pid) if first is not None else None
+            if now is not None and first is not None and now - first > budget:
+                raise TimeoutError
+            if time.monotonic() > wall_limit:
+                raise TimeoutError
 
     def close(self) -> None:
         while True:

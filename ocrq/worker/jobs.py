@@ -25,7 +25,13 @@ from tenacity import (
 )
 
 from ocrq.core import metrics
-from ocrq.core.contract import NAME_REFUSED, TASKS, JobRequest, canonical_job_id
+from ocrq.core.contract import (
+    DOCUMENT_REFUSED,
+    NAME_REFUSED,
+    TASKS,
+    JobRequest,
+    canonical_job_id,
+)
 from ocrq.core.documents_store import FINAL as DOCUMENT_FINAL
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.pixel_budget import Stage
@@ -33,6 +39,7 @@ from ocrq.core.process import STATE
 from ocrq.core.settings import Settings
 from ocrq.core.store import Claim, JobStore, now, public_view
 from ocrq.intake import documents, images, splitting
+from ocrq.intake.stored import StoredDocuments
 from ocrq.models.base import EngineFront, PreparedImage
 from ocrq.scheduling.vocabulary import Batcher, Cancelled
 from ocrq.worker.alone import RetryGate
@@ -162,6 +169,11 @@ class JobRunner:
         # own threads; built on first use, so image-only runs never connect for it.
         self._send_page = send_page
         self.documents = DocumentStore(store.engine)
+        # The bytes of URL and inline documents, which their page jobs name (stored once when
+        # they were split): read once a document, kept for its next pages.
+        self._stored = StoredDocuments(
+            self._read_stored, max_bytes=2 * settings.max_image_bytes
+        )
         self.engine = engine
         self.batcher = batcher
         self.store = store
@@ -219,8 +231,11 @@ class JobRunner:
 
     def process(self, request: JobRequest) -> JobOutcome:
         self._watch_cancels()
-        if request.image.name is not None and not self._db(self._names_a_page)(request):
-            return self._refuse_name(request)
+        if request.image.name is not None or request.image.document is not None:
+            page = self._db(self._as_recorded_page)(request)
+            if page is None:
+                return self._refuse_name(request)
+            request = page
         source = request.image.describe()
         named = (source, request.task)
         with self._in_flight_lock:
@@ -247,22 +262,33 @@ class JobRunner:
                     del self._in_flight[request.job_id]
                 running.finished.set()
 
-    def _names_a_page(self, request: JobRequest) -> bool:
-        """Whether the job's `name` is the one its document's split recorded for its page row:
-        only ocrq's own page jobs may name their image (a producer's name was taken for a path
-        by re-sends, and ran the job as another file)."""
+    def _as_recorded_page(self, request: JobRequest) -> JobRequest | None:
+        """The job as its document's split recorded its page row, or None when it names what
+        that row does not: only ocrq's own page jobs may name their image (a producer's name
+        was taken for a path by re-sends, and ran the job as another file) or a stored
+        document (another document's bytes). A stored document's page re-sent from its row
+        (the recovery sweep, `ocrq retry`) comes without its name, which the row gives back."""
         row = self.store.get([request.job_id]).get(request.job_id)
-        return (
-            row is not None
-            and row.get("document_id") is not None
-            and row.get("source") == request.image.describe()
-        )
+        if row is None or row.get("document_id") is None:
+            return None
+        image = request.image
+        if image.document is not None:
+            if (row["document_id"], row.get("page")) != (image.document, image.page):
+                return None
+            if image.name is None:
+                named = image.model_copy(update={"name": row.get("source")})
+                return request.model_copy(update={"image": named})
+        return request if row.get("source") == image.describe() else None
 
     def _refuse_name(self, request: JobRequest) -> JobOutcome:
         """A producer-named job fails, recorded under what its image really is."""
         source = request.image.unnamed().describe()
-        self.reject(request.job_id, source, request.task, NAME_REFUSED)
-        return JobOutcome(request.job_id, source, "failed", error=NAME_REFUSED)
+        message = NAME_REFUSED if request.image.document is None else DOCUMENT_REFUSED
+        self.reject(request.job_id, source, request.task, message)
+        return JobOutcome(request.job_id, source, "failed", error=message)
+
+    def _read_stored(self, document_id: str) -> bytes | None:
+        return self._db(self.documents.stored_bytes)(document_id)
 
     def _await_running(self, job_id: str, source: str, running: _Running) -> JobOutcome:
         """A copy of a job running in this process: report its outcome once it is stored.
@@ -485,7 +511,9 @@ class JobRunner:
                         intake_limit=self.settings.max_image_pixels,
                     )
                     if request.image.page is not None:  # a page job: render its page here
-                        loaded = documents.load_page(request.image, self.settings, budget)
+                        loaded = documents.load_page(
+                            request.image, self.settings, budget, self._stored.get
+                        )
                     else:
                         taken = documents.take(request.image, self.settings)
                         if isinstance(taken, documents.Document):
@@ -601,25 +629,28 @@ class JobRunner:
         metrics.IN_FLIGHT.dec()
 
     def _split(self, request: JobRequest, source: str, document: documents.Document) -> JobOutcome:
-        """A document's own job: its page jobs made and sent, then its row done."""
+        """A document's own job: its page jobs made and sent, then its row done; or, cancelled
+        meanwhile (its row final: `finish` stores nothing over it), the document cancelled
+        with it, however far the split got."""
         if self._send_page is None:
             self._send_page = splitting.celery_sender(self.settings)
-        failures: list[tuple[str, str]] = []
         try:
             with document:
                 pages = self._db(splitting.split)(
-                    request, document, self.settings, self.documents, self.store, self._send_page,
-                    lambda page_id, error: failures.append((page_id, error)),
+                    request, document, self.settings, self.documents, self.store, self._send_page
                 )
         except documents.DocumentError as exc:
             return self._fail(request.job_id, source, str(exc))
-        self._db(self.store.finish)(
+        stored = self._db(self.store.finish)(
             request.job_id, status="done", error=None, worker=self.worker_name
         )
+        if not stored:  # final already: cancelled after the split's last look, its pages
+            # go with it (finished by another copy of the split: left as that copy left it)
+            if self._db(self.store.cancelled_among)([request.job_id]):
+                self._db(self.documents.cancel)(request.job_id)
+            return self._final_row(request.job_id, source)
         self._count("done")
-        return JobOutcome(
-            request.job_id, source, "done", pages=pages, split_failures=tuple(failures)
-        )
+        return JobOutcome(request.job_id, source, "done", pages=pages)
 
     def _complete_document(self, job_id: str) -> tuple[str, str] | None:
         """The page's document assembled if this was its last page: (its id, its status) when
