@@ -75,6 +75,18 @@ def retire(engine: Engine, name: str) -> None:
             )
 
 
+def mark_dead(engine: Engine, name_prefix: str) -> int:
+    """Mark the workers whose names start with `name_prefix` dead at once (the supervisor's
+    word for a child process it saw die: ocrq/worker/supervisor.py), so the next sweep re-sends
+    their jobs instead of waiting OCRQ_STALLED_AFTER_S for their heartbeat to go stale."""
+    with engine.begin() as conn:
+        return conn.execute(
+            update(ocr_workers)
+            .where(ocr_workers.c.name.startswith(name_prefix, autoescape=True))
+            .values(heartbeat_at=EPOCH)
+        ).rowcount
+
+
 def flip_stalled(
     engine: Engine, stalled_after_s: float, exclude: str | None = None
 ) -> list[StalledJob]:

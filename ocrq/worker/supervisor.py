@@ -158,6 +158,30 @@ class _Metrics:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _declare_dead(settings: Settings, child: Child, pid: int) -> None:
+    """Tell the other workers at once that this child died (its heartbeat row marked dead): its
+    running jobs and the messages it held are re-sent by the next sweep, the restarted child's
+    among them, instead of after OCRQ_STALLED_AFTER_S (60 s) of silence. The child's worker
+    name is its Celery node name, `/`, its pid and a random tag (ocrq/worker/heartbeat.py)."""
+    from celery.utils.nodenames import default_nodename, host_format
+
+    from ocrq.core import workers_table
+    from ocrq.core.db import get_engine
+
+    argv = list(child.argv)
+    node = argv[argv.index("--hostname") + 1] if "--hostname" in argv[:-1] else None
+    if node is None:
+        return
+    prefix = f"{host_format(default_nodename(node))}/{pid}-"
+    try:
+        marked = workers_table.mark_dead(get_engine(settings.database_url), prefix)
+    except Exception as exc:  # the database away: the heartbeat goes stale all the same
+        _say(child, f"could not mark the dead worker's row ({type(exc).__name__}: {exc})")
+        return
+    if marked:
+        _say(child, "its jobs are re-sent by the next sweep (marked dead)")
+
+
 def supervise(
     children: Sequence[Child], settings: Settings | None = None, max_crash_backoff_s: float = 30.0
 ) -> int:
@@ -260,6 +284,8 @@ def supervise(
                 continue
             # Any other exit that we did not ask for (a crash, an unrecoverable broker error, a
             # remote shutdown) gets a new worker: a supervisor's job is to keep one running.
+            if settings is not None:
+                _declare_dead(settings, child, proc.pid)
             if time.monotonic() - started > 60:
                 backoff = 1.0
             _say(child, f"worker exited with {code}; restarting in {backoff:.0f} s")
