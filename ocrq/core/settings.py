@@ -46,6 +46,9 @@ PrefillSchedule = Literal["alternate", "chunked"]
 # Where HunyuanOCR's image-token numerics follow the code the model was trained with ("trained")
 # or transformers' HunYuanVL ("transformers"); ocrq/models/hunyuan/fidelity.py says how they differ.
 HunyuanNumerics = Literal["trained", "transformers"]
+# Engine rapid's model sets: the names of ocrq/models/rapid/models.py's MODEL_SETS (a test keeps
+# the two lists equal; core may not import the engine).
+RapidModels = Literal["v6-small", "v4"]
 
 G = TypeVar("G", bound="SettingsGroup")
 
@@ -411,6 +414,23 @@ class ApiSettings(SettingsGroup):
     api_max_batch: int = Field(default=1000, ge=1, le=100_000)
 
 
+class RapidSettings(SettingsGroup):
+    """OCRQ_ENGINE=rapid: the CPU engine (ocrq/models/rapid)."""
+
+    # The CPU engine rapid (OCRQ_ENGINE=rapid; docs/engines.md).
+    # Its model set: "v6-small" (PP-OCRv6 small, multilingual) or "v4" (PP-OCRv4 mobile, the
+    # earlier default, kept while v6 proves itself). Empty means "v6-small". Both ship inside
+    # pinned wheels of the base install; nothing is downloaded. Measured on the shared eval set
+    # in bench/results/rapid_models/; part of a tuned profile's key.
+    rapid_models: RapidModels = "v6-small"
+
+    @field_validator("rapid_models", mode="before")
+    @classmethod
+    def _default_when_empty(cls, value: object) -> object:
+        empty = value is None or (isinstance(value, str) and not value.strip())
+        return "v6-small" if empty else value
+
+
 class ModelSettings(BudgetSettings):
     """The model an engine serves, the same for each of the HunyuanOCR engines (ocrq's own,
     in-process vLLM, an OpenAI-compatible server): the base of their groups."""
@@ -619,6 +639,7 @@ class Settings(
     BatchingSettings,
     DeliverySettings,
     ApiSettings,
+    RapidSettings,
     HunyuanSettings,
     VllmSettings,
     OpenAISettings,
@@ -653,6 +674,10 @@ class Settings(
     @property
     def api(self) -> ApiSettings:
         return self.view(ApiSettings)
+
+    @property
+    def rapid(self) -> RapidSettings:
+        return self.view(RapidSettings)
 
     @property
     def hunyuan(self) -> HunyuanSettings:

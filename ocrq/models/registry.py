@@ -17,7 +17,7 @@ from ocrq.models.base import Engine
 def _rapid(settings: Settings) -> Engine:
     from ocrq.models.rapid import RapidEngine
 
-    return RapidEngine()  # no settings of its own
+    return RapidEngine(models=settings.rapid.rapid_models)
 
 
 def _hunyuan(settings: Settings) -> Engine:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import metadata, util
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,9 @@ from ocrq.models.rapid.crops import (
     widen,
 )
 from ocrq.models.rapid.geometry import DET_LIMIT_SIDE_LEN, MAX_SIDE_LEN, DetPlan, det_plan
+from ocrq.models.rapid.models import ModelSet, model_set, sha256_of
 from ocrq.models.rapid.ordering import Box, group_rows, merge_rows, union
-from ocrq.models.rapid.spacing import word_gaps
+from ocrq.models.rapid.spacing import WordGaps, word_gaps
 from ocrq.models.rapid.tiles import (
     REC_TILE_COLUMNS,
     Reading,
@@ -42,11 +43,6 @@ from ocrq.models.rapid.tiles import (
 )
 
 SUPPORTED_TASKS = ("text", "spotting", "parse")
-MODEL_FILES = {
-    "det": "ch_PP-OCRv4_det_infer.onnx",
-    "cls": "ch_ppocr_mobile_v2.0_cls_infer.onnx",
-    "rec": "ch_PP-OCRv4_rec_infer.onnx",
-}
 
 # The direction classifier's threshold (the library's), and how it judges a long line.
 CLS_THRESH = 0.9
@@ -73,16 +69,6 @@ def unsupported_task(task: str) -> UnsupportedTask:
     )
 
 
-def default_model_dir() -> Path:
-    """The models folder inside the installed rapidocr-onnxruntime wheel (found, not imported)."""
-    spec = util.find_spec("rapidocr_onnxruntime")
-    if spec is None or spec.origin is None:
-        raise RuntimeError(
-            "engine 'rapid' needs rapidocr-onnxruntime==1.4.4: pip install 'ocrq[cpu]'"
-        )
-    return Path(spec.origin).parent / "models"
-
-
 @dataclass
 class _Piece:
     """One region of one image: its box in image pixels, its crop, and then its reading."""
@@ -96,7 +82,7 @@ class _Piece:
 
 
 class RapidEngine(Engine):
-    """PP-OCRv4 detection, direction classifier and recognition on onnxruntime (CPU)."""
+    """PP-OCR detection, direction classifier and recognition on onnxruntime (CPU)."""
 
     name = "rapid"
 
@@ -109,6 +95,7 @@ class RapidEngine(Engine):
         box_thresh: float = 0.5,
         unclip_ratio: float = 1.6,
         model_dir: Path | None = None,
+        models: str = "",
     ) -> None:
         """
         rec_batch_size: crops per classifier/recogniser call, across all images of a batch.
@@ -117,7 +104,9 @@ class RapidEngine(Engine):
             physical core), right unless several engines share the host.
         merge_gap: boxes on one row closer than this many line heights become one Line.
         box_thresh, unclip_ratio: the DB detector's box score floor and box growth.
-        model_dir: where the three .onnx files are; default the rapidocr-onnxruntime wheel's.
+        model_dir: a folder holding the set's three .onnx files under their own names, in place
+            of the wheels that ship them (their hashes are then not checked).
+        models: the model set (`models.MODEL_SETS`, OCRQ_RAPID_MODELS); empty: the default.
         """
         if rec_batch_size < 1:
             raise ValueError("rec_batch_size must be >= 1")
@@ -132,6 +121,7 @@ class RapidEngine(Engine):
         self.box_thresh = box_thresh
         self.unclip_ratio = unclip_ratio
         self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.models: ModelSet = model_set(models)  # an unknown name fails here, at start-up
         self._det: Any = None
         self._cls: Any = None
         self._rec: Any = None
@@ -140,8 +130,10 @@ class RapidEngine(Engine):
     # ---------------------------------------------------------------------------- lifecycle
 
     def model_paths(self) -> dict[str, Path]:
-        root = self.model_dir if self.model_dir is not None else default_model_dir()
-        return {stage: root / filename for stage, filename in MODEL_FILES.items()}
+        files = self.models.files()
+        if self.model_dir is not None:
+            return {stage: self.model_dir / f.name for stage, f in files.items()}
+        return {stage: f.locate() for stage, f in files.items()}
 
     def _stage_config(self, stage: str, path: Path) -> dict[str, Any]:
         """The config dict the library's stage classes read (the keys of its config.yaml)."""
@@ -156,8 +148,8 @@ class RapidEngine(Engine):
             config.update(
                 limit_side_len=DET_LIMIT_SIDE_LEN,
                 limit_type="min",
-                mean=[0.5, 0.5, 0.5],
-                std=[0.5, 0.5, 0.5],
+                mean=list(self.models.det_mean),
+                std=list(self.models.det_std),
                 thresh=0.3,
                 box_thresh=self.box_thresh,
                 max_candidates=1000,
@@ -185,10 +177,19 @@ class RapidEngine(Engine):
         paths = self.model_paths()
         missing = [str(p) for p in paths.values() if not p.is_file()]
         if missing:
+            wheels = sorted({f.requirement for f in self.models.files().values()})
             raise RuntimeError(
-                f"engine 'rapid' cannot start, model file(s) missing: {', '.join(missing)} "
-                "(they ship inside the rapidocr-onnxruntime==1.4.4 wheel: reinstall it)"
+                f"engine 'rapid' cannot start, model file(s) of set {self.models.name!r} "
+                f"missing: {', '.join(missing)} (they ship inside {' and '.join(wheels)}: "
+                "reinstall)"
             )
+        if self.model_dir is None:
+            for stage, f in self.models.files().items():
+                if sha256_of(paths[stage]) != f.sha256:
+                    raise RuntimeError(
+                        f"engine 'rapid' cannot start: {paths[stage]} is not the file "
+                        f"{f.requirement} ships (SHA-256 differs): reinstall it"
+                    )
         try:
             from rapidocr_onnxruntime.ch_ppocr_cls import TextClassifier
             from rapidocr_onnxruntime.ch_ppocr_det import TextDetector
@@ -215,9 +216,10 @@ class RapidEngine(Engine):
 
         return {
             "engine": self.name,
-            "det_model": MODEL_FILES["det"],
-            "cls_model": MODEL_FILES["cls"],
-            "rec_model": MODEL_FILES["rec"],
+            "models": self.models.name,
+            "det_model": self.models.det.name,
+            "cls_model": self.models.cls.name,
+            "rec_model": self.models.rec.name,
             "onnxruntime": onnxruntime.__version__,
             "rapidocr_onnxruntime": metadata.version("rapidocr-onnxruntime"),
             "max_side_len": str(MAX_SIDE_LEN),
@@ -340,8 +342,10 @@ class RapidEngine(Engine):
             border = cv2.BORDER_REPLICATE if plan.line_candidate else cv2.BORDER_CONSTANT
             canvas = cv2.copyMakeBorder(canvas, py, py, px, px, border, value=(0, 0, 0))
         net_in = cv2.resize(canvas, plan.det_input).astype(np.float32)
-        net_in *= 2.0 / 255.0  # in place: (x / 255 - 0.5) / 0.5 without three temporaries
-        net_in -= 1.0
+        # In place, (x / 255 - mean) / std as x * scale + shift, without three temporaries.
+        std, mean = np.asarray(self.models.det_std), np.asarray(self.models.det_mean)
+        net_in *= (1.0 / (255.0 * std)).astype(np.float32)
+        net_in += (-mean / std).astype(np.float32)
         probs = self._det.infer(np.ascontiguousarray(net_in.transpose(2, 0, 1)[np.newaxis]))[0]
         del net_in
         canvas_hw = canvas.shape[:2]
@@ -405,7 +409,8 @@ class RapidEngine(Engine):
             by_piece.setdefault(k, []).append((tile, reading))
         for k, piece in enumerate(pieces):
             whole = stitch(by_piece[k])
-            piece.text = word_gaps(crops[k], piece.stretch).join(whole.chars, whole.xs)
+            gaps = word_gaps(crops[k], piece.stretch) if self.models.word_gaps else WordGaps()
+            piece.text = gaps.join(whole.chars, whole.xs)
             piece.score = float(whole.probs.mean()) if whole.chars else 0.0
 
     def _upside_down(self, crops: list[np.ndarray]) -> list[bool]:
