@@ -50,6 +50,9 @@ from ocrq.models.base import Engine, OcrResult, PreparedImage  # noqa: E402
 KIND_ORDER = ("svt_word", "sroie", "page", "svt_scene")
 # A space between two digits ("1 14"): numbers split by the engine's word gaps show up here.
 DIGIT_SPACE_DIGIT = re.compile(r"(?<=\d) (?=\d)")
+# CJK punctuation, full-width forms and ideographs: none belongs in an English receipt's text
+# (PP-OCRv4 read "（", "：" and "一" for a dash in 11 of the 20; issue 51).
+CJK = re.compile(r"[\u2e80-\u9fff\uf900-\ufaff\ufe30-\ufe4f\uff00-\uffef]")
 TARGETS = {"svt_word_accuracy": 0.90, "sroie_token_f1_mean": 0.70}
 
 
@@ -187,6 +190,8 @@ def score_receipts(outcomes: list[Outcome]) -> dict:
         "n": len(outcomes),
         "token_f1_mean": round(mean(x["f1"] for x in per_image), 4),
         "micro": {"precision": round(mp, 4), "recall": round(mr, 4), "f1": round(mf, 4)},
+        "receipts_with_cjk": sum(1 for o in outcomes if CJK.search(o.text)),
+        "cjk_chars": "".join(sorted({c for o in outcomes for c in CJK.findall(o.text)})),
         "digit_space_digit": {
             "read": sum(len(DIGIT_SPACE_DIGIT.findall(o.text)) for o in outcomes),
             "truth": sum(
@@ -281,6 +286,7 @@ def build_report(engine: Engine, run: Run, batch_size: int, command: str) -> dic
         "sroie_token_f1_mean": scores.get("sroie", {}).get("token_f1_mean"),
         "sroie_token_f1_micro": scores.get("sroie", {}).get("micro", {}).get("f1"),
         "sroie_digit_space_digit": scores.get("sroie", {}).get("digit_space_digit", {}).get("read"),
+        "sroie_receipts_with_cjk": scores.get("sroie", {}).get("receipts_with_cjk"),
         "page_cer_mean": scores.get("page", {}).get("cer_mean"),
         "svt_scene_word_recall": scores.get("svt_scene", {}).get("word_recall"),
         "images_per_s": round(total.images_per_s, 3),
@@ -341,6 +347,12 @@ def markdown(report: dict) -> str:
         (
             f"SROIE digit-space-digit in the text read (ground truth: {truth_gaps})",
             "sroie_digit_space_digit",
+            "sroie",
+        ),
+        (
+            "SROIE receipts with CJK characters or punctuation "
+            f"({scores.get('sroie', {}).get('cjk_chars') or 'none'})",
+            "sroie_receipts_with_cjk",
             "sroie",
         ),
         ("Page CER (in transcribed zones), mean", "page_cer_mean", "page"),
@@ -434,6 +446,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             rec_batch_size=args.rec_batch_size,
             text_score=args.text_score,
             intra_op_threads=args.threads,
+            models=args.models or "",
         )
     from ocrq.core.settings import Settings
     from ocrq.models.registry import create_engine
@@ -456,6 +469,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     rapid.add_argument("--rec-batch-size", type=int, default=16)
     rapid.add_argument("--text-score", type=float, default=0.5)
     rapid.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    rapid.add_argument(
+        "--models",
+        help="model set (OCRQ_RAPID_MODELS; default: the engine's default); named in the file",
+    )
     return ap.parse_args(argv)
 
 
@@ -484,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.before:
         report["before"] = before_summary(args.before, args.before_label)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"accuracy_{args.engine}"
+    stem = args.out / (f"accuracy_{args.engine}" + (f"_{args.models}" if args.models else ""))
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     stem.with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report["summary"], indent=2))

@@ -51,12 +51,9 @@ CLS_MAX_WINDOWS = 8
 # A recogniser call holds at most this many padded columns (see crops.REC_WIDTH_STEP).
 REC_MAX_CALL_COLUMNS = 15_360
 
-# Host-memory model (see `cost_model()` for how it was measured): the process with the engine
-# loaded, the workspace of one run whatever its size (one detection at the detector's pixel
-# cap), and per image terms by detector input pixel and by image pixel, in `estimate`.
-LOADED_RSS_BYTES = 192 * 1024**2
-RUN_WORKSPACE_BYTES = 832 * 1024**2
-DET_BYTES_PER_PIXEL = 16
+# Host-memory model (see `cost_model()` for how it was measured): the loaded process, one run's
+# workspace and the detector's bytes per input pixel are the model set's (`models.ModelSet`);
+# the bytes per pixel of the image itself are the pipeline's, in `estimate`.
 IMAGE_BYTES_PER_PIXEL = 8
 
 
@@ -231,9 +228,10 @@ class RapidEngine(Engine):
     def estimate(self, item: PreparedImage) -> ItemCost:
         """An image's host-memory cost beyond the run's workspace (see `cost_model`).
 
-        `pixels` is the detector's input; `patches` counts KiB: DET_BYTES_PER_PIXEL per detector
-        input pixel and IMAGE_BYTES_PER_PIXEL per pixel of the image itself (its BGR copy, the
-        crops cut from it at full resolution, the lines held until the recogniser has read them).
+        `pixels` is the detector's input; `patches` counts KiB: the set's det_bytes_per_pixel per
+        detector input pixel and IMAGE_BYTES_PER_PIXEL per pixel of the image itself (its BGR
+        copy, the crops cut from it at full resolution, the lines held until the recogniser has
+        read them).
         """
         w, h = item.size
         try:
@@ -241,7 +239,7 @@ class RapidEngine(Engine):
         except ValueError:
             return ItemCost(tokens=0, patches=0, pixels=0)
         pixels = det_w * det_h
-        work = DET_BYTES_PER_PIXEL * pixels + IMAGE_BYTES_PER_PIXEL * w * h
+        work = self.models.det_bytes_per_pixel * pixels + IMAGE_BYTES_PER_PIXEL * w * h
         return ItemCost(tokens=0, patches=math.ceil(work / 1024), pixels=pixels)
 
     def cost_model(self) -> CostModel:
@@ -256,9 +254,9 @@ class RapidEngine(Engine):
 
         The largest part is the detector's activations, about 160 bytes per input pixel (666 MiB
         at its 4 MP cap, measured alone). Images are detected one after the other, so that is a
-        per-run maximum, not a per-image sum: RUN_WORKSPACE_BYTES covers one detection at the
-        cap and one recogniser call (at most REC_MAX_CALL_COLUMNS columns: 320 MiB), with room
-        for what the allocator still holds, which varies from run to run with onnxruntime's
+        per-run maximum, not a per-image sum: the set's run_workspace_bytes covers one detection
+        at the cap and one recogniser call (at most REC_MAX_CALL_COLUMNS columns: 320 MiB), with
+        room for what the allocator still holds, which varies from run to run with onnxruntime's
         thread timing: on the loaded 2-core CI VM the same 13340x124 line grew by 620 MiB in most
         runs and by 710-760 MiB in about one in five, which the 720 MiB workspace used before
         covered by only 1.03x. What grows with the batch is per image: the BGR copy and
@@ -270,7 +268,8 @@ class RapidEngine(Engine):
         0.84-0.96 of what a 40 MP page or a 4961x7016 receipt took.
         `ocrq tune` refits it on the host.
         """
-        return CostModel(fixed_bytes=LOADED_RSS_BYTES + RUN_WORKSPACE_BYTES, per_patch_bytes=1024.0)
+        fixed = self.models.loaded_rss_bytes + self.models.run_workspace_bytes
+        return CostModel(fixed_bytes=fixed, per_patch_bytes=1024.0)
 
     # ---------------------------------------------------------------------------- running
 

@@ -32,6 +32,7 @@ from pathlib import Path
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 HALF = (0.5, 0.5, 0.5)
+MiB = 1024**2
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,13 @@ class ModelSet:
     # the space between words themselves.
     word_gaps: bool
     summary: str
+    # Host memory (`RapidEngine.cost_model`; measured with bench/rapid_memory.py, results in
+    # bench/results/rapid_memory/rapid_memory_cpu_<name>.md): the process with the engine
+    # loaded, the workspace of one run whatever its size (one detection at the detector's pixel
+    # cap and one recogniser call), and the detector's bytes per input pixel.
+    loaded_rss_bytes: int
+    run_workspace_bytes: int
+    det_bytes_per_pixel: int
 
     def files(self) -> dict[str, ModelFile]:
         return {"det": self.det, "cls": self.cls, "rec": self.rec}
@@ -108,6 +116,9 @@ MODEL_SETS: dict[str, ModelSet] = {
         det_std=IMAGENET_STD,
         word_gaps=False,
         summary="PP-OCRv6 small det + rec (multilingual, 18,708 characters)",
+        loaded_rss_bytes=192 * MiB,
+        run_workspace_bytes=832 * MiB,
+        det_bytes_per_pixel=16,
     ),
     "v4": ModelSet(
         name="v4",
@@ -126,6 +137,9 @@ MODEL_SETS: dict[str, ModelSet] = {
         det_std=HALF,
         word_gaps=True,
         summary="PP-OCRv4 mobile det + rec (Chinese and English, 6,623 characters)",
+        loaded_rss_bytes=192 * MiB,
+        run_workspace_bytes=832 * MiB,
+        det_bytes_per_pixel=16,
     ),
 }
 DEFAULT_MODEL_SET = "v6-small"
