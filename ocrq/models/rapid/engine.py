@@ -245,8 +245,9 @@ class RapidEngine(Engine):
     def cost_model(self) -> CostModel:
         """Peak host RSS = loaded process + one run's workspace + the images' own terms.
 
-        Measured with bench/rapid_memory.py (results in
-        bench/results/rapid_memory/rapid_memory_cpu.md): each case in a fresh process, engine loaded
+        Measured with bench/rapid_memory.py for each model set (results in
+        bench/results/rapid_memory/rapid_memory_cpu_<set>.md; the figures below are v4's, and
+        `models.py` says how v6's differ): each case in a fresh process, engine loaded
         and images decoded, then VmHWM growth over one `run()` (onnxruntime with the library's
         session options: CPU arena off, so freed activations go back to the OS between calls). The
         images' decoded pixels are outside it: the worker's prefetch holds them whatever the engine
