@@ -119,7 +119,7 @@ MODEL_SETS: dict[str, ModelSet] = {
         # Loaded: 170-172 MiB measured. Workspace: v4's plus the larger recogniser output (18,710
         # classes against 6,625, x 1,920 steps x 4 bytes = +89 MiB in a call of the most
         # columns); batches of crops and of receipts grew by 131 MiB more than with v4, pages
-        # by -24 to +71 MiB (bench/results/rapid_memory/rapid_memory_cpu_v6-small.md).
+        # by -24 to +78 MiB; every case predicted at >= 1.32x (rapid_memory_cpu_v6-small.md).
         loaded_rss_bytes=192 * MiB,
         run_workspace_bytes=928 * MiB,
         det_bytes_per_pixel=16,
