@@ -16,12 +16,13 @@ Accuracy is bench/eval_accuracy.py's job.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import mean, median
 
@@ -36,12 +37,17 @@ from ocrq.models.base import OcrResult, PreparedImage  # noqa: E402
 KIND_NAMES = {"svt_word": "word crop", "sroie": "receipt", "page": "page", "svt_scene": "scene"}
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
+    """Run the pairs; after each image, `save` the figures so far (a long run on a busy host
+    leaves what it measured)."""
     from ocrq.models.rapid import RapidEngine
 
     entries = [e for e in load_manifest(args.data) if e.kind in args.kinds]
     if args.limit:
         entries = [e for k in args.kinds for e in [x for x in entries if x.kind == k][: args.limit]]
+    # Kinds interleaved (a receipt, a page, a receipt, ...), so a cut-short run has each kind.
+    by_kind = [[e for e in entries if e.kind == k] for k in args.kinds]
+    entries = [e for group in itertools.zip_longest(*by_kind) for e in group if e is not None]
     engines = {}
     for name in args.models:
         engine = RapidEngine(models=name, intra_op_threads=1)
@@ -70,6 +76,21 @@ def measure(args: argparse.Namespace) -> dict:
                 file=sys.stderr,
                 flush=True,
             )
+            done = entries if round_no else entries[: k + 1]
+            save(summarise(args, done, cpu, wall, texts, engines, load_before))
+    return summarise(args, entries, cpu, wall, texts, engines, load_before)
+
+
+def summarise(
+    args: argparse.Namespace,
+    entries: list,
+    cpu: dict[str, dict[str, list[float]]],
+    wall: dict[str, dict[str, list[float]]],
+    texts: dict[str, dict[str, str]],
+    engines: dict,
+    load_before: float,
+) -> dict:
+    """Per kind: CPU-s per image for each set and their ratios, over `entries`."""
     base, other = args.models[0], args.models[1:]
     kinds = {}
     for kind in sorted({e.kind for e in entries}, key=KIND_ORDER.index):
@@ -102,6 +123,7 @@ def measure(args: argparse.Namespace) -> dict:
         for m in args.models
     }
     return {
+        "images_done": len(entries),
         "kinds": kinds,
         "cjk_in_receipts": cjk,
         "engines": {m: e.describe() for m, e in engines.items()},
@@ -118,6 +140,8 @@ def markdown(report: dict) -> str:
         f"Reproduce: `{report['command']}`",
         "",
         f"Hardware: {hardware_line(report['hardware'])}.",
+        f"Images measured: {report['images_done']} (kinds interleaved; figures written after "
+        "each image).",
         f"Rounds: {report['rounds']} (which set goes first alternates by image and round); one "
         "onnxruntime thread per engine; each image read alone; CPU = process CPU time across "
         "`engine.run([image])`. "
@@ -158,20 +182,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    report = {
+    head = {
         "command": "python bench/rapid_models.py "
         + shlex.join(list(argv) if argv is not None else sys.argv[1:]),
         "hardware": hardware(),
         "models": args.models,
         "rounds": args.rounds,
-        **measure(args),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rapid_models_cpu.json").write_text(
-        json.dumps(report, indent=2, ensure_ascii=False) + "\n"
-    )
-    (args.out / "rapid_models_cpu.md").write_text(markdown(report))
-    print(markdown(report))
+
+    def save(figures: dict) -> None:
+        report = {**head, **figures}
+        (args.out / "rapid_models_cpu.json").write_text(
+            json.dumps(report, indent=2, ensure_ascii=False) + "\n"
+        )
+        (args.out / "rapid_models_cpu.md").write_text(markdown(report))
+
+    save(measure(args, save))
+    print((args.out / "rapid_models_cpu.md").read_text())
     return 0
 
 
