@@ -1,6 +1,7 @@
 """Peak host memory of the CPU engine per image class, against what its cost model predicts.
 
-    python bench/rapid_memory.py --data ../shared/data/ocr-eval --out bench/results/rapid_memory
+    python bench/rapid_memory.py --data ../shared/data/ocr-eval --out bench/results/rapid_memory \
+        --models v6-small
 
 Each case runs in a fresh process (address space capped by --as-gib, so a regression fails the
 case instead of eating the host): load the engine, decode the case's images, start a new peak
@@ -8,13 +9,14 @@ window (`Engine.reset_peak_memory`: malloc trimmed, VmHWM reset to the current R
 `engine.run(batch)`, then `peak_memory_bytes()` (VmHWM). Measured growth is that peak minus the
 RSS at the reset, so the engine's sessions and the decoded images (which the worker's prefetch
 holds, not the engine) are outside it. Predicted growth is the engine's own `cost_model()` for
-the batch's `estimate()`s, less the loaded process it includes (LOADED_RSS_BYTES). The planner
+the batch's `estimate()`s, less the loaded process it includes (the model set's
+`loaded_rss_bytes`, which each case also measures: RSS once the engine is loaded). The planner
 relies on predicted >= measured; the report gives the ratio for every case.
 
 Classes: small crops (SVT word crops), A4-like pages (SROIE receipts, a drawn 300 dpi A4 page),
 40 MP pages (drawn, dense and sparse), long strips and lines (a 13340x124 text line, text strips
-30000x60 and 60x30000, 1-pixel lines, a 40 MP 400x100000 page). Writes rapid_memory_cpu.json
-and .md.
+30000x60 and 60x30000, 1-pixel lines, a 40 MP 400x100000 page). Writes
+rapid_memory_cpu_<model set>.json and .md (OCRQ_RAPID_MODELS' sets: `--models`).
 """
 
 from __future__ import annotations
@@ -163,15 +165,15 @@ CASES = [
 # ------------------------------------------------------------------------------------ one case
 
 
-def run_case(case: Case, data: Path) -> dict:
+def run_case(case: Case, data: Path, models: str = "") -> dict:
     """In this (fresh) process: load, decode, reset the peak, run once, measure."""
     from ocrq.core import procfs
     from ocrq.models.memory import memory_of
     from ocrq.models.rapid import RapidEngine
-    from ocrq.models.rapid.engine import LOADED_RSS_BYTES
 
-    engine = RapidEngine()
+    engine = RapidEngine(models=models)
     engine.load()
+    loaded_rss = procfs.rss_bytes()
     images = case.build(data)
     for image in images:
         image.load()
@@ -187,7 +189,7 @@ def run_case(case: Case, data: Path) -> dict:
     peak = memory.peak_memory_bytes()
     errors = sorted({f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)})
     chars = sum(len(r.text) for r in results if isinstance(r, OcrResult))
-    predicted = model.peak_bytes(costs) - LOADED_RSS_BYTES
+    predicted = model.peak_bytes(costs) - engine.models.loaded_rss_bytes
     measured = peak - start_rss
     return {
         "case": case.name,
@@ -200,6 +202,7 @@ def run_case(case: Case, data: Path) -> dict:
         "predicted_bytes": int(predicted),
         "measured_bytes": int(measured),
         "ratio": round(predicted / measured, 2) if measured > 0 else None,
+        "loaded_rss_bytes": loaded_rss,
         "rss_at_reset_bytes": start_rss,
         "seconds": round(seconds, 1),
         "chars_read": chars,
@@ -207,9 +210,9 @@ def run_case(case: Case, data: Path) -> dict:
     }
 
 
-def run_isolated(case: Case, data: Path, as_gib: float, timeout: float) -> dict:
+def run_isolated(case: Case, data: Path, as_gib: float, timeout: float, models: str) -> dict:
     """`run_case` in a child process under an address-space cap."""
-    cmd = [sys.executable, __file__, "--data", str(data), "--one", case.name]
+    cmd = [sys.executable, __file__, "--data", str(data), "--one", case.name, "--models", models]
     limit = int(as_gib * 1024**3)
 
     def cap() -> None:
@@ -233,7 +236,8 @@ def run_isolated(case: Case, data: Path, as_gib: float, timeout: float) -> dict:
 
 def markdown(report: dict) -> str:
     out = [
-        "# Peak host memory of engine `rapid`, measured against its cost model",
+        f"# Peak host memory of engine `rapid` ({report['models']}), measured against its cost "
+        "model",
         "",
         f"Reproduce: `{report['command']}`",
         "",
@@ -263,6 +267,14 @@ def markdown(report: dict) -> str:
         )
     ok = [r for r in report["cases"] if "failed" not in r and r["ratio"] is not None]
     if ok:
+        loaded = [r["loaded_rss_bytes"] / MiB for r in ok if "loaded_rss_bytes" in r]
+        if loaded:
+            out += [
+                "",
+                f"RSS with the engine loaded (before any image): {min(loaded):.0f}-"
+                f"{max(loaded):.0f} MiB over the cases (the model counts "
+                f"{report['loaded_rss_mib']}).",
+            ]
         low = min(ok, key=lambda r: r["ratio"])
         out += [
             "",
@@ -282,6 +294,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
     parser.add_argument("--as-gib", type=float, default=12.0, help="address-space cap per case")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
+    parser.add_argument("--models", default="", help="model set (OCRQ_RAPID_MODELS); default")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one case here, print JSON
     return parser.parse_args(argv)
 
@@ -290,18 +303,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     by_name = {c.name: c for c in CASES}
     if args.one:
-        print(json.dumps(run_case(by_name[args.one], args.data)), flush=True)
+        print(json.dumps(run_case(by_name[args.one], args.data, args.models)), flush=True)
         return 0
-    from ocrq.models.rapid import RapidEngine
-    from ocrq.models.rapid.engine import LOADED_RSS_BYTES
+    from ocrq.models.rapid import RapidEngine, model_set
 
+    models = model_set(args.models).name
     chosen = [by_name[n] for n in args.cases] if args.cases else CASES
     results = []
     for case in chosen:
         print(f"{case.name} ...", file=sys.stderr, flush=True)
-        results.append(run_isolated(case, args.data, args.as_gib, args.timeout))
+        results.append(run_isolated(case, args.data, args.as_gib, args.timeout, models))
         print(f"  {json.dumps(results[-1])}", file=sys.stderr, flush=True)
-    model = RapidEngine().cost_model()
+    engine = RapidEngine(models=models)
+    model = engine.cost_model()
     notes = (
         "Before (commit d4c8132): the estimate counted detector pixels only (512 MiB + 64 KiB "
         "per 1024 of them), so predicted / measured was 0.84-0.87 for page_400x100000, 0.96 for "
@@ -312,8 +326,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "command": "python bench/rapid_memory.py " + shlex.join(argv or sys.argv[1:]),
         "hardware": hardware(),
+        "models": models,
+        "engine": engine.describe(),
         "as_gib": args.as_gib,
-        "loaded_rss_mib": LOADED_RSS_BYTES // MiB,
+        "loaded_rss_mib": engine.models.loaded_rss_bytes // MiB,
         "cost_model": (
             f"fixed {model.fixed_bytes / MiB:.0f} MiB + {model.per_patch_bytes / 1024:.0f} KiB "
             "per patch"
@@ -322,9 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "notes": notes,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rapid_memory_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "rapid_memory_cpu.md").write_text(markdown(report))
-    print(f"wrote {args.out / 'rapid_memory_cpu.md'} and .json", file=sys.stderr)
+    stem = args.out / f"rapid_memory_cpu_{models}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report))
+    print(f"wrote {stem}.md and .json", file=sys.stderr)
     return 0
 
 

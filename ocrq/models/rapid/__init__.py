@@ -1,4 +1,5 @@
-"""CPU engine: PaddleOCR's PP-OCRv4 ONNX models as shipped inside the rapidocr-onnxruntime wheel.
+"""CPU engine: PaddleOCR's PP-OCR ONNX models (PP-OCRv6 small by default, PP-OCRv4 on request:
+`models.MODEL_SETS`, OCRQ_RAPID_MODELS), as shipped inside pinned wheels.
 
 Why not call `RapidOCR()` per image: it reads one image at a time, so the classifier and the
 recogniser would see a handful of crops per call. Here detection runs per image (sizes differ),
@@ -14,10 +15,11 @@ Departures from the library's own pipeline, each measured on the shared eval set
   finds two or more rows of text the whole image is read as one line. Any image the detector
   finds nothing on is read whole too. A strip too long to read whole in one recogniser tile (a
   13340x124 text line) is read from its detected boxes, and is not squeezed for the detector.
-* The recogniser (a Chinese+English model) seldom emits the space between English words on
-  receipts, which ruins token-level results (SROIE token F1 0.57). A space is inserted where a
-  blank gap in the crop, wide for the text's size and for its letter spacing, lies between two
-  characters (`word_gaps`); between two digits, net of the blank a narrow tabular "1" leaves.
+* PP-OCRv4's recogniser (a Chinese+English model) seldom emits the space between English words
+  on receipts, which ruins token-level results (SROIE token F1 0.57). With that set a space is
+  inserted where a blank gap in the crop, wide for the text's size and for its letter spacing,
+  lies between two characters (`word_gaps`); between two digits, net of the blank a narrow
+  tabular "1" leaves. PP-OCRv6 emits its own spaces, and the gaps are off for it.
 * Nothing inside grows without bound with the image (`geometry`, `tiles`): the detector's input
   stays within 4 MP and 16384 px a side; a line wider than 1920 recogniser columns is read in
   overlapping tiles, and one needing more than 65536 columns (a 1x3000 image read as a line) is
@@ -30,19 +32,24 @@ Departures from the library's own pipeline, each measured on the shared eval set
   Boxes on one row a word space apart are merged into one Line, boxes further apart (the two
   sides of a receipt line) are not.
 
-Nothing is downloaded: the model files ship with the wheel, and `load()` fails at start-up with a
-clear error when they are missing.
+Nothing is downloaded: the model files ship with pinned wheels (`models` says which and why),
+and `load()` fails at start-up with a clear error when they are missing or not the files
+expected (SHA-256).
 """
 
-from ocrq.models.rapid.engine import RapidEngine, default_model_dir, unsupported_task
+from ocrq.models.rapid.engine import RapidEngine, unsupported_task
 from ocrq.models.rapid.geometry import DetPlan, det_plan
+from ocrq.models.rapid.models import DEFAULT_MODEL_SET, MODEL_SETS, ModelSet, model_set
 from ocrq.models.rapid.tiles import LineTooLong
 
 __all__ = [
+    "DEFAULT_MODEL_SET",
+    "MODEL_SETS",
     "DetPlan",
     "LineTooLong",
+    "ModelSet",
     "RapidEngine",
-    "default_model_dir",
     "det_plan",
+    "model_set",
     "unsupported_task",
 ]

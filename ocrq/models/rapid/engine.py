@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import metadata, util
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,10 @@ from ocrq.models.rapid.crops import (
     widen,
 )
 from ocrq.models.rapid.geometry import DET_LIMIT_SIDE_LEN, MAX_SIDE_LEN, DetPlan, det_plan
+from ocrq.models.rapid.models import ModelSet, model_set, sha256_of
 from ocrq.models.rapid.ordering import Box, group_rows, read_blocks, union
 from ocrq.models.rapid.punctuation import fold_latin
-from ocrq.models.rapid.spacing import word_gaps
+from ocrq.models.rapid.spacing import WordGaps, word_gaps
 from ocrq.models.rapid.tiles import (
     REC_TILE_COLUMNS,
     Reading,
@@ -43,11 +44,6 @@ from ocrq.models.rapid.tiles import (
 )
 
 SUPPORTED_TASKS = ("text", "spotting", "parse")
-MODEL_FILES = {
-    "det": "ch_PP-OCRv4_det_infer.onnx",
-    "cls": "ch_ppocr_mobile_v2.0_cls_infer.onnx",
-    "rec": "ch_PP-OCRv4_rec_infer.onnx",
-}
 
 # The direction classifier's threshold (the library's), and how it judges a long line.
 CLS_THRESH = 0.9
@@ -56,12 +52,9 @@ CLS_MAX_WINDOWS = 8
 # A recogniser call holds at most this many padded columns (see crops.REC_WIDTH_STEP).
 REC_MAX_CALL_COLUMNS = 15_360
 
-# Host-memory model (see `cost_model()` for how it was measured): the process with the engine
-# loaded, the workspace of one run whatever its size (one detection at the detector's pixel
-# cap), and per image terms by detector input pixel and by image pixel, in `estimate`.
-LOADED_RSS_BYTES = 192 * 1024**2
-RUN_WORKSPACE_BYTES = 832 * 1024**2
-DET_BYTES_PER_PIXEL = 16
+# Host-memory model (see `cost_model()` for how it was measured): the loaded process, one run's
+# workspace and the detector's bytes per input pixel are the model set's (`models.ModelSet`);
+# the bytes per pixel of the image itself are the pipeline's, in `estimate`.
 IMAGE_BYTES_PER_PIXEL = 8
 
 
@@ -72,16 +65,6 @@ def unsupported_task(task: str) -> UnsupportedTask:
         f"engine 'rapid' supports tasks {', '.join(SUPPORTED_TASKS)}; "
         f"use --engine hunyuan for {what}"
     )
-
-
-def default_model_dir() -> Path:
-    """The models folder inside the installed rapidocr-onnxruntime wheel (found, not imported)."""
-    spec = util.find_spec("rapidocr_onnxruntime")
-    if spec is None or spec.origin is None:
-        raise RuntimeError(
-            "engine 'rapid' needs rapidocr-onnxruntime==1.4.4: pip install 'ocrq[cpu]'"
-        )
-    return Path(spec.origin).parent / "models"
 
 
 @dataclass
@@ -97,7 +80,7 @@ class _Piece:
 
 
 class RapidEngine(Engine):
-    """PP-OCRv4 detection, direction classifier and recognition on onnxruntime (CPU)."""
+    """PP-OCR detection, direction classifier and recognition on onnxruntime (CPU)."""
 
     name = "rapid"
 
@@ -111,6 +94,7 @@ class RapidEngine(Engine):
         unclip_ratio: float = 1.6,
         model_dir: Path | None = None,
         latin_punctuation: bool = True,
+        models: str = "",
     ) -> None:
         """
         rec_batch_size: crops per classifier/recogniser call, across all images of a batch.
@@ -121,6 +105,9 @@ class RapidEngine(Engine):
         box_thresh, unclip_ratio: the DB detector's box score floor and box growth.
         model_dir: where the three .onnx files are; default the rapidocr-onnxruntime wheel's.
         latin_punctuation: fold Chinese punctuation in Latin text to ASCII (`punctuation`).
+        model_dir: a folder holding the set's three .onnx files under their own names, in place
+            of the wheels that ship them (their hashes are then not checked).
+        models: the model set (`models.MODEL_SETS`, OCRQ_RAPID_MODELS); empty: the default.
         """
         if rec_batch_size < 1:
             raise ValueError("rec_batch_size must be >= 1")
@@ -136,6 +123,7 @@ class RapidEngine(Engine):
         self.unclip_ratio = unclip_ratio
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.latin_punctuation = latin_punctuation
+        self.models: ModelSet = model_set(models)  # an unknown name fails here, at start-up
         self._det: Any = None
         self._cls: Any = None
         self._rec: Any = None
@@ -144,8 +132,10 @@ class RapidEngine(Engine):
     # ---------------------------------------------------------------------------- lifecycle
 
     def model_paths(self) -> dict[str, Path]:
-        root = self.model_dir if self.model_dir is not None else default_model_dir()
-        return {stage: root / filename for stage, filename in MODEL_FILES.items()}
+        files = self.models.files()
+        if self.model_dir is not None:
+            return {stage: self.model_dir / f.name for stage, f in files.items()}
+        return {stage: f.locate() for stage, f in files.items()}
 
     def _stage_config(self, stage: str, path: Path) -> dict[str, Any]:
         """The config dict the library's stage classes read (the keys of its config.yaml)."""
@@ -160,8 +150,8 @@ class RapidEngine(Engine):
             config.update(
                 limit_side_len=DET_LIMIT_SIDE_LEN,
                 limit_type="min",
-                mean=[0.5, 0.5, 0.5],
-                std=[0.5, 0.5, 0.5],
+                mean=list(self.models.det_mean),
+                std=list(self.models.det_std),
                 thresh=0.3,
                 box_thresh=self.box_thresh,
                 max_candidates=1000,
@@ -189,10 +179,19 @@ class RapidEngine(Engine):
         paths = self.model_paths()
         missing = [str(p) for p in paths.values() if not p.is_file()]
         if missing:
+            wheels = sorted({f.requirement for f in self.models.files().values()})
             raise RuntimeError(
-                f"engine 'rapid' cannot start, model file(s) missing: {', '.join(missing)} "
-                "(they ship inside the rapidocr-onnxruntime==1.4.4 wheel: reinstall it)"
+                f"engine 'rapid' cannot start, model file(s) of set {self.models.name!r} "
+                f"missing: {', '.join(missing)} (they ship inside {' and '.join(wheels)}: "
+                "reinstall)"
             )
+        if self.model_dir is None:
+            for stage, f in self.models.files().items():
+                if sha256_of(paths[stage]) != f.sha256:
+                    raise RuntimeError(
+                        f"engine 'rapid' cannot start: {paths[stage]} is not the file "
+                        f"{f.requirement} ships (SHA-256 differs): reinstall it"
+                    )
         try:
             from rapidocr_onnxruntime.ch_ppocr_cls import TextClassifier
             from rapidocr_onnxruntime.ch_ppocr_det import TextDetector
@@ -219,9 +218,10 @@ class RapidEngine(Engine):
 
         return {
             "engine": self.name,
-            "det_model": MODEL_FILES["det"],
-            "cls_model": MODEL_FILES["cls"],
-            "rec_model": MODEL_FILES["rec"],
+            "models": self.models.name,
+            "det_model": self.models.det.name,
+            "cls_model": self.models.cls.name,
+            "rec_model": self.models.rec.name,
             "onnxruntime": onnxruntime.__version__,
             "rapidocr_onnxruntime": metadata.version("rapidocr-onnxruntime"),
             "max_side_len": str(MAX_SIDE_LEN),
@@ -233,9 +233,10 @@ class RapidEngine(Engine):
     def estimate(self, item: PreparedImage) -> ItemCost:
         """An image's host-memory cost beyond the run's workspace (see `cost_model`).
 
-        `pixels` is the detector's input; `patches` counts KiB: DET_BYTES_PER_PIXEL per detector
-        input pixel and IMAGE_BYTES_PER_PIXEL per pixel of the image itself (its BGR copy, the
-        crops cut from it at full resolution, the lines held until the recogniser has read them).
+        `pixels` is the detector's input; `patches` counts KiB: the set's det_bytes_per_pixel per
+        detector input pixel and IMAGE_BYTES_PER_PIXEL per pixel of the image itself (its BGR
+        copy, the crops cut from it at full resolution, the lines held until the recogniser has
+        read them).
         """
         w, h = item.size
         try:
@@ -243,14 +244,15 @@ class RapidEngine(Engine):
         except ValueError:
             return ItemCost(tokens=0, patches=0, pixels=0)
         pixels = det_w * det_h
-        work = DET_BYTES_PER_PIXEL * pixels + IMAGE_BYTES_PER_PIXEL * w * h
+        work = self.models.det_bytes_per_pixel * pixels + IMAGE_BYTES_PER_PIXEL * w * h
         return ItemCost(tokens=0, patches=math.ceil(work / 1024), pixels=pixels)
 
     def cost_model(self) -> CostModel:
         """Peak host RSS = loaded process + one run's workspace + the images' own terms.
 
-        Measured with bench/rapid_memory.py (results in
-        bench/results/rapid_memory/rapid_memory_cpu.md): each case in a fresh process, engine loaded
+        Measured with bench/rapid_memory.py for each model set (results in
+        bench/results/rapid_memory/rapid_memory_cpu_<set>.md; the figures below are v4's, and
+        `models.py` says how v6's differ): each case in a fresh process, engine loaded
         and images decoded, then VmHWM growth over one `run()` (onnxruntime with the library's
         session options: CPU arena off, so freed activations go back to the OS between calls). The
         images' decoded pixels are outside it: the worker's prefetch holds them whatever the engine
@@ -258,9 +260,9 @@ class RapidEngine(Engine):
 
         The largest part is the detector's activations, about 160 bytes per input pixel (666 MiB
         at its 4 MP cap, measured alone). Images are detected one after the other, so that is a
-        per-run maximum, not a per-image sum: RUN_WORKSPACE_BYTES covers one detection at the
-        cap and one recogniser call (at most REC_MAX_CALL_COLUMNS columns: 320 MiB), with room
-        for what the allocator still holds, which varies from run to run with onnxruntime's
+        per-run maximum, not a per-image sum: the set's run_workspace_bytes covers one detection
+        at the cap and one recogniser call (at most REC_MAX_CALL_COLUMNS columns: 320 MiB), with
+        room for what the allocator still holds, which varies from run to run with onnxruntime's
         thread timing: on the loaded 2-core CI VM the same 13340x124 line grew by 620 MiB in most
         runs and by 710-760 MiB in about one in five, which the 720 MiB workspace used before
         covered by only 1.03x. What grows with the batch is per image: the BGR copy and
@@ -272,7 +274,8 @@ class RapidEngine(Engine):
         0.84-0.96 of what a 40 MP page or a 4961x7016 receipt took.
         `ocrq tune` refits it on the host.
         """
-        return CostModel(fixed_bytes=LOADED_RSS_BYTES + RUN_WORKSPACE_BYTES, per_patch_bytes=1024.0)
+        fixed = self.models.loaded_rss_bytes + self.models.run_workspace_bytes
+        return CostModel(fixed_bytes=fixed, per_patch_bytes=1024.0)
 
     # ---------------------------------------------------------------------------- running
 
@@ -344,8 +347,10 @@ class RapidEngine(Engine):
             border = cv2.BORDER_REPLICATE if plan.line_candidate else cv2.BORDER_CONSTANT
             canvas = cv2.copyMakeBorder(canvas, py, py, px, px, border, value=(0, 0, 0))
         net_in = cv2.resize(canvas, plan.det_input).astype(np.float32)
-        net_in *= 2.0 / 255.0  # in place: (x / 255 - 0.5) / 0.5 without three temporaries
-        net_in -= 1.0
+        # In place, (x / 255 - mean) / std as x * scale + shift, without three temporaries.
+        std, mean = np.asarray(self.models.det_std), np.asarray(self.models.det_mean)
+        net_in *= (1.0 / (255.0 * std)).astype(np.float32)
+        net_in += (-mean / std).astype(np.float32)
         probs = self._det.infer(np.ascontiguousarray(net_in.transpose(2, 0, 1)[np.newaxis]))[0]
         del net_in
         canvas_hw = canvas.shape[:2]
@@ -409,7 +414,8 @@ class RapidEngine(Engine):
             by_piece.setdefault(k, []).append((tile, reading))
         for k, piece in enumerate(pieces):
             whole = stitch(by_piece[k])
-            piece.text = word_gaps(crops[k], piece.stretch).join(whole.chars, whole.xs)
+            gaps = word_gaps(crops[k], piece.stretch) if self.models.word_gaps else WordGaps()
+            piece.text = gaps.join(whole.chars, whole.xs)
             piece.score = float(whole.probs.mean()) if whole.chars else 0.0
 
     def _upside_down(self, crops: list[np.ndarray]) -> list[bool]:
