@@ -57,11 +57,11 @@ def commit() -> str:
         return "?"
 
 
-def run(data: Path, label: str | None) -> dict:
+def run(data: Path, label: str | None, models: str = "") -> dict:
     import ocrq
 
     entries = [e for e in load_manifest(data) if e.kind in ("page", "sroie")]
-    engine = RapidEngine()
+    engine = RapidEngine(models=models)
     engine.load()
     pages, receipts = [], []
     cpu = {"page": 0.0, "sroie": 0.0}
@@ -187,11 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--name", default="reading_order_rapid", help="file stem of the results")
     ap.add_argument("--before", type=Path, help="an earlier run's .json to compare with")
     ap.add_argument("--label", help="what this checkout is (default: git describe)")
+    ap.add_argument("--models", default="", help="OCRQ_RAPID_MODELS' set (default: the default)")
     args = ap.parse_args(argv)
     command = "python bench/reading_order.py " + shlex.join(
         list(argv) if argv is not None else sys.argv[1:]
     )
-    report = run(args.data, args.label)
+    report = run(args.data, args.label, args.models)
     report["command"] = command
     before = json.loads(args.before.read_text()) if args.before else None
     args.out.mkdir(parents=True, exist_ok=True)
