@@ -177,7 +177,7 @@ class BudgetSettings(SettingsGroup):
     # Batch cap and memory budget.
     # Hard cap on images per engine call, whatever the budget allows; None: the knee `ocrq tune
     # --images` wrote into the tuned profile, else the engine's own
-    # (`EngineCore.preferred_max_batch`: 256 for HunyuanOCR on a GPU, 32 otherwise).
+    # (`EngineCore.preferred_max_batch`: 256 for HunyuanOCR on a GPU, 4 for `rapid`, 32 otherwise).
     max_batch: int | None = Field(default=None, ge=1, le=4096)
     # Total memory the engine may use, fixed part included; None: the engine's default budget.
     memory_budget_gib: float | None = Field(default=None, gt=0, le=65_536)

@@ -22,8 +22,8 @@ from ocrq.models.memory import MemoryProbing
 from ocrq.tuning.calibration import Sample
 
 MiB = 1024**2
-NO_BATCHES = ("not measured: swept through the running loop, whose peaks hold its pool; the "
-              "prefill reserve below holds the activations")
+NO_BATCHES = ("not measured: no static batch nor loop prefill pass ran within the time; the "
+              "prefill reserve below plans for the activations")
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,16 @@ def anatomy(
     tokens_per_image: float | None,
     prefill_reserve: int | None,
     where: str,
+    batches_how: str | None = None,
+    batches_above: int | None = None,
 ) -> list[Term]:
-    """The anatomy table's terms (see the module docstring)."""
-    per_batch, per_image = batch_line(samples, baseline)
+    """The anatomy table's terms (see the module docstring). `samples` are static batches'
+    peaks above `baseline`, or, with `batches_how` saying how they were taken, the running
+    loop's prefill passes' above `batches_above`, the open loop's memory
+    (`LoopSetting.prefill_peaks`)."""
+    per_batch, per_image = batch_line(samples, baseline if batches_above is None
+                                      else batches_above)
+    how = f": {batches_how}" if batches_how else ""
     terms = [
         Term("weights", "no", float(max(0, after_load - before_load)),
              f"{where} before vs after loading the engine"
@@ -90,10 +97,13 @@ def anatomy(
              f"{where} after a first batch (freed) vs after loading: workspaces and caches "
              "that stay"),
         Term("per-batch workspace", "no", per_batch,
-             "intercept of each batch's peak above that, against the batch size"
+             (f"intercept of the peaks{how}" if batches_how else
+              "intercept of each batch's peak above that, against the batch size")
              if per_batch is not None else NO_BATCHES),
         Term("activations (prefill)", "per image", per_image,
-             "slope of each batch's peak against the batch size"
+             (f"slope of the peaks against the rows{how}; the prefill pass reserve below is "
+              "the plan for a full pass" if batches_how else
+              "slope of each batch's peak against the batch size")
              if per_image is not None else NO_BATCHES),
     ]
     if tokens_per_image is None or kv_bytes_per_token <= 0:

@@ -27,7 +27,7 @@ from ocrq.models.registry import create_engine
 from ocrq.tuning.anatomy import Term, anatomy, reading, to_json
 from ocrq.tuning.calibration import Fit, fit
 from ocrq.tuning.lengths import Lengths, output_lengths
-from ocrq.tuning.loop_sweep import RATE, LoopSetting, loop_rows
+from ocrq.tuning.loop_sweep import PREFILL_HOW, RATE, LoopSetting, loop_rows
 from ocrq.tuning.probing import resolve_budget
 from ocrq.tuning.profiles import body_model, engine_key, profile_path, read_profile, write_profile
 from ocrq.tuning.sample import UserSample, load_sample
@@ -197,9 +197,13 @@ def tune_images(
             model = fitted.model
         running = loop_plan(engine, model, budget, rec.setting)
         tokens = mean_tokens(engine, rows)
+        above, samples = None, [s for p in sweep.points if p.ran for s in p.batches]
+        if loop is not None:  # the loop's peaks hold its pool: measure its prefill passes
+            above, samples = loop.prefill_peaks(rows, deadline)
         terms = anatomy(
             before_load=before_load, after_load=after_load, baseline=sweep.baseline_bytes,
-            samples=[s for p in sweep.points if p.ran for s in p.batches],
+            samples=samples, batches_above=above,
+            batches_how=PREFILL_HOW if loop is not None else None,
             input_bytes_per_image=sample.decoded_bytes_per_image,
             kv_bytes_per_token=default.per_cache_token_bytes if lengths.tokens else 0.0,
             tokens_per_image=tokens,

@@ -512,6 +512,17 @@ class RapidEngine(Engine):
         text = "\n\n".join("\n".join(line.text for line in block) for block in blocks)
         return OcrResult(text=text, lines=[line for block in blocks for line in block])
 
+    def preferred_max_batch(self) -> int:
+        """4, not the base class's 32: a batch's results reach the store only when the whole
+        batch ends, and on the CPU a bigger batch buys nothing. Images are detected one at a
+        time and a receipt's own lines fill the recogniser's calls, so batches of 1, 2 and 4
+        SROIE receipts ran at the same CPU-s per image within noise (11.4, 11.2, 11.1; wall
+        26.2, 27.0, 27.3 s per image on a loaded host: bench/results/rapid_batch_size/), while
+        batches of 32 showed 19 receipts no progress for 125 s, then all at once (issue 52).
+        4 rather than 1: `ocrq tune --images` sweeps 1, 2, 4 up to it and needs two settings to
+        name a knee."""
+        return 4
+
 
 def _longer_than_a_tile(w: int, h: int) -> bool:
     """Whether a w x h image read whole (turned upright first) needs more than one tile."""
