@@ -36,8 +36,9 @@ from bench.common import add_model_args, page_image, random_checkpoint, run_meta
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
+from ocrq.models.hunyuan.loop_types import LoopRow  # noqa: E402
 from ocrq.models.hunyuan.patches import batch_vision_attention  # noqa: E402
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop  # noqa: E402
+from ocrq.models.hunyuan.running import RunningLoop  # noqa: E402
 from ocrq.models.hunyuan.vision_attention import fa4_kernel  # noqa: E402
 from ocrq.models.slots import RunningBudget  # noqa: E402
 

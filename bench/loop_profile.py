@@ -32,7 +32,8 @@ from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
 from ocrq.models.hunyuan import running as running_module  # noqa: E402
 from ocrq.models.hunyuan import text as text_module  # noqa: E402
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop  # noqa: E402
+from ocrq.models.hunyuan.loop_types import LoopRow  # noqa: E402
+from ocrq.models.hunyuan.running import RunningLoop  # noqa: E402
 from ocrq.models.slots import RunningBudget  # noqa: E402
 
 GiB = 1024**3

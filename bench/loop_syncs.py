@@ -33,7 +33,8 @@ from bench.common import add_model_args, page_image, random_checkpoint  # noqa: 
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop  # noqa: E402
+from ocrq.models.hunyuan.loop_types import LoopRow  # noqa: E402
+from ocrq.models.hunyuan.running import RunningLoop  # noqa: E402
 from ocrq.models.slots import RunningBudget  # noqa: E402
 
 GiB = 1024**3

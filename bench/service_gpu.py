@@ -342,7 +342,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     from ocrq.core.settings import Settings
     from ocrq.intake import images
     from ocrq.models.base import PreparedImage
-    from ocrq.models.hunyuan import HunyuanEngine, attention, running, text
+    from ocrq.models.hunyuan import HunyuanEngine, attention, running, slot_tensors, text
     from ocrq.scheduling.batcher import StaticBatcher as Batcher
     from ocrq.scheduling.engine_side import batch_config
     from ocrq.scheduling.streaming import StreamingBatcher
@@ -372,7 +372,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
             block_n, warps, stages, exp2=fields[3:] != ["exp"])
     # BENCH_FP8_VALUES=rows: the fp8 pool's values token-major, as before the transposed pool
     # (with BENCH_FP8_KERNEL=64/2/3, that layout's best config).
-    running.FP8_VALUES_TRANSPOSED = env.get("BENCH_FP8_VALUES", "transposed") != "rows"
+    slot_tensors.FP8_VALUES_TRANSPOSED = env.get("BENCH_FP8_VALUES", "transposed") != "rows"
     # BENCH_STEP=before: the decode step of runs 26-27 (stop 42), to judge what came after it in
     # one run: q/k/v and gate/up as separate GEMMs, the greedy choice by torch ops, and the fp8
     # kernel's key splits as fixed pool columns.
@@ -456,11 +456,11 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
         kv_cache_dtype=settings.kv_cache_dtype,
         fp8_decode_kernel=str(attention.FP8_CONFIG),
         decode_step="before" if before else "today",
-        fp8_values_transposed=running.FP8_VALUES_TRANSPOSED,
+        fp8_values_transposed=slot_tensors.FP8_VALUES_TRANSPOSED,
     )
     engine.close()
     attention.FP8_CONFIG = _FP8_DEFAULT
-    running.FP8_VALUES_TRANSPOSED = True
+    slot_tensors.FP8_VALUES_TRANSPOSED = True
     text.MERGED_PROJECTIONS = running.FUSED_GREEDY = True
     return out
 

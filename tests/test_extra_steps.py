@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from ocrq.models.hunyuan import HunyuanEngine
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.hunyuan.loop_types import LoopRow
+from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.hunyuan.versions import RepetitionGuard
 from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget
@@ -71,10 +72,10 @@ class LoopingLoop(RunningLoop):
         bonus = torch.zeros_like(out).scatter(1, nxt[:, None], 1e4) * on[:, None].to(out.dtype)
         return out + bonus
 
-    def _step(self, k: int) -> None:
-        self._prev = self.tok[:k].clone()
+    def step(self, k: int) -> None:
+        self._prev = self.tensors.tok[:k].clone()
         try:
-            super()._step(k)
+            super().step(k)
         finally:
             self._prev = None
 
@@ -116,7 +117,7 @@ def drain(engine: HunyuanEngine, extra: int, trigger: int | None = None, hold: i
         while not loop.idle():
             for d in loop.run():
                 done.setdefault(d.row.key, []).append((d.tokens, d.stopped))
-                when[d.row.key] = loop._step_no
+                when[d.row.key] = loop.books.step_no
                 lane[d.row.key], slot[d.row.key] = d.row.interactive, d.row.slot
     finally:
         if isinstance(loop, LoopingLoop):

@@ -355,7 +355,8 @@ ENGINE_CHECK = textwrap.dedent(
 
     # The running loop's packed prefill with the fused kernels (the GPU's configuration)
     # against its padded one.
-    from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+    from ocrq.models.hunyuan.loop_types import LoopRow
+    from ocrq.models.hunyuan.running import RunningLoop
     from ocrq.models.slots import RunningBudget
     done = {}
     for packed in (False, True):
@@ -378,7 +379,7 @@ ENGINE_CHECK = textwrap.dedent(
                                     packed=True, kv_dtype="fp8")
         loop = RunningLoop(decoder, engine.tokens, config)
         loop.add([LoopRow(it.key, engine.preprocess(it), 3, min_new_tokens=3) for it in batch])
-        fp8[attention] = ({d.row.key: d for d in loop.drain()}, loop.values_transposed)
+        fp8[attention] = ({d.row.key: d for d in loop.drain()}, loop.tensors.values_transposed)
     decoder.attention = "triton"
     for key, a in fp8["triton"][0].items():
         b = fp8["torch"][0][key]

@@ -13,7 +13,8 @@ import pytest
 
 from ocrq.models.costs import CostModel
 from ocrq.models.hunyuan import HunyuanEngine
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.hunyuan.loop_types import LoopRow
+from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint

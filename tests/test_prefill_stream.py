@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from ocrq.models.hunyuan import HunyuanEngine
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.hunyuan.loop_types import LoopRow
+from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import KvPool, RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
@@ -47,8 +48,9 @@ class EagerLoop(RunningLoop):
         if pending is not None and pending.looks == 0:
             for r in pending.rows:
                 if r.slot not in self.rows:
-                    r.first_step = self._step_no
-                    self._enter(r)
+                    r.first_step = self.books.step_no
+                    self.books.enter(r)
+                    self.harvest.track(r)
 
 
 def batch(engine: HunyuanEngine) -> list[LoopRow]:

@@ -20,8 +20,9 @@ from prometheus_client import REGISTRY
 
 from ocrq.models.base import PreparedImage
 from ocrq.models.hunyuan import HunyuanEngine
+from ocrq.models.hunyuan.loop_types import LoopRow
 from ocrq.models.hunyuan.readback import Readback, Snapshot
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.slots import RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
 
@@ -34,8 +35,9 @@ TOLERANCE = 1e-3  # fp32 on the CPU: the loops differ by ~5e-6 (see test_hunyuan
 class LeakyLoop(RunningLoop):
     """Does not clear a slot's key mask when a new row takes it: the old row's keys leak in."""
 
-    def _forget_keys(self, slot: int) -> None:
-        pass
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tensors.forget_keys = lambda slot: None  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +157,7 @@ def test_an_fp8_pool_stores_fp8_and_stays_close_to_the_models_dtype(
     import torch
 
     loop = make_loop(engine, 2, 1024, keep_logits=True, kv_dtype="fp8")
-    assert all(k.dtype == torch.float8_e4m3fn for k in loop.keys + loop.values)
+    assert all(k.dtype == torch.float8_e4m3fn for k in loop.tensors.keys + loop.tensors.values)
     loop.add(rows(engine, ITEMS, CAPS))
     done = {d.row.key: d for d in loop.drain()}
     assert loop.pool.free_tokens == 1024
@@ -312,7 +314,7 @@ def lagged_run(engine: HunyuanEngine, lag: int, cls: type = RunningLoop) -> dict
     biggest = max(r.prompt_tokens for r in batch) + MAX_NEW
     loop = make_loop(engine, 3, 2 * biggest + 32, cls, schedule="chunked", chunk_tokens=256,
                      check_every=2)
-    loop.readback = Readback(3, MAX_NEW, loop.device, lag=lag)
+    loop.state.readback = Readback(3, MAX_NEW, loop.device, lag=lag)
     loop.add(batch)
     got: dict[str, list[int]] = {}
     for d in loop.drain():

@@ -7,10 +7,11 @@ and which one a checkpoint is), `patches` (two changes to transformers' model, w
 `prompts` (each version's official task prompts), `resolution` (per-task pixel presets),
 `geometry` (tokens and patches per image, without torch), `inputs` (preprocessing in prefetch
 threads, collation), `tokens` (eos/pad ids), `generation` (which loop runs, transformers' own),
-`decode` + `prefill` + `text` (the fast loop), `repetition` (the repetition penalty and the loop
-guard, for both loops), `attention` + `kernels` (its Triton kernels), `output` (parsing answers),
-`memory` (cost-model defaults and the device's counters), `tiny` (random checkpoints for tests
-and benches). Importing it needs no torch.
+`decode` + `prefill` + `text` (the fast loop), `running` (the running loop; its words in
+`loop_types`, its state in `loop_state` and `slot_tensors`), `repetition` (the repetition
+penalty and the loop guard, for both loops), `attention` + `kernels` (its Triton kernels),
+`output` (parsing answers), `memory` (cost-model defaults and the device's counters), `tiny`
+(random checkpoints for tests and benches). Importing it needs no torch.
 """
 
 from ocrq.models.hunyuan.checkpoint import ModelNotFound

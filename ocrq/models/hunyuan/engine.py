@@ -61,6 +61,7 @@ from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageGeometry, geomet
 from ocrq.models.hunyuan.hooks import DecodeHooks, installed
 from ocrq.models.hunyuan.inputs import EncodedImage, Preprocessor, collate, fit_to_cap
 from ocrq.models.hunyuan.kv_cache import bytes_ratio
+from ocrq.models.hunyuan.loop_types import Done, LoopConfig, LoopRow
 from ocrq.models.hunyuan.memory import (
     DEFAULT_DECODE_FIXED_BYTES,
     HunyuanMemory,
@@ -71,7 +72,7 @@ from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.patches import batch_vision_attention, isolate_rows
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
 from ocrq.models.hunyuan.resolution import ModelPixels
-from ocrq.models.hunyuan.running import Done, LoopConfig, LoopRow, RunningLoop
+from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import (
     LATEST,
