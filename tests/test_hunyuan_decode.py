@@ -333,11 +333,11 @@ ENGINE_CHECK = textwrap.dedent(
     """
     import sys
     import ocrq.models.hunyuan.prefill
-    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan import HunyuanLoopEngine
     from tests.test_hunyuan_decode import MAX_NEW
     from tests.tiny_hunyuan import cpu_settings, item
 
-    engine = HunyuanEngine(cpu_settings(sys.argv[1], MAX_NEW), decode="fast")
+    engine = HunyuanLoopEngine(cpu_settings(sys.argv[1], MAX_NEW), decode="fast")
     engine.load()
     ocrq.models.hunyuan.prefill.PADDED_ROWS = 2  # the padded prefill's attention in two slices
     batch = [item(100, 150, 11), item(160, 90, 12, task="spotting"), item(64, 64, 13)]

@@ -199,11 +199,11 @@ TOLERANCE = 1e-3  # as tests/test_running_loop.py
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("torch")
-    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan import HunyuanLoopEngine
     from tests.tiny_hunyuan import cpu_settings, tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.5")
-    eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW, prefill_tokens=1024,
+    eng = HunyuanLoopEngine(cpu_settings(str(path), MAX_NEW, prefill_tokens=1024,
                                      prefill_chunk_tokens=1024), decode="fast")
     eng.load()
     return eng

@@ -173,3 +173,39 @@ class LoopStats:
     late_passes: int = 0
     pending_iterations: int = 0
     overlap_steps: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """The account by the names of the worker's loop counters (ocrq/core/metrics.py
+        `LOOP_COUNTS`)."""
+        return {
+            "prefill_seconds": self.prefill_s,
+            "decode_seconds": self.decode_s,
+            "prefills": self.prefills,
+            "prefilled_rows": self.prefilled_rows,
+            "steps": self.steps,
+            "row_steps": self.row_steps,
+            "slot_steps": self.slot_steps,
+            "prefill_host_seconds": self.prefill_host_s,
+            "decode_host_seconds": self.decode_host_s,
+            "harvest_host_seconds": self.harvest_host_s,
+            "wait_seconds": self.wait_s,
+            "prefill_cpu_seconds": self.prefill_cpu_s,
+            "cpu_seconds": self.cpu_s,
+            "prefill_tokens": self.prefill_tokens,
+            "prefilled_interactive": self.prefilled_interactive,
+            "lane_steps": self.lane_steps,
+            "lane_row_steps": self.lane_row_steps,
+            "interactive_row_steps": self.interactive_row_steps,
+            "kv_token_steps": self.kv_token_steps,
+            "lane_decode_seconds": self.lane_decode_s,
+            "lane_prefill_seconds": self.lane_prefill_s,
+            "lane_prefills": self.lane_prefills,
+            "lane_prefill_tokens": self.lane_prefill_tokens,
+            "bulk_held_passes": self.bulk_held_passes,
+            "extra_steps": self.extra_steps,
+            "extra_decode_seconds": self.extra_decode_s,
+            "pass_steps": self.pass_steps,
+            "late_passes": self.late_passes,
+            "pending_iterations": self.pending_iterations,
+            "overlap_steps": self.overlap_steps,
+        }
