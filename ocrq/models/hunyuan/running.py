@@ -163,10 +163,6 @@ class RunningLoop:
         return self.state.stats
 
     @property
-    def clock(self) -> GpuClock:
-        return self.state.clock
-
-    @property
     def rows(self) -> dict[int, LoopRow]:
         """Slot -> live row."""
         return self.books.rows
@@ -280,7 +276,7 @@ class RunningLoop:
 
     def collect_stats(self, wait: bool = False) -> LoopStats:
         """`stats` with the GPU times of every span done so far (all of them with `wait`)."""
-        totals = self.clock.collect(wait)
+        totals = self.state.clock.collect(wait)
         self.stats.prefill_s = totals.get("prefill", 0.0)
         self.stats.lane_prefill_s = totals.get("prefill_lane", 0.0)
         self.stats.extra_decode_s = totals.get("decode_extra", 0.0)
@@ -390,10 +386,10 @@ class RunningLoop:
         """A step over slots [0, k): its graph replayed, else run (and captured)."""
         graphed = self.decoder.use_graph and self.decoder.is_cuda and not self.config.keep_logits
         if graphed and k in self.graphs:
-            with self.clock.span(span):
+            with self.state.clock.span(span):
                 self.graphs[k].replay()
         else:
-            with self.clock.span(span):
+            with self.state.clock.span(span):
                 self.step(k)
             if graphed:
                 self.capture(k)
