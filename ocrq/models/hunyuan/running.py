@@ -27,8 +27,8 @@ Layout (ocrq/models/slots.py says why a pool of ranges):
   lowest above the lane's reserve: ocrq/models/lane_pass.py);
 * the Triton decode kernel reads row r's keys [start_r, end_r) of the pool expanded over the
   rows (batch stride 0); the torch reference reads the pool under a per-slot mask, which admission
-  clears (`_forget_keys`) before a new row's prompt is marked: the tests show that skipping that
-  clear lets an old row's keys leak into the new one.
+  clears (`SlotTensors.forget_keys`) before a new row's prompt is marked: the tests show that
+  skipping that clear lets an old row's keys leak into the new one.
 
 Split as vLLM splits its scheduler from its runner, at ocrq's scale: the loop here holds the
 device state (the pool and every per-slot tensor, ocrq/models/hunyuan/slot_tensors.py; the
@@ -94,8 +94,8 @@ SHADOW_POLL_S = 0.0002
 
 
 # The decode step's greedy choice by Triton kernels where the loop's attention is Triton's
-# (ocrq/models/hunyuan/greedy.py; the same tokens as `_scores` + argmax). A constant, not a
-# setting: bench/loop_profile.py flips it (--greedy torch) to time both in one call.
+# (ocrq/models/hunyuan/greedy.py; the same tokens as `SlotTensors.scores` + argmax). A
+# constant, not a setting: bench/loop_profile.py flips it (--greedy torch) to time both.
 FUSED_GREEDY = True
 
 
