@@ -35,9 +35,10 @@ sys.path.insert(0, str(REPO))
 from bench.common import add_model_args, page_image, random_checkpoint, run_meta, run_part  # noqa: E402
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
-from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
+from ocrq.models.hunyuan import HunyuanLoopEngine  # noqa: E402
+from ocrq.models.hunyuan.loop_types import LoopRow  # noqa: E402
 from ocrq.models.hunyuan.patches import batch_vision_attention  # noqa: E402
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop  # noqa: E402
+from ocrq.models.hunyuan.running import RunningLoop  # noqa: E402
 from ocrq.models.hunyuan.vision_attention import fa4_kernel  # noqa: E402
 from ocrq.models.slots import RunningBudget  # noqa: E402
 
@@ -130,7 +131,7 @@ def summary(mode: str, jobs: list, finished: dict[int, float], seconds: float, b
     }
 
 
-def run_static(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, batch: int,
+def run_static(torch: Any, engine: HunyuanLoopEngine, jobs: list, rows: list, batch: int,
                cuda: bool) -> dict[str, Any]:
     """Batches of `batch` in arrival order; each batch forced to its longest row's length."""
     finished: dict[int, float] = {}
@@ -158,12 +159,12 @@ def run_static(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, batch:
                        for lo in range(0, len(jobs), batch)) / seconds})
 
 
-def use_kv_dtype(engine: HunyuanEngine, name: str) -> None:
+def use_kv_dtype(engine: HunyuanLoopEngine, name: str) -> None:
     """The engine's running loop with this KV pool dtype from now on (`OCRQ_KV_CACHE_DTYPE`)."""
     engine.settings = engine.settings.model_copy(update={"kv_cache_dtype": name})
 
 
-def loop_error(torch: Any, engine: HunyuanEngine, rows: list, steps: int, cuda: bool,
+def loop_error(torch: Any, engine: HunyuanLoopEngine, rows: list, steps: int, cuda: bool,
                variant: dict[str, Any]) -> dict[str, Any]:
     """What a loop setting (`variant`: LoopConfig fields, e.g. an fp8 pool or packed prefills)
     changes in the output: the same rows, forced to `steps` tokens, through the running loop
@@ -202,7 +203,7 @@ def loop_error(torch: Any, engine: HunyuanEngine, rows: list, steps: int, cuda: 
             "tokens_equal_before_first_difference": statistics.mean(agree)}
 
 
-def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule: str,
+def run_loop(torch: Any, engine: HunyuanLoopEngine, jobs: list, rows: list, schedule: str,
              args: argparse.Namespace, cuda: bool, slots: int | None = None,
              packed_chunk: int = 0, prefill_stream: bool | None = None) -> dict[str, Any]:
     """Every job queued at once into the running loop, sized from --budget-gib; with
@@ -213,7 +214,7 @@ def run_loop(torch: Any, engine: HunyuanEngine, jobs: list, rows: list, schedule
     engine.loop = None
     engine.release_memory()
     budget_bytes = int(args.budget_gib * GiB) - model.fixed_bytes
-    # The pass the schedule runs is the one reserved (HunyuanEngine.pass_tokens).
+    # The pass the schedule runs is the one reserved (HunyuanLoopEngine.pass_tokens).
     chunk = packed_chunk or args.chunk_tokens
     pass_tokens = chunk if schedule == "chunked" else args.prefill_tokens
     running = RunningBudget.plan(model, budget_bytes, slots=slots or args.slots,
@@ -403,7 +404,7 @@ def main() -> None:
         settings = Settings(model=str(ckpt), model_subfolder=None, dtype=args.dtype,
                             device=args.device, max_new_tokens=args.max_new_tokens,
                             max_batch=args.slots, vision_attention="sdpa")
-        engine = HunyuanEngine(settings, decode="fast")
+        engine = HunyuanLoopEngine(settings, decode="fast")
         engine.load()
         report.data["meta"]["decode_attention"] = engine._decoder.attention
         images = {c: page_image(*size) for c, (size, _) in CLASSES.items()}

@@ -29,10 +29,11 @@ sys.path.insert(0, str(REPO))
 from bench.common import add_model_args, page_image, random_checkpoint  # noqa: E402
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
-from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
+from ocrq.models.hunyuan import HunyuanLoopEngine  # noqa: E402
 from ocrq.models.hunyuan import running as running_module  # noqa: E402
 from ocrq.models.hunyuan import text as text_module  # noqa: E402
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop  # noqa: E402
+from ocrq.models.hunyuan.loop_types import LoopRow  # noqa: E402
+from ocrq.models.hunyuan.running import RunningLoop  # noqa: E402
 from ocrq.models.slots import RunningBudget  # noqa: E402
 
 GiB = 1024**3
@@ -98,10 +99,10 @@ def main() -> None:
     settings = Settings(model=str(ckpt), model_subfolder=None, device=args.device,
                         dtype=args.dtype, max_new_tokens=new_tokens, kv_cache_dtype=args.kv_dtype)
     text_module.MERGED_PROJECTIONS = args.merged == "on"
-    engine = HunyuanEngine(settings, decode="fast")
+    engine = HunyuanLoopEngine(settings, decode="fast")
     engine.load()
     model = engine.cost_model()
-    # The pool token in the loop's KV dtype, as `HunyuanEngine.open` plans it (the committed
+    # The pool token in the loop's KV dtype, as `HunyuanLoopEngine.open` plans it (the committed
     # runs planned with the model dtype's: a smaller pool than fp8 allows, which 250 rows fit).
     running = RunningBudget.plan(engine.loop_cost_model(model),
                                  int(args.budget_gib * GiB) - model.fixed_bytes,

@@ -32,8 +32,9 @@ sys.path.insert(0, str(REPO))
 from bench.common import add_model_args, page_image, random_checkpoint  # noqa: E402
 from ocrq.core.settings import Settings  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
-from ocrq.models.hunyuan import HunyuanEngine  # noqa: E402
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop  # noqa: E402
+from ocrq.models.hunyuan import HunyuanLoopEngine  # noqa: E402
+from ocrq.models.hunyuan.loop_types import LoopRow  # noqa: E402
+from ocrq.models.hunyuan.running import RunningLoop  # noqa: E402
 from ocrq.models.slots import RunningBudget  # noqa: E402
 
 GiB = 1024**3
@@ -50,7 +51,7 @@ def site(stack: list[traceback.FrameSummary]) -> str:
     return f"{frame.filename}:{frame.lineno} {frame.name}"
 
 
-def host_layout_check(torch: Any, engine: HunyuanEngine, rows: list[LoopRow]) -> dict:
+def host_layout_check(torch: Any, engine: HunyuanLoopEngine, rows: list[LoopRow]) -> dict:
     """The running loop's sync-free prefill (image features placed by host indices, the grid
     on the CPU) against the same fused prefill asking the device, and against the library's
     own forward: first-token logits of a padded batch."""
@@ -106,7 +107,7 @@ def main() -> None:
     new_tokens = max(n for _, n in SIZES.values()) + 24
     settings = Settings(model=str(ckpt), device=args.device, dtype=args.dtype,
                         max_new_tokens=new_tokens)
-    engine = HunyuanEngine(settings, decode="fast")
+    engine = HunyuanLoopEngine(settings, decode="fast")
     engine.load()
     model = engine.cost_model()
     running = RunningBudget.plan(model, int(args.budget_gib * GiB) - model.fixed_bytes,

@@ -341,8 +341,16 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     from ocrq.core.pixel_budget import Stage
     from ocrq.core.settings import Settings
     from ocrq.intake import images
-    from ocrq.models.base import PreparedImage
-    from ocrq.models.hunyuan import HunyuanEngine, attention, running, text
+    from ocrq.models.base import PreparedImage, streaming
+    from ocrq.models.hunyuan import (
+        HunyuanEngine,
+        HunyuanLoopEngine,
+        attention,
+        running,
+        runs_loop,
+        slot_tensors,
+        text,
+    )
     from ocrq.scheduling.batcher import StaticBatcher as Batcher
     from ocrq.scheduling.engine_side import batch_config
     from ocrq.scheduling.streaming import StreamingBatcher
@@ -372,7 +380,7 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
             block_n, warps, stages, exp2=fields[3:] != ["exp"])
     # BENCH_FP8_VALUES=rows: the fp8 pool's values token-major, as before the transposed pool
     # (with BENCH_FP8_KERNEL=64/2/3, that layout's best config).
-    running.FP8_VALUES_TRANSPOSED = env.get("BENCH_FP8_VALUES", "transposed") != "rows"
+    slot_tensors.FP8_VALUES_TRANSPOSED = env.get("BENCH_FP8_VALUES", "transposed") != "rows"
     # BENCH_STEP=before: the decode step of runs 26-27 (stop 42), to judge what came after it in
     # one run: q/k/v and gate/up as separate GEMMs, the greedy choice by torch ops, and the fp8
     # kernel's key splits as fixed pool columns.
@@ -381,17 +389,19 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     running.FUSED_GREEDY = not before
     if before:
         attention.FP8_CONFIG = dataclasses.replace(attention.FP8_CONFIG, row_splits=False)
-    # The worker's engine (create_engine's), with this bench's scripted lengths handed in.
-    engine = HunyuanEngine(
+    # The worker's engine (create_engine's choice), with this bench's scripted lengths handed in.
+    engine_class = HunyuanLoopEngine if runs_loop(settings.hunyuan) else HunyuanEngine
+    engine = engine_class(
         settings, hooks=ScriptedLengths.for_checkpoint(Path(env["OCRQ_MODEL"]))
     )
     engine.load()
+    looping = streaming(engine)
     choice = choose_cost_model(engine, settings.profile_dir)
     config = batch_config(settings, engine, choice.model)
     # The batcher a worker would pick (ocrq/worker/runtime.py): the running loop on a GPU.
     batcher: Batcher | StreamingBatcher
-    if engine.streams():
-        batcher = StreamingBatcher(engine, config, None, choice.model).start()
+    if looping is not None:
+        batcher = StreamingBatcher(looping, config, None, choice.model).start()
     else:
         batcher = Batcher(engine, config, cost_model=choice.model).start()
     prefetch = settings.prefetch_images or 2 * config.max_items
@@ -420,11 +430,12 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
             finish[job.job_id] = time.time()
 
     gpus = GpuSampler([0]) if args.device.startswith("cuda") else GpuSampler([])
+    loop_counts = looping.loop_counts if looping is not None else dict
     profiler = None
     if args.profile_for and args.device.startswith("cuda"):
         profiler = threading.Thread(target=gap_profile, args=(
             args.profile_at, args.profile_for, args.out / f"{args.stem}_gpu_gaps.json",
-            engine.loop_counts), daemon=True)
+            loop_counts), daemon=True)
     with gpus:
         if profiler is not None:
             profiler.start()
@@ -441,9 +452,9 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
     harvests = [Harvest(r.ended - started_mono, r.size, r.row_seconds, r.deferred, r.in_flight)
                 for r in batcher.records]
     out = rates(jobs, finish, started, gpus, harvests)
-    out["loop"] = loop_summary(engine.loop_counts(), out["wall_s"], out["jobs_done"])
+    out["loop"] = loop_summary(loop_counts(), out["wall_s"], out["jobs_done"])
     out.update(
-        scheduler="continuous" if engine.streams() else "static",
+        scheduler="continuous" if looping is not None else "static",
         task_threads=threads,
         max_batch=config.max_items,
         budget_gib=round(config.budget_bytes / 2**30, 2),
@@ -456,11 +467,11 @@ def engine_alone(args: argparse.Namespace, jobs: list[Job], env: dict[str, str],
         kv_cache_dtype=settings.kv_cache_dtype,
         fp8_decode_kernel=str(attention.FP8_CONFIG),
         decode_step="before" if before else "today",
-        fp8_values_transposed=running.FP8_VALUES_TRANSPOSED,
+        fp8_values_transposed=slot_tensors.FP8_VALUES_TRANSPOSED,
     )
     engine.close()
     attention.FP8_CONFIG = _FP8_DEFAULT
-    running.FP8_VALUES_TRANSPOSED = True
+    slot_tensors.FP8_VALUES_TRANSPOSED = True
     text.MERGED_PROJECTIONS = running.FUSED_GREEDY = True
     return out
 

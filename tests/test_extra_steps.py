@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from ocrq.models.hunyuan import HunyuanEngine
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.hunyuan import HunyuanLoopEngine
+from ocrq.models.hunyuan.loop_types import LoopRow
+from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.hunyuan.versions import RepetitionGuard
 from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget
@@ -36,9 +37,9 @@ LOOP = (40, 41)  # a looping row's tokens after its trigger
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanLoopEngine:
     path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.0")
-    eng = HunyuanEngine(
+    eng = HunyuanLoopEngine(
         cpu_settings(str(path), MAX_NEW, max_batch=BULK, interactive_slots=RESERVED),
         decode="fast",
     )
@@ -71,10 +72,10 @@ class LoopingLoop(RunningLoop):
         bonus = torch.zeros_like(out).scatter(1, nxt[:, None], 1e4) * on[:, None].to(out.dtype)
         return out + bonus
 
-    def _step(self, k: int) -> None:
-        self._prev = self.tok[:k].clone()
+    def step(self, k: int) -> None:
+        self._prev = self.tensors.tok[:k].clone()
         try:
-            super()._step(k)
+            super().step(k)
         finally:
             self._prev = None
 
@@ -82,7 +83,7 @@ class LoopingLoop(RunningLoop):
         self._handle.remove()
 
 
-def rows(engine: HunyuanEngine) -> list[LoopRow]:
+def rows(engine: HunyuanLoopEngine) -> list[LoopRow]:
     """14 rows, every fourth interactive: more than the loop's slots, so later rows are
     admitted mid-flight into freed slots."""
     out = []
@@ -92,7 +93,7 @@ def rows(engine: HunyuanEngine) -> list[LoopRow]:
     return out
 
 
-def drain(engine: HunyuanEngine, extra: int, trigger: int | None = None, hold: int = 0,
+def drain(engine: HunyuanLoopEngine, extra: int, trigger: int | None = None, hold: int = 0,
           shadow: bool = False, cls: type | None = None) -> dict[str, Any]:
     """Every row through a loop with `extra` interactive-only steps: per key, each Done's
     (tokens, stopped), the full steps (`_step_no`) by when it was handed back, its lane and slot;
@@ -116,7 +117,7 @@ def drain(engine: HunyuanEngine, extra: int, trigger: int | None = None, hold: i
         while not loop.idle():
             for d in loop.run():
                 done.setdefault(d.row.key, []).append((d.tokens, d.stopped))
-                when[d.row.key] = loop._step_no
+                when[d.row.key] = loop.books.step_no
                 lane[d.row.key], slot[d.row.key] = d.row.interactive, d.row.slot
     finally:
         if isinstance(loop, LoopingLoop):
@@ -127,12 +128,12 @@ def drain(engine: HunyuanEngine, extra: int, trigger: int | None = None, hold: i
 
 
 @pytest.fixture(scope="module")
-def plain(engine: HunyuanEngine) -> dict[str, Any]:
+def plain(engine: HunyuanLoopEngine) -> dict[str, Any]:
     return drain(engine, 0)
 
 
 def test_extra_steps_change_no_token_and_finish_interactive_rows_in_fewer_steps(
-    engine: HunyuanEngine, plain: dict[str, Any]
+    engine: HunyuanLoopEngine, plain: dict[str, Any]
 ) -> None:
     extra = drain(engine, EXTRA)
     assert all(len(v) == 1 for v in extra["done"].values())  # each row handed back once
@@ -156,7 +157,7 @@ def test_extra_steps_change_no_token_and_finish_interactive_rows_in_fewer_steps(
 
 
 def test_the_guard_stops_a_looping_row_at_the_same_count(
-    engine: HunyuanEngine, plain: dict[str, Any]
+    engine: HunyuanLoopEngine, plain: dict[str, Any]
 ) -> None:
     """A row that emits `trigger` then loops on two tokens: the guard stops it at the same
     token count with or without the extra steps, and the rows that never emit it are not
@@ -197,7 +198,7 @@ class RecordingLoop(RunningLoop):
 
 
 def test_extra_steps_cover_only_the_reserve_when_interactive_rows_overflow_it(
-    engine: HunyuanEngine,
+    engine: HunyuanLoopEngine,
 ) -> None:
     """More interactive rows live than the reserve holds (12 at once, 2 reserved): those above
     it sit among the slots a full step covers, and the extra steps keep to the reserve's bucket
@@ -252,7 +253,7 @@ class ShadowLoop(RunningLoop):
         super()._launch_step(k, span)
 
 
-def trickle(engine: HunyuanEngine, shadow: bool) -> dict[str, Any]:
+def trickle(engine: HunyuanLoopEngine, shadow: bool) -> dict[str, Any]:
     """The 14 rows fed one every other loop iteration (one iteration a `run(timeout_s=0)`), so
     passes of a row or two come while interactive rows are live; each pass held pending 3
     iterations (the side stream's deferral)."""
@@ -276,7 +277,7 @@ def trickle(engine: HunyuanEngine, shadow: bool) -> dict[str, Any]:
 
 
 def test_interactive_rows_decode_in_a_pending_passs_shadow(
-    engine: HunyuanEngine, plain: dict[str, Any]
+    engine: HunyuanLoopEngine, plain: dict[str, Any]
 ) -> None:
     """OCRQ_INTERACTIVE_PASS_STEPS: while a pass is pending and a reserve row is live, the loop
     runs interactive-only steps, with one full step beside each pass. Every token is the
@@ -308,7 +309,7 @@ def test_interactive_rows_decode_in_a_pending_passs_shadow(
 
 
 def test_the_pass_steps_setting_reaches_the_loop(
-    engine: HunyuanEngine, monkeypatch: pytest.MonkeyPatch
+    engine: HunyuanLoopEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ocrq.core.settings import Settings
 

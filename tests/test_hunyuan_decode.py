@@ -333,11 +333,11 @@ ENGINE_CHECK = textwrap.dedent(
     """
     import sys
     import ocrq.models.hunyuan.prefill
-    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan import HunyuanLoopEngine
     from tests.test_hunyuan_decode import MAX_NEW
     from tests.tiny_hunyuan import cpu_settings, item
 
-    engine = HunyuanEngine(cpu_settings(sys.argv[1], MAX_NEW), decode="fast")
+    engine = HunyuanLoopEngine(cpu_settings(sys.argv[1], MAX_NEW), decode="fast")
     engine.load()
     ocrq.models.hunyuan.prefill.PADDED_ROWS = 2  # the padded prefill's attention in two slices
     batch = [item(100, 150, 11), item(160, 90, 12, task="spotting"), item(64, 64, 13)]
@@ -355,7 +355,8 @@ ENGINE_CHECK = textwrap.dedent(
 
     # The running loop's packed prefill with the fused kernels (the GPU's configuration)
     # against its padded one.
-    from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+    from ocrq.models.hunyuan.loop_types import LoopRow
+    from ocrq.models.hunyuan.running import RunningLoop
     from ocrq.models.slots import RunningBudget
     done = {}
     for packed in (False, True):
@@ -378,7 +379,7 @@ ENGINE_CHECK = textwrap.dedent(
                                     packed=True, kv_dtype="fp8")
         loop = RunningLoop(decoder, engine.tokens, config)
         loop.add([LoopRow(it.key, engine.preprocess(it), 3, min_new_tokens=3) for it in batch])
-        fp8[attention] = ({d.row.key: d for d in loop.drain()}, loop.values_transposed)
+        fp8[attention] = ({d.row.key: d for d in loop.drain()}, loop.tensors.values_transposed)
     decoder.attention = "triton"
     for key, a in fp8["triton"][0].items():
         b = fp8["torch"][0][key]

@@ -607,3 +607,38 @@ def test_planner_downscales_the_biggest_15_pages_over_budget() -> None:
     small = PreparedImage("s", Image.new("RGB", shrunk[0]), shrunk[0], task="custom", prompt="x")
     assert model.batch_bytes([rec.estimate(small)]) <= one // 3
     assert huge.image.size == (4096, 4096)  # the submitted item is left alone
+
+
+def test_the_registry_builds_the_loop_engine_only_where_the_scheduler_asks_for_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OCRQ_SCHEDULER picks the class once, before loading: the running loop's engine (a
+    StreamingEngine) for "continuous" on the fast decode path, and for "auto" where the loop's
+    decode attention is Triton's; the static engine otherwise. `streaming` answers the same."""
+    from ocrq.models import base
+    from ocrq.models.hunyuan import HunyuanLoopEngine, runs_loop
+    from ocrq.models.hunyuan import attention as attention_module
+    from ocrq.models.registry import create_engine
+
+    cases = [
+        ({"scheduler": "continuous"}, HunyuanLoopEngine),
+        ({"scheduler": "static"}, HunyuanEngine),
+        ({"scheduler": "continuous", "decode": "generate"}, HunyuanEngine),
+        ({"scheduler": "auto", "device": "cpu"}, HunyuanEngine),  # the torch attention
+        ({"scheduler": "auto", "decode_attention": "triton"}, HunyuanLoopEngine),
+        ({"scheduler": "auto", "decode_attention": "torch"}, HunyuanEngine),
+    ]
+    for fields, want in cases:
+        engine = create_engine("hunyuan", Settings(**fields))
+        assert type(engine) is want, fields
+        assert (base.streaming(engine) is engine) == (want is HunyuanLoopEngine), fields
+    # "auto" on a CUDA device takes the loop only where Triton is installed.
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = Settings(scheduler="auto", device="cuda:0").hunyuan
+    monkeypatch.setattr(attention_module, "triton_available", lambda: True)
+    assert runs_loop(cuda)
+    monkeypatch.setattr(attention_module, "triton_available", lambda: False)
+    assert not runs_loop(cuda)
+    with pytest.raises(ValueError, match="fast decode path"):
+        HunyuanLoopEngine(Settings(), decode="generate")

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from ocrq.models.costs import CostModel
-from ocrq.models.hunyuan import HunyuanEngine
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.hunyuan import HunyuanLoopEngine
+from ocrq.models.hunyuan.loop_types import LoopRow
+from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
@@ -25,9 +26,9 @@ BULK_SLOTS = 3
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanLoopEngine:
     path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.5")
-    eng = HunyuanEngine(
+    eng = HunyuanLoopEngine(
         cpu_settings(str(path), MAX_NEW, max_batch=BULK_SLOTS, interactive_slots=1),
         decode="fast",
     )
@@ -35,20 +36,20 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
     return eng
 
 
-def loop_of(engine: HunyuanEngine, reserved: int, **lanes: Any) -> RunningLoop:
+def loop_of(engine: HunyuanLoopEngine, reserved: int, **lanes: Any) -> RunningLoop:
     assert engine._decoder is not None and engine.tokens is not None
     budget = RunningBudget(BULK_SLOTS + reserved, 8192, 4096, 0, 0, 0, 0, reserved)
     config = engine.loop_config(budget, lanes=LanePolicy(reserved_slots=reserved, **lanes))
     return RunningLoop(engine._decoder, engine.tokens, config)
 
 
-def row(engine: HunyuanEngine, seed: int, cap: int, interactive: bool = False) -> LoopRow:
+def row(engine: HunyuanLoopEngine, seed: int, cap: int, interactive: bool = False) -> LoopRow:
     it = item(64, 64, seed)
     return LoopRow(it.key, engine.preprocess(it), cap, min_new_tokens=cap,
                    interactive=interactive)
 
 
-def fill_with_bulk(engine: HunyuanEngine, loop: RunningLoop) -> None:
+def fill_with_bulk(engine: HunyuanLoopEngine, loop: RunningLoop) -> None:
     """Every bulk slot holds a long row and two more bulk rows wait for one."""
     loop.add([row(engine, 10 + i, MAX_NEW) for i in range(BULK_SLOTS + 2)])
     loop.run(timeout_s=0)  # one pass, one step
@@ -57,7 +58,7 @@ def fill_with_bulk(engine: HunyuanEngine, loop: RunningLoop) -> None:
 
 @pytest.mark.parametrize("reserved", [1, 0])
 def test_an_interactive_row_goes_in_the_next_pass_of_a_loop_full_of_bulk(
-    engine: HunyuanEngine, reserved: int
+    engine: HunyuanLoopEngine, reserved: int
 ) -> None:
     loop = loop_of(engine, reserved)
     fill_with_bulk(engine, loop)
@@ -83,7 +84,7 @@ def test_an_interactive_row_goes_in_the_next_pass_of_a_loop_full_of_bulk(
     assert stats.kv_token_steps > stats.row_steps  # each live row reads its prompt at least
 
 
-def test_while_the_lane_is_busy_bulk_passes_keep_to_the_gap(engine: HunyuanEngine) -> None:
+def test_while_the_lane_is_busy_bulk_passes_keep_to_the_gap(engine: HunyuanLoopEngine) -> None:
     """Bulk rows freed by a finishing row wait `bulk_gap` steps since the last bulk pass while an
     interactive row decodes; with no interactive row they go in at once."""
     def first_step_of_the_last_bulk_row(interactive: bool) -> int:
@@ -105,7 +106,7 @@ def test_while_the_lane_is_busy_bulk_passes_keep_to_the_gap(engine: HunyuanEngin
 
 
 def test_the_engine_opens_the_reserve_and_tells_the_loop_each_rows_lane(
-    engine: HunyuanEngine,
+    engine: HunyuanLoopEngine,
 ) -> None:
     per_token = engine.cost_model().per_cache_token_bytes
     engine.open(2**24, CostModel(0, per_token_bytes=100.0, per_cache_token_bytes=per_token))
@@ -128,7 +129,7 @@ def test_the_engine_opens_the_reserve_and_tells_the_loop_each_rows_lane(
         engine.reset()
 
 
-def test_a_dropped_waiting_interactive_row_leaves_the_lane_idle(engine: HunyuanEngine) -> None:
+def test_a_dropped_waiting_interactive_row_leaves_the_lane_idle(engine: HunyuanLoopEngine) -> None:
     """A cancelled interactive row still waiting (RunningLoop.drop) no longer makes the lane
     busy: the bulk passes after it are neither rushed nor counted as the lane's."""
     loop = loop_of(engine, 0)  # no reserve: the interactive row waits behind a full loop

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from ocrq.models.hunyuan import HunyuanEngine
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.hunyuan import HunyuanLoopEngine
+from ocrq.models.hunyuan.loop_types import LoopRow
+from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import KvPool, RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
@@ -30,9 +31,9 @@ CAPS = [1, MAX_NEW, 2, 17, 5, MAX_NEW, 3, 9, 4, 11]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanLoopEngine:
     path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.5")
-    eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW, interactive_slots=1), decode="fast")
+    eng = HunyuanLoopEngine(cpu_settings(str(path), MAX_NEW, interactive_slots=1), decode="fast")
     eng.load()
     return eng
 
@@ -47,17 +48,18 @@ class EagerLoop(RunningLoop):
         if pending is not None and pending.looks == 0:
             for r in pending.rows:
                 if r.slot not in self.rows:
-                    r.first_step = self._step_no
-                    self._enter(r)
+                    r.first_step = self.books.step_no
+                    self.books.enter(r)
+                    self.harvest.track(r)
 
 
-def batch(engine: HunyuanEngine) -> list[LoopRow]:
+def batch(engine: HunyuanLoopEngine) -> list[LoopRow]:
     items = [item(64 + 12 * i, 64 + 20 * (i % 3), 60 + i) for i in range(len(CAPS))]
     return [LoopRow(it.key, engine.preprocess(it), cap, min_new_tokens=cap)
             for it, cap in zip(items, CAPS, strict=True)]
 
 
-def make_loop(engine: HunyuanEngine, rows: list[LoopRow], hold: int | None,
+def make_loop(engine: HunyuanLoopEngine, rows: list[LoopRow], hold: int | None,
               cls: type = RunningLoop, **extra: Any) -> RunningLoop:
     """3 slots, a pool of two of the largest rows; `hold`: None, the immediate loop; else
     deferred commits, each pass held pending that many iterations."""
@@ -83,7 +85,7 @@ def drained(loop: RunningLoop) -> dict[str, Any]:
     return got
 
 
-def run_all(engine: HunyuanEngine, hold: int | None, cls: type = RunningLoop
+def run_all(engine: HunyuanLoopEngine, hold: int | None, cls: type = RunningLoop
             ) -> tuple[dict[str, Any], RunningLoop]:
     loop = make_loop(engine, batch(engine), hold, cls)
     loop.add(batch(engine))
@@ -101,7 +103,7 @@ def same_rows(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("hold", [0, 1, 3])
 def test_deferred_commits_give_every_row_once_with_its_immediate_tokens(
-    engine: HunyuanEngine, hold: int
+    engine: HunyuanLoopEngine, hold: int
 ) -> None:
     want, plain = run_all(engine, None)
     assert {k: len(d.tokens) for k, d in want.items()} == {
@@ -119,7 +121,7 @@ def test_deferred_commits_give_every_row_once_with_its_immediate_tokens(
     assert plain.stats.overlap_steps == 0
 
 
-def test_rows_made_live_before_their_commit_are_caught(engine: HunyuanEngine) -> None:
+def test_rows_made_live_before_their_commit_are_caught(engine: HunyuanLoopEngine) -> None:
     """A row live before its commit is read as finished from its slot's stale flag: it comes
     back with the last row's count and none of its own logits (or, had it any, wrong ones)."""
     want, _ = run_all(engine, None)
@@ -127,7 +129,7 @@ def test_rows_made_live_before_their_commit_are_caught(engine: HunyuanEngine) ->
         same_rows(run_all(engine, 3, EagerLoop)[0], want)
 
 
-def launch_a_pending_pass(engine: HunyuanEngine, hold: int
+def launch_a_pending_pass(engine: HunyuanLoopEngine, hold: int
                           ) -> tuple[RunningLoop, list[str], dict[str, Any]]:
     """A deferred loop whose second pass is pending: the keys of its rows, and the rows handed
     back so far."""
@@ -146,7 +148,7 @@ def launch_a_pending_pass(engine: HunyuanEngine, hold: int
     return loop, keys, handed
 
 
-def test_dropping_a_row_of_a_pending_pass(engine: HunyuanEngine) -> None:
+def test_dropping_a_row_of_a_pending_pass(engine: HunyuanLoopEngine) -> None:
     want, _ = run_all(engine, None)
     loop, keys, handed = launch_a_pending_pass(engine, hold=4)
     victim = keys[0]
@@ -159,7 +161,7 @@ def test_dropping_a_row_of_a_pending_pass(engine: HunyuanEngine) -> None:
     same_rows({**handed, **got}, {k: d for k, d in want.items() if k != victim})
 
 
-def test_clearing_a_loop_with_a_pending_pass(engine: HunyuanEngine) -> None:
+def test_clearing_a_loop_with_a_pending_pass(engine: HunyuanLoopEngine) -> None:
     """Every row not handed back yet, live, pending or waiting, comes back from clear once."""
     loop, keys, handed = launch_a_pending_pass(engine, hold=4)
     live = {r.key for r in loop.rows.values()}
@@ -171,7 +173,7 @@ def test_clearing_a_loop_with_a_pending_pass(engine: HunyuanEngine) -> None:
     assert loop.pool == KvPool.empty(loop.config.pool_tokens)
 
 
-def test_an_interactive_row_still_goes_in_the_next_pass(engine: HunyuanEngine) -> None:
+def test_an_interactive_row_still_goes_in_the_next_pass(engine: HunyuanLoopEngine) -> None:
     """A loop full of bulk with one reserved slot: the interactive row is the whole next pass,
     ahead of the bulk rows queued before it, and decodes once that pass is committed."""
     bulk = [LoopRow(it.key, engine.preprocess(it), MAX_NEW, min_new_tokens=MAX_NEW)
@@ -209,7 +211,7 @@ def test_the_setting_reaches_the_loop(tmp_path_factory: pytest.TempPathFactory,
     assert Settings(_env_file=None).prefill_stream is False
     monkeypatch.setenv("OCRQ_PREFILL_STREAM", "true")
     path = tiny_checkpoint(tmp_path_factory.mktemp("setting"), "1.5")
-    eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW), decode="fast")
+    eng = HunyuanLoopEngine(cpu_settings(str(path), MAX_NEW), decode="fast")
     assert eng.settings.prefill_stream is True
     eng.load()
     config = eng.loop_config(RunningBudget(2, 1024, 4096, 0, 0, 0, 0))

@@ -19,9 +19,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from ocrq.models.base import PreparedImage
-from ocrq.models.hunyuan import HunyuanEngine
+from ocrq.models.hunyuan import HunyuanLoopEngine
+from ocrq.models.hunyuan.loop_types import LoopRow
 from ocrq.models.hunyuan.readback import Readback, Snapshot
-from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.slots import RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
 
@@ -34,14 +35,15 @@ TOLERANCE = 1e-3  # fp32 on the CPU: the loops differ by ~5e-6 (see test_hunyuan
 class LeakyLoop(RunningLoop):
     """Does not clear a slot's key mask when a new row takes it: the old row's keys leak in."""
 
-    def _forget_keys(self, slot: int) -> None:
-        pass
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tensors.forget_keys = lambda slot: None  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanEngine:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanLoopEngine:
     path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.5")
-    eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW), decode="fast")
+    eng = HunyuanLoopEngine(cpu_settings(str(path), MAX_NEW), decode="fast")
     eng.load()
     assert eng.repetition_penalty == 1.08  # the penalty's per-row state is exercised too
     return eng
@@ -51,13 +53,13 @@ def budget(slots: int, pool_tokens: int) -> RunningBudget:
     return RunningBudget(slots, pool_tokens, 4096, 0, 0, 0, 0)
 
 
-def make_loop(engine: HunyuanEngine, slots: int, pool: int, cls: type = RunningLoop,
+def make_loop(engine: HunyuanLoopEngine, slots: int, pool: int, cls: type = RunningLoop,
               **extra: Any) -> RunningLoop:
     assert engine._decoder is not None and engine.tokens is not None
     return cls(engine._decoder, engine.tokens, engine.loop_config(budget(slots, pool), **extra))
 
 
-def rows(engine: HunyuanEngine, items: list[PreparedImage], caps: list[int],
+def rows(engine: HunyuanLoopEngine, items: list[PreparedImage], caps: list[int],
          forced: bool = False) -> list[LoopRow]:
     return [
         LoopRow(it.key, engine.preprocess(it), cap, min_new_tokens=cap if forced else 0)
@@ -72,7 +74,7 @@ CAPS = [3, MAX_NEW, 12, 16]
 
 
 @pytest.fixture(scope="module")
-def alone(engine: HunyuanEngine) -> dict[str, Any]:
+def alone(engine: HunyuanLoopEngine) -> dict[str, Any]:
     """Each row alone through the static fast loop, with its logits."""
     return {
         it.key: engine.generate([it], max_new_tokens=cap, output_logits=True).items[0]
@@ -80,7 +82,7 @@ def alone(engine: HunyuanEngine) -> dict[str, Any]:
     }
 
 
-def run_mid_flight(engine: HunyuanEngine, cls: type = RunningLoop) -> dict[str, Any]:
+def run_mid_flight(engine: HunyuanLoopEngine, cls: type = RunningLoop) -> dict[str, Any]:
     loop = make_loop(engine, 2, 1024, cls, keep_logits=True)
     loop.add(rows(engine, ITEMS, CAPS))
     done = {d.row.key: d for d in loop.drain()}
@@ -89,7 +91,7 @@ def run_mid_flight(engine: HunyuanEngine, cls: type = RunningLoop) -> dict[str, 
 
 
 def test_a_row_admitted_mid_flight_equals_the_row_alone(
-    engine: HunyuanEngine, alone: dict[str, Any]
+    engine: HunyuanLoopEngine, alone: dict[str, Any]
 ) -> None:
     done = run_mid_flight(engine)
     assert set(done) == {it.key for it in ITEMS}
@@ -107,7 +109,7 @@ def test_a_row_admitted_mid_flight_equals_the_row_alone(
 
 
 def test_a_slots_old_keys_leaking_in_is_caught(
-    engine: HunyuanEngine, alone: dict[str, Any]
+    engine: HunyuanLoopEngine, alone: dict[str, Any]
 ) -> None:
     done = run_mid_flight(engine, LeakyLoop)
     # The first two rows took fresh slots: untouched by the mutation.
@@ -121,7 +123,7 @@ def test_a_slots_old_keys_leaking_in_is_caught(
 
 @pytest.mark.parametrize("schedule", ["alternate", "chunked"])
 def test_rows_of_very_different_lengths_all_complete(
-    engine: HunyuanEngine, schedule: str
+    engine: HunyuanLoopEngine, schedule: str
 ) -> None:
     caps = [1, MAX_NEW, 2, 17, 5, MAX_NEW, 3, 9]
     items = [item(64 + 12 * i, 64 + 20 * (i % 3), 40 + i) for i in range(len(caps))]
@@ -147,7 +149,7 @@ def test_rows_of_very_different_lengths_all_complete(
 
 
 def test_an_fp8_pool_stores_fp8_and_stays_close_to_the_models_dtype(
-    engine: HunyuanEngine, alone: dict[str, Any]
+    engine: HunyuanLoopEngine, alone: dict[str, Any]
 ) -> None:
     """The mid-flight rows with `kv_dtype="fp8"`: the pool holds fp8, each row's logits stay
     near the full-precision rows' (the tiny model's logits spread over ~2), and they are not
@@ -155,7 +157,7 @@ def test_an_fp8_pool_stores_fp8_and_stays_close_to_the_models_dtype(
     import torch
 
     loop = make_loop(engine, 2, 1024, keep_logits=True, kv_dtype="fp8")
-    assert all(k.dtype == torch.float8_e4m3fn for k in loop.keys + loop.values)
+    assert all(k.dtype == torch.float8_e4m3fn for k in loop.tensors.keys + loop.tensors.values)
     loop.add(rows(engine, ITEMS, CAPS))
     done = {d.row.key: d for d in loop.drain()}
     assert loop.pool.free_tokens == 1024
@@ -171,7 +173,7 @@ def test_an_fp8_pool_stores_fp8_and_stays_close_to_the_models_dtype(
     assert moved > 1e-4
 
 
-def test_an_fp8_pool_halves_the_loops_token_bytes(engine: HunyuanEngine) -> None:
+def test_an_fp8_pool_halves_the_loops_token_bytes(engine: HunyuanLoopEngine) -> None:
     """The budget charges a pool token in the pool's dtype (the CPU model is float32: a
     quarter), so the same bytes hold more rows; the static path's model is untouched."""
     from ocrq.models.costs import CostModel
@@ -190,7 +192,7 @@ def test_an_fp8_pool_halves_the_loops_token_bytes(engine: HunyuanEngine) -> None
     assert narrow.pool_tokens >= 3.9 * wide.pool_tokens
 
 
-def run_packed(engine: HunyuanEngine, packed: bool) -> dict[str, Any]:
+def run_packed(engine: HunyuanLoopEngine, packed: bool) -> dict[str, Any]:
     """Rows of different prompt lengths, several a pass (a 4,096-token chunk), tokens forced."""
     caps = [6, 9, 4, 7, 5]
     items = [item(64 + 24 * i, 64 + 16 * (i % 2), 60 + i, task="spotting" if i == 2 else "text")
@@ -202,7 +204,7 @@ def run_packed(engine: HunyuanEngine, packed: bool) -> dict[str, Any]:
     return {"done": done, "prefills": loop.stats.prefills}
 
 
-def test_packed_prefill_equals_the_padded_one(engine: HunyuanEngine) -> None:
+def test_packed_prefill_equals_the_padded_one(engine: HunyuanLoopEngine) -> None:
     """The same rows through packed passes (no padding, causal varlen attention) and padded
     ones: the same tokens, logits within the loops' tolerance. Prompts differ in length, so a
     padded pass pads; a packed one does not."""
@@ -218,7 +220,7 @@ def test_packed_prefill_equals_the_padded_one(engine: HunyuanEngine) -> None:
 
 
 def test_packed_rows_attending_across_their_bounds_is_caught(
-    engine: HunyuanEngine, monkeypatch: pytest.MonkeyPatch
+    engine: HunyuanLoopEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Bounds that join the first two rows (row 2 then sees row 1's tokens) move row 2's
     logits: the equality above can fail."""
@@ -254,7 +256,7 @@ def test_packed_admission_counts_tokens_not_rows_times_the_longest() -> None:
     assert len(admit(waiting, pool, [0, 1, 2], 1150, packed=True).placements) == 2
 
 
-def test_per_row_cap_comes_from_the_item(engine: HunyuanEngine) -> None:
+def test_per_row_cap_comes_from_the_item(engine: HunyuanLoopEngine) -> None:
     it = item(64, 64, 7)
     it.max_new_tokens = 5
     assert engine.row_cap(it) == 5
@@ -263,7 +265,7 @@ def test_per_row_cap_comes_from_the_item(engine: HunyuanEngine) -> None:
     assert engine.row_cap(it) == MAX_NEW
 
 
-def test_engine_streams_rows_through_submit_and_poll(engine: HunyuanEngine) -> None:
+def test_engine_streams_rows_through_submit_and_poll(engine: HunyuanLoopEngine) -> None:
     from ocrq.models.base import OcrResult
     from ocrq.models.costs import CostModel
 
@@ -305,14 +307,15 @@ class ForgetfulLoop(RunningLoop):
         return super()._ended(snap)
 
 
-def lagged_run(engine: HunyuanEngine, lag: int, cls: type = RunningLoop) -> dict[str, list[int]]:
+def lagged_run(engine: HunyuanLoopEngine, lag: int,
+               cls: type = RunningLoop) -> dict[str, list[int]]:
     caps = [1, MAX_NEW, 2, 17, 5, MAX_NEW, 3, 9, 4, 11]
     items = [item(64 + 12 * i, 64 + 20 * (i % 3), 60 + i) for i in range(len(caps))]
     batch = rows(engine, items, caps, forced=True)
     biggest = max(r.prompt_tokens for r in batch) + MAX_NEW
     loop = make_loop(engine, 3, 2 * biggest + 32, cls, schedule="chunked", chunk_tokens=256,
                      check_every=2)
-    loop.readback = Readback(3, MAX_NEW, loop.device, lag=lag)
+    loop.state.readback = Readback(3, MAX_NEW, loop.device, lag=lag)
     loop.add(batch)
     got: dict[str, list[int]] = {}
     for d in loop.drain():
@@ -327,7 +330,7 @@ def lagged_run(engine: HunyuanEngine, lag: int, cls: type = RunningLoop) -> dict
 
 @pytest.mark.parametrize("lag", [1, 3])
 def test_rows_read_from_late_copies_are_the_rows_that_finished(
-    engine: HunyuanEngine, lag: int
+    engine: HunyuanLoopEngine, lag: int
 ) -> None:
     """The GPU's policy on the CPU: the slots' state is read some steps after it was copied,
     while freed slots take new rows; every row still comes back once, whole, with the tokens
@@ -337,7 +340,7 @@ def test_rows_read_from_late_copies_are_the_rows_that_finished(
         lagged_run(engine, lag, ForgetfulLoop)
 
 
-def test_host_layout_puts_image_features_where_the_mask_would(engine: HunyuanEngine) -> None:
+def test_host_layout_puts_image_features_where_the_mask_would(engine: HunyuanLoopEngine) -> None:
     """The running loop's prefill places image features by indices the host computed (no
     device mask, no sync): for rows of different lengths, left-padded, exactly the places
     transformers' masked_scatter fills; right padding's places differ (the check can fail)."""
@@ -364,7 +367,7 @@ def test_host_layout_puts_image_features_where_the_mask_would(engine: HunyuanEng
     assert not torch.equal(got.reshape(want.shape), placed("right"))
 
 
-def test_a_prefill_gap_makes_fewer_passes_and_the_same_tokens(engine: HunyuanEngine) -> None:
+def test_a_prefill_gap_makes_fewer_passes_and_the_same_tokens(engine: HunyuanLoopEngine) -> None:
     """OCRQ_PREFILL_GAP_STEPS: freed slots are refilled every few steps, in fewer, fuller
     passes; each row still makes exactly its tokens."""
 
@@ -386,7 +389,7 @@ def test_a_prefill_gap_makes_fewer_passes_and_the_same_tokens(engine: HunyuanEng
     assert fewer < passes, (fewer, passes)
 
 
-class OomWhenFull(HunyuanEngine):
+class OomWhenFull(HunyuanLoopEngine):
     """The loop raises torch's OutOfMemoryError once, the first time it holds more than two rows:
     a CUDA out-of-memory error cannot happen on a CPU, so this stands in for one."""
 
@@ -451,7 +454,7 @@ def test_an_oom_in_the_loop_requeues_its_rows_and_lowers_the_budget(
     engine.reset()
 
 
-def test_static_batches_honour_each_jobs_cap(engine: HunyuanEngine) -> None:
+def test_static_batches_honour_each_jobs_cap(engine: HunyuanLoopEngine) -> None:
     """A job's own max_new_tokens holds in a static batch too (the planner budgets its KV for
     it): the batch runs to its largest cap and cuts each row at its own, as a run to that cap
     would end it; the same results as the running loop's, which stops each row there."""
@@ -513,7 +516,7 @@ def test_a_cancelled_row_leaves_the_loop_at_the_next_harvest(
 
     cap = 4000
     path = tiny_checkpoint(tmp_path_factory.mktemp("cancel"), "1.5")
-    engine = HunyuanEngine(cpu_settings(str(path), cap), decode="fast")
+    engine = HunyuanLoopEngine(cpu_settings(str(path), cap), decode="fast")
     engine.load()
     per_token = engine.cost_model().per_cache_token_bytes
     model = CostModel(0, per_token_bytes=100.0, per_cache_token_bytes=per_token)

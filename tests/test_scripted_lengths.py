@@ -16,7 +16,7 @@ import pytest
 
 from ocrq.models.base import PreparedImage
 from ocrq.models.costs import CostModel
-from ocrq.models.hunyuan import HunyuanEngine
+from ocrq.models.hunyuan import HunyuanLoopEngine
 from ocrq.models.hunyuan.checkpoint import RANDOM_MARK, is_random_checkpoint
 from ocrq.models.hunyuan.hooks import ForcedEos
 from ocrq.models.registry import create_engine
@@ -34,8 +34,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_checkpoint(tmp_path_factory.mktemp("scripted"), "1.5")
 
 
-def _engine(path: Path, hooks: ScriptedLengths | None = None) -> HunyuanEngine:
-    engine = HunyuanEngine(cpu_settings(str(path), MAX_NEW), hooks=hooks)
+def _engine(path: Path, hooks: ScriptedLengths | None = None) -> HunyuanLoopEngine:
+    engine = HunyuanLoopEngine(cpu_settings(str(path), MAX_NEW), hooks=hooks)
     engine.load()
     return engine
 
@@ -70,11 +70,11 @@ def table(
 
 
 @pytest.fixture()
-def scripted(checkpoint: Path, table: Path) -> HunyuanEngine:
+def scripted(checkpoint: Path, table: Path) -> HunyuanLoopEngine:
     return _engine(checkpoint, ScriptedLengths.for_checkpoint(checkpoint))
 
 
-def _check(engine: HunyuanEngine, results: dict[str, Any], unscripted: Any) -> None:
+def _check(engine: HunyuanLoopEngine, results: dict[str, Any], unscripted: Any) -> None:
     rows, alone = unscripted
     for it, want in zip(rows[:2], LENGTHS, strict=True):
         got = results[it.key]
@@ -86,7 +86,7 @@ def _check(engine: HunyuanEngine, results: dict[str, Any], unscripted: Any) -> N
     assert results[rows[2].key].truncated == "max_tokens"  # no script: the model's own length
 
 
-def _run_loop(engine: HunyuanEngine, rows: list[PreparedImage]) -> dict[str, Any]:
+def _run_loop(engine: HunyuanLoopEngine, rows: list[PreparedImage]) -> dict[str, Any]:
     per_token = engine.cost_model().per_cache_token_bytes
     engine.open(2**24, CostModel(0, per_token_bytes=100.0, per_cache_token_bytes=per_token))
     engine.submit(rows)
@@ -98,7 +98,7 @@ def _run_loop(engine: HunyuanEngine, rows: list[PreparedImage]) -> dict[str, Any
 
 
 def test_static_loop_ends_rows_at_their_scripted_length(
-    scripted: HunyuanEngine, unscripted: Any
+    scripted: HunyuanLoopEngine, unscripted: Any
 ) -> None:
     assert is_random_checkpoint(Path(scripted.model_dir))
     rows, _ = unscripted
@@ -109,13 +109,13 @@ def test_static_loop_ends_rows_at_their_scripted_length(
 
 
 def test_running_loop_ends_rows_at_their_scripted_length(
-    scripted: HunyuanEngine, unscripted: Any
+    scripted: HunyuanLoopEngine, unscripted: Any
 ) -> None:
     """The continuous scheduler honours the same hooks; a scripted row still reserves its full
     cap in the pool (the memory plan stays a real model's)."""
     rows, _ = unscripted
     got = _run_loop(scripted, rows)
-    assert scripted.loop is not None and scripted.loop.forced is not None
+    assert scripted.loop is not None and scripted.loop.tensors.forced is not None
     scripted.reset()
     _check(scripted, got, unscripted)
 
@@ -131,14 +131,16 @@ def test_a_production_engine_has_no_hooks_and_runs_no_forced_eos(
 
     for name in ("admit", "first", "step"):
         monkeypatch.setattr(ForcedEos, name, refuse)
-    engine = create_engine("hunyuan", cpu_settings(str(checkpoint), MAX_NEW))
-    assert isinstance(engine, HunyuanEngine)
+    engine = create_engine("hunyuan", cpu_settings(str(checkpoint), MAX_NEW,
+                                                   scheduler="continuous"))
+    assert isinstance(engine, HunyuanLoopEngine)
     engine.load()
     assert engine.hooks is None
     rows, alone = unscripted
     static = engine.generate(rows).items
     got = _run_loop(engine, rows)
-    assert engine.loop is not None and engine.loop.hooks is None and engine.loop.forced is None
+    assert engine.loop is not None and engine.loop.hooks is None
+    assert engine.loop.tensors.forced is None
     engine.reset()
     for it, out in zip(rows, static, strict=True):  # every row its own length: the cap
         assert out.truncated == got[it.key].truncated == "max_tokens"

@@ -256,12 +256,12 @@ def test_the_registry_gives_each_engine_its_own_group_only() -> None:
 def test_the_tuned_knee_reaches_the_engine_group_unless_max_batch_is_set() -> None:
     """`load_engine` hands a tuned profile's knee to the engine: its group is a copy, so setting
     it on Settings alone would not size HunyuanOCR's running loop (the slots `open` reads)."""
-    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan import HunyuanLoopEngine
 
-    engine = HunyuanEngine(Settings())
+    engine = HunyuanLoopEngine(Settings())
     engine.take_tuned_max_batch(96)
     assert engine.settings.max_batch == 96
-    fixed = HunyuanEngine(Settings(max_batch=8))
+    fixed = HunyuanLoopEngine(Settings(max_batch=8))
     fixed.take_tuned_max_batch(96)
     assert fixed.settings.max_batch == 8  # an explicit OCRQ_MAX_BATCH wins
 

@@ -199,11 +199,11 @@ TOLERANCE = 1e-3  # as tests/test_running_loop.py
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("torch")
-    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.hunyuan import HunyuanLoopEngine
     from tests.tiny_hunyuan import cpu_settings, tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "1.5")
-    eng = HunyuanEngine(cpu_settings(str(path), MAX_NEW, prefill_tokens=1024,
+    eng = HunyuanLoopEngine(cpu_settings(str(path), MAX_NEW, prefill_tokens=1024,
                                      prefill_chunk_tokens=1024), decode="fast")
     eng.load()
     return eng
@@ -216,7 +216,8 @@ def test_a_warmed_loop_makes_the_tokens_an_unwarmed_one_makes(
     here the step runs over them for every bucket (the capture recorded, not made). The rows
     that follow make the tokens and logits a fresh loop makes, and its books hold only them."""
     from ocrq.models.hunyuan import warm_up as warm
-    from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+    from ocrq.models.hunyuan.loop_types import LoopRow
+    from ocrq.models.hunyuan.running import RunningLoop
     from ocrq.models.slots import RunningBudget
     from tests.tiny_hunyuan import item
 
@@ -236,7 +237,7 @@ def test_a_warmed_loop_makes_the_tokens_an_unwarmed_one_makes(
     warmed = loop()
     captured: list[int] = []
     monkeypatch.setattr(warm, "graphed", lambda _: True)
-    monkeypatch.setattr(warmed, "_capture", captured.append)
+    monkeypatch.setattr(warmed, "capture", captured.append)
     made_up = LoopRow("warm", engine.preprocess(item(64, 64, 9)), 2)
     assert warmed.warm_up(made_up, time.monotonic() + 60) == []
     assert warmed.warm_up(None, time.monotonic() + 60) == []  # nothing graphed on a CPU
@@ -253,7 +254,7 @@ def test_a_warmed_loop_makes_the_tokens_an_unwarmed_one_makes(
 
     late = loop()
     captured.clear()
-    monkeypatch.setattr(late, "_capture", captured.append)
+    monkeypatch.setattr(late, "capture", captured.append)
     late.warm_up(None, time.monotonic() - 1)  # the deadline has passed: nothing
     assert captured == []
     late.add(rows()[:1])

@@ -7,7 +7,9 @@ the device, say how memory grows with a batch (the cost model), run. Two kinds s
   every row is done. HunyuanOCR through transformers and the CPU engine are of this kind.
 * `StreamingEngine` owns a running decode loop and takes rows while others finish (continuous
   batching, vLLM): the batcher keeps planning what goes next, hands rows over and collects
-  finished ones.
+  finished ones. HunyuanOCR's running loop (`HunyuanLoopEngine`) is of this kind.
+
+Which kind drives a worker is asked one way, `streaming(engine)`.
 
 A failure that concerns one image comes back as that image's exception, so one bad page never
 fails the batch; an exception raised by `run` itself concerns the whole batch (a CUDA OOM, say)
@@ -260,7 +262,9 @@ class StreamingEngine(EngineCore):
         return []
 
     def streams(self) -> bool:
-        """Whether this engine, as configured, runs its rows in the running loop."""
+        """Whether this engine, as configured, runs its rows in the running loop; an engine
+        that may also run static batches (openai's, OCRQ_SCHEDULER=static) says so here. Ask
+        `streaming(engine)`, not this."""
         return True
 
     def warm_up(self) -> None:
@@ -271,3 +275,11 @@ class StreamingEngine(EngineCore):
         """Running totals of the loop's work for the worker's metrics (names in
         ocrq/core/metrics.py `LOOP_COUNTS`); empty when the engine keeps none."""
         return {}
+
+
+def streaming(engine: EngineCore) -> StreamingEngine | None:
+    """The engine as a `StreamingEngine` where its rows run in its running loop, else None (a
+    static `Engine`): the one question the worker's side, the tuner and the sweeps ask."""
+    if isinstance(engine, StreamingEngine) and engine.streams():
+        return engine
+    return None

@@ -24,9 +24,12 @@ def _rapid(settings: Settings) -> Engine:
 
 
 def _hunyuan(settings: Settings) -> Engine:
-    from ocrq.models.hunyuan import HunyuanEngine
+    """The running loop's engine where OCRQ_SCHEDULER sends the rows through it (`runs_loop`),
+    the static engine elsewhere: the one place that asks."""
+    from ocrq.models.hunyuan import HunyuanEngine, HunyuanLoopEngine, runs_loop
 
-    return HunyuanEngine(settings.hunyuan)
+    group = settings.hunyuan
+    return HunyuanLoopEngine(group) if runs_loop(group) else HunyuanEngine(group)
 
 
 def _vllm(settings: Settings) -> Engine:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ocrq.core.process import STATE
 from ocrq.core.settings import BatchingSettings, Settings
-from ocrq.models.base import Engine, StreamingEngine
+from ocrq.models.base import Engine, streaming
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.registry import create_engine
@@ -67,16 +67,17 @@ class EngineSide:
     def start(self, on_batch: Callable[[BatchRecord], None] | None = None) -> Batcher:
         """The batcher the engine's scheduler calls for, started."""
         engine, config, model = self.engine, self.config, self.choice.model
-        if isinstance(engine, StreamingEngine) and engine.streams():
+        looping = streaming(engine)
+        if looping is not None:
             # Continuous batching: the engine's running loop (OCRQ_SCHEDULER=continuous).
             timeline = STATE.timeline
             with timeline.phase("loop open"):
-                batcher = StreamingBatcher(engine, config, on_batch, model)
+                batcher = StreamingBatcher(looping, config, on_batch, model)
             # Before the batcher's thread drives the loop: what the first rows would otherwise
             # wait for (CUDA graphs, kernels compiled on first use) is done now, while the
             # worker still starts.
             with timeline.phase("warm-up", unless_inner=True):
-                engine.warm_up()
+                looping.warm_up()
             return batcher.start()
         return StaticBatcher(engine, config, on_batch=on_batch, cost_model=model).start()
 

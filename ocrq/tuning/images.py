@@ -20,7 +20,7 @@ from typing import Any
 
 from ocrq.core import procfs
 from ocrq.core.settings import Settings
-from ocrq.models.base import Engine, PreparedImage, StreamingEngine
+from ocrq.models.base import Engine, PreparedImage, streaming
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.registry import create_engine
@@ -166,8 +166,9 @@ def tune_images(
         if earlier is not None:  # a fitted model from an earlier tune: the loop is sized by it
             default = body_model(earlier, profile_path(settings.profile_dir, key))
         loop = None
-        if isinstance(engine, StreamingEngine) and engine.streams():
-            loop = LoopSetting(engine, default, budget)
+        looping = streaming(engine)
+        if looping is not None:
+            loop = LoopSetting(looping, default, budget)
             say("the engine runs the running loop: each setting is its slots, run through it "
                 f"({RATE})")
         total = planned_images(len(rows), max_batch, device, loop is not None)

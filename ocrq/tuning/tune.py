@@ -122,10 +122,10 @@ def loop_plan(
 ) -> dict[str, Any] | None:
     """The running loop's plan (`RunningBudget`) for `slots` within `budget_bytes` (total), or
     None for an engine without a loop or a budget that leaves no pool."""
-    from ocrq.models.base import StreamingEngine
+    from ocrq.models.base import streaming
     from ocrq.models.slots import RunningBudget
 
-    if not isinstance(engine, StreamingEngine) or not engine.streams():
+    if streaming(engine) is None:
         return None
     settings = getattr(engine, "settings", None)
     in_loop = getattr(engine, "loop_cost_model", None)  # the pool's own KV dtype

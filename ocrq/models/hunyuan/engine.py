@@ -32,15 +32,14 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ocrq.core.contract import INTERACTIVE
 from ocrq.core.process import STATE
 from ocrq.core.settings import HunyuanSettings
-from ocrq.models.base import Engine, Finished, OcrResult, PreparedImage, StreamingEngine
+from ocrq.models.base import Engine, OcrResult, PreparedImage
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.hunyuan.checkpoint import (
     check_settings,
@@ -60,7 +59,6 @@ from ocrq.models.hunyuan.generation import (
 from ocrq.models.hunyuan.geometry import DEFAULT_GEOMETRY, ImageGeometry, geometry_of, item_cost
 from ocrq.models.hunyuan.hooks import DecodeHooks, installed
 from ocrq.models.hunyuan.inputs import EncodedImage, Preprocessor, collate, fit_to_cap
-from ocrq.models.hunyuan.kv_cache import bytes_ratio
 from ocrq.models.hunyuan.memory import (
     DEFAULT_DECODE_FIXED_BYTES,
     HunyuanMemory,
@@ -71,7 +69,6 @@ from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.patches import batch_vision_attention, isolate_rows
 from ocrq.models.hunyuan.prompts import PromptTemplates, prompt_of, rough_prompt_tokens
 from ocrq.models.hunyuan.resolution import ModelPixels
-from ocrq.models.hunyuan.running import Done, LoopConfig, LoopRow, RunningLoop
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.hunyuan.versions import (
     LATEST,
@@ -80,16 +77,12 @@ from ocrq.models.hunyuan.versions import (
     version_of_checkpoint,
 )
 from ocrq.models.hunyuan.vision_attention import choose, fa4_kernel
-from ocrq.models.lane_pass import LanePolicy
-from ocrq.models.slots import RunningBudget, capacity_of
 
 log = logging.getLogger(__name__)
 
-WARM_UP_KEY = "ocrq-warm-up"  # the made-up row of the running loop's warm-up (`warm_up`)
-
-
-class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
-    """Tencent HunyuanOCR (HunYuanVLForConditionalGeneration) on one device."""
+class HunyuanEngine(ModelPixels, HunyuanMemory, Engine):
+    """Tencent HunyuanOCR (HunYuanVLForConditionalGeneration) on one device, in static batches
+    (its running loop: `HunyuanLoopEngine`, ocrq/models/hunyuan/loop_engine.py)."""
 
     name = "hunyuan"
     # The processor never shows the model more than its limit (2048² pixels for 1.0, ~4096² for
@@ -132,12 +125,6 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         self.version: ModelVersion = LATEST
         self.geometry = replace(DEFAULT_GEOMETRY, max_pixels=LATEST.max_pixels)
         self.repetition_penalty: float = LATEST.repetition_penalty
-        # The running loop (continuous batching), once `open` has sized it.
-        self.loop: RunningLoop | None = None
-        self._banked: dict[str, float] = {}  # `loop_counts` of the loops already dropped
-        self.running: RunningBudget | None = None
-        self._items: dict[str, PreparedImage] = {}  # rows in the loop, by key
-        self._failed: list[Finished] = []  # rows that failed before reaching the loop
         self.vision_attention: str = "sdpa"  # the kernel `load` chose for the vision tower
         self.prefill_attention: str = "sdpa"  # and for the packed text prefill's attention
         self.vision_gemm_dtype: str = ""  # the vision layers' linears once loaded ("fp8", ...)
@@ -253,7 +240,6 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
                       name="prefill_attention")
 
     def close(self) -> None:
-        self._drop_loop()
         self.model = self.processor = self.preprocess_row = self._decoder = None
         gc.collect()
         try:
@@ -344,6 +330,15 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         return default_cost_model(
             self.decode_path(), cache_token_bytes(self.model), decode_fixed, self.version.name
         )
+
+    def pass_tokens(self) -> int:
+        """The padded prompt tokens of the largest prefill pass the running loop runs, which its
+        budget reserves (and `ocrq tune` suggests to vLLM as its tokens per step): a chunk under
+        the "chunked" schedule (a row over it is downscaled to fit by the planner),
+        OCRQ_PREFILL_TOKENS under "alternate". Reserving the larger pass in chunked mode
+        over-predicted the H200's peak by 12% (bench/results/service_gpu/service_gpu_reading.md)."""
+        s = self.settings
+        return s.prefill_chunk_tokens if s.prefill_schedule == "chunked" else s.prefill_tokens
 
     # -- running -----------------------------------------------------------------------------
 
@@ -468,282 +463,3 @@ class HunyuanEngine(ModelPixels, HunyuanMemory, Engine, StreamingEngine):
         for item, gen in zip(batch, output.items, strict=True):
             results.append(gen if isinstance(gen, Exception) else result_of(item, gen, prompts))
         return results
-
-    # -- the running loop (continuous batching) ---------------------------------------------------
-
-    def streams(self) -> bool:
-        """Whether the worker runs rows through the running loop: OCRQ_SCHEDULER=continuous, or
-        "auto" with the Triton decode attention (a GPU); always on the fast decode path."""
-        if self.decode != "fast" or self._decoder is None:
-            return False
-        mode = self.settings.scheduler
-        if mode == "auto":
-            return self._decoder.attention == "triton"
-        return mode == "continuous"
-
-    def take_tuned_max_batch(self, max_batch: int) -> None:
-        """The running loop's slots follow the tuned knee unless OCRQ_MAX_BATCH is set (`open`)."""
-        if self.settings.max_batch is None:
-            self.settings = self.settings.model_copy(update={"max_batch": max_batch})
-
-    def state_bytes_per_slot(self) -> int:
-        """Device bytes each slot's state holds beside the pool: its output tokens, its
-        repetition-penalty mask (one bool per vocabulary id) and, for the torch attention, its
-        key mask (the pool's width is not known yet: charged by the pool tokens instead)."""
-        vocab = int(self.model.lm_head.weight.shape[0]) if self.model is not None else 120818
-        seen = vocab if self.repetition_penalty != 1.0 else 0
-        return 8 * self.settings.max_new_tokens + seen + 64
-
-    def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
-        """Size the running loop (slots = OCRQ_MAX_BATCH, else `preferred_max_batch`) within
-        `budget_bytes` above the fixed part, and allocate its KV pool now."""
-        if self.decode != "fast" or self._decoder is None or self.tokens is None:
-            raise RuntimeError("the running loop needs a loaded engine on the fast decode path")
-        s = self.settings
-        # Bulk rows keep their OCRQ_MAX_BATCH slots; the interactive lane's are on top.
-        slots = (s.max_batch or self.preferred_max_batch()) + s.interactive_slots
-        model = self.loop_cost_model(model)
-        budget = RunningBudget.plan(
-            model,
-            budget_bytes,
-            slots=slots,
-            prefill_tokens=self.pass_tokens(),
-            state_bytes_per_slot=self.state_bytes_per_slot(),
-        )
-        budget = replace(budget, reserved_slots=s.interactive_slots)
-        # The torch attention also keeps a key mask per slot: a byte per slot and pool token.
-        mask_bytes = 0 if self._decoder.attention == "triton" else slots
-        per_token = model.per_cache_token_bytes + mask_bytes
-        if mask_bytes:
-            budget = replace(budget, pool_tokens=int(budget.pool_bytes // per_token) // 16 * 16)
-        # No more than every slot could hold at once (a host's memory as budget is far more).
-        most = budget.slots * capacity_of(budget.prefill_tokens, s.max_new_tokens)
-        if budget.pool_tokens > most:
-            budget = replace(budget, pool_tokens=most, pool_bytes=int(most * per_token))
-        if self.loop is not None:  # reopened (after an OOM): the old loop's memory back first
-            self._drop_loop()
-            self.release_memory()  # a full gc.collect(): ~0.5 s with torch loaded, on a CPU
-        self.loop = RunningLoop(
-            self._decoder, self.tokens, self.loop_config(budget), hooks=self.hooks
-        )
-        self.running = budget
-        log.info(
-            "running loop: %d slots (%d interactive only), KV pool of %d tokens (%.2f GiB), "
-            "prefill %s up to %d tokens",
-            budget.slots,
-            budget.reserved_slots,
-            budget.pool_tokens,
-            budget.pool_bytes / 2**30,
-            s.prefill_schedule,
-            s.prefill_tokens if s.prefill_schedule == "alternate" else s.prefill_chunk_tokens,
-        )
-        return budget
-
-    def warm_up(self) -> None:
-        """Before the loop's first job, on a GPU: a made-up row through it and every decode
-        bucket captured, within OCRQ_WARMUP_S (ocrq/models/hunyuan/warm_up.py says why).
-        Nothing on a CPU, where nothing is compiled or captured on first use. A warm-up that
-        fails is logged and the loop goes on empty: its jobs then do what it did not."""
-        s = self.settings
-        if self.loop is None or not self._cuda() or s.warmup_s <= 0:
-            return
-        from PIL import Image
-
-        timeline = STATE.timeline
-        started = time.monotonic()
-        deadline = started + s.warmup_s
-        item = PreparedImage(key=WARM_UP_KEY, image=Image.new("RGB", (64, 64), "white"),
-                             original_size=(64, 64))
-        try:
-            with timeline.phase("warm-up: a row through the loop"):
-                self.prepare(item)
-                assert isinstance(item.encoded, EncodedImage)
-                row = LoopRow(item.key, item.encoded, min(2, s.max_new_tokens))
-                self.loop.warm_up(row, deadline)
-            with timeline.phase("warm-up: decode graphs"):
-                graphed = self.loop.warm_up(None, deadline)
-        except Exception:
-            log.warning("running loop warm-up failed; its first jobs compile and capture "
-                        "instead", exc_info=True)
-            self.loop.clear()
-            return
-        log.info(
-            "running loop warmed up in %.1f s: decode graphs for %s slots%s",
-            time.monotonic() - started, graphed,
-            "" if time.monotonic() < deadline else f" (OCRQ_WARMUP_S={s.warmup_s:g} reached)",
-        )
-
-    def loop_cost_model(self, model: CostModel) -> CostModel:
-        """`model` with a pool token in the loop's KV dtype (`OCRQ_KV_CACHE_DTYPE`): the cost
-        model is measured with the model's dtype, and only the running loop's pool changes."""
-        import torch
-
-        dtype = (self.model.dtype if self.model is not None
-                 else getattr(torch, self.settings.dtype, torch.bfloat16))
-        ratio = bytes_ratio(self.settings.kv_cache_dtype, dtype)
-        if ratio == 1.0:
-            return model
-        return replace(model, per_cache_token_bytes=model.per_cache_token_bytes * ratio)
-
-    def pass_tokens(self) -> int:
-        """The padded prompt tokens of the largest prefill pass the loop runs, which the budget
-        reserves: a chunk under the "chunked" schedule (a row over it is downscaled to fit by the
-        planner), OCRQ_PREFILL_TOKENS under "alternate". Reserving the larger pass in chunked
-        mode over-predicted the H200's peak by 12%
-        (bench/results/service_gpu/service_gpu_reading.md)."""
-        s = self.settings
-        return s.prefill_chunk_tokens if s.prefill_schedule == "chunked" else s.prefill_tokens
-
-    def loop_config(self, budget: RunningBudget, **overrides: Any) -> LoopConfig:
-        s = self.settings
-        values: dict[str, Any] = {
-            "slots": budget.slots,
-            "pool_tokens": budget.pool_tokens,
-            "max_new_tokens": s.max_new_tokens,
-            "schedule": s.prefill_schedule,
-            "prefill_tokens": s.prefill_tokens,
-            "chunk_tokens": s.prefill_chunk_tokens,
-            "prefill_gap": s.prefill_gap_steps,
-            "penalty": self.repetition_penalty,
-            "guard": self.version.guard,
-            "kv_dtype": s.kv_cache_dtype,
-            "fp8_products": s.kv_fp8_products,
-            "packed": s.prefill_packed,
-            "prefill_stream": s.prefill_stream,
-            "lanes": LanePolicy(
-                reserved_slots=budget.reserved_slots,
-                bulk_prefill_tokens=s.interactive_prefill_tokens,
-                bulk_gap=s.interactive_prefill_gap_steps,
-                bulk_rows=s.interactive_bulk_rows,
-                promote_steps=s.loop_bulk_max_wait_steps,
-                extra_steps=s.interactive_extra_steps,
-                pass_steps=s.interactive_pass_steps,
-            ),
-        }
-        values.update(overrides)
-        return LoopConfig(**values)
-
-    def submit(self, rows: Sequence[PreparedImage]) -> None:
-        """Queue rows to the running loop (preprocessed in the prefetch threads already, else
-        here); a row the processor refuses comes back from the next `poll` as its error."""
-        if self.loop is None:
-            raise RuntimeError("HunyuanEngine.open() must run before submit()")
-        queued = []
-        for item in rows:
-            encoded = self._preprocess_or_error(item)
-            if isinstance(encoded, Exception):
-                self._failed.append(Finished(item.key, encoded))
-                continue
-            queued.append(
-                LoopRow(item.key, encoded, self.row_cap(item),
-                        interactive=item.priority == INTERACTIVE)
-            )
-            self._items[item.key] = item
-        try:
-            self.loop.add(queued)
-        except ValueError as exc:  # over the pool alone: the planner should have said so
-            for row in queued:
-                self._items.pop(row.key, None)
-                self._failed.append(Finished(row.key, exc))
-
-    def poll(self, timeout_s: float) -> list[Finished]:
-        """Run the loop until a row finishes or `timeout_s` passes; the rows finished."""
-        out, self._failed = self._failed, []
-        if self.loop is None or self.loop.idle():
-            return out
-        done = self.loop.run(timeout_s)
-        return out + [self._finished(d) for d in done]
-
-    def drop(self, keys: Collection[str]) -> list[str]:
-        """Cancelled rows out of the loop (RunningLoop.drop), their slots and KV freed."""
-        if self.loop is None:
-            return []
-        dropped = [row.key for row in self.loop.drop(keys)]
-        for key in dropped:
-            self._items.pop(key, None)
-        return dropped
-
-    def finish(self, done: Done) -> Any:
-        """A finished loop row as `generate` returns rows (a `Generated`)."""
-        import torch
-
-        assert self.tokens is not None
-        new = torch.tensor([done.tokens], dtype=torch.long)
-        logits = done.logits[None] if done.logits is not None else None
-        return generated_rows(
-            new,
-            logits,
-            self.tokens,
-            self.processor,
-            [done.row.prompt_tokens],
-            stopped=torch.tensor([done.stopped]),
-        )[0]
-
-    def _finished(self, done: Done) -> Finished:
-        """Detokenising and parsing wait for `Finished.resolve`, called off the loop's thread."""
-        item = self._items.pop(done.row.key)
-        prompts = self.version.prompts
-        return Finished(
-            item.key,
-            None,
-            lambda: result_of(item, self.finish(done), prompts),
-            started_at=done.row.admitted_at,
-        )
-
-    def loop_counts(self) -> dict[str, float]:
-        """The running loop's `LoopStats` as totals over every loop this engine opened."""
-        now = self._loop_stats()
-        return {k: self._banked.get(k, 0.0) + now.get(k, 0.0) for k in {*self._banked, *now}}
-
-    def _loop_stats(self) -> dict[str, float]:
-        if self.loop is None:
-            return {}
-        s = self.loop.stats
-        return {
-            "prefill_seconds": s.prefill_s,
-            "decode_seconds": s.decode_s,
-            "prefills": s.prefills,
-            "prefilled_rows": s.prefilled_rows,
-            "steps": s.steps,
-            "row_steps": s.row_steps,
-            "slot_steps": s.slot_steps,
-            "prefill_host_seconds": s.prefill_host_s,
-            "decode_host_seconds": s.decode_host_s,
-            "harvest_host_seconds": s.harvest_host_s,
-            "wait_seconds": s.wait_s,
-            "prefill_cpu_seconds": s.prefill_cpu_s,
-            "cpu_seconds": s.cpu_s,
-            "prefill_tokens": s.prefill_tokens,
-            "prefilled_interactive": s.prefilled_interactive,
-            "lane_steps": s.lane_steps,
-            "lane_row_steps": s.lane_row_steps,
-            "interactive_row_steps": s.interactive_row_steps,
-            "kv_token_steps": s.kv_token_steps,
-            "lane_decode_seconds": s.lane_decode_s,
-            "lane_prefill_seconds": s.lane_prefill_s,
-            "lane_prefills": s.lane_prefills,
-            "lane_prefill_tokens": s.lane_prefill_tokens,
-            "bulk_held_passes": s.bulk_held_passes,
-            "extra_steps": s.extra_steps,
-            "extra_decode_seconds": s.extra_decode_s,
-            "pass_steps": s.pass_steps,
-            "late_passes": s.late_passes,
-            "pending_iterations": s.pending_iterations,
-            "overlap_steps": s.overlap_steps,
-        }
-
-    def _drop_loop(self) -> None:
-        """Forget the loop, its totals kept for `loop_counts` (a reopened loop counts on)."""
-        self._banked = self.loop_counts()
-        self.loop = None
-
-    def reset(self) -> list[str]:
-        """Drop the loop and its rows (after an out-of-memory error); their keys."""
-        keys = list(self._items)
-        self._items.clear()
-        if self.loop is not None:
-            self.loop.clear()
-        self._drop_loop()
-        self.release_memory()
-        return keys
-

@@ -32,7 +32,9 @@ from ocrq.models.hunyuan.readback import to_device
 if TYPE_CHECKING:
     import torch
 
-    from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+    from ocrq.models.hunyuan.harvest import Harvest
+    from ocrq.models.hunyuan.loop_state import LoopParts
+    from ocrq.models.hunyuan.loop_types import LoopRow
     from ocrq.models.slots import Admission
 
 
@@ -66,8 +68,10 @@ class PrefillPasses:
     compute-bound pass), and the loop commits the pass at the first iteration that finds it
     done (`land`): nothing a step touches is written on the side stream."""
 
-    def __init__(self, loop: RunningLoop) -> None:
-        self.loop = loop
+    def __init__(self, state: LoopParts, harvest: Harvest) -> None:
+        """`harvest`: told of each row a commit makes live (when its cap is reached)."""
+        self.state = state
+        self.harvest = harvest
         self.pending: PendingPass | None = None
         # Whether a launched pass is done (CUDA: its event, queried without a sync). Tests
         # replace it, or set `hold`: iterations a deferred pass stays pending whatever it says.
@@ -77,7 +81,7 @@ class PrefillPasses:
 
     @property
     def deferred(self) -> bool:
-        return self.loop.config.prefill_stream
+        return self.state.config.prefill_stream
 
     def slots(self) -> set[int]:
         """The slots the pending pass holds (not live, not free)."""
@@ -87,19 +91,19 @@ class PrefillPasses:
         """The pass, its GPU time on the lane's span while the interactive lane is busy (an
         interactive row live or waiting: ocrq/models/lane_pass.py), so its rows' token cost
         counts the passes run between their steps. Committed at once unless deferred."""
-        loop = self.loop
-        busy = bool(loop._live_interactive or loop._waiting_interactive)
+        state = self.state
+        busy = state.busy
         span = "prefill_lane" if busy else "prefill"
         if not self.deferred:
-            with loop.clock.span(span):
+            with state.clock.span(span):
                 rows = self._launch(plan, busy).rows
                 self.commit()
         elif self.side is None:  # deferred on a CPU (tests): launched now, committed later
-            with loop.clock.span(span):
+            with state.clock.span(span):
                 rows = self._launch(plan, busy).rows
         else:
             rows = self._launch_on_side(plan, busy, span).rows
-        stats, tokens = loop.stats, sum(r.prompt_tokens for r in rows)
+        stats, tokens = state.stats, sum(r.prompt_tokens for r in rows)
         stats.prefills += 1
         stats.prefilled_rows += len(rows)
         stats.prefill_tokens += tokens
@@ -113,10 +117,9 @@ class PrefillPasses:
         the ranges just given to these rows); an event marks its end."""
         import torch
 
-        loop = self.loop
-        here = torch.cuda.current_stream(loop.device)
+        here = torch.cuda.current_stream(self.state.device)
         self.side.wait_stream(here)
-        with torch.cuda.stream(self.side), loop.clock.span(span):
+        with torch.cuda.stream(self.side), self.state.clock.span(span):
             pending = self._launch(plan, busy)
             pending.event = torch.cuda.Event()
             pending.event.record()
@@ -128,7 +131,7 @@ class PrefillPasses:
     def land(self, wait: bool) -> bool:
         """Commit the pending pass if it is done (with `wait`, waiting for it on a GPU);
         whether it was. At most `hold` looks find it not done first (tests)."""
-        pending, stats = self.pending, self.loop.stats
+        pending, stats = self.pending, self.state.stats
         assert pending is not None
         if pending.looks < self.hold or not (self.done(pending) or wait):
             pending.looks += 1
@@ -151,9 +154,9 @@ class PrefillPasses:
             return []
         if pending.event is not None:
             pending.event.synchronize()  # the pass's work done before its memory is reused
-        loop = self.loop
+        books = self.state.books
         for r in pending.rows:
-            loop.pool = loop.pool.give(r.start, r.capacity)
+            books.pool = books.pool.give(r.start, r.capacity)
         return pending.rows
 
     def _launch(self, plan: Admission, busy: bool) -> PendingPass:
@@ -162,14 +165,14 @@ class PrefillPasses:
         Everything here is queued without a host sync (to_device, index lists built on the
         host): a sync would empty the queue of decode steps behind which it runs. The pass is
         pending from before the model runs, so `clear` finds its rows if the model fails."""
-        loop = self.loop
-        rows = loop._take_waiting([p.key for p in plan.placements])
+        books = self.state.books
+        rows = books.take_waiting([p.key for p in plan.placements])
         for placement, row in zip(plan.placements, rows, strict=True):
             row.slot, row.start = placement.slot, placement.start
             row.admitted_at = time.monotonic()
-        loop.pool = plan.pool
+        books.pool = plan.pool
         pending = self.pending = PendingPass(rows, busy)
-        prompt = self._prompt_packed if loop.config.packed else self._prompt_padded
+        prompt = self._prompt_packed if self.state.config.packed else self._prompt_padded
         pending.first_logits, pending.next_pos, pending.marks = prompt(rows)
         return pending
 
@@ -179,44 +182,44 @@ class PrefillPasses:
         may), the host's books take them, and their first tokens are chosen."""
         import torch
 
-        loop, pending = self.loop, self.pending
+        state, pending = self.state, self.pending
         assert pending is not None
         if pending.event is not None:
-            torch.cuda.current_stream(loop.device).wait_event(pending.event)
+            torch.cuda.current_stream(state.device).wait_event(pending.event)
         self.pending = None
         if pending.looks:
-            loop.stats.late_passes += 1
+            state.stats.late_passes += 1
+        books, t = state.books, state.tensors
         rows, marks = pending.rows, pending.marks
         for r in rows:
-            r.first_step = loop._step_no  # its first decode step is the next one
+            r.first_step = books.step_no  # its first decode step is the next one
             r.extra = 0
         lengths = [r.prompt_tokens for r in rows]
-        dev, long = loop.device, torch.long
+        dev, long = state.device, torch.long
         slots = to_device([r.slot for r in rows], long, dev)
         starts = to_device([r.start for r in rows], torch.int32, dev)
         plens = to_device(lengths, torch.int32, dev)
         for r, length in zip(rows, lengths, strict=True):
-            loop._forget_keys(r.slot)
-            if loop.valid is not None:
-                loop.valid[r.slot, r.start : r.start + length] = True
-        loop.base.index_copy_(0, slots, starts)
-        loop.write.index_copy_(0, slots, (starts + plens).long())
-        loop.pos.index_copy_(1, slots, pending.next_pos)
-        loop.count.index_fill_(0, slots, 0)
-        loop.cap.index_copy_(0, slots, to_device([r.max_new_tokens for r in rows], long, dev))
-        loop.min_new.index_copy_(
-            0, slots, to_device([r.min_new_tokens for r in rows], long, dev)
-        )
-        if loop.forced is not None:
-            loop.forced.admit(slots, [r.eos_at for r in rows])
-        loop.finished.index_fill_(0, slots, False)
-        loop.stopped.index_fill_(0, slots, 0)
-        loop.out.index_fill_(0, slots, loop.tokens.pad)
+            t.forget_keys(r.slot)
+            if t.valid is not None:
+                t.valid[r.slot, r.start : r.start + length] = True
+        t.base.index_copy_(0, slots, starts)
+        t.write.index_copy_(0, slots, (starts + plens).long())
+        t.pos.index_copy_(1, slots, pending.next_pos)
+        t.count.index_fill_(0, slots, 0)
+        t.cap.index_copy_(0, slots, to_device([r.max_new_tokens for r in rows], long, dev))
+        t.min_new.index_copy_(0, slots, to_device([r.min_new_tokens for r in rows], long, dev))
+        if t.forced is not None:
+            t.forced.admit(slots, [r.eos_at for r in rows])
+        t.finished.index_fill_(0, slots, False)
+        t.stopped.index_fill_(0, slots, 0)
+        t.out.index_fill_(0, slots, state.tokens.pad)
         if marks is not None:  # the loop keeps a repetition-penalty mask
-            loop.seen.index_copy_(0, slots, marks)
+            t.seen.index_copy_(0, slots, marks)
         for r in rows:
-            loop._enter(r)
-        loop._choose(pending.first_logits, slots, rows)
+            books.enter(r)
+            self.harvest.track(r)
+        t.choose(pending.first_logits, slots, rows)
 
     def _store_prompt(self, prompt_kv: list[Any], rows: list[LoopRow], tokens: Any) -> None:
         """Each layer's prompt keys and values into the rows' ranges of the pool, freeing the
@@ -224,15 +227,15 @@ class PrefillPasses:
         the rows' prompt tokens in row order, D)."""
         import torch
 
-        loop = self.loop
+        t = self.state.tensors
         cols: list[int] = []  # the pool columns, row after row (host arithmetic)
         for r in rows:
             cols.extend(range(r.start, r.start + r.prompt_tokens))
-        columns = to_device(cols, torch.long, loop.device)
+        columns = to_device(cols, torch.long, self.state.device)
         for index in range(len(prompt_kv)):
             k, v = prompt_kv[index]
-            store(loop.keys[index][0], 1, columns, tokens(k))
-            store(loop.values[index][0], 1, columns, tokens(v))
+            store(t.keys[index][0], 1, columns, tokens(k))
+            store(t.values[index][0], 1, columns, tokens(v))
             prompt_kv[index] = None  # free the layer now
             del k, v
 
@@ -240,10 +243,10 @@ class PrefillPasses:
         """An empty (rows, vocab) repetition-penalty mask, when the loop keeps one."""
         import torch
 
-        loop = self.loop
-        if loop.seen is None:
+        seen = self.state.tensors.seen
+        if seen is None:
             return None
-        return torch.zeros(n, loop.seen.shape[1], dtype=torch.bool, device=loop.device)
+        return torch.zeros(n, seen.shape[1], dtype=torch.bool, device=self.state.device)
 
     def _prompt_padded(self, rows: list[LoopRow]) -> tuple[Any, Any, Any]:
         """The rows' prompts through one left-padded pass; their keys and values into their
@@ -251,11 +254,9 @@ class PrefillPasses:
         and its repetition-penalty marks (rows, vocab) or None."""
         import torch
 
-        loop = self.loop
-        text = loop.text
-        inputs = collate(
-            [r.encoded for r in rows], loop.tokens.pad, device=loop.device, dtype=text.dtype
-        )
+        state = self.state
+        text, dev = state.decoder.text, state.device
+        inputs = collate([r.encoded for r in rows], state.tokens.pad, device=dev, dtype=text.dtype)
         positions = inputs.pop("position_ids", None)
         if positions is None:
             positions, _ = text.model.model.get_rope_index(
@@ -265,10 +266,10 @@ class PrefillPasses:
                 attention_mask=inputs["attention_mask"],
             )
         host = None  # only the fused prefill takes it
-        if loop.decoder.fused:
+        if state.decoder.fused:
             image_id = text.model.model.config.image_token_id
-            host = host_layout([r.encoded for r in rows], image_id, loop.device)
-        prompt_kv, first_logits = prompt_pass(text, inputs, positions, loop.decoder.fused, host)
+            host = host_layout([r.encoded for r in rows], image_id, dev)
+        prompt_kv, first_logits = prompt_pass(text, inputs, positions, state.decoder.fused, host)
         mask = inputs["attention_mask"].bool()
         # Where each row's real tokens sit in the left-padded (B x P) prompt, flattened:
         # host arithmetic, not a boolean index (a sync per layer).
@@ -276,7 +277,7 @@ class PrefillPasses:
         real: list[int] = []
         for i, r in enumerate(rows):
             real.extend(range(i * width + width - r.prompt_tokens, (i + 1) * width))
-        real_at = to_device(real, torch.long, loop.device)
+        real_at = to_device(real, torch.long, dev)
 
         def real_tokens(x: torch.Tensor) -> torch.Tensor:
             # (B, KVH, P, D) -> (KVH, B * P, D) -> the real tokens of every row, in row order
@@ -293,13 +294,13 @@ class PrefillPasses:
 
     def _prompt_packed(self, rows: list[LoopRow]) -> tuple[Any, Any, Any]:
         """`_prompt_padded` with the rows packed end to end (ocrq/models/hunyuan/packed.py)."""
-        loop = self.loop
-        text = loop.text
+        state = self.state
+        text = state.decoder.text
         batch = pack([r.encoded for r in rows], text.model.model.config.image_token_id,
-                     loop.device, text.dtype)
-        prompt_kv, first_logits = prefill_packed(text, batch, loop.decoder.fused)
+                     state.device, text.dtype)
+        prompt_kv, first_logits = prefill_packed(text, batch, state.decoder.fused)
         self._store_prompt(prompt_kv, rows, lambda x: x)  # packed: already the rows' order
         marks = self._marks(len(rows))
         if marks is not None:
-            marks.index_put_((batch.row_of, batch.ids), loop._true)
+            marks.index_put_((batch.row_of, batch.ids), state.tensors.true)
         return first_logits, batch.positions[:, batch.last] + 1, marks

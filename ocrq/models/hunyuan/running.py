@@ -27,16 +27,18 @@ Layout (ocrq/models/slots.py says why a pool of ranges):
   lowest above the lane's reserve: ocrq/models/lane_pass.py);
 * the Triton decode kernel reads row r's keys [start_r, end_r) of the pool expanded over the
   rows (batch stride 0); the torch reference reads the pool under a per-slot mask, which admission
-  clears (`_forget_keys`) before a new row's prompt is marked: the tests show that skipping that
-  clear lets an old row's keys leak into the new one.
+  clears (`SlotTensors.forget_keys`) before a new row's prompt is marked: the tests show that
+  skipping that clear lets an old row's keys leak into the new one.
 
-Split as vLLM splits its scheduler from its runner, at ocrq's scale: the loop here keeps the
-device state (the pool, every per-slot tensor, the graphs) and its books of rows, chooses tokens
-and runs the decode steps; its collaborators are the admission policy, which says when to
-prefill and which rows (ocrq/models/hunyuan/admission.py: the prefill schedules,
-`LoopConfig.schedule`), the prefill passes that carry a plan out on the loop's state
+Split as vLLM splits its scheduler from its runner, at ocrq's scale: the loop here holds the
+device state (the pool and every per-slot tensor, ocrq/models/hunyuan/slot_tensors.py; the
+graphs) and its books of rows (`LoopBooks`, ocrq/models/hunyuan/loop_state.py), and runs the
+decode steps; its collaborators take that state (`LoopParts`), never the loop: the admission
+policy, which says when to prefill and which rows (ocrq/models/hunyuan/admission.py: the
+prefill schedules, `LoopConfig.schedule`), the prefill passes that carry a plan out
 (ocrq/models/hunyuan/passes.py), and the harvest, which says when the slots' state is read back
-for the rows that ended (ocrq/models/hunyuan/harvest.py).
+for the rows that ended (ocrq/models/hunyuan/harvest.py). The words they share (rows, config,
+stats) are ocrq/models/hunyuan/loop_types.py.
 
 The greedy arithmetic (scores, repetition penalty, eos ban, the guard's rule) is the static
 loop's, per row; a row's tokens do not depend on the rows beside it (tests).
@@ -62,33 +64,28 @@ import time
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.admission import AdmissionPolicy
-from ocrq.models.hunyuan.attention import PAD_KEYS
-from ocrq.models.hunyuan.greedy import greedy_next, greedy_scores
+from ocrq.models.hunyuan.greedy import greedy_next
 from ocrq.models.hunyuan.harvest import Harvest
-from ocrq.models.hunyuan.hooks import DecodeHooks, ForcedEos
-from ocrq.models.hunyuan.inputs import EncodedImage
-from ocrq.models.hunyuan.kv_cache import is_fp8, kv_dtype, padded_width, zero_pool
+from ocrq.models.hunyuan.hooks import DecodeHooks
+from ocrq.models.hunyuan.kv_cache import is_fp8
+from ocrq.models.hunyuan.loop_state import LoopBooks, LoopParts
+from ocrq.models.hunyuan.loop_types import Done, LoopConfig, LoopRow, LoopStats
 from ocrq.models.hunyuan.passes import PrefillPasses
 from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
 from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
+from ocrq.models.hunyuan.slot_tensors import SlotTensors
 from ocrq.models.hunyuan.tokens import SpecialTokens
-from ocrq.models.hunyuan.versions import RepetitionGuard
-from ocrq.models.lane_pass import LanePolicy
 from ocrq.models.slots import KvPool, capacity_of
 
 if TYPE_CHECKING:
-    import torch
-
     from ocrq.models.hunyuan.decode import HunyuanDecoder
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("alternate", "chunked")
-BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # graphed slot counts
 # Interactive-only steps queued at once in a side-stream pass's shadow (`LanePolicy.pass_steps`),
 # and how long the loop thread sleeps when that many are: two keep the loop's stream busy
 # while the host launches the next; each ~1.5-2 ms on a Hopper GPU.
@@ -96,157 +93,10 @@ SHADOW_IN_FLIGHT = 2
 SHADOW_POLL_S = 0.0002
 
 
-# An fp8 pool's values stored transposed (see the module's docstring). A constant, not a
-# setting: bench/service_gpu.py flips it (BENCH_FP8_VALUES) to compare both layouts in one run.
-FP8_VALUES_TRANSPOSED = True
 # The decode step's greedy choice by Triton kernels where the loop's attention is Triton's
-# (ocrq/models/hunyuan/greedy.py; the same tokens as `_scores` + argmax). A constant, not a
-# setting: bench/loop_profile.py flips it (--greedy torch) to time both in one call.
+# (ocrq/models/hunyuan/greedy.py; the same tokens as `SlotTensors.scores` + argmax). A
+# constant, not a setting: bench/loop_profile.py flips it (--greedy torch) to time both.
 FUSED_GREEDY = True
-
-@dataclass
-class LoopRow:
-    """One image in the running loop. `max_new_tokens` is the row's own cap (at most the loop's):
-    the row ends there as it would at an eos (`truncated="max_tokens"`)."""
-
-    key: str
-    encoded: EncodedImage
-    max_new_tokens: int
-    min_new_tokens: int = 0  # eos banned before this many tokens (benches force lengths)
-    interactive: bool = False  # the job's lane (ocrq/models/lane_pass.py)
-    # Set by the loop.
-    # The loop's hooks' token index at which the row takes eos (ocrq/models/hunyuan/hooks.py);
-    # None: the model's own choice (always, without hooks).
-    eos_at: int | None = None
-    queued_step: int = 0  # the loop's decode steps when it joined the queue
-    slot: int = -1
-    start: int = -1
-    capacity: int = 0
-    first_step: int = 0  # the loop's decode steps before its prefill: tokens = steps since + 1
-    extra: int = 0  # ... + the tokens it made in interactive-only steps (the module's docstring)
-    admitted_at: float = 0.0
-    # Which entry of the slot this is (the loop counts entries): the harvest's cap heap names a
-    # row by it, where an `id()` could be a freed row's reused by a later one.
-    entry: int = -1
-    logits: list[Any] = field(default_factory=list)  # raw logits per token, when kept (tests)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return int(self.encoded.input_ids.shape[0])
-
-
-@dataclass
-class Done:
-    """A finished row: its generated ids (eos included when it ended on one), how many the
-    repetition guard kept (0: not stopped), and its logits when kept."""
-
-    row: LoopRow
-    tokens: list[int]
-    stopped: int
-    logits: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    slots: int
-    pool_tokens: int
-    max_new_tokens: int
-    schedule: str = "chunked"
-    prefill_tokens: int = 16384  # prompt tokens of one prefill pass ("alternate")
-    chunk_tokens: int = 4096  # ... of one chunk between decode steps ("chunked")
-    # "chunked": decode steps between prefill passes, unless a pass is full or nothing runs.
-    # A pass costs its host time (the vision tower and every layer launched from Python)
-    # whatever it holds, so waiting a few steps for more rows makes fewer, fuller passes.
-    prefill_gap: int = 1
-    check_every: int = 8  # decode steps between copies of the slots' state to the host
-    penalty: float = 1.0
-    guard: RepetitionGuard | None = None
-    keep_logits: bool = False  # tests: every token's raw logits per row (a host sync per step)
-    # The pool's dtype: "auto" (the model's) or "fp8" (ocrq/models/hunyuan/kv_cache.py).
-    kv_dtype: str = "auto"
-    # An fp8 pool's decode products in e4m3 (KernelConfig.fp8_products).
-    fp8_products: bool = False
-    # Prefill passes with the rows packed end to end, no padding (ocrq/models/hunyuan/packed.py):
-    # a pass then costs the tokens it holds, not rows x the longest prompt.
-    packed: bool = False
-    # The interactive lane (ocrq/models/lane_pass.py): reserved slots, bulk limits while busy.
-    lanes: LanePolicy = field(default_factory=LanePolicy)
-    # Prefill passes on a side stream of low priority, committed once done, while decode steps
-    # go on on the loop's own stream of high priority (ocrq/models/hunyuan/passes.py). On a CPU
-    # the pass is launched at once and committed at a later iteration (tests).
-    prefill_stream: bool = False
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
-        if (self.slots < 1 or self.pool_tokens < 1 or self.max_new_tokens < 1
-                or self.prefill_gap < 1):
-            raise ValueError(f"invalid loop config {self}")
-
-    @property
-    def pass_tokens(self) -> int:
-        return self.prefill_tokens if self.schedule == "alternate" else self.chunk_tokens
-
-
-@dataclass
-class LoopStats:
-    """Where the loop's time went (seconds of GPU time on a GPU, from events read once done;
-    host seconds on a CPU) and what it did; the bench and the worker's metrics read it. With
-    `LoopConfig.prefill_stream` prefill and decode spans overlap: their sum can exceed the wall
-    time."""
-
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    capture_s: float = 0.0
-    prefills: int = 0
-    prefilled_rows: int = 0
-    steps: int = 0
-    row_steps: int = 0  # live rows summed over steps: the useful share of slot-steps
-    slot_steps: int = 0  # slots stepped (the bucket) summed over steps
-    graphs: int = 0
-    readbacks: int = 0  # copies of the slots' state read by the host
-    # The loop thread's own seconds (perf_counter): admitting and launching prefill passes,
-    # launching decode steps, reading finished rows, and of that last, waiting for a copy to
-    # land. With little waiting and the rest near the wall time, the host is what limits the
-    # GPU (bench/service_gpu.py reads them side by side with the GPU seconds above).
-    prefill_host_s: float = 0.0
-    decode_host_s: float = 0.0
-    harvest_host_s: float = 0.0
-    wait_s: float = 0.0
-    # The loop thread's CPU seconds (thread_time) in prefill passes and in all of `run`: well
-    # under the host seconds above, the thread waited (for the GIL, or a full launch queue)
-    # rather than worked.
-    prefill_cpu_s: float = 0.0
-    cpu_s: float = 0.0
-    # The lanes (ocrq/models/lane_pass.py). "Busy": an interactive row live or waiting. An
-    # interactive row's token costs (lane_decode_s + lane_prefill_s) / lane_steps: the step over
-    # every live row plus the prefill passes run between its steps; `kv_token_steps` (live KV
-    # tokens summed over steps) over `steps` says how much KV a step reads.
-    prefill_tokens: int = 0  # prompt tokens prefilled
-    prefilled_interactive: int = 0
-    lane_steps: int = 0  # decode steps with an interactive row live
-    lane_row_steps: int = 0  # live rows summed over those steps
-    interactive_row_steps: int = 0  # live interactive rows summed over steps
-    kv_token_steps: int = 0
-    lane_decode_s: float = 0.0  # GPU seconds of the lane's steps (part of decode_s)
-    lane_prefill_s: float = 0.0  # ... of prefill passes run while busy (part of prefill_s)
-    lane_prefills: int = 0
-    lane_prefill_tokens: int = 0
-    bulk_held_passes: int = 0  # passes that held bulk rows back for the lane
-    # Interactive-only steps (`LanePolicy.extra_steps`): counted in `steps`, `lane_steps` and
-    # the per-row figures above too (each gives every live interactive row a token, as a full
-    # step does, so the lane's token cost above stays GPU time per interactive token); their
-    # GPU seconds are part of lane_decode_s.
-    extra_steps: int = 0
-    extra_decode_s: float = 0.0
-    pass_steps: int = 0  # of those, run in a side-stream pass's shadow (`LanePolicy.pass_steps`)
-    # Prefill passes on a side stream (`LoopConfig.prefill_stream`): their GPU spans overlap
-    # the decode steps', so prefill_s + decode_s can exceed the wall time. Passes committed at
-    # a later loop iteration than launched, the iterations that found a pass not done yet, and
-    # the decode steps run while one was pending (the overlap).
-    late_passes: int = 0
-    pending_iterations: int = 0
-    overlap_steps: int = 0
 
 
 class RunningLoop:
@@ -269,74 +119,32 @@ class RunningLoop:
         self.tokens = tokens
         self.config = config
         self.device = decoder.device
-        self.stats = LoopStats()
-        self.waiting: deque[LoopRow] = deque()
-        self.rows: dict[int, LoopRow] = {}  # slot -> live row
-        self.pool = KvPool.empty(config.pool_tokens)
         self.graphs: dict[int, Any] = {}
         self._graph_pool: Any = None
         self._kernels: dict[int, Any] = {}
         self._finder = (
             LoopFinder(config.guard, self.device) if config.guard is not None else None
         )
-        s, n, dev = config.slots, config.max_new_tokens, self.device
-        text = self.text
-        self.scratch = config.pool_tokens  # the column every slot without a live row uses
-        width = padded_width(config.pool_tokens + 1, PAD_KEYS)
-        self.kv_dtype = kv_dtype(config.kv_dtype, text.dtype)
-        self.values_transposed = is_fp8(self.kv_dtype) and FP8_VALUES_TRANSPOSED
-        heads, dim, kv = text.kv_heads, text.head_dim, self.kv_dtype
-        self.keys = [zero_pool(heads, width, dim, kv, dev) for _ in text.layers]
-        self.values = [zero_pool(heads, width, dim, kv, dev, transposed=self.values_transposed)
-                       for _ in text.layers]
         self.use_triton = decoder.attention == "triton"
         self.fused_greedy = self.use_triton and FUSED_GREEDY
-        self.track_valid = not self.use_triton
-        # The torch attention's per-slot key mask; the Triton kernel reads [start, end) instead.
-        self.valid = (
-            torch.zeros(s, width, dtype=torch.bool, device=dev) if self.track_valid else None
+        self.tensors = SlotTensors(
+            self.text, tokens, config, self.device,
+            track_valid=not self.use_triton, forced=hooks is not None,
         )
-        long = torch.long
-        self.tok = torch.full((s,), tokens.pad, dtype=long, device=dev)
-        self.pos = torch.zeros(text.axes, s, dtype=long, device=dev)
-        self.write = torch.full((s,), self.scratch, dtype=long, device=dev)
-        self.start = torch.full((s,), self.scratch, dtype=torch.int32, device=dev)
-        self.end = torch.full((s,), self.scratch + 1, dtype=torch.int32, device=dev)
-        self.base = torch.full((s,), self.scratch, dtype=torch.int32, device=dev)
-        self.count = torch.zeros(s, dtype=long, device=dev)
-        self.cap = torch.ones(s, dtype=long, device=dev)
-        self.min_new = torch.zeros(s, dtype=long, device=dev)
-        self.finished = torch.ones(s, dtype=torch.bool, device=dev)
-        self.stopped = torch.zeros(s, dtype=long, device=dev)
-        self.out = torch.full((s, n), tokens.pad, dtype=long, device=dev)
-        self.eos = torch.tensor(tokens.eos_list, dtype=long, device=dev)
-        self.forced = ForcedEos(s, n + 1, self.eos) if hooks is not None else None
-        vocab = int(text.lm_head.weight.shape[0])
-        self.seen = (
-            torch.zeros(s, vocab, dtype=torch.bool, device=dev) if config.penalty != 1.0 else None
+        # What its collaborators share: the books, the device tensors, the account, the clocks.
+        self.state = LoopParts(
+            decoder, tokens, config, LoopBooks.empty(config), self.tensors, LoopStats(),
+            GpuClock(bool(decoder.is_cuda)), Readback(config.slots, config.max_new_tokens,
+                                                      self.device),
         )
-        self.scratch_col = torch.tensor([self.scratch], dtype=long, device=dev)
-        self._true = torch.ones((), dtype=torch.bool, device=dev)
-        self._step_no = 0  # decode steps run so far
-        self._entries = 0  # rows that entered a slot so far (LoopRow.entry)
-        self._pass_launched_at = -1  # `_step_no` when the last prefill pass was launched
+        self.books = self.state.books
+        self._pass_launched_at = -1  # `step_no` when the last prefill pass was launched
         self._shadow_events: deque[Any] = deque()  # steps queued in a pass's shadow, unfinished
-        # The lanes' books (ocrq/models/lane_pass.py), kept by add/_take_waiting/_enter/_release.
-        self._live_interactive = 0
-        self._waiting_interactive = 0
-        self._kv_base = 0  # sum over live rows of prompt - first_step (live KV, O(1) a step)
-        self._kv_extra = 0  # sum over live rows of `extra`
-        self._interactive_slots: set[int] = set()  # slots of live interactive rows
-        # Rows due a repetition check, by phase: rows admitted at steps congruent mod `every`
-        # are due at the same steps, so a step looks at its own phase only.
-        self._phases: dict[int, set[int]] = {}
-        self.readback = Readback(s, n, dev)
-        self.clock = GpuClock(bool(decoder.is_cuda))
-        # Its collaborators: which rows to prefill and when, the passes that prefill them, and
-        # when to read the slots' state back for the rows that ended.
-        self.admission = AdmissionPolicy(self)
-        self.passes = PrefillPasses(self)
-        self.harvest = Harvest(self)
+        # Its collaborators: when to read the slots' state back for the rows that ended, the
+        # passes that prefill rows, and which rows to prefill and when.
+        self.harvest = Harvest(self.state, self._ended)
+        self.passes = PrefillPasses(self.state, self.harvest)
+        self.admission = AdmissionPolicy(self.state, self.passes)
         # With `prefill_stream` on a GPU: the loop's own stream (steps, graph replays, copies
         # to the host, commits), high priority, and the passes' side stream, low priority.
         # PyTorch's streams do not wait for the default stream: the loop's waits once for the
@@ -349,6 +157,23 @@ class RunningLoop:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     # -- the host side -------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> LoopStats:
+        return self.state.stats
+
+    @property
+    def rows(self) -> dict[int, LoopRow]:
+        """Slot -> live row."""
+        return self.books.rows
+
+    @property
+    def waiting(self) -> deque[LoopRow]:
+        return self.books.waiting
+
+    @property
+    def pool(self) -> KvPool:
+        return self.books.pool
 
     @property
     def live(self) -> int:
@@ -389,9 +214,7 @@ class RunningLoop:
                     f"row {row.key} needs {row.capacity} KV tokens, over the pool's "
                     f"{self.config.pool_tokens}"
                 )
-            row.queued_step = self._step_no
-            self._waiting_interactive += row.interactive
-            self.waiting.append(row)
+            self.books.queue(row)
 
     def run(self, timeout_s: float | None = None) -> list[Done]:
         """Run until at least one row finishes (returning those finished since the last call),
@@ -453,14 +276,14 @@ class RunningLoop:
 
     def collect_stats(self, wait: bool = False) -> LoopStats:
         """`stats` with the GPU times of every span done so far (all of them with `wait`)."""
-        totals = self.clock.collect(wait)
+        totals = self.state.clock.collect(wait)
         self.stats.prefill_s = totals.get("prefill", 0.0)
         self.stats.lane_prefill_s = totals.get("prefill_lane", 0.0)
         self.stats.extra_decode_s = totals.get("decode_extra", 0.0)
         self.stats.lane_decode_s = totals.get("decode_lane", 0.0) + self.stats.extra_decode_s
         self.stats.prefill_s += self.stats.lane_prefill_s
         self.stats.decode_s = totals.get("decode", 0.0) + self.stats.lane_decode_s
-        self.stats.wait_s = self.readback.waited_s
+        self.stats.wait_s = self.state.readback.waited_s
         return self.stats
 
     def clear(self) -> list[LoopRow]:
@@ -470,10 +293,9 @@ class RunningLoop:
         with self._on_stream():
             for slot in list(self.rows):
                 self._release(slot)
-        self.waiting.clear()
-        self._waiting_interactive = 0
+        self.books.clear_waiting()
         self.graphs.clear()
-        self.readback.drop()
+        self.state.readback.drop()
         return rows
 
     def drop(self, keys: Collection[str]) -> list[LoopRow]:
@@ -495,24 +317,12 @@ class RunningLoop:
         pending = self.passes.pending
         if pending is not None and any(r.key in keys for r in pending.rows):
             self.passes.settle()
-        dropped = [row for row in self.waiting if row.key in keys]
-        if dropped:
-            self.waiting = deque(row for row in self.waiting if row.key not in keys)
-            self._waiting_interactive -= sum(row.interactive for row in dropped)
+        dropped = self.books.drop_waiting(keys)
         for slot, row in list(self.rows.items()):
             if row.key in keys:
                 self._release(slot)
                 dropped.append(row)
         return dropped
-
-    def _bucket(self, top: int | None = None) -> int:
-        """Slots a step runs over: the smallest bucket covering the highest live slot (or the
-        first `top` slots)."""
-        top = max(self.rows) + 1 if top is None else top
-        for b in BUCKETS:
-            if b >= top:
-                return min(b, self.config.slots)
-        return self.config.slots
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -524,98 +334,13 @@ class RunningLoop:
         plan = self.admission.plan()
         if plan is not None:
             self.passes.run(plan)
-            self._pass_launched_at = self._step_no
-
-    def _take_waiting(self, keys: list[str]) -> list[LoopRow]:
-        """The rows of `keys` out of the queue, in that order (a prefill pass's plan): a pass
-        may take interactive rows from behind bulk ones."""
-        if all(r.key == k for r, k in zip(self.waiting, keys, strict=False)):  # the oldest
-            rows = [self.waiting.popleft() for _ in keys]
-        else:
-            wanted = set(keys)
-            by_key = {r.key: r for r in self.waiting if r.key in wanted}
-            self.waiting = deque(r for r in self.waiting if r.key not in wanted)
-            rows = [by_key[k] for k in keys]
-        self._waiting_interactive -= sum(r.interactive for r in rows)
-        return rows
-
-    def _enter(self, row: LoopRow) -> None:
-        """The host's books for a row now in its slot: when its cap is reached, its guard phase."""
-        self.rows[row.slot] = row
-        row.entry, self._entries = self._entries, self._entries + 1
-        self._live_interactive += row.interactive
-        if row.interactive:
-            self._interactive_slots.add(row.slot)
-        self._kv_base += row.prompt_tokens - row.first_step
-        self._kv_extra += row.extra
-        self.harvest.track(row)
-        phase = self._phase(row)
-        if phase is not None:
-            self._phases.setdefault(phase, set()).add(row.slot)
-
-    def _made(self, row: LoopRow) -> int:
-        """The tokens a live row has made so far, as the host knows without a sync (an upper
-        bound once it ended: a finished row makes no more)."""
-        return self._step_no - row.first_step + 1 + row.extra
-
-    def _phase(self, row: LoopRow) -> int | None:
-        """The full steps (mod the guard's `every`) before which the row's count is a multiple
-        of `every`; None: the guard never checks it (no guard, or the hooks force its eos)."""
-        if self._finder is None or row.eos_at is not None:
-            return None
-        return (row.first_step - 1 - row.extra) % self._finder.guard.every
+            self._pass_launched_at = self.books.step_no
 
     def _add_extra(self, row: LoopRow) -> None:
-        """A token more for a live row, made in an interactive-only step: its guard phase moves
-        and, if that token reached its cap, the harvest looks at once."""
-        phase = self._phase(row)
-        if phase is not None:
-            self._phases[phase].discard(row.slot)
-        row.extra += 1
-        self._kv_extra += 1
-        phase = self._phase(row)
-        if phase is not None:
-            self._phases.setdefault(phase, set()).add(row.slot)
-        if self._made(row) == row.max_new_tokens:
+        """A token more for a live row, made in an interactive-only step; if that token reached
+        its cap, the harvest looks at once."""
+        if self.books.add_extra(row):
             self.harvest.track(row)
-
-    def _forget_keys(self, slot: int) -> None:
-        """No key of the slot's previous row stays visible to the next one (the torch mask;
-        the Triton kernel reads [start, end), reset for the new row)."""
-        if self.valid is not None:
-            self.valid[slot].fill_(False)
-
-    # -- choosing tokens ------------------------------------------------------------------------
-
-    def _scores(self, logits: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-        """Float32 scores as transformers' processors make them, for the rows at `slots` (None:
-        the first rows, as many as `logits` has)."""
-        n = logits.shape[0]
-        seen = self.seen if slots is None or self.seen is None else self.seen[slots]
-        count = self.count if slots is None else self.count[slots]
-        min_new = self.min_new if slots is None else self.min_new[slots]
-        return greedy_scores(
-            logits, None if seen is None else seen[:n], self.config.penalty, count[:n],
-            min_new[:n], self.eos,
-        )
-
-    def _choose(self, logits: torch.Tensor, slots: torch.Tensor, rows: list[LoopRow]) -> None:
-        """The first token of freshly prefilled rows (at `slots`), as the static loop's."""
-        scores = self._scores(logits, slots)
-        nxt = scores.argmax(-1)
-        if self.forced is not None:
-            nxt = self.forced.first(nxt, slots)
-        if self.config.keep_logits:
-            for i, r in enumerate(rows):
-                r.logits = [logits[i].float().cpu()]
-        self.out[:, 0].index_copy_(0, slots, nxt)
-        self.tok.index_copy_(0, slots, nxt)
-        ended = (nxt[:, None] == self.eos[None, :]).any(1)
-        self.count.index_fill_(0, slots, 1)
-        ended |= self.cap[slots] <= 1
-        self.finished.index_copy_(0, slots, ended)
-        if self.seen is not None:  # a device True: `= True` would copy a host scalar (a sync)
-            self.seen.index_put_((slots, nxt), self._true)
 
     # -- decoding -----------------------------------------------------------------------------
 
@@ -630,15 +355,15 @@ class RunningLoop:
 
             if k not in self._kernels:
                 config = self.decoder.kernel
-                if is_fp8(self.kv_dtype) and config == DEFAULT_CONFIG:
+                if is_fp8(self.tensors.kv_dtype) and config == DEFAULT_CONFIG:
                     config = replace(FP8_CONFIG, fp8_products=self.config.fp8_products)
                 self._kernels[k] = TritonDecodeAttention(
                     k, self.text.heads, self.text.kv_heads, self.text.head_dim,
                     self.config.pool_tokens + 1, self.device, config,
-                    padded=self.values_transposed,
+                    padded=self.tensors.values_transposed,
                 )
             kernel = self._kernels[k]
-            start, end, scale = self.start[:k], self.end[:k], self.text.scale
+            start, end, scale = self.tensors.start[:k], self.tensors.end[:k], self.text.scale
 
             def triton_attend(q: Any, kc: Any, vc: Any) -> Any:
                 shape = (k, *kc.shape[1:])
@@ -648,8 +373,8 @@ class RunningLoop:
 
         from ocrq.models.hunyuan.attention import attend_torch
 
-        assert self.valid is not None
-        valid, scale = self.valid[:k], self.text.scale
+        assert self.tensors.valid is not None
+        valid, scale = self.tensors.valid[:k], self.text.scale
 
         def torch_attend(q: Any, kc: Any, vc: Any) -> Any:
             shape = (k, *kc.shape[1:])
@@ -661,30 +386,30 @@ class RunningLoop:
         """A step over slots [0, k): its graph replayed, else run (and captured)."""
         graphed = self.decoder.use_graph and self.decoder.is_cuda and not self.config.keep_logits
         if graphed and k in self.graphs:
-            with self.clock.span(span):
+            with self.state.clock.span(span):
                 self.graphs[k].replay()
         else:
-            with self.clock.span(span):
-                self._step(k)
+            with self.state.clock.span(span):
+                self.step(k)
             if graphed:
-                self._capture(k)
+                self.capture(k)
 
     def _decode_step(self) -> None:
         self._guard()
-        k = self._bucket()
-        lane = self._live_interactive > 0
+        k = self.books.bucket()
+        lane = self.books.live_interactive > 0
         self._launch_step(k, "decode_lane" if lane else "decode")
-        stats, live = self.stats, len(self.rows)
+        stats, books, live = self.stats, self.books, len(self.rows)
         stats.steps += 1
         stats.slot_steps += k
         stats.row_steps += live
-        stats.kv_token_steps += self._kv_base + live * self._step_no + self._kv_extra
-        stats.interactive_row_steps += self._live_interactive
+        stats.kv_token_steps += books.kv_base + live * books.step_no + books.kv_extra
+        stats.interactive_row_steps += books.live_interactive
         if lane:
             stats.lane_steps += 1
             stats.lane_row_steps += live
         stats.overlap_steps += self.passes.pending is not None
-        self._step_no += 1
+        self.books.step_no += 1
         self.harvest.since_check += 1
 
     def _reserve_lane(self) -> list[int]:
@@ -694,7 +419,7 @@ class RunningLoop:
         bench/results/lanes/lanes_h200_extra2_relaxed.md); it gets its tokens from the full
         steps alone."""
         reserved = self.config.lanes.reserved_slots
-        return [s for s in self._interactive_slots if not reserved or s < reserved]
+        return [s for s in self.books.interactive_slots if not reserved or s < reserved]
 
     def _in_pass_shadow(self) -> bool:
         """Whether this iteration runs an interactive-only step instead of a full one
@@ -703,7 +428,7 @@ class RunningLoop:
         beside it, and back-to-back passes cannot hold the bulk rows back for long)."""
         if not (self.config.lanes.pass_steps and self.config.prefill_stream):
             return False
-        if self.passes.pending is None or self._step_no == self._pass_launched_at:
+        if self.passes.pending is None or self.books.step_no == self._pass_launched_at:
             return False
         return bool(self._reserve_lane())
 
@@ -730,22 +455,22 @@ class RunningLoop:
         interactive row of the reserve is live: `LanePolicy.extra_steps` (or `limit`) steps
         over the smallest bucket holding every such row (the module's docstring), fewer once
         each of them has surely reached its cap; how many ran. They count as steps everywhere
-        a step counts (stats, the harvest's checks), but not in `_step_no`, the clock of
+        a step counts (stats, the harvest's checks), but not in `step_no`, the clock of
         admission (gaps, promotion) and of each row's `first_step`."""
         lanes = self.config.lanes
         slots = self._reserve_lane()
         count = lanes.extra_steps if limit is None else limit
         if not count or not slots:
             return 0
-        k = self._bucket(max(slots) + 1)
+        k = self.books.bucket(max(slots) + 1)
         lane = [self.rows[s] for s in slots]
         stats = self.stats
         ran = 0
         for _ in range(count):
-            if all(self._made(r) >= r.max_new_tokens for r in lane):
+            if all(self.books.made(r) >= r.max_new_tokens for r in lane):
                 break
             if self.config.keep_logits:
-                self.harvest._keep_logits()  # the previous step's, before this one's replace it
+                self.harvest.keep_logits()  # the previous step's, before this one's replace it
             covered = [r for s in range(k) if (r := self.rows.get(s)) is not None]
             self._guard([r.slot for r in covered])
             self._launch_step(k, "decode_extra")
@@ -753,7 +478,8 @@ class RunningLoop:
             stats.extra_steps += 1
             stats.slot_steps += k
             stats.row_steps += len(covered)
-            stats.kv_token_steps += sum(r.prompt_tokens - r.first_step + self._step_no + r.extra
+            step_no = self.books.step_no
+            stats.kv_token_steps += sum(r.prompt_tokens - r.first_step + step_no + r.extra
                                         for r in covered)
             stats.interactive_row_steps += len(lane)
             stats.lane_steps += 1
@@ -765,7 +491,7 @@ class RunningLoop:
             ran += 1
         return ran
 
-    def _capture(self, k: int) -> None:
+    def capture(self, k: int) -> None:
         """Record the step over `k` slots (recorded, not run: its first step ran eagerly just
         before, which also warmed its kernels up)."""
         import torch
@@ -776,57 +502,57 @@ class RunningLoop:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self._step(k)
+            self.step(k)
         torch.cuda.synchronize(self.device)
         self.graphs[k] = graph
         self.stats.graphs += 1
         self.stats.capture_s += time.perf_counter() - t
 
-    def _step(self, k: int) -> None:
+    def step(self, k: int) -> None:
         """One decode step over slots [0, k): fixed shapes, no host sync, no data-dependent
         Python. Slots without a live row (finished, or empty) read and write the scratch
         column and keep their state."""
         import torch
 
-        live = ~self.finished[:k]
-        col = torch.where(live, self.write[:k], self.scratch_col)
-        self.start[:k].copy_(torch.where(live, self.base[:k], self.scratch_col.int()))
-        self.end[:k].copy_(col.int() + 1)
-        if self.valid is not None:
-            self.valid[:k].scatter_(1, col[:, None], True)
+        t = self.tensors
+        live = ~t.finished[:k]
+        col = torch.where(live, t.write[:k], t.scratch_col)
+        t.start[:k].copy_(torch.where(live, t.base[:k], t.scratch_col.int()))
+        t.end[:k].copy_(col.int() + 1)
+        if t.valid is not None:
+            t.valid[:k].scatter_(1, col[:, None], True)
         logits = self.text.step(
-            self.tok[:k], self.pos[:, :k], col, self.keys, self.values, self._attention(k),
+            t.tok[:k], t.pos[:, :k], col, t.keys, t.values, self._attention(k),
             self.decoder.fused, pooled=True,
         )
         if self.config.keep_logits:
-            self._kept = logits.float()
+            t.kept = logits.float()
         if self.fused_greedy:
-            seen = self.seen[:k] if self.seen is not None else None
-            nxt = greedy_next(logits, seen, self.config.penalty, self.count[:k],
-                              self.min_new[:k], self.eos)
+            seen = t.seen[:k] if t.seen is not None else None
+            nxt = greedy_next(logits, seen, self.config.penalty, t.count[:k], t.min_new[:k], t.eos)
         else:
-            nxt = self._scores(logits, None).argmax(-1)
-        if self.forced is not None:  # hooks only: captured in the graph with the rest
-            nxt = self.forced.step(nxt, self.count[:k])
+            nxt = t.scores(logits, None).argmax(-1)
+        if t.forced is not None:  # hooks only: captured in the graph with the rest
+            nxt = t.forced.step(nxt, t.count[:k])
         nxt = torch.where(live, nxt, torch.full_like(nxt, self.tokens.pad))
-        at = self.count[:k].clamp(max=self.out.shape[1] - 1)[:, None]
-        kept = self.out[:k].gather(1, at)[:, 0]
-        self.out[:k].scatter_(1, at, torch.where(live, nxt, kept)[:, None])
-        self.count[:k] += live
-        ended = (nxt[:, None] == self.eos[None, :]).any(1) | (self.count[:k] >= self.cap[:k])
-        self.finished[:k] |= live & ended
-        self.tok[:k].copy_(torch.where(live, nxt, self.tok[:k]))
-        self.pos[:, :k] += live
-        self.write[:k] += live
-        if self.seen is not None:
-            self.seen[:k].scatter_(1, nxt[:, None], live[:, None] | self.seen[:k].gather(
+        at = t.count[:k].clamp(max=t.out.shape[1] - 1)[:, None]
+        kept = t.out[:k].gather(1, at)[:, 0]
+        t.out[:k].scatter_(1, at, torch.where(live, nxt, kept)[:, None])
+        t.count[:k] += live
+        ended = (nxt[:, None] == t.eos[None, :]).any(1) | (t.count[:k] >= t.cap[:k])
+        t.finished[:k] |= live & ended
+        t.tok[:k].copy_(torch.where(live, nxt, t.tok[:k]))
+        t.pos[:, :k] += live
+        t.write[:k] += live
+        if t.seen is not None:
+            t.seen[:k].scatter_(1, nxt[:, None], live[:, None] | t.seen[:k].gather(
                 1, nxt[:, None]))
 
     def _guard(self, slots: Collection[int] | None = None) -> None:
         """Stop the live rows whose tokens so far end in a loop, at the token counts the static
         loop checks (`guard_due`); the host knows each row's count without a sync (a live row
-        makes one token in each step that covers it: `_made`). Before a full step, the rows of
-        this step's phase; before an interactive-only step, the `slots` it covers."""
+        makes one token in each step that covers it: `LoopBooks.made`). Before a full step, the
+        rows of this step's phase; before an interactive-only step, the `slots` it covers."""
         import torch
 
         if self._finder is None:
@@ -835,19 +561,20 @@ class RunningLoop:
         due: dict[int, list[int]] = {}
         # Rows whose eos the hooks force never enter a phase: their length is the hooks' call.
         if slots is None:
-            slots = self._phases.get(self._step_no % guard.every, ())
+            slots = self.books.phases.get(self.books.step_no % guard.every, ())
         for slot in slots:
             row = self.rows[slot]
             if row.eos_at is not None:
                 continue
-            n = self._made(row)
+            n = self.books.made(row)
             if guard_due(guard, n, row.min_new_tokens, row.max_new_tokens):
                 due.setdefault(n, []).append(slot)
         for n, slots in due.items():
             index = to_device(slots, torch.long, self.device)
-            hits = self._finder(self.out[index, :n]) & ~self.finished[index]
-            self.stopped.index_copy_(0, index, torch.where(hits, n, self.stopped[index]))
-            self.finished.index_copy_(0, index, self.finished[index] | hits)
+            t = self.tensors
+            hits = self._finder(t.out[index, :n]) & ~t.finished[index]
+            t.stopped.index_copy_(0, index, torch.where(hits, n, t.stopped[index]))
+            t.finished.index_copy_(0, index, t.finished[index] | hits)
 
     # -- finished rows ---------------------------------------------------------------------------
 
@@ -869,16 +596,5 @@ class RunningLoop:
         return done
 
     def _release(self, slot: int) -> None:
-        row = self.rows.pop(slot)
-        self._live_interactive -= row.interactive
-        self._interactive_slots.discard(slot)
-        self._kv_base -= row.prompt_tokens - row.first_step
-        self._kv_extra -= row.extra
-        phase = self._phase(row)
-        if phase is not None:
-            self._phases.get(phase, set()).discard(slot)
-        self.pool = self.pool.give(row.start, row.capacity)
-        # fill_ on a slice: `tensor[slot] = value` copies a host scalar, a sync per row.
-        self.finished[slot : slot + 1].fill_(True)
-        self.write[slot : slot + 1].fill_(self.scratch)
-        self.base[slot : slot + 1].fill_(self.scratch)
+        self.books.leave(slot)
+        self.tensors.free(slot)

@@ -14,7 +14,7 @@ worker is ready, and beside the rest of its start (ocrq/worker/engine_start.py):
    decode steps over the first bucket (eager, then captured), the harvest;
 2. every other bucket's decode step runs once eagerly (its kernels' first calls) and is
    captured, as `RunningLoop._decode_step` does on a bucket's first use. A step over slots
-   without a live row changes no slot's state (`RunningLoop._step`: every update is masked by
+   without a live row changes no slot's state (`RunningLoop.step`: every update is masked by
    `live`; only the scratch column is written), so this touches nothing a job will read;
 3. the loop's account starts again empty, so its figures are the jobs' alone (the graphs
    captured and their seconds are kept: that is what the warm-up did).
@@ -26,34 +26,52 @@ first use, as before. Tokens are the same with or without it (tests/test_startup
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ocrq.models.hunyuan.loop_types import BUCKETS, Done, LoopConfig, LoopRow, LoopStats
 from ocrq.models.hunyuan.readback import GpuClock
 
 if TYPE_CHECKING:
-    from ocrq.models.hunyuan.running import LoopRow, RunningLoop
+    from ocrq.models.hunyuan.decode import HunyuanDecoder
+    from ocrq.models.hunyuan.loop_state import LoopParts
 
 
-def buckets(loop: RunningLoop) -> list[int]:
-    """Every slot count a decode step of this loop can run over (`RunningLoop._bucket`)."""
-    from ocrq.models.hunyuan.running import BUCKETS
+class WarmLoop(Protocol):
+    """What the warm-up drives of a running loop (ocrq/models/hunyuan/running.py's
+    `RunningLoop`): its public face, its decode step and capture, its shared state."""
 
+    decoder: HunyuanDecoder
+    config: LoopConfig
+    state: LoopParts
+    graphs: dict[int, Any]
+
+    def add(self, rows: Sequence[LoopRow]) -> None: ...
+    def drain(self) -> list[Done]: ...
+    def step(self, k: int) -> None: ...
+    def capture(self, k: int) -> None: ...
+    def collect_stats(self, wait: bool = False) -> LoopStats: ...
+
+
+def buckets(loop: WarmLoop) -> list[int]:
+    """Every slot count a decode step of this loop can run over (`LoopBooks.bucket`)."""
     slots = loop.config.slots
     return sorted({min(b, slots) for b in BUCKETS})
 
 
-def graphed(loop: RunningLoop) -> bool:
+def graphed(loop: WarmLoop) -> bool:
     """Whether the loop's decode steps are CUDA graphs (as `RunningLoop._decode_step` decides)."""
     return bool(loop.decoder.use_graph and loop.decoder.is_cuda and not loop.config.keep_logits)
 
 
-def warm_up(loop: RunningLoop, row: LoopRow | None, deadline: float) -> list[int]:
+def warm_up(loop: WarmLoop, row: LoopRow | None, deadline: float) -> list[int]:
     """A step of the warm-up of an idle loop (the module's doc): with `row`, that row run to its
     end (1); without, every bucket not captured yet, until `deadline` (time.monotonic()) (2).
     Either way the books start again empty (3). The buckets graphed by then."""
     import torch
 
-    if loop.rows or loop.waiting:
+    books = loop.state.books
+    if books.rows or books.waiting:
         raise RuntimeError("the running loop warms up before its first row, not after")
     if row is not None:
         loop.add([row])
@@ -65,18 +83,17 @@ def warm_up(loop: RunningLoop, row: LoopRow | None, deadline: float) -> list[int
                     continue
                 if time.monotonic() >= deadline:
                     break
-                loop._step(k)  # its kernels' first calls, outside the capture
-                loop._capture(k)
+                loop.step(k)  # its kernels' first calls, outside the capture
+                loop.capture(k)
     _forget_books(loop)
     return sorted(loop.graphs)
 
 
-def _forget_books(loop: RunningLoop) -> None:
+def _forget_books(loop: WarmLoop) -> None:
     """The loop's account from here on is its jobs': all but the graphs it holds and their
     capture seconds start again from zero."""
-    from ocrq.models.hunyuan.running import LoopStats
-
     loop.collect_stats(wait=True)
-    loop.stats = LoopStats(graphs=loop.stats.graphs, capture_s=loop.stats.capture_s)
-    loop.clock = GpuClock(loop.clock.cuda)
-    loop.readback.waited_s = 0.0
+    state = loop.state
+    state.stats = LoopStats(graphs=state.stats.graphs, capture_s=state.stats.capture_s)
+    state.clock = GpuClock(state.clock.cuda)
+    state.readback.waited_s = 0.0

@@ -1,0 +1,60 @@
+"""What crosses between the loop's scheduler and its runner: a row asked for, the plan of one
+tick, and what the runner did with it.
+
+Why frozen values: the runner executes a plan it cannot change, and the scheduler learns what
+happened only from the output it is handed, so either side can be tested alone (vLLM v1's
+`SchedulerOutput` / `ModelRunnerOutput` split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Request:
+    """A row for the loop: its key (the job's), its prompt, its own cap on new tokens (None:
+    the loop's), and its lane."""
+
+    key: str
+    prompt_tokens: int
+    max_new_tokens: int | None = None
+    interactive: bool = False
+
+
+@dataclass(frozen=True)
+class Admit:
+    """A row to prefill into `slot`, its KV at [start, start + capacity) of the pool; it ends at
+    `row_cap` new tokens."""
+
+    key: str
+    slot: int
+    start: int
+    capacity: int
+    row_cap: int
+    prompt_tokens: int
+    interactive: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One tick: rows to drop first (their jobs were cancelled: slots and ranges already given
+    back in the book), rows to admit in one prefill pass (in pass order), the decode steps to run
+    before asking again, and the slots an interactive-only step covers (0: none; the smallest
+    bucket holding every live interactive row of the reserve)."""
+
+    drop: tuple[str, ...] = ()
+    admit: tuple[Admit, ...] = ()
+    decode_steps: int = 1
+    interactive_bucket: int = 0
+    blocked: str | None = None  # why admission stopped, if it did (`Admission.blocked`)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What the runner did since the last plan: the full decode steps it ran, and the rows it
+    saw finish (an eos, their cap, the repetition guard). A row may be named again by a later
+    output (a late copy of the slots' state): the scheduler hands each back once."""
+
+    steps: int = 0
+    finished: tuple[str, ...] = ()

@@ -1,0 +1,224 @@
+"""`LoopScheduler`: the running loop's waiting queue, lane rule and KV book in one place.
+
+Why: the loop's decisions (which waiting rows to prefill, into which slots and pool ranges, when)
+were spread over the loop's own books and its admission policy (ocrq/models/hunyuan/admission.py,
+running.py), beside the device state; here they are plain data and arithmetic, planned once per
+tick and checked without a device. The rule is the loop's as it stands:
+
+* prefill schedules (`schedule`): "alternate" waits until a quarter of the slots are free (or
+  nothing runs) and then fills one pass; "chunked" plans a pass before every decode step, with
+  `prefill_gap` steps between passes unless a pass is full or nothing runs;
+* which rows a pass takes: the lanes' rule (ocrq/models/lane_pass.py `lane_pass`): interactive
+  rows first and into reserved slots, bulk rows held while the lane is busy, promoted after
+  `promote_steps`; an interactive row waiting skips either schedule's wait;
+* the KV book (ocrq/models/slots.py `KvPool`): a row holds `capacity_of(prompt, cap)` tokens
+  from its admission to its end, asked once when it is queued.
+
+One tick: `schedule()` returns a `StepPlan`; the runner drops, prefills and decodes as it says
+and hands back a `StepOutput`; `update` frees the finished rows' slots and ranges and names each
+finished row once, however many outputs name it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from ocrq.models.lane_pass import LanePolicy, LoopState, Waiter, lane_pass
+from ocrq.models.slots import FULL_PASS, KvPool, capacity_of
+from ocrq.scheduling.loop.plan import Admit, Request, StepOutput, StepPlan
+
+SCHEDULES = ("alternate", "chunked")
+# The runner's graphed slot counts (ocrq/models/hunyuan/loop_types.py `BUCKETS`; a test keeps
+# them equal): an interactive-only step covers the smallest one holding its rows.
+BUCKETS = tuple(8 << i for i in range(10))
+NEVER = -(10**9)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The loop's shape and rule: its slots, pool and cap (`RunningBudget`), its prefill
+    schedule, and its lanes (the Hunyuan loop's `LoopConfig` says the same)."""
+
+    slots: int
+    pool_tokens: int
+    max_new_tokens: int
+    schedule: str = "chunked"
+    pass_tokens: int = 4096  # prompt tokens of one prefill pass (padded unless `packed`)
+    prefill_gap: int = 1
+    packed: bool = False
+    check_every: int = 8  # decode steps between plans while nothing waits
+    lanes: LanePolicy = field(default_factory=LanePolicy)
+    buckets: tuple[int, ...] = BUCKETS
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if (self.slots < 1 or self.pool_tokens < 1 or self.max_new_tokens < 1
+                or self.prefill_gap < 1 or self.check_every < 1 or self.pass_tokens < 1):
+            raise ValueError(f"invalid scheduler config {self}")
+
+
+@dataclass(frozen=True)
+class _Queued:
+    key: str
+    prompt_tokens: int
+    capacity: int
+    row_cap: int
+    interactive: bool
+    queued_step: int
+
+
+class LoopScheduler:
+    """Plans one running loop: the only waiting queue, lane rule and KV book it has."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.pool = KvPool.empty(config.pool_tokens)
+        self.step = 0  # full decode steps the runner reported
+        self._waiting: deque[_Queued] = deque()
+        self._waiting_interactive = 0
+        self._running: dict[str, Admit] = {}
+        self._slots: dict[int, str] = {}  # slot -> the key of the row holding it
+        self._dropped: list[str] = []  # running rows dropped since the last plan
+        self._last_prefill = NEVER
+        self._last_bulk_pass = NEVER
+
+    # -- the books ---------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> dict[str, Admit]:
+        """Key -> the row's admission, for every row admitted and not yet finished."""
+        return dict(self._running)
+
+    def idle(self) -> bool:
+        return not self._waiting and not self._running and not self._dropped
+
+    def add(self, requests: Iterable[Request]) -> None:
+        """Queue rows, oldest first; each must fit the pool alone (the planner's check) and
+        have a key no row waiting or running has."""
+        cfg = self.config
+        for r in requests:
+            if r.key in self._running or any(q.key == r.key for q in self._waiting):
+                raise ValueError(f"row {r.key} is in the loop already")
+            cap = cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+            if not 1 <= cap <= cfg.max_new_tokens:
+                raise ValueError(f"row {r.key}: max_new_tokens {cap} outside "
+                                 f"1..{cfg.max_new_tokens}")
+            capacity = capacity_of(r.prompt_tokens, cap)
+            if capacity > cfg.pool_tokens:
+                raise ValueError(f"row {r.key} needs {capacity} KV tokens, over the pool's "
+                                 f"{cfg.pool_tokens}")
+            self._waiting.append(
+                _Queued(r.key, r.prompt_tokens, capacity, cap, r.interactive, self.step)
+            )
+            self._waiting_interactive += r.interactive
+
+    def drop(self, keys: Collection[str]) -> list[str]:
+        """Forget these rows (their jobs were cancelled); the keys it held. A waiting row goes
+        at once; a running one's slot and range are given back now and the next plan tells the
+        runner to drop it (before that plan's prefill, which may reuse them)."""
+        gone = [q for q in self._waiting if q.key in keys]
+        if gone:
+            self._waiting = deque(q for q in self._waiting if q.key not in keys)
+            self._waiting_interactive -= sum(q.interactive for q in gone)
+        live = [k for k in keys if k in self._running]
+        for key in live:
+            self._free(key)
+        self._dropped += live
+        return [q.key for q in gone] + live
+
+    # -- a tick ------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """This tick's plan (the module's docstring); a row it admits holds its slot and range
+        in the book from now on."""
+        drop, self._dropped = tuple(self._dropped), []
+        admit, blocked = self._admit()
+        steps = 1 if self._waiting else self.config.check_every
+        return StepPlan(drop, admit, steps, self._interactive_bucket(), blocked)
+
+    def update(self, output: StepOutput) -> tuple[str, ...]:
+        """The runner's output taken: the step clock moves on, and the rows it saw finish give
+        back their slots and ranges; those rows, each once."""
+        self.step += output.steps
+        finished = []
+        for key in output.finished:
+            if key in self._running:
+                self._free(key)
+                finished.append(key)
+        return tuple(finished)
+
+    # -- the rule ----------------------------------------------------------------------------
+
+    def _free(self, key: str) -> None:
+        seat = self._running.pop(key)
+        del self._slots[seat.slot]
+        self.pool = self.pool.give(seat.start, seat.capacity)
+
+    def _admit(self) -> tuple[tuple[Admit, ...], str | None]:
+        cfg = self.config
+        if not self._waiting:
+            return (), None
+        free = [s for s in range(cfg.slots) if s not in self._slots]
+        if not free:
+            return (), "no free slot"
+        urgent = self._waiting_interactive > 0  # an interactive row goes in the next pass
+        running = len(self._running)
+        if cfg.schedule == "alternate" and running and len(free) * 4 < cfg.slots and not urgent:
+            return (), None  # let more slots free up first: one larger pass
+        # With no interactive row waiting, admission never looks past the free slots (and one
+        # to learn why it stopped); with one, the whole queue.
+        queue = self._waiting if urgent else itertools.islice(self._waiting, len(free) + 1)
+        waiters = [Waiter(q.key, q.prompt_tokens, q.capacity, q.interactive, q.queued_step)
+                   for q in queue]
+        live_interactive = sum(a.interactive for a in self._running.values())
+        state = LoopState(cfg.slots, tuple(free), running - live_interactive, live_interactive,
+                          self.step, self._last_bulk_pass)
+        decided = lane_pass(waiters, self.pool, state, cfg.pass_tokens, cfg.lanes,
+                            packed=cfg.packed)
+        plan = decided.admission
+        if not plan.placements:
+            return (), plan.blocked
+        soon = self.step - self._last_prefill < cfg.prefill_gap
+        if cfg.schedule == "chunked" and running and soon and plan.blocked != FULL_PASS \
+                and not urgent:
+            return (), None  # not full yet, and the runner has rows to decode meanwhile
+        queued = {q.key: q for q in self._waiting}
+        taken = {p.key for p in plan.placements}
+        self._waiting = deque(q for q in self._waiting if q.key not in taken)
+        admitted = []
+        for p in plan.placements:
+            q = queued[p.key]
+            a = Admit(p.key, p.slot, p.start, p.capacity, q.row_cap, q.prompt_tokens,
+                      q.interactive)
+            self._running[a.key] = a
+            self._slots[a.slot] = a.key
+            admitted.append(a)
+        self._waiting_interactive -= sum(a.interactive for a in admitted)
+        self.pool = plan.pool
+        self._last_prefill = self.step
+        if any(not a.interactive for a in admitted):
+            self._last_bulk_pass = self.step
+        return tuple(admitted), plan.blocked
+
+    def _interactive_bucket(self) -> int:
+        """The slots an interactive-only step covers: the smallest bucket holding every live
+        interactive row of the reserve; 0 without such steps or rows."""
+        lanes = self.config.lanes
+        if not lanes.extra_steps:
+            return 0
+        reserved = lanes.reserved_slots
+        slots = [a.slot for a in self._running.values()
+                 if a.interactive and (not reserved or a.slot < reserved)]
+        if not slots:
+            return 0
+        top = max(slots) + 1
+        return min(next((b for b in self.config.buckets if b >= top), self.config.slots),
+                   self.config.slots)

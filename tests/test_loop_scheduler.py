@@ -1,0 +1,221 @@
+"""The running loop's scheduler (ocrq/scheduling/loop/) on the CPU, no torch: ticks of
+`schedule -> StepOutput -> update` driven by a runner simulated here, as vLLM v1's scheduler
+tests drive theirs; and, tick for tick, the same plans as the Hunyuan loop's admission policy
+(ocrq/models/hunyuan/admission.py) makes today."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from ocrq.models.lane_pass import LanePolicy
+from ocrq.models.slots import KvPool, capacity_of
+from ocrq.scheduling.loop import LoopScheduler, Request, SchedulerConfig, StepOutput, StepPlan
+
+
+def tick(s: LoopScheduler, finished: tuple[str, ...] = (), steps: int = 1) -> StepPlan:
+    s.update(StepOutput(steps, finished))
+    return s.schedule()
+
+
+def test_a_row_is_admitted_into_a_slot_and_range_and_handed_back_once() -> None:
+    s = LoopScheduler(SchedulerConfig(slots=2, pool_tokens=1024, max_new_tokens=32))
+    s.add([Request("a", 100), Request("b", 50, max_new_tokens=4), Request("c", 80)])
+    plan = s.schedule()
+    assert [(a.key, a.slot, a.start) for a in plan.admit] == [("a", 0, 0), ("b", 1, 144)]
+    assert [a.capacity for a in plan.admit] == [capacity_of(100, 32), capacity_of(50, 4)]
+    assert [a.row_cap for a in plan.admit] == [32, 4]
+    assert plan.blocked == "no free slot" and plan.decode_steps == 1  # "c" waits: ask again
+    assert s.pool.free_tokens == 1024 - 144 - 64
+    assert s.update(StepOutput(4, ("b",))) == ("b",)
+    assert s.update(StepOutput(0, ("b",))) == ()  # a late copy names it again: not twice
+    plan = s.schedule()
+    assert [(a.key, a.slot) for a in plan.admit] == [("c", 1)]  # the freed slot
+    assert plan.decode_steps == s.config.check_every  # nothing waits
+    assert s.update(StepOutput(3, ("a", "c"))) == ("a", "c")
+    assert s.idle() and s.pool == KvPool.empty(1024) and s.step == 7
+
+
+def test_rows_the_loop_cannot_take_are_refused_when_queued() -> None:
+    s = LoopScheduler(SchedulerConfig(slots=2, pool_tokens=256, max_new_tokens=32))
+    with pytest.raises(ValueError, match="over the pool"):
+        s.add([Request("big", 300)])
+    with pytest.raises(ValueError, match="outside"):
+        s.add([Request("x", 10, max_new_tokens=33)])
+    s.add([Request("a", 10)])
+    with pytest.raises(ValueError, match="in the loop already"):
+        s.add([Request("a", 10)])
+
+
+def test_a_dropped_row_frees_its_slot_for_the_same_plan_and_never_comes_back() -> None:
+    s = LoopScheduler(SchedulerConfig(slots=1, pool_tokens=512, max_new_tokens=8))
+    s.add([Request("a", 100), Request("b", 100), Request("c", 100)])
+    assert [a.key for a in s.schedule().admit] == ["a"]
+    assert s.drop({"a", "b"}) == ["b", "a"]  # waiting "b" at once, running "a" as well
+    plan = s.schedule()
+    assert plan.drop == ("a",) and [(a.key, a.slot) for a in plan.admit] == [("c", 0)]
+    assert s.update(StepOutput(1, ("a", "c"))) == ("c",)  # "a" was dropped, not finished
+    assert s.schedule().drop == () and s.idle()
+
+
+def test_chunked_passes_wait_for_the_gap_unless_an_interactive_row_waits() -> None:
+    s = LoopScheduler(SchedulerConfig(slots=8, pool_tokens=4096, max_new_tokens=16,
+                                      prefill_gap=4))
+    s.add([Request("a", 50)])
+    assert len(s.schedule().admit) == 1
+    s.add([Request("b", 50)])
+    for _ in range(3):
+        assert tick(s).admit == ()  # rows decode meanwhile: fewer, fuller passes
+    assert [a.key for a in tick(s).admit] == ["b"]
+    s.add([Request("c", 50), Request("i", 50, interactive=True)])
+    assert [a.key for a in tick(s).admit] == ["i", "c"]  # at once, and first
+
+
+def test_an_interactive_only_step_covers_the_reserve_s_bucket() -> None:
+    lanes = LanePolicy(reserved_slots=2, extra_steps=2)
+    s = LoopScheduler(SchedulerConfig(slots=40, pool_tokens=1 << 16, max_new_tokens=16,
+                                      lanes=lanes))
+    s.add([Request(f"b{i}", 20) for i in range(20)])
+    plan = s.schedule()
+    assert {a.slot for a in plan.admit} == set(range(2, 22)) and plan.interactive_bucket == 0
+    s.add([Request("i", 20, interactive=True)])
+    plan = tick(s)
+    assert [(a.key, a.slot) for a in plan.admit] == [("i", 0)] and plan.interactive_bucket == 8
+
+
+def test_the_buckets_are_the_runner_s() -> None:
+    from ocrq.models.hunyuan.loop_types import BUCKETS
+
+    assert SchedulerConfig(1, 1, 1).buckets == BUCKETS
+
+
+def simulate(config: SchedulerConfig, seed: int, rows: int = 120) -> None:
+    """A runner under random arrivals: each admitted row ends after a random number of steps
+    within its cap, reported some steps late (a copy of the slots' state read later), and named
+    again now and then. The books are checked at every tick."""
+    rng = random.Random(seed)
+    s = LoopScheduler(config)
+    pending = [Request(f"r{i}", rng.randint(8, 600), rng.choice([None, rng.randint(1, 64)]),
+                       rng.random() < 0.25) for i in range(rows)]
+    ends: dict[str, int] = {}  # key -> the step it is seen finished
+    done: list[str] = []
+    for _ in range(20000):
+        if pending and rng.random() < 0.4:
+            batch = pending[: rng.randint(1, 4)]
+            pending = pending[len(batch):]
+            s.add(batch)
+        plan = s.schedule()
+        for a in plan.admit:
+            ends[a.key] = s.step + rng.randint(1, a.row_cap) + rng.randint(0, 3)
+        running = s.running
+        slots = [a.slot for a in running.values()]
+        assert len(slots) == len(set(slots)) and all(0 <= x < config.slots for x in slots)
+        bulk = sum(not a.interactive for a in running.values())
+        assert bulk <= config.slots - config.lanes.reserved_slots
+        spans = sorted((a.start, a.start + a.capacity) for a in running.values())
+        assert all(e <= b for (_, e), (b, _) in itertools.pairwise(spans))
+        held = sum(a.capacity for a in running.values())
+        assert s.pool.free_tokens == config.pool_tokens - held  # the book adds up
+        steps = plan.decode_steps if running else 0
+        now = s.step + steps
+        seen = tuple(k for k, at in ends.items() if at <= now)
+        again = tuple(rng.sample(done, min(len(done), 2)))  # late copies name rows again
+        got = s.update(StepOutput(steps, seen + again))
+        assert set(got) == set(seen) and not set(got) & set(done)
+        for k in got:
+            del ends[k]
+        done += got
+        if not pending and s.idle():
+            break
+    assert sorted(done) == sorted(f"r{i}" for i in range(rows))  # every row once
+    assert s.pool == KvPool.empty(config.pool_tokens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("schedule", ["alternate", "chunked"])
+def test_every_row_ends_once_and_the_book_always_adds_up(seed: int, schedule: str) -> None:
+    lanes = LanePolicy(reserved_slots=2, bulk_gap=2, bulk_prefill_tokens=512, extra_steps=1,
+                       promote_steps=64)
+    config = SchedulerConfig(slots=8, pool_tokens=4096, max_new_tokens=64, schedule=schedule,
+                             pass_tokens=1024, prefill_gap=2, packed=seed % 2 == 0, lanes=lanes)
+    simulate(config, seed)
+
+
+class _NoPass:
+    """The Hunyuan loop's prefill passes as its admission policy sees them: none pending."""
+
+    pending = None
+
+    def slots(self) -> set[int]:
+        return set()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_plans_are_those_of_the_loop_s_admission_policy(seed: int) -> None:
+    """Both fed the same rows and the same finishes, tick for tick: the same rows admitted into
+    the same slots and ranges (the scheduler is to take the policy's place unchanged)."""
+    from ocrq.models.hunyuan.admission import AdmissionPolicy
+    from ocrq.models.hunyuan.loop_state import LoopBooks, LoopParts
+    from ocrq.models.hunyuan.loop_types import LoopConfig, LoopRow, LoopStats
+
+    lanes = LanePolicy(reserved_slots=2, bulk_gap=3, bulk_prefill_tokens=400, promote_steps=32)
+    schedule = ("alternate", "chunked", "chunked")[seed]
+    cfg = LoopConfig(slots=6, pool_tokens=3072, max_new_tokens=48, schedule=schedule,
+                     prefill_tokens=900, chunk_tokens=900, prefill_gap=2, packed=seed == 2,
+                     lanes=lanes)
+    books = LoopBooks.empty(cfg)
+    parts = LoopParts(None, None, cfg, books, None, LoopStats(), None, None)  # type: ignore[arg-type]
+    policy = AdmissionPolicy(parts, _NoPass())  # type: ignore[arg-type]
+    s = LoopScheduler(SchedulerConfig(6, 3072, 48, schedule, cfg.pass_tokens, 2, cfg.packed,
+                                      lanes=lanes))
+    rng = random.Random(seed)
+    ends: dict[str, int] = {}
+    rows: dict[str, LoopRow] = {}
+    n = 0
+    for _ in range(3000):
+        if n < 80 and rng.random() < 0.5:
+            prompt, cap, lane = rng.randint(8, 500), rng.randint(1, 48), rng.random() < 0.3
+            key = f"r{n}"
+            n += 1
+            row = LoopRow(key, SimpleNamespace(input_ids=SimpleNamespace(shape=(prompt,))),
+                          cap, interactive=lane)  # type: ignore[arg-type]
+            row.capacity = capacity_of(prompt, cap)
+            books.queue(row)
+            rows[key] = row
+            s.add([Request(key, prompt, cap, lane)])
+        # The loop: a plan from its policy, carried out on its books as its passes do.
+        plan = policy.plan()
+        theirs = []
+        if plan is not None:
+            for p, row in zip(plan.placements,
+                              books.take_waiting([p.key for p in plan.placements]),
+                              strict=True):
+                row.slot, row.start, row.first_step = p.slot, p.start, books.step_no
+                books.enter(row)
+                theirs.append((p.key, p.slot, p.start))
+            books.pool = plan.pool
+        ours = s.schedule()
+        assert [(a.key, a.slot, a.start) for a in ours.admit] == theirs
+        for key, _, _ in theirs:
+            ends[key] = books.step_no + rng.randint(1, rows[key].max_new_tokens)
+        if books.rows:  # one decode step, and the rows that ended in it
+            books.step_no += 1
+            over = tuple(k for k, at in ends.items() if at <= books.step_no)
+            for k in over:
+                books.leave(rows[k].slot)
+                del ends[k]
+            assert set(s.update(StepOutput(1, over))) == set(over)
+        if n == 80 and not books.rows and not books.waiting:
+            break
+    assert s.idle() and s.pool == books.pool == KvPool.empty(3072)
+
+
+def test_the_scheduler_imports_no_torch() -> None:
+    code = ("import sys, ocrq.scheduling.loop; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
