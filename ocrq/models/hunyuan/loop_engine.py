@@ -87,15 +87,23 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
         return cls(settings)
 
     def load(self) -> None:
-        """As `HunyuanEngine.load`; a checkpoint whose generation config only `generate()`
-        honours (ocrq/models/hunyuan/generation.py) cannot run the loop: said here, at start."""
+        """As `HunyuanEngine.load`. A checkpoint whose generation config only `generate()`
+        honours (ocrq/models/hunyuan/generation.py) cannot run the loop: with
+        OCRQ_SCHEDULER=continuous, asked for by name, that stops the worker here, at start; with
+        "auto" the engine runs static batches, as before the two classes were split
+        (`streams`), the warning above saying why."""
         super().load()
-        if self._decoder is None:
+        if self._decoder is None and self.settings.scheduler == "continuous":
             raise RuntimeError(
                 "the running loop needs the fast decode path, which this checkpoint's "
                 "generation config rules out (the warning above says why): set "
                 "OCRQ_SCHEDULER=static"
             )
+
+    def streams(self) -> bool:
+        """False where the checkpoint ruled the fast decode path out (`load`, "auto"): the
+        worker then runs this engine's static batches (`run`, the static engine's)."""
+        return self._decoder is not None
 
     def close(self) -> None:
         self._drop_loop()
