@@ -215,7 +215,7 @@ def test_describe_names_models_and_runtime(engine: RapidEngine) -> None:
 
     facts = engine.describe()
     assert facts["engine"] == "rapid"
-    assert (facts["models"], facts["rec_model"]) == ("v6-small", "ppocrv6_rec.onnx")
+    assert (facts["models"], facts["rec_model"]) == ("v4", "ch_PP-OCRv4_rec_infer.onnx")
     assert facts["onnxruntime"] == onnxruntime.__version__
 
 

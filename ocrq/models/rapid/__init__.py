@@ -1,4 +1,4 @@
-"""CPU engine: PaddleOCR's PP-OCR ONNX models (PP-OCRv6 small by default, PP-OCRv4 on request:
+"""CPU engine: PaddleOCR's PP-OCR ONNX models (PP-OCRv4 by default, PP-OCRv6 small on request:
 `models.MODEL_SETS`, OCRQ_RAPID_MODELS), as shipped inside pinned wheels.
 
 Why not call `RapidOCR()` per image: it reads one image at a time, so the classifier and the
