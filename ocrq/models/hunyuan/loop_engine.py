@@ -81,6 +81,8 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
         self.running: RunningBudget | None = None
         self._items: dict[str, PreparedImage] = {}  # rows in the loop, by key
         self._failed: list[Finished] = []  # rows that failed before reaching the loop
+        # The checkpoint ruled the fast decode path out (`load`): static batches, no loop.
+        self._static_only = False
 
     @classmethod
     def from_settings(cls, settings: HunyuanSettings) -> HunyuanLoopEngine:
@@ -93,7 +95,8 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
         "auto" the engine runs static batches, as before the two classes were split
         (`streams`), the warning above saying why."""
         super().load()
-        if self._decoder is None and self.settings.scheduler == "continuous":
+        self._static_only = self._decoder is None
+        if self._static_only and self.settings.scheduler == "continuous":
             raise RuntimeError(
                 "the running loop needs the fast decode path, which this checkpoint's "
                 "generation config rules out (the warning above says why): set "
@@ -101,9 +104,9 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
             )
 
     def streams(self) -> bool:
-        """False where the checkpoint ruled the fast decode path out (`load`, "auto"): the
-        worker then runs this engine's static batches (`run`, the static engine's)."""
-        return self._decoder is not None
+        """False once `load` found the fast decode path ruled out ("auto"): the worker then
+        runs this engine's static batches (`run`, the static engine's)."""
+        return not self._static_only
 
     def close(self) -> None:
         self._drop_loop()
