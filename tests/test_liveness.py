@@ -677,7 +677,8 @@ def test_a_database_still_away_is_waited_for_out_loud(caplog: pytest.LogCaptureF
 
 def test_a_missing_database_is_said_as_missing(caplog: pytest.LogCaptureFixture) -> None:
     """The server answers but the database was never created: the worker says so and names
-    `ocrq migrate`, where it once said "unreachable or missing" for both faults."""
+    `ocrq migrate`, where it once said "unreachable or missing" for both faults; and it exits
+    EX_CONFIG, which its supervisor does not restart (it restarted every minute for ever)."""
     from ocrq.worker import exit_state
 
     missing = make_url(TEST_PG).set(database=f"ocrq_missing_{uuid.uuid4().hex[:8]}")
@@ -685,6 +686,6 @@ def test_a_missing_database_is_said_as_missing(caplog: pytest.LogCaptureFixture)
         database_url=missing.render_as_string(hide_password=False), database_wait_s=1.5
     )
     with caplog.at_level(logging.WARNING, logger=exit_state.__name__):
-        assert exit_state.check_database(settings) == 1
+        assert exit_state.check_database(settings) == exit_state.STARTUP_FAILED_EXIT_CODE
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]
     assert len(said) == 1 and "does not exist: run `ocrq migrate`" in said[0], said

@@ -275,7 +275,8 @@ def test_readyz_says_the_worker_waits_for_its_database(
             seen.append((answer.status_code, answer.text))
             return str(answer.json()["reason"]) if answer.status_code == 503 else ""
 
-        wait_for(lambda: "database not reachable yet" in worker.text(), 45,
+        # The server answers "no such database": said as that, not as unreachable.
+        wait_for(lambda: "for `ocrq migrate` to create it" in worker.text(), 45,
                  f"the worker waiting for its database\n{worker.text()[-2000:]}")
         deadline = time.monotonic() + 10
         while "waiting for the database" not in reason() and time.monotonic() < deadline:

@@ -184,11 +184,13 @@ def test_retention_lock_is_released_through_the_bouncer(direct_url: str) -> None
     held = []
     real_prune = retention.prune
 
-    def with_a_rival(db: Any, cutoff: dt.datetime, upload_dir: Path | None) -> Any:
+    def with_a_rival(
+        db: Any, cutoff: dt.datetime, upload_dir: Path | None, **kwargs: Any
+    ) -> Any:
         rival = other.connect()  # a transaction of another client, open across the unlock
         rival.execute(text("SELECT 1")).scalar_one()
         held.append(rival)
-        return real_prune(db, cutoff, upload_dir)
+        return real_prune(db, cutoff, upload_dir, **kwargs)
 
     try:
         retention.prune = with_a_rival  # type: ignore[assignment]
