@@ -109,7 +109,8 @@ def test_ocrq_run_reads_a_pdf(report_pdf: Path, env: dict[str, str], tmp_path: P
 def test_ocrq_run_counts_a_partly_failed_document_and_exits_1(
     image_root: Path, env: dict[str, str], tmp_path: Path
 ) -> None:
-    """A document whose middle page fails (a page too large to render) is `partial`: the
+    """A document whose middle page fails (a page too large to render at the fixed
+    OCRQ_PDF_DPI; left to choose, the page is drawn at the DPI that fits) is `partial`: the
     summary line says so and the exit code is 1, as for a failed image (it was 0, and the
     document was in no count of the summary)."""
     pdf = image_root / "partial-run.pdf"
@@ -117,7 +118,8 @@ def test_ocrq_run_counts_a_partly_failed_document_and_exits_1(
     out = tmp_path / "out.jsonl"
     done = subprocess.run(
         [str(BIN / "ocrq"), "run", str(pdf), "-o", str(out)],
-        env={**env, "COLUMNS": "200"}, capture_output=True, text=True, timeout=120, check=False,
+        env={**env, "COLUMNS": "200", "OCRQ_PDF_DPI": "200"}, capture_output=True, text=True,
+        timeout=120, check=False,
     )
     assert done.returncode == 1, done.stderr
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
