@@ -895,17 +895,18 @@ def test_the_loops_prefill_passes_give_the_anatomy_its_activations(tmp_path: Pat
     """With the running loop the sweep's peaks hold the pool, so the anatomy's per-batch
     workspace and activations come from prefill passes of 1, 2 and 4 rows through the open loop
     (issue 52: they were n/a): numbers, and a `how` that says so."""
-    from ocrq.models.hunyuan import HunyuanEngine
+    from ocrq.models.base import streaming
+    from ocrq.models.hunyuan import HunyuanLoopEngine
     from ocrq.models.memory import memory_of
     from ocrq.tuning.anatomy import anatomy
     from ocrq.tuning.loop_sweep import PREFILL_HOW, PREFILL_ROWS, LoopSetting
     from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path, "1.0")
-    engine = HunyuanEngine(cpu_settings(str(path), 8, scheduler="continuous"), decode="fast")
+    engine = HunyuanLoopEngine(cpu_settings(str(path), 8, scheduler="continuous"), decode="fast")
     engine.load()
     try:
-        assert engine.streams()
+        assert streaming(engine) is engine
         rows = [item(64 + 32 * i, 64, 60 + i) for i in range(3)]
         for row in rows:
             engine.prepare(row)
