@@ -97,7 +97,8 @@ class Case:
         config = FP8_CONFIG if kv == "fp8" else DEFAULT_CONFIG
         self.attention = TritonDecodeAttention(rows, text.heads, kvh, d, pool_tokens + 1,
                                                device, config, padded=transposed)
-        self.fused = FusedStep(FusedWeights.from_text(text), rows, device, fused_config)
+        self.fused = FusedStep(FusedWeights.from_text(text), rows, device, fused_config,
+                               padded=True)
         self.kv_bytes = sum(contexts) * len(text.layers) * 2 * kvh * d * dtype.itemsize
 
     def today(self) -> Any:

@@ -44,7 +44,7 @@ CHECK = textwrap.dedent(
     model = HunYuanVLForConditionalGeneration._from_config(
         build_config(TINY_1_5), dtype=torch.float32).eval()
     text = TextModel(model)
-    H, KVH, D, L, WIDTH, B = text.heads, text.kv_heads, text.head_dim, len(text.layers), 256, 3
+    H, KVH, D, L, WIDTH, B = text.heads, text.kv_heads, text.head_dim, len(text.layers), 384, 3
     starts = torch.tensor([0, 40, 130], dtype=torch.int32)
     ends = torch.tensor([30, 107, 131], dtype=torch.int32)  # the last row: its new key only
     col = (ends - 1).long()
@@ -85,9 +85,9 @@ CHECK = textwrap.dedent(
         with torch.inference_mode():
             return text.step(tok, pos, col, ks, vs, attend, triton, pooled=True).float()
 
-    def fused(tok, pos, ks, vs, programs, start=starts, block_k=1024):
+    def fused(tok, pos, ks, vs, programs, start=starts, block_k=1024, padded=False):
         config = FusedConfig(attn_programs=programs, block_k=block_k)
-        step = FusedStep(weights, B, "cpu", config)
+        step = FusedStep(weights, B, "cpu", config, padded=padded)
         with torch.inference_mode():
             out = fused_decode_step(text, step, tok, pos, col, start, ends, ks, vs).float()
         return out, step.splits
@@ -102,9 +102,12 @@ CHECK = textwrap.dedent(
     ref = today(tok, pos, rk, rv, False)
     triton_ref = today(tok, pos, clone(ks), clone(vs), True)
     fk, fv = clone(ks), clone(vs)
-    out, splits = fused(tok, pos, fk, fv, 12, block_k=32)  # the norm's row in two tiles
+    # the norm's row in two tiles; whole key blocks from 16-key boundaries (the loop's pool)
+    out, splits = fused(tok, pos, fk, fv, 12, block_k=32, padded=True)
     print("f32", splits, float((out - ref).abs().max()), float((out - triton_ref).abs().max()),
           kv_diff(rk + rv, fk + fv), float(ref.abs().max()))
+    unpadded, _ = fused(tok, pos, clone(ks), clone(vs), 12)
+    print("unpadded", float((unpadded - ref).abs().max()))
     other, _ = fused(torch.tensor([12, 90, 3]), pos, clone(ks), clone(vs), 1)
     print("distinct", float((other - ref).abs().max()))
     shifted, _ = fused(tok, pos + 1, clone(ks), clone(vs), 1)
@@ -117,7 +120,7 @@ CHECK = textwrap.dedent(
     tk, tv = clone(ks), clone(vs)
     ref8 = today(tok, pos, tk, tv, True)
     fk, fv = clone(ks), clone(vs)
-    out8, splits = fused(tok, pos, fk, fv, 1)
+    out8, splits = fused(tok, pos, fk, fv, 12, padded=True)
     print("fp8", splits, int(fv[0].stride(2) == 1), float((out8 - ref8).abs().max()),
           kv_diff(tk + tv, fk + fv))
     """
@@ -143,12 +146,14 @@ def test_fused_step_equals_todays_step(lines: list[str]) -> None:
     assert splits == 2  # the ranges merged by the last program to finish
     assert vs_modules < TOLERANCE and vs_today < TOLERANCE, (vs_modules, vs_today)
     assert kv < 1e-5  # the same new keys and values at the same columns
+    (unpadded,) = value(lines, "unpadded")  # key blocks masked at the range's ends
+    assert unpadded < TOLERANCE, unpadded
     assert scale > 1.0  # logits far from zero: the tolerance is small against them
 
 
 def test_fused_step_on_the_fp8_pool(lines: list[str]) -> None:
     splits, transposed, diff, kv = value(lines, "fp8")
-    assert splits == 1 and transposed == 1
+    assert splits == 2 and transposed == 1
     assert diff < TOLERANCE and kv == 0.0, (diff, kv)
 
 

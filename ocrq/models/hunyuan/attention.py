@@ -181,9 +181,14 @@ def _kernels() -> tuple[Any, Any]:
         # load unmasked, so values that lie key after key (s_vl == 1) are read in 16-byte
         # vectors; the keys outside [lo, hi) are masked in the scores instead.
         first = lo
+        stop = hi
         if PADDED:
             first = tl.multiple_of((lo // 16) * 16, 16)
-        for n0 in range(first, hi, BLOCK_N):
+            # A range past the row's end stays empty: started at the boundary below it, it
+            # would be one block of masked keys, its maximum -inf and exp2(-inf - -inf) NaN
+            # (row splits: a row of 127 keys from key 14 in two ranges of 128 did that).
+            stop = tl.where(lo < hi, hi, first)
+        for n0 in range(first, stop, BLOCK_N):
             if PADDED:
                 n0 = tl.multiple_of(n0, 16)
             offs_n = n0 + tl.arange(0, BLOCK_N)

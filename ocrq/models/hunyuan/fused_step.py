@@ -56,6 +56,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from ocrq.models.hunyuan.attention import DEFAULT_CONFIG, FP8_CONFIG, PAD_KEYS
+
 LOG2E = math.log2(math.e)
 FP8_MAX = 448.0
 
@@ -69,8 +71,14 @@ class FusedConfig:
     block_k: int = 1024
     lm_block_n: int = 128  # the lm_head's columns a program
     split_k: int = 512  # inputs a split-K program covers in one tile (O and down projections)
-    attn_block_n: int = 64  # keys an attention loop iteration reads
-    attn_programs: int = 128  # aim: rows x KV heads x key ranges about this many
+    # keys an attention loop iteration reads; None: the running loop's split kernel's choice
+    # for the pool's dtype (ocrq/models/hunyuan/attention.py: 64 for bf16, 128 for fp8)
+    attn_block_n: int | None = None
+    # rows x KV heads x key ranges: about this many programs a step (None: programs_per_sm a
+    # streaming multiprocessor, as the loop's split kernel aims; v2 fixed 128, which left 8
+    # rows of 4k keys at two ranges a head and 0.6-0.8x today's step on an H200)
+    attn_programs: int | None = None
+    programs_per_sm: int = 4
     max_splits: int = 16
     # Programmatic dependent launch (CUDA only): each kernel lets the next one start at once,
     # and the next loads its weights (which no kernel writes) before waiting for the last
@@ -286,7 +294,7 @@ def _kernels() -> tuple[Any, Any, Any]:
         eps, qk_scale, H: tl.constexpr, KVH: tl.constexpr,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         S: tl.constexpr, SP: tl.constexpr, UPCAST: tl.constexpr, CAST_KV: tl.constexpr,
-        SAT: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+        SAT: tl.constexpr, FP8_MAX: tl.constexpr, PADDED: tl.constexpr, PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -359,13 +367,27 @@ def _kernels() -> tuple[Any, Any, Any]:
         m_i = tl.where(is0, s_new, float("-inf"))
         l_i = tl.where(is0, 1.0, 0.0) + tl.zeros([GP], tl.float32)
         acc = tl.where(is0, 1.0, 0.0) * vn_f[None, :] + tl.zeros([GP, D], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
+        first = lo
+        stop = hi
+        if PADDED:  # whole blocks from a 16-key boundary; keys outside [lo, hi) masked in scores
+            first = tl.multiple_of((lo // 16) * 16, 16)
+            # an empty range stays empty (a block of masked keys only would make exp2(-inf -
+            # -inf) of a range with no new key NaN)
+            stop = tl.where(lo < hi, hi, first)
+        for n0 in range(first, stop, BLOCK_N):
+            if PADDED:
+                n0 = tl.multiple_of(n0, 16)
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < hi
-            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=n_ok[:, None],
-                        other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * s_vl + offs_d[None, :] * s_vd,
-                        mask=n_ok[:, None], other=0.0)
+            k_at = k_base + offs_n[:, None] * s_kl + offs_d[None, :]
+            v_at = v_base + offs_n[:, None] * s_vl + offs_d[None, :] * s_vd
+            if PADDED:  # finite past the end (zeroed, saturated), so p = 0 keeps them out
+                n_ok = (offs_n >= lo) & (offs_n < hi)
+                k = tl.load(k_at)
+                v = tl.load(v_at)
+            else:
+                n_ok = offs_n < hi
+                k = tl.load(k_at, mask=n_ok[:, None], other=0.0)
+                v = tl.load(v_at, mask=n_ok[:, None], other=0.0)
             if UPCAST:
                 sc = tl.dot(q_dot, tl.trans(k.to(tl.float32)), input_precision="ieee")
             elif CAST_KV:
@@ -425,7 +447,8 @@ class FusedStep:
     """The fused step for one batch size: scratch buffers sized once, so it can be graphed."""
 
     def __init__(self, weights: FusedWeights, batch: int, device: Any,
-                 config: FusedConfig | None = None, sm_count: int | None = None) -> None:
+                 config: FusedConfig | None = None, sm_count: int | None = None,
+                 padded: bool = False) -> None:
         import torch
 
         c = config or FusedConfig()
@@ -440,7 +463,12 @@ class FusedStep:
         if sm_count is None:
             sm_count = (torch.cuda.get_device_properties(device).multi_processor_count
                         if torch.device(device).type == "cuda" else 4)
-        self.splits = max(1, min(c.max_splits, -(-c.attn_programs // (batch * w.kv_heads))))
+        programs = c.attn_programs or c.programs_per_sm * sm_count
+        self.splits = max(1, min(c.max_splits, -(-programs // (batch * w.kv_heads))))
+        # `padded`: the pool keeps PAD_KEYS readable keys past every row's last, as the running
+        # loop's does, so attention blocks start at 16-key boundaries and load unmasked (vector
+        # loads of a transposed fp8 pool's values; ocrq/models/hunyuan/attention.py)
+        self.padded = padded
         hidden = w.embed.shape[1]
         self.hidden = hidden
         self.inter = w.layers[0].down.shape[1]
@@ -480,6 +508,10 @@ class FusedStep:
         one_k = c.block_k >= self.hidden  # the norm's row in one tile
         bk = _pow2(self.hidden) if one_k else c.block_k
         col = col.contiguous()
+        attn_block = c.attn_block_n or (
+            FP8_CONFIG.block_n if keys[0].dtype != dt else DEFAULT_CONFIG.block_n)
+        if self.padded and attn_block > PAD_KEYS:
+            raise ValueError(f"attn_block_n {attn_block} reads past the pool's {PAD_KEYS} keys")
         for li, lay in enumerate(w.layers):
             first = li == 0
             pend = self.sums[1, li - 1] if not first else self.sums[1, 0]
@@ -500,9 +532,10 @@ class FusedStep:
                 vc.stride(2), vc.stride(3), self.o.stride(0), self.pacc.stride(0),
                 self.pacc.stride(1), self.pacc.stride(2), self.pm.stride(0), self.pm.stride(1),
                 lay.qk_eps, w.scale * LOG2E, H=H, KVH=KVH, G=H // KVH,
-                GP=max(16, _pow2(H // KVH)), D=hd, BLOCK_N=c.attn_block_n, S=self.splits,
+                GP=max(16, _pow2(H // KVH)), D=hd, BLOCK_N=attn_block, S=self.splits,
                 SP=_pow2(self.splits), UPCAST=up, CAST_KV=kc.dtype != dt, SAT=kc.dtype != dt,
-                FP8_MAX=FP8_MAX, PDL=self.pdl, num_warps=c.num_warps, **self.launch,
+                FP8_MAX=FP8_MAX, PADDED=self.padded, PDL=self.pdl, num_warps=c.num_warps,
+                **self.launch,
             )
             o_sum = self.sums[0, li]
             self._splitk(splitk, self.o, lay.o, o_sum, up)
