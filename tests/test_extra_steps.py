@@ -21,9 +21,10 @@ import pytest
 
 from ocrq.models.hunyuan import HunyuanLoopEngine
 from ocrq.models.hunyuan.loop_types import LoopRow
+from ocrq.models.hunyuan.runner import LoopRunner
 from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.hunyuan.versions import RepetitionGuard
-from ocrq.models.lane_pass import LanePolicy
+from ocrq.models.loop.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
 
@@ -47,7 +48,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanLoopEngine:
     return eng
 
 
-class LoopingLoop(RunningLoop):
+class LoopingLoop(LoopRunner):
     """Tests only: in decode steps, a row whose previous token is `trigger` or in LOOP emits
     LOOP's next token (a forward hook on lm_head, as ocrq/testing/tiny_hunyuan.py's ForcedLoop,
     but keyed on each row's own previous token, so a row loops whichever steps and slots it is
@@ -103,11 +104,11 @@ def drain(engine: HunyuanLoopEngine, extra: int, trigger: int | None = None, hol
     budget = RunningBudget(BULK + RESERVED, 16384, 4096, 0, 0, 0, 0, RESERVED)
     lanes = LanePolicy(reserved_slots=RESERVED, extra_steps=extra, pass_steps=shadow)
     config = engine.loop_config(budget, lanes=lanes, guard=SMALL, prefill_stream=hold > 0)
-    cls = cls or (LoopingLoop if trigger is not None else RunningLoop)
-    loop = cls(engine._decoder, engine.tokens, config)
+    cls = cls or (LoopingLoop if trigger is not None else LoopRunner)
+    loop = RunningLoop(engine._decoder, engine.tokens, config, runner=cls)
     loop.passes.hold = hold
-    if trigger is not None:
-        loop.trigger = trigger
+    if isinstance(loop.runner, LoopingLoop) and trigger is not None:
+        loop.runner.trigger = trigger
     loop.add(rows(engine))
     done: dict[str, list[tuple[list[int], int]]] = {}
     when: dict[str, int] = {}
@@ -120,11 +121,11 @@ def drain(engine: HunyuanLoopEngine, extra: int, trigger: int | None = None, hol
                 when[d.row.key] = loop.books.step_no
                 lane[d.row.key], slot[d.row.key] = d.row.interactive, d.row.slot
     finally:
-        if isinstance(loop, LoopingLoop):
-            loop.close()
+        if isinstance(loop.runner, LoopingLoop):
+            loop.runner.close()
     assert loop.pool.free_tokens == 16384 and not loop.rows  # every range and slot given back
     return {"done": done, "when": when, "lane": lane, "slot": slot,
-            "stats": loop.collect_stats(wait=True), "log": getattr(loop, "log", None)}
+            "stats": loop.collect_stats(wait=True), "log": getattr(loop.runner, "log", None)}
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +185,7 @@ def test_the_guard_stops_a_looping_row_at_the_same_count(
             assert extra["when"][k] < looped["when"][k]
 
 
-class RecordingLoop(RunningLoop):
+class RecordingLoop(LoopRunner):
     """Tests only: the slot count of every interactive-only step."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -213,7 +214,9 @@ def test_extra_steps_cover_only_the_reserve_when_interactive_rows_overflow_it(
         config = engine.loop_config(
             budget, lanes=LanePolicy(reserved_slots=RESERVED, extra_steps=extra), guard=SMALL
         )
-        loop = loops[extra] = RecordingLoop(engine._decoder, engine.tokens, config)
+        loop = RunningLoop(engine._decoder, engine.tokens, config, runner=RecordingLoop)
+        loops[extra] = runner = loop.runner
+        assert isinstance(runner, RecordingLoop)
         loop.add([
             LoopRow(it.key, engine.preprocess(it), MAX_NEW, interactive=True)
             for it in (item(64 + 8 * (i % 3), 64, 80 + i) for i in range(BULK + RESERVED))
@@ -234,7 +237,7 @@ def test_extra_steps_cover_only_the_reserve_when_interactive_rows_overflow_it(
     assert loops[EXTRA].extra_k and set(loops[EXTRA].extra_k) == {8}, loops[EXTRA].extra_k
 
 
-class ShadowLoop(RunningLoop):
+class ShadowLoop(LoopRunner):
     """Tests only: every step's kind, and whether a pass was pending and a reserve row live.
     Every pass seen is kept alive so that its `id` is never reused by a later pass (an id
     reused made two passes read as one, a flaky failure in CI)."""
@@ -261,7 +264,7 @@ def trickle(engine: HunyuanLoopEngine, shadow: bool) -> dict[str, Any]:
     lanes = LanePolicy(reserved_slots=RESERVED, extra_steps=EXTRA, pass_steps=shadow)
     config = engine.loop_config(budget, lanes=lanes, guard=SMALL, prefill_stream=True,
                                 prefill_gap=1)
-    loop = ShadowLoop(engine._decoder, engine.tokens, config)
+    loop = RunningLoop(engine._decoder, engine.tokens, config, runner=ShadowLoop)
     loop.passes.hold = 3
     todo = rows(engine)
     done: dict[str, list[list[int]]] = {}
@@ -273,7 +276,8 @@ def trickle(engine: HunyuanLoopEngine, shadow: bool) -> dict[str, Any]:
         for d in loop.run(timeout_s=0):
             done.setdefault(d.row.key, []).append(d.tokens)
     assert loop.pool.free_tokens == 16384 and not loop.rows
-    return {"done": done, "log": loop.log, "stats": loop.collect_stats(wait=True)}
+    assert isinstance(loop.runner, ShadowLoop)
+    return {"done": done, "log": loop.runner.log, "stats": loop.collect_stats(wait=True)}
 
 
 def test_interactive_rows_decode_in_a_pending_passs_shadow(

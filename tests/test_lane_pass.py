@@ -1,4 +1,5 @@
-"""The running loop's lane rule (ocrq/models/lane_pass.py), driven by hypothesis without a device.
+"""The running loop's lane rule (ocrq/models/loop/lane_pass.py), driven by hypothesis without a
+device.
 
 Properties of one pass: placements follow the pass order and each lane keeps its arrival order;
 bulk rows never take a reserved slot (neither more than their share nor one of the lowest
@@ -19,7 +20,14 @@ from itertools import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ocrq.models.lane_pass import LanePolicy, LoopState, Waiter, lane_pass, pass_order, promoted
+from ocrq.models.loop.lane_pass import (
+    LanePolicy,
+    LoopState,
+    Waiter,
+    lane_pass,
+    pass_order,
+    promoted,
+)
 from ocrq.models.slots import Candidate, KvPool, admit
 
 waiters = st.lists(
@@ -179,15 +187,12 @@ def test_with_bulk_rows_only_and_no_reserve_the_pass_is_admits(case: tuple) -> N
 
 # -- no starvation, over many passes ----------------------------------------------------------
 
-OUTER_PROMOTE = 8  # the batcher's promotion (LaneRule), in steps here
-
-
 @dataclass
 class Sim:
     """A loop of `slots` slots and a pool, a pass before every decode step, each row ending
-    `length` steps after its prefill; rows reach it as the streaming batcher hands them over
-    (ocrq/scheduling/planner.py `plan_running`: no more than the free seats, bulk ones only into
-    bulk seats, interactive first, a bulk row promoted after OUTER_PROMOTE steps)."""
+    `length` steps after its prefill; rows reach it as the streaming batcher hands them over:
+    every row at once, the step it arrives (ocrq/scheduling/streaming.py; the loop's scheduler
+    holds the only queue)."""
 
     slots: int
     pool: KvPool
@@ -203,24 +208,10 @@ class Sim:
         self.admitted: dict[str, int] = {}
 
     def hand_over(self) -> None:
-        def rank(w: Waiter) -> tuple[int, int]:
-            old = self.step - w.queued_step >= OUTER_PROMOTE
-            return (0 if w.interactive or old else 1, w.queued_step)
-
-        held = [*self.waiting, *(w for w, _, _ in self.live.values())]
-        seats = self.slots - len(held)
-        bulk_seats = self.slots - self.policy.reserved_slots - sum(not w.interactive for w in held)
-        for w in sorted(self.outer, key=rank):
-            if seats <= 0:
-                break
-            if not w.interactive:
-                if bulk_seats <= 0:
-                    continue
-                bulk_seats -= 1
-            seats -= 1
-            self.outer.remove(w)
+        for w in self.outer:
             self.handed[w.key] = self.step
             self.waiting.append(replace(w, queued_step=self.step))
+        self.outer = []
 
     def run_step(self, lengths: dict[str, int]) -> None:
         self.hand_over()
@@ -257,11 +248,12 @@ def streams(draw: st.DrawFn) -> tuple[int, int, int, list[tuple[int, int, int, i
     return slots, reserved, longest, bulk, every
 
 
-def loop_bound(slots: int, longest: int, promote_steps: int) -> int:
+def loop_bound(ahead: int, longest: int, promote_steps: int) -> int:
     """Decode steps a bulk row may wait in the loop: until promoted, then one bulk gap (8 here),
     then at most two lifetimes of the longest row (a bulk slot, then a pool range) for itself
-    and for each row ahead of it (at most the loop's slots: the batcher hands no more over)."""
-    return promote_steps + 8 + (slots + 1) * 2 * (longest + 1)
+    and for each of the `ahead` rows queued before it (the batcher hands every row over at
+    once, so those are the rows that arrived before it: a set that only shrinks)."""
+    return promote_steps + 8 + (ahead + 1) * 2 * (longest + 1)
 
 
 def simulate(case: tuple, promote_steps: int, horizon: int) -> tuple[Sim, list[str]]:
@@ -295,9 +287,10 @@ def test_bulk_never_starves_under_an_endless_interactive_stream(
 ) -> None:
     """Once promoted, a bulk row is passed by no younger row in the loop, so its wait there is
     bounded (`loop_bound`), with the lane's limits at their tightest."""
-    slots, _, longest, bulk, _ = case
-    bound = loop_bound(slots, longest, promote_steps)
-    sim, keys = simulate(case, promote_steps, 40 + (len(bulk) + 2) * (bound + OUTER_PROMOTE))
+    _, _, longest, bulk, every = case
+    ahead = 40 // every + 1 + len(bulk)  # interactive rows before the last bulk one, and bulk
+    bound = loop_bound(ahead, longest, promote_steps)
+    sim, keys = simulate(case, promote_steps, 40 + bound)
     for key in keys:
         assert key in sim.admitted, (key, sim.step, sim.waiting, sim.outer[:3])
         waited = sim.admitted[key] - sim.handed[key]
@@ -311,4 +304,4 @@ def test_without_promotion_the_same_stream_starves_bulk() -> None:
     sim, keys = simulate(case, 10**9, 600)
     assert keys[0] in sim.handed and keys[0] not in sim.admitted
     sim, keys = simulate(case, 8, 600)
-    assert sim.admitted[keys[0]] - sim.handed[keys[0]] <= loop_bound(4, 6, 8)
+    assert sim.admitted[keys[0]] - sim.handed[keys[0]] <= loop_bound(2, 6, 8)

@@ -1,6 +1,7 @@
 """The admission order of the two lanes (ocrq/scheduling/planner.py `LaneRule`), driven by
-hypothesis without a device, for the static planner (`plan`) and the running loop's
-(`plan_running`).
+hypothesis without a device, for the static planner (`plan`) and the order in which the streaming
+batcher hands every row to a running loop (whose own lane rule is tests/test_lane_pass.py's and
+tests/test_loop_scheduler.py's).
 
 Properties: interactive first (the interactive part of a plan is the plan of the interactive
 rows alone, and no bulk row is taken while an interactive row the loop could hold waits); first
@@ -13,14 +14,12 @@ so the starvation bound can fail.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ocrq.models.costs import CostModel, GiB, ItemCost
-from ocrq.models.slots import RunningBudget
-from ocrq.scheduling.planner import LaneRule, Plan, Waiting, admission_order, plan, plan_running
+from ocrq.scheduling.planner import LaneRule, Plan, Waiting, admission_order, plan
 
 MODEL = CostModel(
     fixed_bytes=2 << 30,
@@ -30,7 +29,6 @@ MODEL = CostModel(
     per_cache_token_bytes=100 * 1024,
     decode_fixed_bytes=42 << 20,
 )
-LOOP = RunningBudget.plan(MODEL, 4 * GiB, slots=64, prefill_tokens=8192)
 NO_PROMOTION = LaneRule(bulk_max_wait_s=math.inf)
 
 costs = st.builds(
@@ -79,58 +77,6 @@ def test_static_plan_admits_interactive_rows_first(
     assert list(p.deferred) == [k for k in order if k in p.deferred]
 
 
-@given(rows, st.integers(0, 30_000))
-@settings(max_examples=300, deadline=None)
-def test_running_plan_admits_interactive_rows_first_and_fifo(
-    items: list[Waiting], held: int
-) -> None:
-    held = min(held, LOOP.pool_tokens)
-    p = plan_running(items, held, LOOP, lanes=NO_PROMOTION)
-    alone = plan_running(_lane(items, "interactive"), held, LOOP, lanes=NO_PROMOTION)
-    live = {w.key for w in _lane(items, "interactive")}
-    assert [k for k in p.keys if k in live] == list(alone.keys)
-    if any(k not in live for k in p.keys):  # a bulk row went: every interactive row went first
-        assert live <= set(p.keys)
-    _fifo_within_lanes(p, items)
-
-
-@given(rows, st.integers(0, 70))
-@settings(max_examples=200, deadline=None)
-def test_running_plan_hands_over_no_more_rows_than_free_slots(
-    items: list[Waiting], held_rows: int
-) -> None:
-    """Rows the loop cannot seat would queue inside the engine, first in first out, where a
-    later interactive row could not pass them: the plan hands over at most the free slots."""
-    p = plan_running(items, 0, LOOP, lanes=NO_PROMOTION, held_rows=held_rows)
-    unbounded = plan_running(items, 0, LOOP, lanes=NO_PROMOTION)
-    free = max(0, LOOP.slots - held_rows)
-    assert list(p.keys) == list(unbounded.keys[:free])
-
-
-@given(rows, st.integers(0, 70), st.integers(0, 70), st.integers(0, 8))
-@settings(max_examples=200, deadline=None)
-def test_running_plan_keeps_bulk_out_of_the_reserved_slots(
-    items: list[Waiting], held_rows: int, held_bulk: int, reserved: int
-) -> None:
-    """OCRQ_INTERACTIVE_SLOTS: bulk rows get at most the loop's unreserved slots, interactive
-    ones any free slot; an interactive row passes only a bulk row that has no bulk slot."""
-    loop = replace(LOOP, reserved_slots=reserved)
-    held_bulk = min(held_bulk, held_rows)
-    p = plan_running(items, 0, loop, lanes=NO_PROMOTION, held_rows=held_rows,
-                     held_bulk=held_bulk)
-    by_key = {w.key: w for w in items}
-    bulk = [k for k in p.keys if by_key[k].lane == "bulk"]
-    assert len(p.keys) <= max(0, loop.slots - held_rows)
-    assert len(bulk) <= max(0, loop.slots - reserved - held_bulk)
-    _fifo_within_lanes(p, items)
-    # The interactive rows are those of a loop with no bulk row waiting (same seats).
-    alone = plan_running(_lane(items, "interactive"), 0, loop, lanes=NO_PROMOTION,
-                         held_rows=held_rows, held_bulk=held_bulk)
-    assert [k for k in p.keys if by_key[k].lane == "interactive"] == list(alone.keys)
-    if not reserved:
-        assert p == plan_running(items, 0, loop, lanes=NO_PROMOTION, held_rows=held_rows)
-
-
 @given(rows, st.integers(1, 64 << 30), st.floats(0, 5), st.floats(0, 60))
 @settings(max_examples=200, deadline=None)
 def test_without_interactive_rows_the_plans_are_the_first_in_first_out_ones(
@@ -144,9 +90,8 @@ def test_without_interactive_rows_the_plans_are_the_first_in_first_out_ones(
     assert plan(bulk, budget, MODEL, 16, lanes=rule) == plan(
         bulk, budget, MODEL, 16, lanes=NO_PROMOTION
     )
-    r = plan_running(bulk, 0, LOOP, lanes=rule)
-    assert r == plan_running(bulk, 0, LOOP, lanes=NO_PROMOTION)
-    assert list(r.keys) == [w.key for w in sorted(bulk, key=lambda w: w.seq)][: len(r.keys)]
+    # What the streaming batcher hands its loop: every row, in that order, oldest first.
+    assert admission_order(bulk, rule) == sorted(bulk, key=lambda w: w.seq)
 
 
 def _simulate(
@@ -154,7 +99,6 @@ def _simulate(
     stream: list[ItemCost],
     per_step: int,
     rule: LaneRule,
-    running: bool,
     steps: int,
     dt_s: float = 1.0,
 ) -> dict[str, int]:
@@ -178,10 +122,7 @@ def _simulate(
             Waiting(w.key, w.cost, w.seq, lane=w.lane, waited_s=now - since)
             for w, since in waiting.values()
         ]
-        if running:
-            p = plan_running(items, 0, LOOP, lanes=rule)
-        else:
-            p = plan(items, 4 * GiB, MODEL, 8, lanes=rule)
+        p = plan(items, 4 * GiB, MODEL, 8, lanes=rule)
         assert p.keys, "every plan admits its leader (each row fits alone)"
         for key in p.keys:
             del waiting[key]
@@ -203,18 +144,17 @@ fitting = st.builds(
     bulk=st.lists(fitting, min_size=1, max_size=12),
     stream=st.lists(fitting, min_size=1, max_size=8),
     wait_steps=st.integers(0, 6),
-    running=st.booleans(),
 )
 @settings(max_examples=150, deadline=None)
 def test_bulk_never_starves_under_an_endless_interactive_stream(
-    bulk: list[ItemCost], stream: list[ItemCost], wait_steps: int, running: bool
+    bulk: list[ItemCost], stream: list[ItemCost], wait_steps: int
 ) -> None:
-    # More interactive rows arrive each step than any plan can take (the loop's pool holds
-    # fewer, a static batch at most 8): without promotion bulk would wait forever.
-    per_step = 40 if running else 9
+    # More interactive rows arrive each step than any plan can take (a static batch holds at
+    # most 8): without promotion bulk would wait forever. (The running loop's own bound is
+    # tests/test_lane_pass.py's.)
     rule = LaneRule(bulk_max_wait_s=float(wait_steps))
     steps = wait_steps + len(bulk) + 2
-    admitted = _simulate(bulk, stream, per_step, rule, running, steps)
+    admitted = _simulate(bulk, stream, 9, rule, steps)
     for i in range(len(bulk)):
         # promoted at step `wait_steps`; then ahead of it only rows older than it: the bulk
         # rows before it (the interactive ones all arrived later), one plan each at most.
@@ -224,8 +164,7 @@ def test_bulk_never_starves_under_an_endless_interactive_stream(
 def test_without_promotion_the_stream_starves_bulk() -> None:
     """The bound above can fail: with no promotion, a saturating stream admits no bulk row."""
     row = ItemCost(tokens=1000, patches=100, pixels=10_000, new_tokens=256)
-    for running in (True, False):
-        admitted = _simulate([row] * 3, [row], 40 if running else 9, NO_PROMOTION, running, 30)
-        assert admitted == {}
-        promoted = _simulate([row] * 3, [row], 40 if running else 9, LaneRule(5.0), running, 30)
-        assert set(promoted) == {"b0", "b1", "b2"}
+    admitted = _simulate([row] * 3, [row], 9, NO_PROMOTION, 30)
+    assert admitted == {}
+    promoted = _simulate([row] * 3, [row], 9, LaneRule(5.0), 30)
+    assert set(promoted) == {"b0", "b1", "b2"}

@@ -1,4 +1,4 @@
-"""The interactive lane inside the running loop (ocrq/models/lane_pass.py), on the CPU with the
+"""The interactive lane inside the running loop (ocrq/models/loop/lane_pass.py), on the CPU with the
 tiny HunyuanOCR model: an interactive row arriving while every bulk slot is taken is prefilled
 in the very next pass (a reserved slot), ahead of bulk rows queued before it; without the
 reserve it waits for a bulk row to end. The engine opens its reserved slots on top of
@@ -15,7 +15,7 @@ from ocrq.models.costs import CostModel
 from ocrq.models.hunyuan import HunyuanLoopEngine
 from ocrq.models.hunyuan.loop_types import LoopRow
 from ocrq.models.hunyuan.running import RunningLoop
-from ocrq.models.lane_pass import LanePolicy
+from ocrq.models.loop.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
 

@@ -1,7 +1,7 @@
-"""The running loop's scheduler (ocrq/scheduling/loop/) on the CPU, no torch: ticks of
+"""The running loop's scheduler (ocrq/models/loop/) on the CPU, no torch: ticks of
 `schedule -> StepOutput -> update` driven by a runner simulated here, as vLLM v1's scheduler
-tests drive theirs; and, tick for tick, the same plans as the Hunyuan loop's admission policy
-(ocrq/models/hunyuan/admission.py) makes today."""
+tests drive theirs. (It took the place of the Hunyuan loop's own admission policy; until then a
+test here checked, tick for tick, that both made the same plans.)"""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import itertools
 import random
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
-from ocrq.models.lane_pass import LanePolicy
+from ocrq.models.loop import LoopScheduler, Request, SchedulerConfig, StepOutput, StepPlan
+from ocrq.models.loop.lane_pass import LanePolicy
 from ocrq.models.slots import KvPool, capacity_of
-from ocrq.scheduling.loop import LoopScheduler, Request, SchedulerConfig, StepOutput, StepPlan
 
 
 def tick(s: LoopScheduler, finished: tuple[str, ...] = (), steps: int = 1) -> StepPlan:
@@ -146,76 +145,52 @@ def test_every_row_ends_once_and_the_book_always_adds_up(seed: int, schedule: st
     simulate(config, seed)
 
 
-class _NoPass:
-    """The Hunyuan loop's prefill passes as its admission policy sees them: none pending."""
+def test_no_admission_while_the_runner_has_a_pass_in_flight_but_drops_go_out() -> None:
+    s = LoopScheduler(SchedulerConfig(slots=4, pool_tokens=2048, max_new_tokens=16))
+    s.add([Request("a", 50), Request("b", 50)])
+    assert [a.key for a in s.schedule().admit] == ["a", "b"]
+    s.add([Request("c", 50)])
+    s.drop({"a"})
+    plan = s.schedule(prefill=False)  # one pass at a time: "c" waits for the next plan
+    assert plan.admit == () and plan.drop == ("a",) and s.waiting == 1
+    assert [a.key for a in tick(s).admit] == ["c"]
 
-    pending = None
 
-    def slots(self) -> set[int]:
-        return set()
+def test_a_rejected_add_queues_none_of_its_rows() -> None:
+    s = LoopScheduler(SchedulerConfig(slots=2, pool_tokens=256, max_new_tokens=8))
+    with pytest.raises(ValueError, match="over the pool"):
+        s.add([Request("ok", 10), Request("big", 300)])
+    with pytest.raises(ValueError, match="in the loop already"):
+        s.add([Request("x", 10), Request("x", 10)])
+    assert s.waiting == 0 and s.waiting_keys() == [] and s.idle()
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_the_plans_are_those_of_the_loop_s_admission_policy(seed: int) -> None:
-    """Both fed the same rows and the same finishes, tick for tick: the same rows admitted into
-    the same slots and ranges (the scheduler is to take the policy's place unchanged)."""
-    from ocrq.models.hunyuan.admission import AdmissionPolicy
-    from ocrq.models.hunyuan.loop_state import LoopBooks, LoopParts
-    from ocrq.models.hunyuan.loop_types import LoopConfig, LoopRow, LoopStats
+def test_clear_forgets_every_row_and_gives_the_pool_back() -> None:
+    s = LoopScheduler(SchedulerConfig(slots=1, pool_tokens=512, max_new_tokens=8))
+    s.add([Request("a", 100), Request("b", 100)])
+    s.schedule()
+    s.update(StepOutput(3))
+    assert s.clear() == ["a", "b"]  # running first, then waiting
+    assert s.idle() and s.pool == KvPool.empty(512) and s.step == 3  # the clock goes on
+    s.add([Request("a", 100)])
+    assert [a.key for a in s.schedule().admit] == ["a"]
 
-    lanes = LanePolicy(reserved_slots=2, bulk_gap=3, bulk_prefill_tokens=400, promote_steps=32)
-    schedule = ("alternate", "chunked", "chunked")[seed]
-    cfg = LoopConfig(slots=6, pool_tokens=3072, max_new_tokens=48, schedule=schedule,
-                     prefill_tokens=900, chunk_tokens=900, prefill_gap=2, packed=seed == 2,
-                     lanes=lanes)
-    books = LoopBooks.empty(cfg)
-    parts = LoopParts(None, None, cfg, books, None, LoopStats(), None, None)  # type: ignore[arg-type]
-    policy = AdmissionPolicy(parts, _NoPass())  # type: ignore[arg-type]
-    s = LoopScheduler(SchedulerConfig(6, 3072, 48, schedule, cfg.pass_tokens, 2, cfg.packed,
+
+def test_the_plan_says_when_the_lane_was_busy_and_when_it_held_bulk_back() -> None:
+    lanes = LanePolicy(reserved_slots=1, bulk_rows=1)
+    s = LoopScheduler(SchedulerConfig(slots=4, pool_tokens=4096, max_new_tokens=8,
                                       lanes=lanes))
-    rng = random.Random(seed)
-    ends: dict[str, int] = {}
-    rows: dict[str, LoopRow] = {}
-    n = 0
-    for _ in range(3000):
-        if n < 80 and rng.random() < 0.5:
-            prompt, cap, lane = rng.randint(8, 500), rng.randint(1, 48), rng.random() < 0.3
-            key = f"r{n}"
-            n += 1
-            row = LoopRow(key, SimpleNamespace(input_ids=SimpleNamespace(shape=(prompt,))),
-                          cap, interactive=lane)  # type: ignore[arg-type]
-            row.capacity = capacity_of(prompt, cap)
-            books.queue(row)
-            rows[key] = row
-            s.add([Request(key, prompt, cap, lane)])
-        # The loop: a plan from its policy, carried out on its books as its passes do.
-        plan = policy.plan()
-        theirs = []
-        if plan is not None:
-            for p, row in zip(plan.placements,
-                              books.take_waiting([p.key for p in plan.placements]),
-                              strict=True):
-                row.slot, row.start, row.first_step = p.slot, p.start, books.step_no
-                books.enter(row)
-                theirs.append((p.key, p.slot, p.start))
-            books.pool = plan.pool
-        ours = s.schedule()
-        assert [(a.key, a.slot, a.start) for a in ours.admit] == theirs
-        for key, _, _ in theirs:
-            ends[key] = books.step_no + rng.randint(1, rows[key].max_new_tokens)
-        if books.rows:  # one decode step, and the rows that ended in it
-            books.step_no += 1
-            over = tuple(k for k, at in ends.items() if at <= books.step_no)
-            for k in over:
-                books.leave(rows[k].slot)
-                del ends[k]
-            assert set(s.update(StepOutput(1, over))) == set(over)
-        if n == 80 and not books.rows and not books.waiting:
-            break
-    assert s.idle() and s.pool == books.pool == KvPool.empty(3072)
+    s.add([Request("b0", 20), Request("b1", 20)])
+    plan = s.schedule()
+    assert [a.key for a in plan.admit] == ["b0", "b1"] and not plan.busy
+    assert not plan.bulk_held
+    s.add([Request("b2", 20), Request("i", 20, interactive=True)])
+    plan = tick(s)
+    assert [a.key for a in plan.admit] == ["i"] and plan.busy and plan.bulk_held
+    assert s.waiting_keys() == ["b2"]
 
 
 def test_the_scheduler_imports_no_torch() -> None:
-    code = ("import sys, ocrq.scheduling.loop; "
+    code = ("import sys, ocrq.models.loop; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -18,8 +18,9 @@ import pytest
 
 from ocrq.models.hunyuan import HunyuanLoopEngine
 from ocrq.models.hunyuan.loop_types import LoopRow
+from ocrq.models.hunyuan.runner import LoopRunner
 from ocrq.models.hunyuan.running import RunningLoop
-from ocrq.models.lane_pass import LanePolicy
+from ocrq.models.loop.lane_pass import LanePolicy
 from ocrq.models.slots import KvPool, RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
 
@@ -38,19 +39,25 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> HunyuanLoopEngine:
     return eng
 
 
-class EagerLoop(RunningLoop):
+class EagerLoop(LoopRunner):
     """Makes a deferred pass's rows live at its launch, before their slots' state is written:
     the steps in between see them finished, and the rows come back wrong."""
 
-    def _refill(self) -> None:
-        super()._refill()
-        pending = self.passes.pending
-        if pending is not None and pending.looks == 0:
-            for r in pending.rows:
-                if r.slot not in self.rows:
-                    r.first_step = self.books.step_no
-                    self.books.enter(r)
-                    self.harvest.track(r)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        launch = self.passes.run
+
+        def eager(rows: list[LoopRow], busy: bool) -> None:
+            launch(rows, busy)
+            pending = self.passes.pending
+            if pending is not None and pending.looks == 0:
+                for r in pending.rows:
+                    if r.slot not in self.rows:
+                        r.first_step = self.books.step_no
+                        self.books.enter(r)
+                        self.harvest.track(r)
+
+        self.passes.run = eager  # type: ignore[method-assign]
 
 
 def batch(engine: HunyuanLoopEngine) -> list[LoopRow]:
@@ -60,7 +67,7 @@ def batch(engine: HunyuanLoopEngine) -> list[LoopRow]:
 
 
 def make_loop(engine: HunyuanLoopEngine, rows: list[LoopRow], hold: int | None,
-              cls: type = RunningLoop, **extra: Any) -> RunningLoop:
+              cls: type = LoopRunner, **extra: Any) -> RunningLoop:
     """3 slots, a pool of two of the largest rows; `hold`: None, the immediate loop; else
     deferred commits, each pass held pending that many iterations."""
     assert engine._decoder is not None and engine.tokens is not None
@@ -70,7 +77,7 @@ def make_loop(engine: HunyuanLoopEngine, rows: list[LoopRow], hold: int | None,
         check_every=2, prefill_stream=hold is not None, keep_logits=True,
         lanes=LanePolicy(), **extra,
     )
-    loop = cls(engine._decoder, engine.tokens, config)
+    loop = RunningLoop(engine._decoder, engine.tokens, config, runner=cls)
     loop.passes.hold = hold or 0
     return loop
 
@@ -85,7 +92,7 @@ def drained(loop: RunningLoop) -> dict[str, Any]:
     return got
 
 
-def run_all(engine: HunyuanLoopEngine, hold: int | None, cls: type = RunningLoop
+def run_all(engine: HunyuanLoopEngine, hold: int | None, cls: type = LoopRunner
             ) -> tuple[dict[str, Any], RunningLoop]:
     loop = make_loop(engine, batch(engine), hold, cls)
     loop.add(batch(engine))
@@ -144,7 +151,7 @@ def launch_a_pending_pass(engine: HunyuanLoopEngine, hold: int
     assert keys and not any(k in {r.key for r in loop.rows.values()} for k in keys)
     assert not any(k in {r.key for r in loop.waiting} for k in keys)
     held = loop.passes.slots()
-    assert held and not held & set(loop.admission.free_slots())  # not offered again
+    assert held <= {a.slot for a in loop.scheduler.running.values()}  # not offered again
     return loop, keys, handed
 
 
@@ -154,8 +161,11 @@ def test_dropping_a_row_of_a_pending_pass(engine: HunyuanLoopEngine) -> None:
     victim = keys[0]
     dropped = loop.drop({victim})
     assert [r.key for r in dropped] == [victim]
+    assert victim not in {a for a in loop.scheduler.running}  # its slot and range free now
+    handed.update((d.row.key, d) for d in loop.run(timeout_s=0))  # the next tick drops it
     assert loop.passes.pending is None  # the pass was committed, its other rows live
-    assert {k for k in keys if k != victim} <= {r.key for r in loop.rows.values()}
+    assert {k for k in keys if k != victim} <= {r.key for r in loop.rows.values()} | set(handed)
+    assert victim not in {r.key for r in loop.rows.values()}
     got = drained(loop)
     assert victim not in got and not set(got) & set(handed)
     same_rows({**handed, **got}, {k: d for k, d in want.items() if k != victim})

@@ -22,6 +22,7 @@ from ocrq.models.base import PreparedImage
 from ocrq.models.hunyuan import HunyuanLoopEngine
 from ocrq.models.hunyuan.loop_types import LoopRow
 from ocrq.models.hunyuan.readback import Readback, Snapshot
+from ocrq.models.hunyuan.runner import LoopRunner
 from ocrq.models.hunyuan.running import RunningLoop
 from ocrq.models.slots import RunningBudget
 from tests.tiny_hunyuan import cpu_settings, item, tiny_checkpoint
@@ -32,7 +33,7 @@ MAX_NEW = 24
 TOLERANCE = 1e-3  # fp32 on the CPU: the loops differ by ~5e-6 (see test_hunyuan_decode)
 
 
-class LeakyLoop(RunningLoop):
+class LeakyLoop(LoopRunner):
     """Does not clear a slot's key mask when a new row takes it: the old row's keys leak in."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -53,10 +54,11 @@ def budget(slots: int, pool_tokens: int) -> RunningBudget:
     return RunningBudget(slots, pool_tokens, 4096, 0, 0, 0, 0)
 
 
-def make_loop(engine: HunyuanLoopEngine, slots: int, pool: int, cls: type = RunningLoop,
+def make_loop(engine: HunyuanLoopEngine, slots: int, pool: int, cls: type = LoopRunner,
               **extra: Any) -> RunningLoop:
     assert engine._decoder is not None and engine.tokens is not None
-    return cls(engine._decoder, engine.tokens, engine.loop_config(budget(slots, pool), **extra))
+    config = engine.loop_config(budget(slots, pool), **extra)
+    return RunningLoop(engine._decoder, engine.tokens, config, runner=cls)
 
 
 def rows(engine: HunyuanLoopEngine, items: list[PreparedImage], caps: list[int],
@@ -82,7 +84,7 @@ def alone(engine: HunyuanLoopEngine) -> dict[str, Any]:
     }
 
 
-def run_mid_flight(engine: HunyuanLoopEngine, cls: type = RunningLoop) -> dict[str, Any]:
+def run_mid_flight(engine: HunyuanLoopEngine, cls: type = LoopRunner) -> dict[str, Any]:
     loop = make_loop(engine, 2, 1024, cls, keep_logits=True)
     loop.add(rows(engine, ITEMS, CAPS))
     done = {d.row.key: d for d in loop.drain()}
@@ -298,7 +300,7 @@ def test_engine_streams_rows_through_submit_and_poll(engine: HunyuanLoopEngine) 
     engine.reset()
 
 
-class ForgetfulLoop(RunningLoop):
+class ForgetfulLoop(LoopRunner):
     """Reads a late copy of the slots' state as if today's rows had held the slots then: a row
     admitted into a slot that was free when the copy was queued looks finished."""
 
@@ -308,7 +310,7 @@ class ForgetfulLoop(RunningLoop):
 
 
 def lagged_run(engine: HunyuanLoopEngine, lag: int,
-               cls: type = RunningLoop) -> dict[str, list[int]]:
+               cls: type = LoopRunner) -> dict[str, list[int]]:
     caps = [1, MAX_NEW, 2, 17, 5, MAX_NEW, 3, 9, 4, 11]
     items = [item(64 + 12 * i, 64 + 20 * (i % 3), 60 + i) for i in range(len(caps))]
     batch = rows(engine, items, caps, forced=True)

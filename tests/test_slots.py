@@ -1,5 +1,5 @@
 """The running loop's slot and KV accounting (ocrq/models/slots.py) and the planner's hand-over
-(`plan_running`), driven by hypothesis without a device.
+(`fit_running`) and the loop's scheduler, driven by hypothesis without a device.
 
 Properties: the rows in flight never hold more than the pool nor more slots than there are;
 their ranges never overlap; admission is first in, first out; a pass's padded prompt stays within
@@ -22,7 +22,7 @@ from ocrq.models.slots import (
     admit,
     capacity_of,
 )
-from ocrq.scheduling.planner import Waiting, plan_running
+from ocrq.scheduling.planner import Downscale, Refusal, Waiting, fit_running
 
 KiB = 1024
 row = st.tuples(st.integers(1, 3000), st.integers(1, 1100))  # prompt tokens, max new tokens
@@ -151,27 +151,37 @@ costs = st.builds(
 
 @settings(max_examples=200, deadline=None)
 @given(items=st.lists(costs, min_size=1, max_size=40), held=st.integers(0, 30_000))
-def test_plan_running_hands_over_the_oldest_within_the_pool(
-    items: list[ItemCost], held: int
-) -> None:
+def test_the_loop_admits_the_oldest_within_the_pool(items: list[ItemCost], held: int) -> None:
+    """(Was the batcher's `plan_running`; the loop's scheduler holds the only KV book now.) With
+    bulk rows only and slots to spare, one pass takes the oldest rows while their KV fits the
+    pool beside `held` tokens already taken, and stops at the first that does not."""
+    from ocrq.models.loop import LoopScheduler, Request, SchedulerConfig
+
     loop = RunningBudget.plan(MODEL, 12 * GiB, slots=64, prefill_tokens=16384)
-    held = min(held, loop.pool_tokens)
-    waiting = [Waiting(f"k{i}", c, seq=100 - i) for i, c in enumerate(items)]  # last is oldest
-    plan = plan_running(waiting, held, loop)
-    by_age = sorted(waiting, key=lambda w: w.seq)
-    assert list(plan.keys) == [w.key for w in by_age[: len(plan.keys)]]
-    taken = sum(capacity_of(w.cost.prompt_tokens, w.cost.new_tokens) for w in by_age[: len(
-        plan.keys)])
+    held = min(held, loop.pool_tokens - 16) // 16 * 16
+    s = LoopScheduler(SchedulerConfig(64, loop.pool_tokens, 1100, pass_tokens=1 << 30,
+                                      packed=True))
+    s.pool = s.pool.take(held)[1] if held else s.pool  # type: ignore[index]
+    fits = [c for c in items if capacity_of(c.prompt_tokens, c.new_tokens) <= loop.pool_tokens]
+    s.add([Request(f"k{i}", c.prompt_tokens, c.new_tokens) for i, c in enumerate(fits)])
+    keys = [a.key for a in s.schedule().admit]
+    assert keys == [f"k{i}" for i in range(len(keys))]
+    taken = sum(capacity_of(c.prompt_tokens, c.new_tokens) for c in fits[: len(keys)])
     assert held + taken <= loop.pool_tokens
-    if len(plan.keys) < len(by_age):  # the next oldest did not fit: that is why it stopped
-        nxt = by_age[len(plan.keys)].cost
+    if len(keys) < len(fits):  # the next oldest did not fit: that is why it stopped
+        nxt = fits[len(keys)]
         assert held + taken + capacity_of(nxt.prompt_tokens, nxt.new_tokens) > loop.pool_tokens
 
 
-def test_plan_running_refuses_a_row_the_loop_can_never_hold() -> None:
+def test_a_row_the_loop_can_never_hold_is_refused_or_downscaled_alone() -> None:
+    """The batcher's one check per row (`fit_running`): None for a row that fits alone."""
     loop = RunningBudget(4, 1000, 512, 10**6, 10**6, 0, 0)
     huge = Waiting("big", ItemCost(tokens=5000, patches=0, pixels=0, new_tokens=10), 0)
     small = Waiting("small", ItemCost(tokens=100, patches=0, pixels=0, new_tokens=10), 1)
-    plan = plan_running([huge, small], 0, loop)
-    assert plan.keys == () and [r.key for r in plan.refused] == ["big"]
-    assert plan.deferred == ("small",)
+    assert fit_running(small, loop) is None
+    fate = fit_running(huge, loop)
+    assert isinstance(fate, Refusal) and fate.key == "big"  # no pixels: it cannot shrink
+    shrinkable = Waiting("pic", huge.cost, 2, pixels=1 << 20)
+    fate = fit_running(shrinkable, loop, lambda key, px: ItemCost(
+        tokens=px // 2048, patches=0, pixels=px, new_tokens=10))
+    assert isinstance(fate, Downscale) and loop.fits_alone(fate.cost, 10)

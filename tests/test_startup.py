@@ -237,7 +237,7 @@ def test_a_warmed_loop_makes_the_tokens_an_unwarmed_one_makes(
     warmed = loop()
     captured: list[int] = []
     monkeypatch.setattr(warm, "graphed", lambda _: True)
-    monkeypatch.setattr(warmed, "capture", captured.append)
+    monkeypatch.setattr(warmed.runner, "capture", captured.append)
     made_up = LoopRow("warm", engine.preprocess(item(64, 64, 9)), 2)
     assert warmed.warm_up(made_up, time.monotonic() + 60) == []
     assert warmed.warm_up(None, time.monotonic() + 60) == []  # nothing graphed on a CPU
@@ -254,7 +254,7 @@ def test_a_warmed_loop_makes_the_tokens_an_unwarmed_one_makes(
 
     late = loop()
     captured.clear()
-    monkeypatch.setattr(late, "capture", captured.append)
+    monkeypatch.setattr(late.runner, "capture", captured.append)
     late.warm_up(None, time.monotonic() - 1)  # the deadline has passed: nothing
     assert captured == []
     late.add(rows()[:1])
@@ -278,7 +278,7 @@ def test_the_engine_warms_its_loop_up_only_on_a_gpu(
     monkeypatch.setattr(engine, "_cuda", lambda: True)
     prefills: list[int] = []
     real_run = loop.passes.run
-    monkeypatch.setattr(loop.passes, "run", lambda plan: (prefills.append(1), real_run(plan)))
+    monkeypatch.setattr(loop.passes, "run", lambda *a: (prefills.append(1), real_run(*a)))
     engine.warm_up()
     assert prefills == [1]  # the made-up row went through a prefill pass
     assert loop.idle() and loop.stats.prefills == 0 and loop.stats.steps == 0

@@ -86,7 +86,7 @@ LOOP_COUNTS = {
         "ocrq_loop_prefill_cpu_seconds", "Loop thread CPU seconds in prefill passes"
     ),
     "cpu_seconds": Counter("ocrq_loop_cpu_seconds", "Loop thread CPU seconds in all"),
-    # The interactive lane (ocrq/models/lane_pass.py): what an interactive row's token costs is
+    # The interactive lane (ocrq/models/loop/lane_pass.py): what an interactive row's token costs is
     # (lane_decode_seconds + lane_prefill_seconds) / lane_steps; kv_token_steps / steps is the
     # KV a step reads.
     "prefill_tokens": Counter("ocrq_loop_prefill_tokens", "Prompt tokens prefilled"),

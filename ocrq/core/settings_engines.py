@@ -119,7 +119,8 @@ class HunyuanSettings(ModelSettings, HunyuanLabSettings):
     # bench/results/service_gpu/service_gpu_reading.md, run 16). Its reserve is 2.5 GiB of
     # activations instead of 0.6: lower it on a small GPU to keep the KV pool.
     prefill_chunk_tokens: int = Field(default=16384, ge=256, le=1_048_576)
-    # The interactive lane inside the running loop (ocrq/models/lane_pass.py; docs/internals.md).
+    # The interactive lane inside the running loop (ocrq/models/loop/lane_pass.py;
+    # docs/internals.md).
     # Slots added to the loop that only interactive rows take, so one is prefilled in the next
     # pass however full of bulk rows the loop is; bulk keeps its OCRQ_MAX_BATCH slots. 8: the
     # H200 run's stream (2/s, ~1 s each alone) had ~2 live at once, 8 takes bursts of 4x that;

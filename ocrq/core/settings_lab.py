@@ -104,7 +104,7 @@ class HunyuanLabSettings(SettingsGroup):
     # bench/results/lanes/README.md). The tokens are the same either way.
     prefill_stream: bool = False
 
-    # The interactive lane's inner limits (ocrq/models/lane_pass.py; docs/internals.md).
+    # The interactive lane's inner limits (ocrq/models/loop/lane_pass.py; docs/internals.md).
     # With OCRQ_PREFILL_STREAM: while a prefill pass runs on its side stream and an interactive
     # row of the reserve is live, the loop runs interactive-only steps (a few rows, bound by
     # reading the weights) in the pass's shadow (bound by compute) instead of full steps, which

@@ -1,8 +1,8 @@
 """The running loop's memory, as arithmetic: a KV pool of token ranges, slots, and who goes next.
 
-Pure (no torch, no device): the running decode loop (ocrq/models/hunyuan/running.py) asks it
-where a row's KV lives and which waiting rows to prefill, the batcher asks it how many rows the
-loop can hold (ocrq/scheduling/streaming.py), and the property tests drive it alone.
+Pure (no torch, no device): the loop's scheduler (ocrq/models/loop/scheduler.py) keeps its KV
+book with it, the batcher asks it whether the loop can ever hold a row (`RunningBudget.fits_alone`,
+ocrq/scheduling/streaming.py), and the property tests drive it alone.
 
 Why one pool of contiguous token ranges and not a static cache per slot or paged blocks:
 
@@ -19,8 +19,8 @@ Why one pool of contiguous token ranges and not a static cache per slot or paged
 
 A row's range holds its prompt and its new tokens but the last (never fed back), so the budget
 of the running set is exactly: weights + the pool + one prefill pass's activations + per-slot
-state, all sized once when the loop starts (`RunningBudget`), and the planner keeps the rows in
-flight within the pool (`admit`).
+state, all sized once when the loop starts (`RunningBudget`), and the loop's scheduler keeps the
+rows in flight within the pool.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class RunningBudget:
     state_bytes: int
     decode_fixed_bytes: int
     # Of `slots`, those only interactive rows take (OCRQ_INTERACTIVE_SLOTS): bulk rows hold at
-    # most `slots - reserved_slots` (the planner's `plan_running`, the loop's `lane_pass`).
+    # most `slots - reserved_slots` (the loop's `lane_pass`).
     reserved_slots: int = 0
 
     @classmethod

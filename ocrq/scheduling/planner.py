@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ocrq.core.contract import BULK, INTERACTIVE, Priority
 from ocrq.models.costs import CostModel, GiB, ItemCost
-from ocrq.models.slots import RunningBudget, capacity_of
+from ocrq.models.slots import RunningBudget
 
 # The cost of item `key` downscaled to at most `pixels` pixels (aspect ratio kept).
 EstimateAt = Callable[[str, int], ItemCost]
@@ -234,73 +234,24 @@ def after_oom(
     return Recovery(retry=shrink_to_fit(failed[0], retry_bytes, model, estimate_at, rule))
 
 
-def plan_running(
-    waiting: Sequence[Waiting],
-    held_tokens: int,
+def fit_running(
+    item: Waiting,
     loop: RunningBudget,
     estimate_at: EstimateAt | None = None,
     rule: ShrinkRule = ShrinkRule(),
-    lanes: LaneRule = LaneRule(),
-    held_rows: int | None = None,
-    held_bulk: int | None = None,
-) -> Plan:
-    """Which waiting items to hand to a running loop (continuous batching) now.
+) -> Downscale | Refusal | None:
+    """Whether a row may go to a running loop (continuous batching) as it is: None when the
+    loop can hold it alone (its KV range within the pool, its prompt within a pass); else
+    downscaled until it can, or refused, as `plan` does with a leader over the budget.
 
-    The loop holds `loop.pool_tokens` of KV: each row its prompt and new tokens
-    (ocrq/models/slots.py `capacity_of`), `held_tokens` of them taken by rows already handed
-    over. In admission order (`LaneRule`), stopping at the first that does not fit (a row
-    never passes one ahead of it, so a long row cannot be starved by short ones); a leader that
-    could never fit the loop alone is downscaled or refused as `plan` does. `predicted_bytes`
-    is the KV the rows taken add.
-
-    With `held_rows` (rows handed over and not finished), at most the loop's free slots are
-    handed over: a row the loop cannot seat waits in the engine's own first-in-first-out
-    queue, where an interactive row handed over later could not pass it; here it still can.
-    With `held_bulk` too (those of them in the bulk lane), bulk rows get at most the slots the
-    loop does not reserve for interactive ones (`loop.reserved_slots`) and an interactive row
-    passes a bulk row that has no bulk slot (it could not take that row's slot anyway); a bulk
-    row never passes another.
-    """
-    if not waiting:
-        return Plan((), 0, loop.pool_bytes, ())
-    by_age = admission_order(waiting, lanes)
-    leader = by_age[0]
+    A check of one row, not a plan: which rows run when, against the rows already in the loop,
+    is the loop's own scheduler's (ocrq/models/loop/scheduler.py), which holds the only waiting
+    queue, lane rule and KV book; the batcher hands it every row that passes this."""
+    if loop.fits_alone(item.cost, item.cost.new_tokens):
+        return None
     share = loop.bytes
 
     def alone(cost: ItemCost) -> int:
         return int(loop.need(cost, cost.new_tokens) * share)
 
-    if not loop.fits_alone(leader.cost, leader.cost.new_tokens):
-        rest = tuple(w.key for w in by_age[1:])
-        model = CostModel(0)
-        fate = shrink_to_fit(leader, share, model, estimate_at, rule, alone=alone)
-        if isinstance(fate, Downscale):
-            return Plan((), 0, loop.pool_bytes, rest, downscale=(fate,))
-        return Plan((), 0, loop.pool_bytes, rest, refused=(fate,))
-    taken: list[str] = []
-    tokens = held_tokens
-    seats = loop.slots - held_rows if held_rows is not None else len(by_age)
-    bulk_seats = (loop.slots - loop.reserved_slots - held_bulk if held_bulk is not None
-                  else seats)
-    bulk_taken = 0
-    for w in by_age:
-        if len(taken) >= seats:
-            break
-        bulk = w.lane != INTERACTIVE
-        if bulk and bulk_taken >= bulk_seats:
-            bulk_seats = -1  # closed: no later bulk row passes this one
-            continue
-        need = capacity_of(w.cost.prompt_tokens, w.cost.new_tokens)
-        if tokens + need > loop.pool_tokens or not loop.fits_alone(w.cost, w.cost.new_tokens):
-            break
-        taken.append(w.key)
-        tokens += need
-        bulk_taken += bulk
-    per_token = loop.pool_bytes / max(loop.pool_tokens, 1)
-    chosen = set(taken)
-    return Plan(
-        keys=tuple(taken),
-        predicted_bytes=int((tokens - held_tokens) * per_token),
-        budget_bytes=loop.pool_bytes,
-        deferred=tuple(w.key for w in by_age if w.key not in chosen),
-    )
+    return shrink_to_fit(item, share, CostModel(0), estimate_at, rule, alone=alone)

@@ -7,15 +7,17 @@ hold; same rules: only this thread touches the planner and the engine, every fut
 exactly once. What differs:
 
 * the engine sizes its loop once from the budget (`StreamingEngine.open`: slots, a KV pool, one
-  prefill pass reserved); the planner (`plan_running`, pure) hands over the oldest waiting rows
-  while their KV fits the pool beside the rows in flight, and downscales or refuses a row too big
-  for the loop alone;
+  prefill pass reserved) and decides, alone, which rows run when: the loop's scheduler
+  (ocrq/models/loop/scheduler.py) holds its only waiting queue, lane rule and KV book. This
+  batcher hands it every waiting row at once, in the lanes' order (`admission_order`), after one
+  check per row (`fit_running`, pure): a row too big for the loop alone is downscaled or
+  refused. It keeps no ledger of the loop's memory, only the rows handed over (`_handed`, to
+  resolve their futures);
 * `engine.poll` runs the loop until some row ends; its job is resolved at once, so its task
   thread stores the row and acks while the other rows decode on. Detokenising and parsing a
   finished row (`Finished.resolve`) run on a finisher thread, not on the thread that keeps the
   GPU's queue full;
-* the planner runs only when something changed (a row arrived, finished or was requeued): with
-  hundreds of rows waiting for room it is not free, and it shares the GIL with that thread;
+* a hand-over runs only when something changed (a row arrived or was requeued);
 * every LOOP_LOG_S the loop's running totals (`engine.loop_counts()`: steps, their GPU seconds,
   prefill passes and tokens, live rows per lane) go to the log as one `running loop totals:`
   JSON line, so a bench can read a run's step figures from the worker's log
@@ -37,14 +39,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from ocrq.core import metrics
-from ocrq.core.contract import INTERACTIVE
 from ocrq.models.base import Finished, PreparedImage, StreamingEngine
 from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
-from ocrq.models.slots import RunningBudget, capacity_of
+from ocrq.models.slots import RunningBudget
 from ocrq.scheduling.downscaling import Downscaler
 from ocrq.scheduling.executor import log_downscale
-from ocrq.scheduling.planner import plan_running
+from ocrq.scheduling.planner import Downscale, admission_order, fit_running
 from ocrq.scheduling.vocabulary import (
     BatchConfig,
     BatchRecord,
@@ -58,12 +59,11 @@ from ocrq.scheduling.vocabulary import (
 log = logging.getLogger(__name__)
 
 
-class _Held(NamedTuple):
-    """A row handed to the engine: its entry, the KV tokens it holds, and when it was handed
-    over (with the count of held rows, what Little's law needs: bench/sustained.py)."""
+class _Handed(NamedTuple):
+    """A row handed to the engine: its entry (its future), and when it was handed over (with
+    the count of rows handed, what Little's law needs: bench/sustained.py)."""
 
     entry: Entry
-    tokens: int
     handed: float
 
 
@@ -90,9 +90,10 @@ class StreamingBatcher:
         self._on_batch = on_batch
         self._cond = threading.Condition()
         self._waiting: dict[str, Entry] = {}
-        self._flight: dict[str, _Held] = {}  # engine key -> the row handed to the engine
+        # Engine key (the job's) -> the row handed to the engine, waiting in its loop or running.
+        self._handed: dict[str, _Handed] = {}
         self._seq = 0
-        self._changed = False  # something the planner would see differently since it last ran
+        self._changed = False  # a row arrived or was requeued since the last hand-over
         self._cancels: set[str] = set()  # keys to drop from the loop at its next harvest
         self._loop_counts: dict[str, float] = {}  # the engine's totals at the last count
         self._loop_logged = 0.0  # time.monotonic() of the last `running loop totals:` line
@@ -142,7 +143,7 @@ class StreamingBatcher:
 
     def pending(self) -> int:
         with self._cond:
-            return len(self._waiting) + len(self._flight)
+            return len(self._waiting) + len(self._handed)
 
     def cancel(self, keys: Collection[str]) -> None:
         """Waiting rows of these keys resolve `Cancelled` now; rows the engine holds are
@@ -160,7 +161,7 @@ class StreamingBatcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._flight:
+                while not self._waiting and not self._handed:
                     if self._stopping:
                         self._log_loop(force=True)
                         return
@@ -171,14 +172,7 @@ class StreamingBatcher:
                 self._collect()
             except Exception:  # never let the thread die with futures waiting
                 log.exception("running loop failed")
-                self._fail_flight(RuntimeError("the running loop failed; see the worker log"))
-
-    def _held(self) -> int:
-        return sum(held.tokens for held in self._flight.values())
-
-    def _held_bulk(self) -> int:
-        """Rows in flight in the bulk lane: they may not take the loop's interactive slots."""
-        return sum(h.entry.row.item.priority != INTERACTIVE for h in self._flight.values())
+                self._fail_handed(RuntimeError("the running loop failed; see the worker log"))
 
     def _log_loop(self, force: bool = False) -> None:
         """The loop's totals as one JSON line, every LOOP_LOG_S (and at the end)."""
@@ -190,7 +184,8 @@ class StreamingBatcher:
         log.info("running loop totals: %s", json.dumps(totals))
 
     def _hand_over(self) -> None:
-        """Plan against the pool beside the rows in flight, apply the plan, submit."""
+        """Every waiting row to the engine, in the lanes' order; a row too big for the loop
+        alone downscaled first, or refused."""
         with self._cond:
             if not self._changed:
                 return
@@ -200,37 +195,24 @@ class StreamingBatcher:
             return
         downscaler = Downscaler(self.engine, {k: e.row.item for k, e in snapshot.items()})
         now = time.monotonic()
-        decided = plan_running(
-            [e.waiting(k, now) for k, e in snapshot.items()],
-            self._held(),
-            self.loop,
-            downscaler.estimate_at,
-            self.config.shrink,
-            self.config.lanes,
-            held_rows=len(self._flight),
-            held_bulk=self._held_bulk(),
-        )
+        order = admission_order([e.waiting(k, now) for k, e in snapshot.items()],
+                                self.config.lanes)
         rows = []
-        idle = not self._flight
+        idle = not self._handed
         with self._cond:
-            for shrink in decided.downscale:
-                old = self._waiting[shrink.key]
-                self._waiting[shrink.key] = Entry(
-                    old.row.shrunk(shrink, downscaler), old.future, old.submitted
-                )
-                log_downscale(old.row.item, self._waiting[shrink.key].row.item, "to fit the loop")
-            for refusal in decided.refused:
-                entry = self._waiting.pop(refusal.key)
-                resolve(
-                    entry.future,
-                    ItemOutcome(None, MemoryError(refusal.reason), "", self.engine.name),
-                )
-            for key in decided.keys:
-                entry = self._waiting.pop(key)
-                cost = entry.row.cost
-                tokens = capacity_of(cost.prompt_tokens, cost.new_tokens)
+            for w in order:
+                fate = fit_running(w, self.loop, downscaler.estimate_at, self.config.shrink)
+                entry = self._waiting.pop(w.key)
+                if isinstance(fate, Downscale):
+                    old, entry = entry, Entry(entry.row.shrunk(fate, downscaler), entry.future,
+                                              entry.submitted)
+                    log_downscale(old.row.item, entry.row.item, "to fit the loop")
+                elif fate is not None:
+                    resolve(entry.future,
+                            ItemOutcome(None, MemoryError(fate.reason), "", self.engine.name))
+                    continue
                 item = entry.row.item
-                self._flight[item.key] = _Held(entry, tokens, now)
+                self._handed[item.key] = _Handed(entry, now)
                 rows.append(item)
         if rows:
             self.engine.submit(rows)
@@ -243,22 +225,22 @@ class StreamingBatcher:
         handed over yet, or finished) are forgotten: the worker asks again while it runs them."""
         with self._cond:
             asked, self._cancels = self._cancels, set()
-        held = [key for key in asked if key in self._flight]
+        held = [key for key in asked if key in self._handed]
         if not held:
             return
         dropped = self.engine.drop(held)
         for key in dropped:
-            resolve(self._flight.pop(key).entry.future, cancelled(self.engine.name))
+            resolve(self._handed.pop(key).entry.future, cancelled(self.engine.name))
         if dropped:
-            with self._cond:
-                self._changed = True  # their KV ranges are free
-            metrics.engine_progress(busy=bool(self._flight))
+            metrics.engine_progress(busy=bool(self._handed))
             log.info("dropped %d cancelled row(s) from the running loop", len(dropped))
 
     def _collect(self) -> None:
         """Run the loop a little; resolve every row that finished."""
         started = time.monotonic()
-        wait = POLL_S if self._waiting else 0.5
+        # New arrivals are looked at between polls: every POLL_S while the loop holds rows (it
+        # queues them all now, so a backlog no longer waits here).
+        wait = POLL_S if self._waiting or self._handed else 0.5
         try:
             finished = self.engine.poll(wait)
         except Exception as exc:
@@ -272,16 +254,14 @@ class StreamingBatcher:
         failed = 0
         row_seconds = 0.0
         for f in finished:
-            held = self._flight.pop(f.key, None)
+            held = self._handed.pop(f.key, None)
             if held is None:
                 continue
             failed += isinstance(f.result, BaseException)
             ended = time.monotonic()
             row_seconds += ended - held.handed
             self._finisher.submit(self._finish, held.entry, f, batch_id, ended)
-        with self._cond:
-            self._changed = True  # their KV ranges are free
-        metrics.engine_progress(busy=bool(self._flight))
+        metrics.engine_progress(busy=bool(self._handed))
         self._loop_counts = metrics.count_loop(self.engine.loop_counts(), self._loop_counts)
         self._log_loop()
         self.governor = self.governor.after_batch(0)
@@ -295,7 +275,7 @@ class StreamingBatcher:
             0,
             self.budget_bytes,
             len(self._waiting),
-            in_flight=len(self._flight),
+            in_flight=len(self._handed),
             row_seconds=row_seconds,
         )
         self.records.append(record)
@@ -318,15 +298,16 @@ class StreamingBatcher:
         resolve(entry.future, outcome)
 
     def _recover(self, message: str) -> None:
-        """Out of memory inside the loop: rows in flight go back to the front of the queue, the
-        budget drops below what the loop held, and the loop is opened again within it."""
+        """Out of memory inside the loop: the rows handed over go back to the front of the queue
+        (their arrival order, `admission_order`), the budget drops below what the loop held, and
+        the loop is opened again within it."""
         self.engine.reset()
         self.governor = self.governor.after_oom(self.loop.bytes)
         metrics.OOM_EVENTS.inc()
         with self._cond:
-            for key, held in list(self._flight.items()):
+            for key, held in list(self._handed.items()):
                 self._waiting[f"{key}#retry{held.entry.row.seq}"] = held.entry
-            self._flight.clear()
+            self._handed.clear()
             self._changed = True
         metrics.engine_progress(busy=False)  # its rows are handed over again from scratch
         self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)
@@ -337,11 +318,11 @@ class StreamingBatcher:
             self.governor.budget_bytes / GiB,
         )
 
-    def _fail_flight(self, exc: BaseException) -> None:
+    def _fail_handed(self, exc: BaseException) -> None:
         self.engine.reset()
-        for held in self._flight.values():
+        for held in self._handed.values():
             resolve(held.entry.future, ItemOutcome(None, exc, "", self.engine.name))
-        self._flight.clear()
+        self._handed.clear()
         metrics.engine_progress(busy=False)
         try:
             self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)

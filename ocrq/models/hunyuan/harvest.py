@@ -1,11 +1,11 @@
 """The running loop's harvest: when a copy of the slots' state goes to the host, and when the
 host reads it for the rows that ended.
 
-Why apart from the loop: the loop (ocrq/models/hunyuan/running.py) keeps the device state and
+Why apart from the runner: the runner (ocrq/models/hunyuan/runner.py) keeps the device state and
 its books of live rows; when to look at that state is a policy of its own, the one that keeps
 the host from ever waiting for the GPU in steady state (ocrq/models/hunyuan/readback.py). The
 harvest decides when to queue and read copies; the loop releases the rows a copy shows ended
-(`ended`, the loop's own: `RunningLoop._ended`).
+(`ended`, the loop's own: `LoopRunner._ended`, ocrq/models/hunyuan/runner.py).
 """
 
 from __future__ import annotations

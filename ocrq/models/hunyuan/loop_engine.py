@@ -30,7 +30,7 @@ from ocrq.models.hunyuan.kv_cache import bytes_ratio
 from ocrq.models.hunyuan.loop_types import Done, LoopConfig, LoopRow
 from ocrq.models.hunyuan.output import result_of
 from ocrq.models.hunyuan.running import RunningLoop
-from ocrq.models.lane_pass import LanePolicy
+from ocrq.models.loop.lane_pass import LanePolicy
 from ocrq.models.slots import RunningBudget, capacity_of
 
 log = logging.getLogger(__name__)

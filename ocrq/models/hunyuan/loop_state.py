@@ -1,22 +1,19 @@
-"""The running loop's state as its collaborators take it: the host's books of rows, and the bundle
-of books, device tensors, stats and clocks that the loop hands its admission policy, prefill
-passes and harvest.
+"""The runner's state as its collaborators take it: the books of the rows on the device, and the
+bundle of books, device tensors, stats and clocks that the runner hands its prefill passes and
+harvest.
 
-Why: those collaborators (ocrq/models/hunyuan/admission.py, passes.py, harvest.py) once took the
-loop itself and reached into its private members, and the loop imported them back: a circle of
-five modules. Here is what they share, typed and public; the loop (ocrq/models/hunyuan/running.py)
-builds it and drives them, and none of them imports the loop.
+Why: those collaborators (ocrq/models/hunyuan/passes.py, harvest.py) once took the loop itself
+and reached into its private members, and the loop imported them back: a circle. Here is what
+they share, typed and public; the runner (ocrq/models/hunyuan/runner.py) builds it and drives
+them, and none of them imports the runner.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.loop_types import LoopConfig, LoopRow, LoopStats, bucket_of
-from ocrq.models.slots import KvPool
 
 if TYPE_CHECKING:
     from ocrq.models.hunyuan.decode import HunyuanDecoder
@@ -27,21 +24,19 @@ if TYPE_CHECKING:
 
 @dataclass
 class LoopBooks:
-    """The host's books of one loop's rows, kept without a host sync: which rows wait, which
-    hold which slot, the pool's free ranges, the decode steps so far, and the sums the lanes and
-    the stats read each step in O(1). No torch."""
+    """The runner's books of the rows on the device, kept without a host sync: which row holds
+    which slot, the decode steps so far, and the sums the lanes' steps and the stats read each
+    step in O(1). No torch. The waiting rows and the pool's free ranges are the scheduler's
+    (ocrq/models/loop/scheduler.py), not these."""
 
     config: LoopConfig
-    pool: KvPool
     # The repetition guard's period in steps (`RepetitionGuard.every`); None: no guard.
     guard_every: int | None = None
-    waiting: deque[LoopRow] = field(default_factory=deque)
     rows: dict[int, LoopRow] = field(default_factory=dict)  # slot -> live row
     step_no: int = 0  # full decode steps run so far
     entries: int = 0  # rows that entered a slot so far (LoopRow.entry)
-    # The lanes' books (ocrq/models/lane_pass.py).
+    # The lanes' books (ocrq/models/loop/lane_pass.py).
     live_interactive: int = 0
-    waiting_interactive: int = 0
     kv_base: int = 0  # sum over live rows of prompt - first_step (live KV, O(1) a step)
     kv_extra: int = 0  # sum over live rows of `extra`
     interactive_slots: set[int] = field(default_factory=set)  # slots of live interactive rows
@@ -52,39 +47,7 @@ class LoopBooks:
     @classmethod
     def empty(cls, config: LoopConfig) -> LoopBooks:
         every = config.guard.every if config.guard is not None else None
-        return cls(config, KvPool.empty(config.pool_tokens), every)
-
-    # -- waiting rows ----------------------------------------------------------------------------
-
-    def queue(self, row: LoopRow) -> None:
-        row.queued_step = self.step_no
-        self.waiting_interactive += row.interactive
-        self.waiting.append(row)
-
-    def take_waiting(self, keys: list[str]) -> list[LoopRow]:
-        """The rows of `keys` out of the queue, in that order (a prefill pass's plan): a pass
-        may take interactive rows from behind bulk ones."""
-        if all(r.key == k for r, k in zip(self.waiting, keys, strict=False)):  # the oldest
-            rows = [self.waiting.popleft() for _ in keys]
-        else:
-            wanted = set(keys)
-            by_key = {r.key: r for r in self.waiting if r.key in wanted}
-            self.waiting = deque(r for r in self.waiting if r.key not in wanted)
-            rows = [by_key[k] for k in keys]
-        self.waiting_interactive -= sum(r.interactive for r in rows)
-        return rows
-
-    def drop_waiting(self, keys: Collection[str]) -> list[LoopRow]:
-        """The waiting rows of `keys`, out of the queue."""
-        dropped = [row for row in self.waiting if row.key in keys]
-        if dropped:
-            self.waiting = deque(row for row in self.waiting if row.key not in keys)
-            self.waiting_interactive -= sum(row.interactive for row in dropped)
-        return dropped
-
-    def clear_waiting(self) -> None:
-        self.waiting.clear()
-        self.waiting_interactive = 0
+        return cls(config, every)
 
     # -- live rows -------------------------------------------------------------------------------
 
@@ -102,7 +65,7 @@ class LoopBooks:
             self.phases.setdefault(phase, set()).add(row.slot)
 
     def leave(self, slot: int) -> LoopRow:
-        """The row of `slot` out of the books, its KV range given back to the pool."""
+        """The row of `slot` out of the books (its KV range is the scheduler's to give back)."""
         row = self.rows.pop(slot)
         self.live_interactive -= row.interactive
         self.interactive_slots.discard(slot)
@@ -111,7 +74,6 @@ class LoopBooks:
         phase = self.phase(row)
         if phase is not None:
             self.phases.get(phase, set()).discard(slot)
-        self.pool = self.pool.give(row.start, row.capacity)
         return row
 
     def add_extra(self, row: LoopRow) -> bool:
@@ -147,7 +109,7 @@ class LoopBooks:
 
 @dataclass
 class LoopParts:
-    """What a running loop hands its collaborators: the model it runs, its books, its device
+    """What the runner hands its collaborators: the model it runs, its books, its device
     tensors, its account and its clocks. Swapping `stats` or `clock` (the warm-up starts the
     account again) reaches every collaborator at once."""
 
@@ -163,8 +125,3 @@ class LoopParts:
     @property
     def device(self) -> Any:
         return self.decoder.device
-
-    @property
-    def busy(self) -> bool:
-        """The interactive lane is busy: an interactive row live or waiting."""
-        return bool(self.books.live_interactive or self.books.waiting_interactive)

@@ -1,7 +1,7 @@
 """The running loop's data: its rows, what it hands back, how it is configured, what it counts.
 
-Why a module of its own: the loop (ocrq/models/hunyuan/running.py) and its collaborators (the
-admission policy, the prefill passes, the harvest, the warm-up) all speak of these; kept here,
+Why a module of its own: the loop (ocrq/models/hunyuan/running.py), its runner and the runner's
+collaborators (the prefill passes, the harvest, the warm-up) all speak of these; kept here,
 each of them imports the words and none imports the loop. No torch at import.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ocrq.models.hunyuan.inputs import EncodedImage
 from ocrq.models.hunyuan.versions import RepetitionGuard
-from ocrq.models.lane_pass import LanePolicy
+from ocrq.models.loop.lane_pass import LanePolicy
 
 if TYPE_CHECKING:
     import torch
@@ -39,12 +39,11 @@ class LoopRow:
     encoded: EncodedImage
     max_new_tokens: int
     min_new_tokens: int = 0  # eos banned before this many tokens (benches force lengths)
-    interactive: bool = False  # the job's lane (ocrq/models/lane_pass.py)
+    interactive: bool = False  # the job's lane (ocrq/models/loop/lane_pass.py)
     # Set by the loop.
     # The loop's hooks' token index at which the row takes eos (ocrq/models/hunyuan/hooks.py);
     # None: the model's own choice (always, without hooks).
     eos_at: int | None = None
-    queued_step: int = 0  # the loop's decode steps when it joined the queue
     slot: int = -1
     start: int = -1
     capacity: int = 0
@@ -95,7 +94,7 @@ class LoopConfig:
     # Prefill passes with the rows packed end to end, no padding (ocrq/models/hunyuan/packed.py):
     # a pass then costs the tokens it holds, not rows x the longest prompt.
     packed: bool = False
-    # The interactive lane (ocrq/models/lane_pass.py): reserved slots, bulk limits while busy.
+    # The interactive lane (ocrq/models/loop/lane_pass.py): reserved slots, bulk limits while busy.
     lanes: LanePolicy = field(default_factory=LanePolicy)
     # Prefill passes on a side stream of low priority, committed once done, while decode steps
     # go on on the loop's own stream of high priority (ocrq/models/hunyuan/passes.py). On a CPU
@@ -144,7 +143,7 @@ class LoopStats:
     # rather than worked.
     prefill_cpu_s: float = 0.0
     cpu_s: float = 0.0
-    # The lanes (ocrq/models/lane_pass.py). "Busy": an interactive row live or waiting. An
+    # The lanes (ocrq/models/loop/lane_pass.py). "Busy": an interactive row live or waiting. An
     # interactive row's token costs (lane_decode_s + lane_prefill_s) / lane_steps: the step over
     # every live row plus the prefill passes run between its steps; `kv_token_steps` (live KV
     # tokens summed over steps) over `steps` says how much KV a step reads.

@@ -1,12 +1,12 @@
 """The running loop's prefill passes: admitted rows' prompts into their slots and KV ranges.
 
-Why apart from the loop: a pass carries out the admission policy's plan
-(ocrq/models/hunyuan/admission.py) on the loop's device state, which the loop
-(ocrq/models/hunyuan/running.py) keeps and its decode steps read: the rows leave the queue for
-their slots, their prompts run through the model in one pass (left-padded, or packed end to end:
-ocrq/models/hunyuan/packed.py), each layer's keys and values go into the rows' ranges of the pool,
-every per-slot tensor takes the rows' values, and the loop chooses each row's first token as the
-static loop would.
+Why apart from the runner: a pass carries out the admissions of the scheduler's plan
+(ocrq/models/loop/scheduler.py `StepPlan.admit`) on the device state the runner
+(ocrq/models/hunyuan/runner.py) keeps and its decode steps read: the rows go into the slots
+and KV ranges the plan gave them, their prompts run through the model in one pass (left-padded,
+or packed end to end: ocrq/models/hunyuan/packed.py), each layer's keys and values go into the
+rows' ranges of the pool, every per-slot tensor takes the rows' values, and the runner chooses
+each row's first token as the static loop would.
 
 A pass is a launch (the rows into their slots and ranges, the model writing their prompts' KV)
 and a commit (every per-slot tensor, the loop's books, the first tokens). With
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from ocrq.models.hunyuan.harvest import Harvest
     from ocrq.models.hunyuan.loop_state import LoopParts
     from ocrq.models.hunyuan.loop_types import LoopRow
-    from ocrq.models.slots import Admission
 
 
 @dataclass
@@ -57,10 +56,10 @@ def _event_done(pending: PendingPass) -> bool:
 
 
 class PrefillPasses:
-    """One loop's prefill passes; `run` takes a plan the loop's policy made this step.
+    """One runner's prefill passes; `run` takes the rows a plan admitted this tick.
 
-    A pass is a launch and a commit. The launch takes the rows out of the queue into their
-    slots and ranges and runs the model, which writes only the rows' own KV ranges; the commit
+    A pass is a launch and a commit. The launch puts the rows into their slots and ranges and
+    runs the model, which writes only the rows' own KV ranges; the commit
     writes every per-slot tensor a decode step reads or updates, makes the rows live and
     chooses their first tokens. Without `LoopConfig.prefill_stream` the commit follows the
     launch at once, on the loop's stream. With it, on a GPU, the launch runs on a side stream of
@@ -87,22 +86,22 @@ class PrefillPasses:
         """The slots the pending pass holds (not live, not free)."""
         return {r.slot for r in self.pending.rows} if self.pending is not None else set()
 
-    def run(self, plan: Admission) -> None:
-        """The pass, its GPU time on the lane's span while the interactive lane is busy (an
-        interactive row live or waiting: ocrq/models/lane_pass.py), so its rows' token cost
-        counts the passes run between their steps. Committed at once unless deferred."""
+    def run(self, rows: list[LoopRow], busy: bool) -> None:
+        """The pass of `rows` (their slots and ranges set, in pass order), its GPU time on the
+        lane's span while the interactive lane is `busy` (an interactive row live or waiting
+        when it was planned: ocrq/models/loop/lane_pass.py), so its rows' token cost counts the
+        passes run between their steps. Committed at once unless deferred."""
         state = self.state
-        busy = state.busy
         span = "prefill_lane" if busy else "prefill"
         if not self.deferred:
             with state.clock.span(span):
-                rows = self._launch(plan, busy).rows
+                self._launch(rows, busy)
                 self.commit()
         elif self.side is None:  # deferred on a CPU (tests): launched now, committed later
             with state.clock.span(span):
-                rows = self._launch(plan, busy).rows
+                self._launch(rows, busy)
         else:
-            rows = self._launch_on_side(plan, busy, span).rows
+            self._launch_on_side(rows, busy, span)
         stats, tokens = state.stats, sum(r.prompt_tokens for r in rows)
         stats.prefills += 1
         stats.prefilled_rows += len(rows)
@@ -112,7 +111,7 @@ class PrefillPasses:
             stats.lane_prefills += 1
             stats.lane_prefill_tokens += tokens
 
-    def _launch_on_side(self, plan: Admission, busy: bool, span: str) -> PendingPass:
+    def _launch_on_side(self, rows: list[LoopRow], busy: bool, span: str) -> PendingPass:
         """The launch on the side stream, after the steps queued so far (they may still read
         the ranges just given to these rows); an event marks its end."""
         import torch
@@ -120,7 +119,7 @@ class PrefillPasses:
         here = torch.cuda.current_stream(self.state.device)
         self.side.wait_stream(here)
         with torch.cuda.stream(self.side), self.state.clock.span(span):
-            pending = self._launch(plan, busy)
+            pending = self._launch(rows, busy)
             pending.event = torch.cuda.Event()
             pending.event.record()
         for t in (pending.first_logits, pending.next_pos, pending.marks):
@@ -147,30 +146,23 @@ class PrefillPasses:
             self.commit()
 
     def discard(self) -> list[LoopRow]:
-        """Forget the pending pass (clear): its rows, their KV ranges given back; their slots
-        were never live."""
+        """Forget the pending pass (clear): its rows (their slots were never live; their KV
+        ranges are the scheduler's to give back)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return []
         if pending.event is not None:
             pending.event.synchronize()  # the pass's work done before its memory is reused
-        books = self.state.books
-        for r in pending.rows:
-            books.pool = books.pool.give(r.start, r.capacity)
         return pending.rows
 
-    def _launch(self, plan: Admission, busy: bool) -> PendingPass:
-        """The plan's rows out of the queue (by key: interactive rows may pass bulk ones), into
-        their slots and ranges, their prompts through the model into their ranges of the pool.
-        Everything here is queued without a host sync (to_device, index lists built on the
-        host): a sync would empty the queue of decode steps behind which it runs. The pass is
-        pending from before the model runs, so `clear` finds its rows if the model fails."""
-        books = self.state.books
-        rows = books.take_waiting([p.key for p in plan.placements])
-        for placement, row in zip(plan.placements, rows, strict=True):
-            row.slot, row.start = placement.slot, placement.start
+    def _launch(self, rows: list[LoopRow], busy: bool) -> PendingPass:
+        """The rows into their slots and ranges, their prompts through the model into their
+        ranges of the pool. Everything here is queued without a host sync (to_device, index
+        lists built on the host): a sync would empty the queue of decode steps behind which it
+        runs. The pass is pending from before the model runs, so `clear` finds its rows if the
+        model fails."""
+        for row in rows:
             row.admitted_at = time.monotonic()
-        books.pool = plan.pool
         pending = self.pending = PendingPass(rows, busy)
         prompt = self._prompt_packed if self.state.config.packed else self._prompt_padded
         pending.first_logits, pending.next_pos, pending.marks = prompt(rows)

@@ -13,8 +13,8 @@ worker is ready, and beside the rest of its start (ocrq/worker/engine_start.py):
    prefill pass (the vision tower, the packed prefill, their kernels' first calls), its first
    decode steps over the first bucket (eager, then captured), the harvest;
 2. every other bucket's decode step runs once eagerly (its kernels' first calls) and is
-   captured, as `RunningLoop._decode_step` does on a bucket's first use. A step over slots
-   without a live row changes no slot's state (`RunningLoop.step`: every update is masked by
+   captured, as `LoopRunner._decode_step` does on a bucket's first use. A step over slots
+   without a live row changes no slot's state (`LoopRunner.step`: every update is masked by
    `live`; only the scratch column is written), so this touches nothing a job will read;
 3. the loop's account starts again empty, so its figures are the jobs' alone (the graphs
    captured and their seconds are kept: that is what the warm-up did).
@@ -33,23 +33,26 @@ from ocrq.models.hunyuan.loop_types import BUCKETS, Done, LoopConfig, LoopRow, L
 from ocrq.models.hunyuan.readback import GpuClock
 
 if TYPE_CHECKING:
-    from ocrq.models.hunyuan.decode import HunyuanDecoder
     from ocrq.models.hunyuan.loop_state import LoopParts
+    from ocrq.models.hunyuan.runner import LoopRunner
 
 
 class WarmLoop(Protocol):
     """What the warm-up drives of a running loop (ocrq/models/hunyuan/running.py's
-    `RunningLoop`): its public face, its decode step and capture, its shared state."""
+    `RunningLoop`): its public face and its runner (the decode step and its capture)."""
 
-    decoder: HunyuanDecoder
     config: LoopConfig
-    state: LoopParts
-    graphs: dict[int, Any]
+
+    @property
+    def runner(self) -> LoopRunner: ...
+    @property
+    def state(self) -> LoopParts: ...
+    @property
+    def graphs(self) -> dict[int, Any]: ...
 
     def add(self, rows: Sequence[LoopRow]) -> None: ...
     def drain(self) -> list[Done]: ...
-    def step(self, k: int) -> None: ...
-    def capture(self, k: int) -> None: ...
+    def idle(self) -> bool: ...
     def collect_stats(self, wait: bool = False) -> LoopStats: ...
 
 
@@ -60,8 +63,9 @@ def buckets(loop: WarmLoop) -> list[int]:
 
 
 def graphed(loop: WarmLoop) -> bool:
-    """Whether the loop's decode steps are CUDA graphs (as `RunningLoop._decode_step` decides)."""
-    return bool(loop.decoder.use_graph and loop.decoder.is_cuda and not loop.config.keep_logits)
+    """Whether the loop's decode steps are CUDA graphs (as `LoopRunner._decode_step` decides)."""
+    decoder = loop.runner.decoder
+    return bool(decoder.use_graph and decoder.is_cuda and not loop.config.keep_logits)
 
 
 def warm_up(loop: WarmLoop, row: LoopRow | None, deadline: float) -> list[int]:
@@ -70,8 +74,7 @@ def warm_up(loop: WarmLoop, row: LoopRow | None, deadline: float) -> list[int]:
     Either way the books start again empty (3). The buckets graphed by then."""
     import torch
 
-    books = loop.state.books
-    if books.rows or books.waiting:
+    if not loop.idle():
         raise RuntimeError("the running loop warms up before its first row, not after")
     if row is not None:
         loop.add([row])
@@ -83,8 +86,8 @@ def warm_up(loop: WarmLoop, row: LoopRow | None, deadline: float) -> list[int]:
                     continue
                 if time.monotonic() >= deadline:
                     break
-                loop.step(k)  # its kernels' first calls, outside the capture
-                loop.capture(k)
+                loop.runner.step(k)  # its kernels' first calls, outside the capture
+                loop.runner.capture(k)
     _forget_books(loop)
     return sorted(loop.graphs)
 

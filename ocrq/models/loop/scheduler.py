@@ -1,14 +1,15 @@
 """`LoopScheduler`: the running loop's waiting queue, lane rule and KV book in one place.
 
 Why: the loop's decisions (which waiting rows to prefill, into which slots and pool ranges, when)
-were spread over the loop's own books and its admission policy (ocrq/models/hunyuan/admission.py,
-running.py), beside the device state; here they are plain data and arithmetic, planned once per
-tick and checked without a device. The rule is the loop's as it stands:
+were spread over two levels (the batcher's planner held rows back against its own ledger of the
+pool, the loop kept a second queue, admission policy and pool beside its device state); here
+they are plain data and arithmetic, planned once per tick and checked without a device, and the
+Hunyuan runner (ocrq/models/hunyuan/runner.py) only carries a plan out. The rule:
 
 * prefill schedules (`schedule`): "alternate" waits until a quarter of the slots are free (or
   nothing runs) and then fills one pass; "chunked" plans a pass before every decode step, with
   `prefill_gap` steps between passes unless a pass is full or nothing runs;
-* which rows a pass takes: the lanes' rule (ocrq/models/lane_pass.py `lane_pass`): interactive
+* which rows a pass takes: the lanes' rule (ocrq/models/loop/lane_pass.py `lane_pass`): interactive
   rows first and into reserved slots, bulk rows held while the lane is busy, promoted after
   `promote_steps`; an interactive row waiting skips either schedule's wait;
 * the KV book (ocrq/models/slots.py `KvPool`): a row holds `capacity_of(prompt, cap)` tokens
@@ -26,9 +27,9 @@ from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from ocrq.models.lane_pass import LanePolicy, LoopState, Waiter, lane_pass
+from ocrq.models.loop.lane_pass import LanePolicy, LoopState, Waiter, lane_pass
+from ocrq.models.loop.plan import Admit, Request, StepOutput, StepPlan
 from ocrq.models.slots import FULL_PASS, KvPool, capacity_of
-from ocrq.scheduling.loop.plan import Admit, Request, StepOutput, StepPlan
 
 SCHEDULES = ("alternate", "chunked")
 # The runner's graphed slot counts (ocrq/models/hunyuan/loop_types.py `BUCKETS`; a test keeps
@@ -79,12 +80,14 @@ class LoopScheduler:
         self.pool = KvPool.empty(config.pool_tokens)
         self.step = 0  # full decode steps the runner reported
         self._waiting: deque[_Queued] = deque()
+        self._waiting_set: set[str] = set()  # their keys (the batcher hands every row at once)
         self._waiting_interactive = 0
         self._running: dict[str, Admit] = {}
         self._slots: dict[int, str] = {}  # slot -> the key of the row holding it
         self._dropped: list[str] = []  # running rows dropped since the last plan
         self._last_prefill = NEVER
         self._last_bulk_pass = NEVER
+        self._busy = self._held = False  # the lane's account of the pass being planned
 
     # -- the books ---------------------------------------------------------------------------
 
@@ -101,24 +104,27 @@ class LoopScheduler:
         return not self._waiting and not self._running and not self._dropped
 
     def add(self, requests: Iterable[Request]) -> None:
-        """Queue rows, oldest first; each must fit the pool alone (the planner's check) and
-        have a key no row waiting or running has."""
+        """Queue rows, oldest first; each must fit the pool alone (the batcher's check) and
+        have a key no row waiting or running has. All or none: a ValueError queues none."""
         cfg = self.config
+        queued: list[_Queued] = []
+        keys: set[str] = set()
         for r in requests:
-            if r.key in self._running or any(q.key == r.key for q in self._waiting):
+            if r.key in self._running or r.key in self._waiting_set or r.key in keys:
                 raise ValueError(f"row {r.key} is in the loop already")
             cap = cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
             if not 1 <= cap <= cfg.max_new_tokens:
                 raise ValueError(f"row {r.key}: max_new_tokens {cap} outside "
                                  f"1..{cfg.max_new_tokens}")
-            capacity = capacity_of(r.prompt_tokens, cap)
+            capacity = capacity_of(r.prompt_tokens, cap)  # asked once per row, here
             if capacity > cfg.pool_tokens:
                 raise ValueError(f"row {r.key} needs {capacity} KV tokens, over the pool's "
                                  f"{cfg.pool_tokens}")
-            self._waiting.append(
-                _Queued(r.key, r.prompt_tokens, capacity, cap, r.interactive, self.step)
-            )
-            self._waiting_interactive += r.interactive
+            queued.append(_Queued(r.key, r.prompt_tokens, capacity, cap, r.interactive, self.step))
+            keys.add(r.key)
+        self._waiting.extend(queued)
+        self._waiting_set |= keys
+        self._waiting_interactive += sum(q.interactive for q in queued)
 
     def drop(self, keys: Collection[str]) -> list[str]:
         """Forget these rows (their jobs were cancelled); the keys it held. A waiting row goes
@@ -127,6 +133,7 @@ class LoopScheduler:
         gone = [q for q in self._waiting if q.key in keys]
         if gone:
             self._waiting = deque(q for q in self._waiting if q.key not in keys)
+            self._waiting_set.difference_update(q.key for q in gone)
             self._waiting_interactive -= sum(q.interactive for q in gone)
         live = [k for k in keys if k in self._running]
         for key in live:
@@ -136,13 +143,33 @@ class LoopScheduler:
 
     # -- a tick ------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def waiting_keys(self) -> list[str]:
+        """The waiting rows' keys, oldest first."""
+        return [q.key for q in self._waiting]
+
+    def clear(self) -> list[str]:
+        """Forget every row (the runner lost its device state: an error); the keys running,
+        then those waiting. The clocks go on."""
+        keys = [*self._running, *(q.key for q in self._waiting)]
+        self._waiting.clear()
+        self._waiting_set.clear()
+        self._waiting_interactive = 0
+        self._running.clear()
+        self._slots.clear()
+        self._dropped.clear()
+        self.pool = KvPool.empty(self.config.pool_tokens)
+        return keys
+
+    def schedule(self, prefill: bool = True) -> StepPlan:
         """This tick's plan (the module's docstring); a row it admits holds its slot and range
-        in the book from now on."""
+        in the book from now on. `prefill` False: the runner still has a pass in flight (one at
+        a time), so this plan admits nothing."""
         drop, self._dropped = tuple(self._dropped), []
-        admit, blocked = self._admit()
+        self._busy = self._held = False
+        admit, blocked = self._admit() if prefill else ((), None)
         steps = 1 if self._waiting else self.config.check_every
-        return StepPlan(drop, admit, steps, self._interactive_bucket(), blocked)
+        return StepPlan(drop, admit, steps, self._interactive_bucket(), blocked,
+                        self._busy, self._held)
 
     def update(self, output: StepOutput) -> tuple[str, ...]:
         """The runner's output taken: the step clock moves on, and the rows it saw finish give
@@ -184,15 +211,24 @@ class LoopScheduler:
         decided = lane_pass(waiters, self.pool, state, cfg.pass_tokens, cfg.lanes,
                             packed=cfg.packed)
         plan = decided.admission
+        self._busy = decided.busy
+        self._held = decided.held and bool(plan.placements)
         if not plan.placements:
             return (), plan.blocked
         soon = self.step - self._last_prefill < cfg.prefill_gap
         if cfg.schedule == "chunked" and running and soon and plan.blocked != FULL_PASS \
                 and not urgent:
             return (), None  # not full yet, and the runner has rows to decode meanwhile
-        queued = {q.key: q for q in self._waiting}
+        queued = {q.key: q for q in itertools.islice(self._waiting, len(plan.placements))}
+        if len(queued.keys() & {p.key for p in plan.placements}) < len(plan.placements):
+            queued = {q.key: q for q in self._waiting}
         taken = {p.key for p in plan.placements}
-        self._waiting = deque(q for q in self._waiting if q.key not in taken)
+        if all(q.key in taken for q in itertools.islice(self._waiting, len(taken))):
+            for _ in taken:  # the oldest rows (no interactive row passed a bulk one): O(pass)
+                self._waiting.popleft()
+        else:
+            self._waiting = deque(q for q in self._waiting if q.key not in taken)
+        self._waiting_set -= taken
         admitted = []
         for p in plan.placements:
             q = queued[p.key]

@@ -48,6 +48,12 @@ class StepPlan:
     decode_steps: int = 1
     interactive_bucket: int = 0
     blocked: str | None = None  # why admission stopped, if it did (`Admission.blocked`)
+    # The interactive lane was busy when the pass was planned (a row of it live or waiting):
+    # the runner books the pass's GPU time to the lane (`LoopStats.lane_prefill_s`).
+    busy: bool = False
+    # The lane's limits held a bulk row back from a pass that admitted others (or would have,
+    # but for the prefill gap): `LoopStats.bulk_held_passes`.
+    bulk_held: bool = False
 
 
 @dataclass(frozen=True)
