@@ -280,11 +280,15 @@ def test_engine_streams_rows_through_submit_and_poll(engine: HunyuanLoopEngine) 
     items = [item(64, 64, 50), item(100, 100, 51), item(64, 64, 52)]
     items[0].max_new_tokens = 2
     engine.submit(items)
+    # handed over, not yet admitted: the batcher's records count them as waiting, not in flight
+    assert engine.queued() == 3
     got: dict[str, Any] = {}
     while len(got) < 3:
         for f in engine.poll(1.0):
             got[f.key] = f.resolve()
+            assert f.started_at is not None  # row-seconds count from the row's admission
     assert all(isinstance(r, OcrResult) for r in got.values())
+    assert engine.queued() == 0
     static = engine.run([items[1]])[0]
     assert got["img51"] == static
     # The loop's totals for the worker's metrics survive a reopened loop (an OOM recovery).

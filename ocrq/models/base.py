@@ -254,6 +254,13 @@ class StreamingEngine(EngineCore):
         """Drop every row in flight (after an error) and free the loop; their keys."""
         return []
 
+    def queued(self) -> int:
+        """Rows handed over that wait in the engine's own queue, not yet running. The batcher's
+        records say "left waiting" and "in flight" from it: bench/sustained.py finds the loop's
+        saturated window by rows still waiting, and the batcher hands every row over at once.
+        None by default: every row handed over runs."""
+        return 0
+
     def drop(self, keys: Collection[str]) -> list[str]:
         """Drop these rows (their jobs were cancelled) from the loop, freeing their slots; the
         keys of those it held, which `poll` will never return. Called on the batcher's thread

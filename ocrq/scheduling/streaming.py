@@ -259,12 +259,14 @@ class StreamingBatcher:
                 continue
             failed += isinstance(f.result, BaseException)
             ended = time.monotonic()
-            row_seconds += ended - held.handed
+            # in the loop: from its admission where the engine says (queued rows wait there)
+            row_seconds += ended - (f.started_at or held.handed)
             self._finisher.submit(self._finish, held.entry, f, batch_id, ended)
         metrics.engine_progress(busy=bool(self._handed))
         self._loop_counts = metrics.count_loop(self.engine.loop_counts(), self._loop_counts)
         self._log_loop()
         self.governor = self.governor.after_batch(0)
+        queued = self.engine.queued()  # handed over, waiting in the loop's own queue
         record = BatchRecord(
             batch_id,
             len(finished),
@@ -274,8 +276,8 @@ class StreamingBatcher:
             failed,
             0,
             self.budget_bytes,
-            len(self._waiting),
-            in_flight=len(self._handed),
+            len(self._waiting) + queued,
+            in_flight=len(self._handed) - queued,
             row_seconds=row_seconds,
         )
         self.records.append(record)

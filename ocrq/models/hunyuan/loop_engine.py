@@ -312,6 +312,9 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
             started_at=done.row.admitted_at,
         )
 
+    def queued(self) -> int:
+        return 0 if self.loop is None else self.loop.scheduler.waiting
+
     def loop_counts(self) -> dict[str, float]:
         """The running loop's `LoopStats` as totals over every loop this engine opened."""
         now = self._loop_stats()
