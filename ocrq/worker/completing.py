@@ -137,7 +137,10 @@ class Completing:
         """The page's document assembled if this was its last page: (its id, its status) when
         it is final (assembled by this call, another page job or the api), else None. Which
         caller sends its webhook is decided by the document notice's claim
-        (ocrq/worker/notices.py), not here. Call it through `rows.db`: it is retried whole."""
+        (ocrq/worker/notices.py), not here."""
+        return self.rows.db(self._complete_document)(job_id)  # retried whole
+
+    def _complete_document(self, job_id: str) -> tuple[str, str] | None:
         row = self.rows.store.get([job_id]).get(job_id)
         if row is not None and row.get("document_id") and row.get("page") is not None:
             status, now_final = self.rows.documents.assemble(row["document_id"])
