@@ -249,7 +249,7 @@ def holds(app: Celery, worker: str, job_id: str) -> bool | None:
 
 
 # Job id -> the worker that gave the job's message back while the database was away, after it
-# had claimed the job's row (ocrq/worker/jobs.py). The next claim finds the row `running` with
+# had claimed the job's row (ocrq/worker/claiming.py). The next claim finds the row `running` with
 # an attempt made, which reads as a worker that died mid-run; this note says it did not.
 GIVEN_BACK_KEY = "ocrq.given_back:"
 # A message given back is delivered again within seconds to minutes (or after the visibility

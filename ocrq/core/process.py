@@ -90,7 +90,7 @@ class ProcessState:
     # This process's start-up timeline (ocrq/core/startup.py): each phase of its start records
     # itself here where it runs (the entry points, the engine's loading, the running loop's
     # warm-up); the worker logs it once ready (ocrq/worker/celery_app.py) and its first stored
-    # result (ocrq/worker/jobs.py). An engine process sends its own to its worker.
+    # result (ocrq/worker/completing.py). An engine process sends its own to its worker.
     timeline: Timeline = field(default_factory=Timeline)
 
 

@@ -9,6 +9,9 @@ loop at the loop's next harvest (ocrq/scheduling/streaming.py). Why polling and 
 the row is the record anyway, a missed Redis message would leave a row decoding to its cap, and
 the bound on the rate is the bound on the cost. A job cancelled between two polls runs on for at
 most `POLL_S`; its result is never stored over `cancelled` (JobStore.finish) either way.
+
+The job runner (ocrq/worker/jobs.py) holds one beside its stages and starts it at its first job;
+it asks the runner's in-flight jobs (ocrq/worker/claiming.py `InFlight.ids`), nothing else.
 """
 
 from __future__ import annotations
@@ -39,9 +42,16 @@ class CancelWatch:
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ocrq-cancels", daemon=True)
+        self._started = False
+        self._lock = threading.Lock()
 
     def start(self) -> CancelWatch:
-        self._thread.start()
+        """Its thread started, once: later calls (every job's) do nothing."""
+        if not self._started:
+            with self._lock:
+                if not self._started:
+                    self._thread.start()
+                    self._started = True
         return self
 
     def stop(self) -> None:

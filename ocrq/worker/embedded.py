@@ -21,7 +21,7 @@ from ocrq.core.db import engine_for
 from ocrq.core.documents_store import DocumentStore
 from ocrq.core.settings import Settings
 from ocrq.core.store import JobStore
-from ocrq.worker.jobs import JobOutcome
+from ocrq.worker.outcome import JobOutcome
 from ocrq.worker.runtime import build_runtime
 
 IMAGE_SUFFIXES = {

@@ -24,8 +24,9 @@ from ocrq.core.contract import (
 )
 from ocrq.intake.splitting import page_job_id
 from ocrq.worker.acking import task_returned
+from ocrq.worker.claiming import RunningElsewhere
 from ocrq.worker.envelope import REFUSED_HEADER, safe_text
-from ocrq.worker.jobs import RunningElsewhere, db_unavailable
+from ocrq.worker.job_rows import db_unavailable
 from ocrq.worker.links import LINK_KEYS, NEVER, link_refusal
 from ocrq.worker.runtime import get_runtime
 
