@@ -75,22 +75,19 @@ def test_chunked_passes_wait_for_the_gap_unless_an_interactive_row_waits() -> No
     assert [a.key for a in tick(s).admit] == ["i", "c"]  # at once, and first
 
 
-def test_an_interactive_only_step_covers_the_reserve_s_bucket() -> None:
+def test_with_interactive_only_steps_the_reserve_is_the_lowest_slots() -> None:
+    """Bulk rows take slots above the reserve, an interactive row the lowest reserved one, where
+    the runner's interactive-only step over the first slots covers it (which slots that step
+    covers is the runner's: it follows the rows live on the device)."""
     lanes = LanePolicy(reserved_slots=2, extra_steps=2)
     s = LoopScheduler(SchedulerConfig(slots=40, pool_tokens=1 << 16, max_new_tokens=16,
                                       lanes=lanes))
     s.add([Request(f"b{i}", 20) for i in range(20)])
     plan = s.schedule()
-    assert {a.slot for a in plan.admit} == set(range(2, 22)) and plan.interactive_bucket == 0
+    assert {a.slot for a in plan.admit} == set(range(2, 22))
     s.add([Request("i", 20, interactive=True)])
     plan = tick(s)
-    assert [(a.key, a.slot) for a in plan.admit] == [("i", 0)] and plan.interactive_bucket == 8
-
-
-def test_the_buckets_are_the_runner_s() -> None:
-    from ocrq.models.hunyuan.loop_types import BUCKETS
-
-    assert SchedulerConfig(1, 1, 1).buckets == BUCKETS
+    assert [(a.key, a.slot) for a in plan.admit] == [("i", 0)]
 
 
 def simulate(config: SchedulerConfig, seed: int, rows: int = 120) -> None:

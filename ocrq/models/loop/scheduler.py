@@ -32,9 +32,6 @@ from ocrq.models.loop.plan import Admit, Request, StepOutput, StepPlan
 from ocrq.models.slots import FULL_PASS, KvPool, capacity_of
 
 SCHEDULES = ("alternate", "chunked")
-# The runner's graphed slot counts (ocrq/models/hunyuan/loop_types.py `BUCKETS`; a test keeps
-# them equal): an interactive-only step covers the smallest one holding its rows.
-BUCKETS = tuple(8 << i for i in range(10))
 NEVER = -(10**9)
 
 
@@ -52,7 +49,6 @@ class SchedulerConfig:
     packed: bool = False
     check_every: int = 8  # decode steps between plans while nothing waits
     lanes: LanePolicy = field(default_factory=LanePolicy)
-    buckets: tuple[int, ...] = BUCKETS
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -168,8 +164,7 @@ class LoopScheduler:
         self._busy = self._held = False
         admit, blocked = self._admit() if prefill else ((), None)
         steps = 1 if self._waiting else self.config.check_every
-        return StepPlan(drop, admit, steps, self._interactive_bucket(), blocked,
-                        self._busy, self._held)
+        return StepPlan(drop, admit, steps, blocked, self._busy, self._held)
 
     def update(self, output: StepOutput) -> tuple[str, ...]:
         """The runner's output taken: the step clock moves on, and the rows it saw finish give
@@ -243,18 +238,3 @@ class LoopScheduler:
         if any(not a.interactive for a in admitted):
             self._last_bulk_pass = self.step
         return tuple(admitted), plan.blocked
-
-    def _interactive_bucket(self) -> int:
-        """The slots an interactive-only step covers: the smallest bucket holding every live
-        interactive row of the reserve; 0 without such steps or rows."""
-        lanes = self.config.lanes
-        if not lanes.extra_steps:
-            return 0
-        reserved = lanes.reserved_slots
-        slots = [a.slot for a in self._running.values()
-                 if a.interactive and (not reserved or a.slot < reserved)]
-        if not slots:
-            return 0
-        top = max(slots) + 1
-        return min(next((b for b in self.config.buckets if b >= top), self.config.slots),
-                   self.config.slots)
