@@ -14,7 +14,7 @@ the same pool (max abs difference, the logits' scale, argmax agreement), and how
 of two distinct inputs lie (a check that could not tell them apart would pass anything).
 
     PYTHONUNBUFFERED=1 python bench/fused_step.py --out OUT --stem fused_step_h100
-    python bench/fused_step.py --out /tmp/fs --smoke   # tiny model on the CPU: the path runs
+    TRITON_INTERPRET=1 python bench/fused_step.py --out /tmp/fs --smoke  # tiny model, CPU
 """
 
 from __future__ import annotations

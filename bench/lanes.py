@@ -363,7 +363,8 @@ def render(d: dict[str, Any]) -> str:
         "",
         f"Engine `{m['engine']}` on {m['hardware']}; {m['bulk_jobs']} bulk jobs queued at once, "
         f"{m['interactive_jobs']} interactive jobs (word crops and receipts) at "
-        f"{m['rate']}/s; OCRQ_BULK_MAX_WAIT_S={m['bulk_max_wait_s']}; lane settings "
+        f"{m['rate']}/s; OCRQ_BULK_MAX_WAIT_S={m['bulk_max_wait_s']} (the batcher's and the "
+        f"loop's bulk bound); lane settings "
         f"{m.get('lane_settings', {})}; settings set: {m['settings'] or 'none'}.",
         "",
         "| run | interactive p50 s | p95 s | bulk images/s | done | failed | missing |",
@@ -496,8 +497,7 @@ def main() -> None:
                 for k in ("interactive_slots", "interactive_prefill_tokens",
                           "interactive_prefill_gap_steps", "interactive_bulk_rows",
                           "interactive_extra_steps", "interactive_pass_steps",
-                          "loop_bulk_max_wait_steps", "prefill_chunk_tokens",
-                          "prefill_gap_steps", "prefill_stream")
+                          "prefill_chunk_tokens", "prefill_gap_steps", "prefill_stream")
             },
             "bulk_workload": workload_summary(bulk),
             "interactive_workload": workload_summary(stream),

@@ -95,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.shape, args.device, args.dtype = "tiny", "cpu", "float32"
-        args.budget_gib, args.slots, args.rows = 8.0, 8, 24  # a 16k-token prefill pass fits
+        args.budget_gib, args.slots, args.rows = 8.0, 8, 24  # a 16,384-token pass fits
         args.warmup_steps, args.probe_steps = 10, 20
         for name, (size, _) in list(SIZES.items()):
             SIZES[name] = ((max(32, size[0] // 8), max(32, size[1] // 8)), 6)

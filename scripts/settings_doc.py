@@ -6,7 +6,9 @@ settings_engines.py, settings_lab.py) are its documentation: this reads them fro
 bounds from the class itself. Each field is declared once, in one of the group classes
 `Settings` inherits; fields are grouped as the source groups them (a class, or a blank line
 inside one, starts a group); a group's title is the first phrase of its first comment. What an
-operator sets comes first; the lab levers (settings_lab.py) last, in a section of their own.
+operator sets comes first, then the settings that went (`REMOVED`, written here by hand: no
+field is left to read them from), so an operator who still sets one finds what took its place;
+the lab levers (settings_lab.py) last, in a section of their own.
 
     python scripts/settings_doc.py           # rewrite docs/settings.md
     python scripts/settings_doc.py --check   # exit 1 when docs/settings.md is out of date
@@ -69,6 +71,31 @@ card.
 Operators should leave them alone: a deployment needs none of them, and a changed lever can
 cost throughput, latency or accuracy.
 """
+
+# Settings that went, newest first: (variable, what took its place). An operator who still sets
+# one gets the start-up warning every unknown OCRQ_* variable gets (ocrq/core/settings.py
+# `unknown_variables`), which names the nearest setting.
+REMOVED = (
+    (
+        "OCRQ_LOOP_BULK_MAX_WAIT_STEPS",
+        "Removed in issue 49 (stage 4): the running loop promoted a waiting bulk row after this "
+        "many decode steps (256: ~2-3 s of a full loop on an H200), beside the batcher's bound "
+        "in seconds. `OCRQ_BULK_MAX_WAIT_S` now bounds both: a bulk row waiting that long in the "
+        "batcher or in the loop's queue is ordered with the interactive rows (and no longer held "
+        "by their lane's limits in the loop); one rule, ocrq/core/lanes.py `LaneRule`. At its "
+        "default (30 s) interactive rows may pass a bulk row in the loop for longer than the "
+        "old ~2-3 s: set it lower for a tighter bound.",
+    ),
+)
+
+REMOVED_HEADER = """\
+## Settings that went
+
+Set no more: each is ignored now (an `ocrq` command or the api warns of it at start-up, as of any
+unknown `OCRQ_*` variable). What took its place:
+
+| variable | what became of it |
+|---|---|"""
 
 
 @dataclass
@@ -281,6 +308,7 @@ def render(settings_cls: type | None = None, sources: dict[Path, str] | None = N
     lab = parse(sources[LAB_SOURCE])
     out = [HEADER]
     out += _section(operator, fields, prefix, "##", untitled_first=True)
+    out += [REMOVED_HEADER, *(f"| `{name}` | {_cell(note)} |" for name, note in REMOVED), ""]
     out += [LAB_HEADER]
     out += _section(lab, fields, prefix, "###", untitled_first=False)
     seen = {entry.name for group in operator + lab for entry in group.entries}

@@ -8,12 +8,14 @@ in the next pass however full of bulk rows the loop is; while the lane is busy, 
 to the gap, the prompt budget and the live-row cap; with bulk rows only and no reserve, the
 pass is `admit`'s. And over many passes, bulk never starves: in a simulated loop fed a
 never-ending interactive stream (with the lane's limits at their tightest) every bulk row is
-admitted within `promote_steps` plus a bounded number of row lifetimes; without promotion the
-same stream does starve it, so that check can fail.
+admitted within `bulk_max_wait_s` (OCRQ_BULK_MAX_WAIT_S: the simulated loop runs one decode step
+a second, the time it hands the rule) plus a bounded number of row lifetimes; without promotion
+the same stream does starve it, so that check can fail.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
@@ -37,11 +39,11 @@ waiters = st.lists(
         prompt_tokens=st.integers(1, 3000),
         capacity=st.integers(16, 4000),
         interactive=st.booleans(),
-        queued_step=st.integers(0, 600),
+        queued_at=st.integers(0, 600).map(float),
     ),
     max_size=24,
 ).map(lambda ws: sorted(
-    (replace(w, key=f"r{i}") for i, w in enumerate(ws)), key=lambda w: w.queued_step
+    (replace(w, key=f"r{i}") for i, w in enumerate(ws)), key=lambda w: w.queued_at
 ))
 policies = st.builds(
     LanePolicy,
@@ -49,7 +51,7 @@ policies = st.builds(
     bulk_prefill_tokens=st.sampled_from([0, 512, 2048, 8192]),
     bulk_gap=st.integers(1, 8),
     bulk_rows=st.sampled_from([0, 1, 4, 16]),
-    promote_steps=st.sampled_from([0, 64, 256, 10**9]),
+    bulk_max_wait_s=st.sampled_from([0.0, 64.0, 256.0, math.inf]),
 )
 
 
@@ -63,7 +65,7 @@ def cases(draw: st.DrawFn) -> tuple[list[Waiter], KvPool, LoopState, LanePolicy,
     free = tuple(sorted(draw(st.permutations(range(slots)))[: slots - live]))
     step = draw(st.integers(0, 700))
     state = LoopState(slots, free, live_bulk, live_interactive, step,
-                      step - draw(st.integers(0, 10)))
+                      step - draw(st.integers(0, 10)), float(step))  # a step a second
     pool = KvPool.empty(draw(st.integers(4000, 40000)))
     return draw(waiters), pool, state, policy, draw(st.integers(3000, 16384)), draw(st.booleans())
 
@@ -73,7 +75,7 @@ def cases(draw: st.DrawFn) -> tuple[list[Waiter], KvPool, LoopState, LanePolicy,
 def test_placements_follow_the_pass_order_and_each_lane_its_arrival(case: tuple) -> None:
     waiting, pool, state, policy, tokens, packed = case
     decided = lane_pass(waiting, pool, state, tokens, policy, packed=packed)
-    order = [w.key for w in pass_order(waiting, state.step, policy)]
+    order = [w.key for w in pass_order(waiting, state.now, policy)]
     keys = [p.key for p in decided.placements]
     assert keys == [k for k in order if k in set(keys)]
     by_key = {w.key: w for w in waiting}
@@ -141,9 +143,9 @@ def test_an_interactive_row_goes_in_the_next_pass_when_bulk_fills_the_loop(
     slots = max(state.slots, policy.reserved_slots + 1)
     live_bulk = slots - policy.reserved_slots
     free = tuple(range(live_bulk, slots))
-    state = LoopState(slots, free, live_bulk, 0, state.step, state.last_bulk_pass)
-    ahead = [Waiter(f"b{i}", 1000, 2000, False, state.step) for i in range(bulk_ahead)]
-    row = Waiter("i", min(prompt, tokens), 1000, True, state.step)
+    state = LoopState(slots, free, live_bulk, 0, state.step, state.last_bulk_pass, state.now)
+    ahead = [Waiter(f"b{i}", 1000, 2000, False, state.now) for i in range(bulk_ahead)]
+    row = Waiter("i", min(prompt, tokens), 1000, True, state.now)
     decided = lane_pass([*ahead, row], KvPool.empty(4000), state, tokens, policy, packed=packed)
     assert [p.key for p in decided.placements] == ["i"]
     assert decided.busy
@@ -156,7 +158,7 @@ def test_while_busy_bulk_keeps_to_the_gap_the_budget_and_the_cap(case: tuple) ->
     decided = lane_pass(waiting, pool, state, tokens, policy, packed=packed)
     by_key = {w.key: w for w in waiting}
     held = [by_key[p.key] for p in decided.placements
-            if not by_key[p.key].interactive and not promoted(by_key[p.key], state.step, policy)]
+            if not by_key[p.key].interactive and not promoted(by_key[p.key], state.now, policy)]
     busy = state.live_interactive > 0 or any(w.interactive for w in waiting)
     assert decided.busy == busy
     if not busy or not held:
@@ -210,7 +212,7 @@ class Sim:
     def hand_over(self) -> None:
         for w in self.outer:
             self.handed[w.key] = self.step
-            self.waiting.append(replace(w, queued_step=self.step))
+            self.waiting.append(replace(w, queued_at=float(self.step)))
         self.outer = []
 
     def run_step(self, lengths: dict[str, int]) -> None:
@@ -218,7 +220,7 @@ class Sim:
         live_i = sum(w.interactive for w, _, _ in self.live.values())
         free = tuple(s for s in range(self.slots) if s not in self.live)
         state = LoopState(self.slots, free, len(self.live) - live_i, live_i, self.step,
-                          self.last_bulk)
+                          self.last_bulk, float(self.step))  # one decode step a second
         decided = lane_pass(self.waiting, self.pool, state, 4096, self.policy, packed=True)
         by_key = {w.key: w for w in self.waiting}
         for p in decided.placements:
@@ -248,31 +250,32 @@ def streams(draw: st.DrawFn) -> tuple[int, int, int, list[tuple[int, int, int, i
     return slots, reserved, longest, bulk, every
 
 
-def loop_bound(ahead: int, longest: int, promote_steps: int) -> int:
-    """Decode steps a bulk row may wait in the loop: until promoted, then one bulk gap (8 here),
+def loop_bound(ahead: int, longest: int, max_wait_s: float) -> int:
+    """Decode steps a bulk row may wait in the loop (one a second): until promoted, then one
+    bulk gap (8 here),
     then at most two lifetimes of the longest row (a bulk slot, then a pool range) for itself
     and for each of the `ahead` rows queued before it (the batcher hands every row over at
     once, so those are the rows that arrived before it: a set that only shrinks)."""
-    return promote_steps + 8 + (ahead + 1) * 2 * (longest + 1)
+    return int(max_wait_s) + 8 + (ahead + 1) * 2 * (longest + 1)
 
 
-def simulate(case: tuple, promote_steps: int, horizon: int) -> tuple[Sim, list[str]]:
+def simulate(case: tuple, max_wait_s: float, horizon: int) -> tuple[Sim, list[str]]:
     slots, reserved, longest, bulk, every = case
     # The tightest lane: one bulk row a pass, a pass every 8 steps, one live bulk row.
     policy = LanePolicy(reserved, bulk_prefill_tokens=1, bulk_gap=8, bulk_rows=1,
-                        promote_steps=promote_steps)
+                        bulk_max_wait_s=max_wait_s)
     sim = Sim(slots, KvPool.empty(2000), policy)
     lengths: dict[str, int] = {}
     arrivals: dict[int, list[Waiter]] = {}
     for i, (at, length, capacity, prompt) in enumerate(bulk):
-        w = Waiter(f"b{i}", prompt, capacity, False, at)
+        w = Waiter(f"b{i}", prompt, capacity, False, float(at))
         arrivals.setdefault(at, []).append(w)
         lengths[w.key] = length
     keys = [f"b{i}" for i in range(len(bulk))]
     n = 0
     while sim.step < horizon and not all(k in sim.admitted for k in keys):
         if sim.step % every == 0:  # each holds half the pool
-            w = Waiter(f"i{n}", 100, 1000, True, sim.step)
+            w = Waiter(f"i{n}", 100, 1000, True, float(sim.step))
             arrivals.setdefault(sim.step, []).append(w)
             lengths[w.key], n = longest, n + 1
         sim.outer += arrivals.get(sim.step, [])
@@ -281,16 +284,16 @@ def simulate(case: tuple, promote_steps: int, horizon: int) -> tuple[Sim, list[s
 
 
 @settings(max_examples=120, deadline=None)
-@given(streams(), st.sampled_from([0, 8, 32]))
+@given(streams(), st.sampled_from([0.0, 8.0, 32.0]))
 def test_bulk_never_starves_under_an_endless_interactive_stream(
-    case: tuple, promote_steps: int
+    case: tuple, max_wait_s: float
 ) -> None:
     """Once promoted, a bulk row is passed by no younger row in the loop, so its wait there is
     bounded (`loop_bound`), with the lane's limits at their tightest."""
     _, _, longest, bulk, every = case
     ahead = 40 // every + 1 + len(bulk)  # interactive rows before the last bulk one, and bulk
-    bound = loop_bound(ahead, longest, promote_steps)
-    sim, keys = simulate(case, promote_steps, 40 + bound)
+    bound = loop_bound(ahead, longest, max_wait_s)
+    sim, keys = simulate(case, max_wait_s, 40 + bound)
     for key in keys:
         assert key in sim.admitted, (key, sim.step, sim.waiting, sim.outer[:3])
         waited = sim.admitted[key] - sim.handed[key]
@@ -301,7 +304,7 @@ def test_without_promotion_the_same_stream_starves_bulk() -> None:
     """The check above can fail: an interactive row every step, each holding half the pool,
     and no promotion in the loop: the bulk row, handed over, never finds a range."""
     case = (4, 1, 6, [(0, 3, 1500, 100)], 1)
-    sim, keys = simulate(case, 10**9, 600)
+    sim, keys = simulate(case, math.inf, 600)
     assert keys[0] in sim.handed and keys[0] not in sim.admitted
-    sim, keys = simulate(case, 8, 600)
-    assert sim.admitted[keys[0]] - sim.handed[keys[0]] <= loop_bound(2, 6, 8)
+    sim, keys = simulate(case, 8.0, 600)
+    assert sim.admitted[keys[0]] - sim.handed[keys[0]] <= loop_bound(2, 6, 8.0)

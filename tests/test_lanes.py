@@ -1,7 +1,7 @@
-"""The admission order of the two lanes (ocrq/scheduling/planner.py `LaneRule`), driven by
-hypothesis without a device, for the static planner (`plan`) and the order in which the streaming
-batcher hands every row to a running loop (whose own lane rule is tests/test_lane_pass.py's and
-tests/test_loop_scheduler.py's).
+"""The admission order of the two lanes (ocrq/core/lanes.py `LaneRule`), driven by hypothesis
+without a device, for the static planner (`plan`) and the order in which the streaming batcher
+hands every row to a running loop (whose queue keeps to the same rule and bound:
+tests/test_lane_pass.py and tests/test_loop_scheduler.py).
 
 Properties: interactive first (the interactive part of a plan is the plan of the interactive
 rows alone, and no bulk row is taken while an interactive row the loop could hold waits); first
@@ -18,8 +18,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ocrq.core.lanes import LaneRule
 from ocrq.models.costs import CostModel, GiB, ItemCost
-from ocrq.scheduling.planner import LaneRule, Plan, Waiting, admission_order, plan
+from ocrq.scheduling.planner import Plan, Waiting, admission_order, plan
 
 MODEL = CostModel(
     fixed_bytes=2 << 30,

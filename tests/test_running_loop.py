@@ -414,7 +414,9 @@ def test_an_oom_in_the_loop_requeues_its_rows_and_lowers_the_budget(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """StreamingBatcher's recovery: the rows in flight go back to the queue, the loop reopens
-    within a lower budget, and every job still gets the result it gets without the error."""
+    within a lower budget, and every job still gets the result it gets without the error. The
+    loop keeps the batcher's lane rule, opened and reopened (one bound: OCRQ_BULK_MAX_WAIT_S)."""
+    from ocrq.core.lanes import LaneRule
     from ocrq.models.costs import CostModel
     from ocrq.scheduling.streaming import StreamingBatcher
     from ocrq.scheduling.vocabulary import BatchConfig
@@ -429,13 +431,16 @@ def test_an_oom_in_the_loop_requeues_its_rows_and_lowers_the_budget(
         it.max_new_tokens = cap  # the first ends early: the loop still holds the others
     engine.raised = 1  # the reference: the same rows through the loop without the error
     engine.open(2**24, model)
+    assert engine.loop is not None and engine.loop.config.lanes.bulk_max_wait_s == 30.0
     engine.submit(items)
     want: dict[str, Any] = {}
     while len(want) < len(items):
         want.update((f.key, f.resolve()) for f in engine.poll(1.0))
     engine.reset()
     engine.raised = 0
-    batcher = StreamingBatcher(engine, BatchConfig(max_items=4, budget_bytes=2**24), None, model)
+    config = BatchConfig(max_items=4, budget_bytes=2**24, lanes=LaneRule(7.0))
+    batcher = StreamingBatcher(engine, config, None, model)
+    assert engine.loop is not None and engine.loop.config.lanes.bulk_max_wait_s == 7.0
     configured = batcher.budget_bytes
     batcher.start()
     since = "ocrq_batch_running_since_timestamp_seconds"
@@ -457,6 +462,7 @@ def test_an_oom_in_the_loop_requeues_its_rows_and_lowers_the_budget(
     assert batcher.budget_bytes < configured
     assert all(o.error is None for o in got.values()), got
     assert {key: o.result for key, o in got.items()} == want
+    assert engine.loop.config.lanes.bulk_max_wait_s == 7.0  # the reopened loop's too
     engine.reset()
 
 

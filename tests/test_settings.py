@@ -143,8 +143,7 @@ LAB_LEVERS = {
     "vision_attention", "vision_gemm_dtype", "prefill_attention", "kv_cache_dtype",
     "kv_fp8_products", "preprocess", "prefill_schedule", "prefill_tokens", "prefill_gap_steps",
     "prefill_packed", "prefill_stream", "interactive_pass_steps", "interactive_prefill_tokens",
-    "interactive_prefill_gap_steps", "interactive_bulk_rows", "loop_bulk_max_wait_steps",
-    "switch_interval_ms",
+    "interactive_prefill_gap_steps", "interactive_bulk_rows", "switch_interval_ms",
 }
 
 
@@ -391,3 +390,17 @@ def test_an_unknown_ocrq_variable_is_warned_once_naming_the_nearest_setting(
     assert module.unknown_variables({"OCRQ_FOO": "1", "OCRQ_MAX_BATCH": "2"}) == [
         "OCRQ_FOO is not an ocrq setting and is ignored: docs/settings.md lists them"
     ]
+
+
+def test_the_loop_s_old_bulk_wait_in_steps_is_an_unknown_variable_pointing_at_the_one_in_s(
+) -> None:
+    """OCRQ_LOOP_BULK_MAX_WAIT_STEPS went (issue 49, stage 4): OCRQ_BULK_MAX_WAIT_S bounds the
+    running loop's bulk wait as the batcher's. An operator who still sets it is told so, with
+    the setting that took its place, and it changes nothing."""
+    from ocrq.core.settings import Settings, unknown_variables
+
+    assert unknown_variables({"OCRQ_LOOP_BULK_MAX_WAIT_STEPS": "256"}) == [
+        "OCRQ_LOOP_BULK_MAX_WAIT_STEPS is not an ocrq setting and is ignored: did you mean "
+        "OCRQ_BULK_MAX_WAIT_S?"
+    ]
+    assert "loop_bulk_max_wait_steps" not in Settings.model_fields

@@ -72,3 +72,16 @@ def test_the_lab_levers_come_last_in_a_section_of_their_own() -> None:
         row = f"| `OCRQ_{name.upper()}` |"
         assert (row in lab) == (name in LabSettings.model_fields), name
         assert (row in operator) != (row in lab), name
+
+
+def test_a_setting_that_went_is_listed_apart_with_what_took_its_place() -> None:
+    """A removed setting is no field any more, and the doc says what became of it (an operator
+    who still sets it is warned at start-up, tests/test_settings.py)."""
+    from ocrq.core.settings import Settings
+
+    gen = _generator()
+    text = gen.render()
+    assert gen.REMOVED and "\n## Settings that went\n" in text
+    for name, _ in gen.REMOVED:
+        assert name.removeprefix("OCRQ_").lower() not in Settings.model_fields, name
+        assert f"| `{name}` | " in text.split("\n## Settings that went\n")[1], name

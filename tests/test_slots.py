@@ -163,8 +163,8 @@ def test_the_loop_admits_the_oldest_within_the_pool(items: list[ItemCost], held:
                                       packed=True))
     s.pool = s.pool.take(held)[1] if held else s.pool  # type: ignore[index]
     fits = [c for c in items if capacity_of(c.prompt_tokens, c.new_tokens) <= loop.pool_tokens]
-    s.add([Request(f"k{i}", c.prompt_tokens, c.new_tokens) for i, c in enumerate(fits)])
-    keys = [a.key for a in s.schedule().admit]
+    s.add([Request(f"k{i}", c.prompt_tokens, c.new_tokens) for i, c in enumerate(fits)], 0.0)
+    keys = [a.key for a in s.schedule(0.0).admit]
     assert keys == [f"k{i}" for i in range(len(keys))]
     taken = sum(capacity_of(c.prompt_tokens, c.new_tokens) for c in fits[: len(keys)])
     assert held + taken <= loop.pool_tokens

@@ -35,7 +35,7 @@ MAX_PIXELS_RANGE = (32 * 32, 4096 * 4096)
 MAX_NEW_TOKENS_LIMIT = 131_072
 
 # A job's lane: interactive jobs go to their own queue (`queue_for`) and are admitted before
-# bulk ones inside the worker (ocrq/scheduling/planner.py `LaneRule`); bulk is the default.
+# bulk ones inside the worker (ocrq/core/lanes.py `LaneRule`); bulk is the default.
 Priority = Literal["interactive", "bulk"]
 INTERACTIVE: Priority = "interactive"
 BULK: Priority = "bulk"
@@ -265,7 +265,7 @@ class JobRequest(BaseModel):
     # crop needs few; the running loop frees its slot when it is reached).
     max_new_tokens: Annotated[int | None, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)] = None
     # Its lane: "interactive" jobs are admitted before "bulk" ones (FIFO within a lane; a bulk
-    # job is never starved: ocrq/scheduling/planner.py `LaneRule`).
+    # job is never starved: ocrq/core/lanes.py `LaneRule`).
     priority: Priority = BULK
     # Optional: the producer's own grouping of jobs (`GET /batches/{batch}`, `ocrq wait`,
     # `ocrq export --batch`). Not `batch_id`, which names the engine batch that ran the job.

@@ -130,10 +130,6 @@ class HunyuanLabSettings(SettingsGroup):
     # ocrq_loop_lane_steps against an idle loop's step time) say the step, not the prefill
     # passes, is what an interactive row waits for.
     interactive_bulk_rows: int = Field(default=0, ge=0, le=4096)
-    # Decode steps a bulk row waits inside the loop before interactive rows stop passing it and
-    # the lane's limits stop holding it (the loop's half of OCRQ_BULK_MAX_WAIT_S). 256: ~2-3 s
-    # of a full loop on an H200.
-    loop_bulk_max_wait_steps: int = Field(default=256, ge=0, le=1_000_000)
 
 
 class LabSettings(HunyuanLabSettings):

@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from ocrq.core.broker_urls import is_sentinel
+from ocrq.core.lanes import BULK_MAX_WAIT_S
 from ocrq.core.settings_group import SettingsGroup
 
 
@@ -193,9 +194,12 @@ class BatchingSettings(BudgetSettings):
     # How long the batcher lingers for more items once one is waiting.
     batch_wait_ms: int = Field(default=50, ge=0, le=60_000)
     # A bulk image waiting in the worker this long is admitted among the interactive ones, in
-    # arrival order, so an interactive stream never starves the bulk lane (planner.py
-    # `LaneRule`; docs/internals.md). Interactive jobs pass younger bulk ones until then.
-    bulk_max_wait_s: float = Field(default=30.0, ge=0, le=86_400)
+    # arrival order, so an interactive stream never starves the bulk lane (ocrq/core/lanes.py
+    # `LaneRule`; docs/internals.md). Interactive jobs pass younger bulk ones until then. One
+    # bound for the batcher and the running loop: a bulk row waiting this long in the loop's
+    # queue is ordered with the interactive rows and no longer held by their lane's limits (it
+    # replaced OCRQ_LOOP_BULK_MAX_WAIT_STEPS, counted in decode steps).
+    bulk_max_wait_s: float = Field(default=BULK_MAX_WAIT_S, ge=0, le=86_400)
     # Where `ocrq tune` writes cost-model profiles and workers look for theirs at start.
     profile_dir: Path = Path("~/.cache/ocrq/profiles")
     # Celery task threads: images being fetched + waiting for the batcher; None: follow the

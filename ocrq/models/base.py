@@ -26,6 +26,7 @@ from typing import Protocol
 
 from PIL import Image
 
+from ocrq.core.lanes import DEFAULT_LANES, LaneRule
 from ocrq.core.pixel_budget import PixelBudget
 from ocrq.models.costs import CostModel, ItemCost
 from ocrq.models.slots import RunningBudget
@@ -223,13 +224,13 @@ class StreamingEngine(EngineCore):
     `run(batch)` would make every batch wait for its longest row. The batcher drives it with the
     same planner and a different loop (ocrq/scheduling/streaming.py):
 
-    * `open(budget_bytes, model)` sizes the loop once from the memory budget (above the cost
-      model's fixed part) and says what it holds (`RunningBudget`: slots, KV pool tokens, the
-      prefill pass); the batcher keeps the rows it has handed over within that;
-    * the planner still decides which waiting images go next and downscales those too big for
-      the loop alone;
-    * `submit(rows)` hands planned rows over and returns at once; the engine queues them and
-      admits them oldest first as slots and KV room free up;
+    * `open(budget_bytes, model, lanes)` sizes the loop once from the memory budget (above the
+      cost model's fixed part) and says what it holds (`RunningBudget`: slots, KV pool tokens,
+      the prefill pass); `lanes` is the batcher's lane rule (ocrq/core/lanes.py), which the
+      loop's own order keeps to (one bound on a bulk row's wait, OCRQ_BULK_MAX_WAIT_S);
+    * the batcher downscales or refuses a row too big for the loop alone;
+    * `submit(rows)` hands rows over (every waiting one, in the lanes' order) and returns at
+      once; the engine queues them and decides which run when as slots and KV room free up;
     * `poll(timeout_s)` runs the loop (in the batcher's thread: one thread owns the device) and
       returns the rows finished since the last call, each exactly once, waiting at most
       `timeout_s` for the first; the batcher resolves their futures at once.
@@ -239,8 +240,11 @@ class StreamingEngine(EngineCore):
     """
 
     @abstractmethod
-    def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
-        """Size and start the loop within `budget_bytes` above `model.fixed_bytes`."""
+    def open(
+        self, budget_bytes: int, model: CostModel, lanes: LaneRule = DEFAULT_LANES
+    ) -> RunningBudget:
+        """Size and start the loop within `budget_bytes` above `model.fixed_bytes`; its rows
+        ordered by `lanes` (the batcher's rule)."""
 
     @abstractmethod
     def submit(self, rows: Sequence[PreparedImage]) -> None:

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ocrq.core.lanes import LaneRule
 from ocrq.core.process import STATE
 from ocrq.core.settings import BatchingSettings, Settings
 from ocrq.models.base import Engine, streaming
@@ -16,7 +17,6 @@ from ocrq.models.costs import CostModel, GiB
 from ocrq.models.memory import memory_of
 from ocrq.models.registry import create_engine
 from ocrq.scheduling.batcher import StaticBatcher
-from ocrq.scheduling.planner import LaneRule
 from ocrq.scheduling.streaming import StreamingBatcher
 from ocrq.scheduling.vocabulary import BatchConfig, Batcher, BatchRecord
 from ocrq.tuning.profiles import ProfileChoice, choose_cost_model

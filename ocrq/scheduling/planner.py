@@ -2,9 +2,10 @@
 
 The planner decides and returns a frozen Plan; the batcher executes it and never re-decides.
 Rules, in order:
-0. Items are admitted in lane order (`LaneRule`, `admission_order`): interactive items first,
-   then bulk ones, first in first out within a lane; a bulk item that has waited
-   `bulk_max_wait_s` joins the interactive lane in its arrival order, so bulk never starves.
+0. Items are admitted in lane order (`LaneRule`, ocrq/core/lanes.py, the running loop's too;
+   `admission_order`): interactive items first, then bulk ones, first in first out within a
+   lane; a bulk item that has waited `bulk_max_wait_s` joins the interactive lane in its arrival
+   order, so bulk never starves.
 1. The first item in that order always leads the batch, so nothing starves.
 2. The rest are taken interactive lane first, then by similarity of sequence length to the
    leader (padding to the longest sequence is paid by every member), ties broken by age.
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ocrq.core.contract import BULK, INTERACTIVE, Priority
+from ocrq.core.lanes import DEFAULT_LANES, LaneRule
 from ocrq.models.costs import CostModel, GiB, ItemCost
 from ocrq.models.slots import RunningBudget
 
@@ -51,28 +53,14 @@ class Waiting:
     waited_s: float = 0.0  # since it was handed to the batcher, at planning time
 
 
-@dataclass(frozen=True)
-class LaneRule:
-    """Interactive first, and bulk never starves.
-
-    The admission order is (rank, seq): rank 0 for an interactive item and for a bulk item that
-    has waited at least `bulk_max_wait_s`, rank 1 for every other bulk item. A bulk item once
-    promoted stays promoted and is ordered among rank 0 by arrival, so interactive items that
-    arrive after it can never pass it: its wait is at most `bulk_max_wait_s` plus the admission
-    of the rank-0 items older than it, a set that only shrinks (tests/test_lanes.py proves it).
-    Why time and not a count of interactive admissions: the planner stays a pure function of
-    what waits, with no memory of past plans, and an operator reasons in seconds.
-    """
-
-    bulk_max_wait_s: float = 30.0
-
-    def rank(self, w: Waiting) -> int:
-        return 0 if w.lane == INTERACTIVE or w.waited_s >= self.bulk_max_wait_s else 1
+def rank(w: Waiting, lanes: LaneRule) -> int:
+    """The item's lane rank (`LaneRule.rank`): 0 interactive or promoted, 1 other bulk."""
+    return lanes.rank(w.lane == INTERACTIVE, w.waited_s)
 
 
 def admission_order(waiting: Sequence[Waiting], lanes: LaneRule) -> list[Waiting]:
-    """The order in which waiting items may be admitted (see `LaneRule`)."""
-    return sorted(waiting, key=lambda w: (lanes.rank(w), w.seq))
+    """The order in which waiting items may be admitted: (rank, arrival), `LaneRule`'s."""
+    return sorted(waiting, key=lambda w: (rank(w, lanes), w.seq))
 
 
 @dataclass(frozen=True)
@@ -124,7 +112,7 @@ def plan(
     max_items: int,
     estimate_at: EstimateAt | None = None,
     rule: ShrinkRule = ShrinkRule(),
-    lanes: LaneRule = LaneRule(),
+    lanes: LaneRule = DEFAULT_LANES,
 ) -> Plan:
     if max_items < 1:
         raise ValueError("max_items must be >= 1")
@@ -146,7 +134,7 @@ def plan(
     candidates = sorted(
         by_age[1:],
         key=lambda w: (
-            lanes.rank(w) if mixed else 0,
+            rank(w, lanes) if mixed else 0,
             abs(w.cost.tokens - leader.cost.tokens),
             w.seq,
         ),

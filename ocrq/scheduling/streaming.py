@@ -8,11 +8,12 @@ exactly once. What differs:
 
 * the engine sizes its loop once from the budget (`StreamingEngine.open`: slots, a KV pool, one
   prefill pass reserved) and decides, alone, which rows run when: the loop's scheduler
-  (ocrq/models/loop/scheduler.py) holds its only waiting queue, lane rule and KV book. This
-  batcher hands it every waiting row at once, in the lanes' order (`admission_order`), after one
-  check per row (`fit_running`, pure): a row too big for the loop alone is downscaled or
-  refused. It keeps no ledger of the loop's memory, only the rows handed over (`_handed`, to
-  resolve their futures);
+  (ocrq/models/loop/scheduler.py) holds its only waiting queue and KV book, and orders its rows
+  by this batcher's lane rule (`BatchConfig.lanes`, handed to `open`: one bound on a bulk row's
+  wait, OCRQ_BULK_MAX_WAIT_S; ocrq/core/lanes.py). This batcher hands it every waiting row at
+  once, in the lanes' order (`admission_order`), after one check per row (`fit_running`,
+  pure): a row too big for the loop alone is downscaled or refused. It keeps no ledger of the
+  loop's memory, only the rows handed over (`_handed`, to resolve their futures);
 * `engine.poll` runs the loop until some row ends; its job is resolved at once, so its task
   thread stores the row and acks while the other rows decode on. Detokenising and parsing a
   finished row (`Finished.resolve`) run on a finisher thread, not on the thread that keeps the
@@ -86,7 +87,8 @@ class StreamingBatcher:
         self.cost_model = cost_model or engine.cost_model()
         self.memory = memory_of(engine)
         self.governor = config.start_governor()
-        self.loop: RunningBudget = engine.open(config.budget_bytes, self.cost_model)
+        self.loop: RunningBudget = engine.open(config.budget_bytes, self.cost_model,
+                                               config.lanes)
         self._on_batch = on_batch
         self._cond = threading.Condition()
         self._waiting: dict[str, Entry] = {}
@@ -312,7 +314,8 @@ class StreamingBatcher:
             self._handed.clear()
             self._changed = True
         metrics.engine_progress(busy=False)  # its rows are handed over again from scratch
-        self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)
+        self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model,
+                                     self.config.lanes)
         log.warning(
             "out of memory in the running loop (%s); budget now %.2f GiB, rows in flight queued "
             "again",
@@ -327,6 +330,7 @@ class StreamingBatcher:
         self._handed.clear()
         metrics.engine_progress(busy=False)
         try:
-            self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model)
+            self.loop = self.engine.open(self.governor.budget_bytes, self.cost_model,
+                                         self.config.lanes)
         except Exception:
             log.exception("could not reopen the running loop")

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ocrq.core.contract import BULK, INTERACTIVE
+from ocrq.core.lanes import LaneRule
 from ocrq.models.base import OcrResult, PreparedImage
 from ocrq.models.costs import GiB, ItemCost
 from ocrq.scheduling.governor import BudgetGovernor
-from ocrq.scheduling.planner import Downscale, LaneRule, ShrinkRule, Waiting
+from ocrq.scheduling.planner import Downscale, ShrinkRule, Waiting
 
 if TYPE_CHECKING:
     from ocrq.scheduling.downscaling import Downscaler
@@ -35,7 +36,8 @@ class BatchConfig:
     shrink: ShrinkRule = field(
         default_factory=ShrinkRule
     )  # how far an image over the budget alone may be halved
-    # Interactive rows first; a bulk row promoted after OCRQ_BULK_MAX_WAIT_S (planner.py).
+    # Interactive rows first; a bulk row promoted after OCRQ_BULK_MAX_WAIT_S (ocrq/core/lanes.py):
+    # the planner's order, the streaming batcher's hand-over and the running loop's queue.
     lanes: LaneRule = field(default_factory=LaneRule)
     # After an OOM the budget drops below the failed batch's prediction, then climbs back by
     # `budget_step` of the configured budget after every `clean_batches_to_raise` clean batches

@@ -5,7 +5,7 @@ first non-empty one in the order given. Interactive first (docs/internals.md) me
 list is never popped while the interactive one holds a message: a stream of interactive jobs
 that keeps a worker busy kept every bulk job in Redis until the stream ended (10 bulk jobs,
 then 400 interactive: the first bulk job started after 88.7 s, after the last interactive one),
-so the worker's own promotion after `OCRQ_BULK_MAX_WAIT_S` (ocrq/scheduling/planner.py) never
+so the worker's own promotion after `OCRQ_BULK_MAX_WAIT_S` (ocrq/core/lanes.py) never
 saw a bulk image to promote.
 
 The rule here is the broker's half of that promotion, and costs no Redis command: when this

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from ocrq.core.contract import INTERACTIVE
+from ocrq.core.lanes import DEFAULT_LANES, LaneRule
 from ocrq.core.process import STATE
 from ocrq.core.settings import HunyuanSettings
 from ocrq.models.base import Finished, PreparedImage, StreamingEngine
@@ -79,6 +80,9 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
         self.loop: RunningLoop | None = None
         self._banked: dict[str, float] = {}  # `loop_counts` of the loops already dropped
         self.running: RunningBudget | None = None
+        # The batcher's lane rule (`open`): OCRQ_BULK_MAX_WAIT_S bounds a bulk row's wait in the
+        # loop as in the batcher (the engine's settings group does not hold it).
+        self.lanes = DEFAULT_LANES
         self._items: dict[str, PreparedImage] = {}  # rows in the loop, by key
         self._failed: list[Finished] = []  # rows that failed before reaching the loop
         # The checkpoint ruled the fast decode path out (`load`): static batches, no loop.
@@ -125,9 +129,12 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
         seen = vocab if self.repetition_penalty != 1.0 else 0
         return 8 * self.settings.max_new_tokens + seen + 64
 
-    def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
+    def open(
+        self, budget_bytes: int, model: CostModel, lanes: LaneRule = DEFAULT_LANES
+    ) -> RunningBudget:
         """Size the running loop (slots = OCRQ_MAX_BATCH, else `preferred_max_batch`) within
-        `budget_bytes` above the fixed part, and allocate its KV pool now."""
+        `budget_bytes` above the fixed part, and allocate its KV pool now; its rows ordered by
+        the batcher's `lanes` (kept for `loop_config`)."""
         if self._decoder is None or self.tokens is None:
             raise RuntimeError("HunyuanLoopEngine.load() must run before open()")
         s = self.settings
@@ -151,6 +158,7 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
         most = budget.slots * capacity_of(budget.prefill_tokens, s.max_new_tokens)
         if budget.pool_tokens > most:
             budget = replace(budget, pool_tokens=most, pool_bytes=int(most * per_token))
+        self.lanes = lanes
         if self.loop is not None:  # reopened (after an OOM): the old loop's memory back first
             self._drop_loop()
             self.release_memory()  # a full gc.collect(): ~0.5 s with torch loaded, on a CPU
@@ -237,7 +245,7 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
                 bulk_prefill_tokens=s.interactive_prefill_tokens,
                 bulk_gap=s.interactive_prefill_gap_steps,
                 bulk_rows=s.interactive_bulk_rows,
-                promote_steps=s.loop_bulk_max_wait_steps,
+                bulk_max_wait_s=self.lanes.bulk_max_wait_s,
                 extra_steps=s.interactive_extra_steps,
                 pass_steps=s.interactive_pass_steps,
             ),

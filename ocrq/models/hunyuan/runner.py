@@ -433,7 +433,7 @@ class LoopRunner:
         over the smallest bucket holding every such row (the module's docstring), fewer once
         each of them has surely reached its cap; how many ran. They count as steps everywhere
         a step counts (stats, the harvest's checks), but not in `step_no`, the clock of
-        admission (gaps, promotion) and of each row's `first_step`."""
+        admission (its prefill gaps) and of each row's `first_step`."""
         lanes = self.config.lanes
         slots = self._reserve_lane()
         count = lanes.extra_steps if limit is None else limit

@@ -7,7 +7,7 @@ repetition guard, the harvest: `LoopRunner`, ocrq/models/hunyuan/runner.py) chan
 different reasons and are checked in different ways. `RunningLoop` only joins them; each tick:
 
     ready = runner.land()                       # a pending prefill pass committed if done
-    plan = scheduler.schedule(prefill=ready)    # drops, admissions, decode steps
+    plan = scheduler.schedule(now, ready)       # drops, admissions, decode steps
     output, ended = runner.execute(plan, rows)  # carried out; the rows that ended
     finished = scheduler.update(output)         # their slots and ranges free, each row once
 
@@ -15,6 +15,10 @@ Why the loop policy sits in ocrq/models/loop/ and not in ocrq/scheduling/: this 
 engine (ocrq/models/hunyuan/loop_engine.py), and an engine may not import the batcher's layer
 above it (pyproject.toml's import-linter layers); the policy is still pure, a contract of its
 own keeps torch and the engines out of it.
+
+The time the scheduler plans with (a row's wait, for the lanes' promotion after
+OCRQ_BULK_MAX_WAIT_S) is read here, `time.monotonic()`, and handed to `add` and `schedule`: the
+scheduler reads no clock.
 
 What it holds beside the two: the `LoopRow`s handed in and not admitted yet, by key (their
 encoded prompts, which the scheduler's plain requests do not carry), so that an admission can
@@ -78,7 +82,8 @@ class RunningLoop:
     def add(self, rows: Sequence[LoopRow]) -> None:
         """Queue rows, oldest first; each must fit the pool alone (ValueError: none is queued)."""
         self.scheduler.add(
-            [Request(r.key, r.prompt_tokens, r.max_new_tokens, r.interactive) for r in rows]
+            [Request(r.key, r.prompt_tokens, r.max_new_tokens, r.interactive) for r in rows],
+            time.monotonic(),
         )
         hooks = self.runner.hooks
         for row in rows:
@@ -97,7 +102,7 @@ class RunningLoop:
         with runner.session():
             while not done and not self.idle():
                 ready = runner.land()
-                plan = self.scheduler.schedule(prefill=ready)
+                plan = self.scheduler.schedule(time.monotonic(), prefill=ready)
                 done = self._update(*runner.execute(plan, self._admitted(plan), deadline))
                 if deadline is not None and time.monotonic() >= deadline:
                     break

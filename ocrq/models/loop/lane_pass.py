@@ -1,11 +1,12 @@
 """Which waiting rows the running loop prefills in its next pass, when jobs come in two lanes.
 
-Pure (no torch): the running loop's admission policy (ocrq/models/hunyuan/admission.py) asks
-it, the property tests (tests/test_lane_pass.py) drive it alone.
+Pure (no torch): the loop's scheduler (ocrq/models/loop/scheduler.py) asks it, the property
+tests (tests/test_lane_pass.py) drive it alone.
 
-Why the loop needs its own rule beside the planner's (ocrq/scheduling/planner.py `LaneRule`):
-the planner decides which rows reach the loop, but once there an interactive row is one of
-hundreds, and on an H200 with a bulk backlog its p95 was 7.4x its latency alone
+The order is the batcher's (`LaneRule`, ocrq/core/lanes.py: interactive first, a bulk row
+promoted after OCRQ_BULK_MAX_WAIT_S). Why the loop needs limits of its own beside it: the
+batcher hands every row to the loop at once, where an interactive row is one of hundreds, and
+on an H200 with a bulk backlog its p95 was 7.4x its latency alone
 (bench/results/lanes/lanes_h200.md). Two things inside the loop set that: how soon it is
 prefilled (a full loop has no slot for it; bulk rows handed over before it fill the pass), and
 how long each of its tokens takes (a decode step over every live row, plus the bulk prefill
@@ -18,7 +19,7 @@ passes run between steps while it decodes). The levers, all in `LanePolicy`:
   loop's lowest slots, where a decode step over only the first few slots covers them all.
   Without, every row takes the lowest free slot, as before (a bulk-only loop's rows then fill
   the lowest `slots - reserved_slots` slots, and its step covers no empty reserve);
-* interactive-only decode steps (`extra_steps`, ocrq/models/hunyuan/running.py): after each full
+* interactive-only decode steps (`extra_steps`, ocrq/models/hunyuan/runner.py): after each full
   decode step, while an interactive row is live, that many more steps over only the smallest
   graphed bucket of slots holding every live interactive row, so its tokens no longer wait one
   full step (plus the bulk passes between steps) each;
@@ -29,10 +30,12 @@ passes run between steps while it decodes). The levers, all in `LanePolicy`:
   pass every `bulk_gap` decode steps at most, and optionally to `bulk_rows` live bulk rows, so
   what runs between an interactive row's steps is bounded.
 
-The no-starvation rule (the loop's half of the planner's): a bulk row that has waited in the
-loop `promote_steps` decode steps is promoted: ordered with the interactive rows by arrival
-(rank 0), exempt from the lane's budget, gap and bulk-row cap, held only by the reserve. From
-then on no row that arrived after it passes it for a pool range or a pass's tokens (a misfit
+The no-starvation rule (`LaneRule`, the planner's too; one bound, OCRQ_BULK_MAX_WAIT_S): a bulk
+row that has waited in the loop `bulk_max_wait_s` seconds is promoted: ordered with the
+interactive rows by arrival (rank 0), exempt from the lane's budget, gap and bulk-row cap, held
+only by the reserve. The time is the caller's (`LoopState.now` and `Waiter.queued_at`, monotonic
+seconds the scheduler is handed), so the rule's tests need no clock. From then on no row that
+arrived after it passes it for a pool range or a pass's tokens (a misfit
 stops the pass, as `admit` stops at the first row that does not fit), so it is admitted once the
 rows ahead of it (a set that only shrinks) are admitted and a bulk slot and a range are free:
 live rows end within their caps. Before promotion a bulk row waits at most `bulk_gap` steps per
@@ -46,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ocrq.core.lanes import BULK_MAX_WAIT_S, LaneRule
 from ocrq.models.slots import FULL_PASS, Admission, KvPool, Placement
 
 BULK_HELD = "bulk held by the interactive lane"  # `LanePass.admission.blocked`, bulk only
@@ -60,7 +64,8 @@ class LanePolicy:
     bulk_prefill_tokens: int = 0  # bulk prompt tokens per pass while busy; 0: no such budget
     bulk_gap: int = 1  # decode steps between passes that admit bulk rows while busy
     bulk_rows: int = 0  # live bulk rows at most while busy; 0: no cap
-    promote_steps: int = 256  # decode steps a bulk row waits in the loop before promotion
+    # Seconds a bulk row waits in the loop before promotion (`LaneRule`; OCRQ_BULK_MAX_WAIT_S).
+    bulk_max_wait_s: float = BULK_MAX_WAIT_S
     # Decode steps over only the interactive rows' slots after each full step while one is
     # live (the running loop's); above 0 the reserve is also the lowest slots. 0: none.
     extra_steps: int = 0
@@ -71,27 +76,32 @@ class LanePolicy:
 
     def __post_init__(self) -> None:
         if (self.reserved_slots < 0 or self.bulk_prefill_tokens < 0 or self.bulk_gap < 1
-                or self.bulk_rows < 0 or self.promote_steps < 0 or self.extra_steps < 0):
+                or self.bulk_rows < 0 or not self.bulk_max_wait_s >= 0 or self.extra_steps < 0):
             raise ValueError(f"invalid lane policy {self}")
+
+    @property
+    def rule(self) -> LaneRule:
+        """The lane order, as the batcher's planner has it."""
+        return LaneRule(self.bulk_max_wait_s)
 
 
 @dataclass(frozen=True)
 class Waiter:
-    """A row waiting in the loop: its prompt, the pool tokens it will hold, its lane, and the
-    decode step at which it joined the loop's queue."""
+    """A row waiting in the loop: its prompt, the pool tokens it will hold, its lane, and when
+    it joined the loop's queue (monotonic seconds, the caller's clock)."""
 
     key: str
     prompt_tokens: int
     capacity: int
     interactive: bool = False
-    queued_step: int = 0
+    queued_at: float = 0.0
 
 
 @dataclass(frozen=True)
 class LoopState:
     """What the pass is decided against: the loop's slots (reserved ones included), the free
     ones, the live rows per lane, the decode step now and that of the last pass that admitted
-    bulk rows."""
+    bulk rows (the gap's clock), and the time now (promotion's: monotonic seconds)."""
 
     slots: int
     free_slots: tuple[int, ...]
@@ -99,6 +109,7 @@ class LoopState:
     live_interactive: int = 0
     step: int = 0
     last_bulk_pass: int = -(10**9)
+    now: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -115,16 +126,18 @@ class LanePass:
         return self.admission.placements
 
 
-def promoted(w: Waiter, step: int, policy: LanePolicy) -> bool:
-    return not w.interactive and step - w.queued_step >= policy.promote_steps
+def promoted(w: Waiter, now: float, policy: LanePolicy) -> bool:
+    """A bulk row that has waited `bulk_max_wait_s` by `now` (`LaneRule.promoted`)."""
+    return policy.rule.promoted(w.interactive, now - w.queued_at)
 
 
-def pass_order(waiting: Sequence[Waiter], step: int, policy: LanePolicy) -> list[Waiter]:
-    """Interactive and promoted bulk rows by arrival, then the other bulk rows by arrival;
-    `waiting` is in arrival order."""
+def pass_order(waiting: Sequence[Waiter], now: float, policy: LanePolicy) -> list[Waiter]:
+    """Interactive and promoted bulk rows by arrival, then the other bulk rows by arrival
+    (`LaneRule.rank`); `waiting` is in arrival order."""
+    rule = policy.rule
     ranked = sorted(
         enumerate(waiting),
-        key=lambda iw: (0 if iw[1].interactive or promoted(iw[1], step, policy) else 1, iw[0]),
+        key=lambda iw: (rule.rank(iw[1].interactive, now - iw[1].queued_at), iw[0]),
     )
     return [w for _, w in ranked]
 
@@ -148,7 +161,7 @@ def lane_pass(
     a bulk row the lowest free one not reserved (so an interactive row takes a reserved one
     while any is free)."""
     busy = state.live_interactive > 0 or any(w.interactive for w in waiting)
-    step = state.step
+    step, now = state.step, state.now
     bulk_seats = state.slots - policy.reserved_slots - state.live_bulk
     gap_open = step - state.last_bulk_pass >= policy.bulk_gap
     row_room = policy.bulk_rows - state.live_bulk if policy.bulk_rows else state.slots
@@ -160,7 +173,7 @@ def lane_pass(
     longest = total = bulk_placed = bulk_tokens = 0
     bulk_closed = held = False
     blocked: str | None = None
-    for w in pass_order(waiting, step, policy):
+    for w in pass_order(waiting, now, policy):
         if not low and not high:
             blocked = "no free slot"
             break
@@ -170,7 +183,7 @@ def lane_pass(
             if bulk_placed >= bulk_seats or not high:
                 bulk_closed, blocked = True, NO_BULK_SLOT
                 continue
-            if busy and not promoted(w, step, policy) and (
+            if busy and not promoted(w, now, policy) and (
                 not gap_open
                 or bulk_placed >= row_room
                 or (token_room is not None and bulk_placed

@@ -39,14 +39,14 @@ class Admit:
 @dataclass(frozen=True)
 class StepPlan:
     """One tick: rows to drop first (their jobs were cancelled: slots and ranges already given
-    back in the book), rows to admit in one prefill pass (in pass order), the decode steps to run
-    before asking again, and the slots an interactive-only step covers (0: none; the smallest
-    bucket holding every live interactive row of the reserve)."""
+    back in the book), rows to admit in one prefill pass (in pass order), and the decode steps
+    to run before asking again. Which slots an interactive-only step covers is the runner's to
+    say (ocrq/models/hunyuan/runner.py `_extra_steps`): it follows the rows live on the device,
+    which a plan does not know (a pass's rows join when it lands, rows end between steps)."""
 
     drop: tuple[str, ...] = ()
     admit: tuple[Admit, ...] = ()
     decode_steps: int = 1
-    interactive_bucket: int = 0
     blocked: str | None = None  # why admission stopped, if it did (`Admission.blocked`)
     # The interactive lane was busy when the pass was planned (a row of it live or waiting):
     # the runner books the pass's GPU time to the lane (`LoopStats.lane_prefill_s`).

@@ -11,13 +11,18 @@ Hunyuan runner (ocrq/models/hunyuan/runner.py) only carries a plan out. The rule
   `prefill_gap` steps between passes unless a pass is full or nothing runs;
 * which rows a pass takes: the lanes' rule (ocrq/models/loop/lane_pass.py `lane_pass`): interactive
   rows first and into reserved slots, bulk rows held while the lane is busy, promoted after
-  `promote_steps`; an interactive row waiting skips either schedule's wait;
+  `bulk_max_wait_s` seconds in the queue (the batcher's `LaneRule`, ocrq/core/lanes.py; one
+  setting, OCRQ_BULK_MAX_WAIT_S); an interactive row waiting skips either schedule's wait;
 * the KV book (ocrq/models/slots.py `KvPool`): a row holds `capacity_of(prompt, cap)` tokens
   from its admission to its end, asked once when it is queued.
 
-One tick: `schedule()` returns a `StepPlan`; the runner drops, prefills and decodes as it says
-and hands back a `StepOutput`; `update` frees the finished rows' slots and ranges and names each
-finished row once, however many outputs name it.
+One tick: `schedule(now)` returns a `StepPlan`; the runner drops, prefills and decodes as it
+says and hands back a `StepOutput`; `update` frees the finished rows' slots and ranges and names
+each finished row once, however many outputs name it.
+
+Two clocks, both the caller's: the decode steps the runner reports (`update`: the prefill gaps)
+and the time, monotonic seconds handed to `add` and `schedule` (a row's wait, for promotion).
+No clock is read here, so a test drives the time as it likes.
 """
 
 from __future__ import annotations
@@ -32,9 +37,6 @@ from ocrq.models.loop.plan import Admit, Request, StepOutput, StepPlan
 from ocrq.models.slots import FULL_PASS, KvPool, capacity_of
 
 SCHEDULES = ("alternate", "chunked")
-# The runner's graphed slot counts (ocrq/models/hunyuan/loop_types.py `BUCKETS`; a test keeps
-# them equal): an interactive-only step covers the smallest one holding its rows.
-BUCKETS = tuple(8 << i for i in range(10))
 NEVER = -(10**9)
 
 
@@ -52,7 +54,6 @@ class SchedulerConfig:
     packed: bool = False
     check_every: int = 8  # decode steps between plans while nothing waits
     lanes: LanePolicy = field(default_factory=LanePolicy)
-    buckets: tuple[int, ...] = BUCKETS
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -69,7 +70,7 @@ class _Queued:
     capacity: int
     row_cap: int
     interactive: bool
-    queued_step: int
+    queued_at: float  # monotonic seconds, the caller's
 
 
 class LoopScheduler:
@@ -103,9 +104,10 @@ class LoopScheduler:
     def idle(self) -> bool:
         return not self._waiting and not self._running and not self._dropped
 
-    def add(self, requests: Iterable[Request]) -> None:
-        """Queue rows, oldest first; each must fit the pool alone (the batcher's check) and
-        have a key no row waiting or running has. All or none: a ValueError queues none."""
+    def add(self, requests: Iterable[Request], now: float) -> None:
+        """Queue rows at time `now` (monotonic seconds), oldest first; each must fit the pool
+        alone (the batcher's check) and have a key no row waiting or running has. All or none:
+        a ValueError queues none."""
         cfg = self.config
         queued: list[_Queued] = []
         keys: set[str] = set()
@@ -120,7 +122,7 @@ class LoopScheduler:
             if capacity > cfg.pool_tokens:
                 raise ValueError(f"row {r.key} needs {capacity} KV tokens, over the pool's "
                                  f"{cfg.pool_tokens}")
-            queued.append(_Queued(r.key, r.prompt_tokens, capacity, cap, r.interactive, self.step))
+            queued.append(_Queued(r.key, r.prompt_tokens, capacity, cap, r.interactive, now))
             keys.add(r.key)
         self._waiting.extend(queued)
         self._waiting_set |= keys
@@ -160,16 +162,16 @@ class LoopScheduler:
         self.pool = KvPool.empty(self.config.pool_tokens)
         return keys
 
-    def schedule(self, prefill: bool = True) -> StepPlan:
-        """This tick's plan (the module's docstring); a row it admits holds its slot and range
-        in the book from now on. `prefill` False: the runner still has a pass in flight (one at
-        a time), so this plan admits nothing."""
+    def schedule(self, now: float, prefill: bool = True) -> StepPlan:
+        """This tick's plan at time `now` (monotonic seconds, as `add` was given: the rows'
+        waits); a row it admits holds its slot and range in the book from now on. `prefill`
+        False: the runner still has a pass in flight (one at a time), so this plan admits
+        nothing."""
         drop, self._dropped = tuple(self._dropped), []
         self._busy = self._held = False
-        admit, blocked = self._admit() if prefill else ((), None)
+        admit, blocked = self._admit(now) if prefill else ((), None)
         steps = 1 if self._waiting else self.config.check_every
-        return StepPlan(drop, admit, steps, self._interactive_bucket(), blocked,
-                        self._busy, self._held)
+        return StepPlan(drop, admit, steps, blocked, self._busy, self._held)
 
     def update(self, output: StepOutput) -> tuple[str, ...]:
         """The runner's output taken: the step clock moves on, and the rows it saw finish give
@@ -189,7 +191,7 @@ class LoopScheduler:
         del self._slots[seat.slot]
         self.pool = self.pool.give(seat.start, seat.capacity)
 
-    def _admit(self) -> tuple[tuple[Admit, ...], str | None]:
+    def _admit(self, now: float) -> tuple[tuple[Admit, ...], str | None]:
         cfg = self.config
         if not self._waiting:
             return (), None
@@ -203,11 +205,11 @@ class LoopScheduler:
         # With no interactive row waiting, admission never looks past the free slots (and one
         # to learn why it stopped); with one, the whole queue.
         queue = self._waiting if urgent else itertools.islice(self._waiting, len(free) + 1)
-        waiters = [Waiter(q.key, q.prompt_tokens, q.capacity, q.interactive, q.queued_step)
+        waiters = [Waiter(q.key, q.prompt_tokens, q.capacity, q.interactive, q.queued_at)
                    for q in queue]
         live_interactive = sum(a.interactive for a in self._running.values())
         state = LoopState(cfg.slots, tuple(free), running - live_interactive, live_interactive,
-                          self.step, self._last_bulk_pass)
+                          self.step, self._last_bulk_pass, now)
         decided = lane_pass(waiters, self.pool, state, cfg.pass_tokens, cfg.lanes,
                             packed=cfg.packed)
         plan = decided.admission
@@ -243,18 +245,3 @@ class LoopScheduler:
         if any(not a.interactive for a in admitted):
             self._last_bulk_pass = self.step
         return tuple(admitted), plan.blocked
-
-    def _interactive_bucket(self) -> int:
-        """The slots an interactive-only step covers: the smallest bucket holding every live
-        interactive row of the reserve; 0 without such steps or rows."""
-        lanes = self.config.lanes
-        if not lanes.extra_steps:
-            return 0
-        reserved = lanes.reserved_slots
-        slots = [a.slot for a in self._running.values()
-                 if a.interactive and (not reserved or a.slot < reserved)]
-        if not slots:
-            return 0
-        top = max(slots) + 1
-        return min(next((b for b in self.config.buckets if b >= top), self.config.slots),
-                   self.config.slots)

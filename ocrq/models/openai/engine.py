@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from ocrq.core.lanes import DEFAULT_LANES, LaneRule
 from ocrq.core.pixel_budget import PixelBudget
 from ocrq.core.settings import OpenAISettings
 from ocrq.models.base import (
@@ -222,8 +223,11 @@ class OpenAIEngine(Engine, StreamingEngine):
     def streams(self) -> bool:
         return self.settings.scheduler != "static"
 
-    def open(self, budget_bytes: int, model: CostModel) -> RunningBudget:
-        """Nothing to allocate: the budget is the host's, for the images in flight."""
+    def open(
+        self, budget_bytes: int, model: CostModel, lanes: LaneRule = DEFAULT_LANES
+    ) -> RunningBudget:
+        """Nothing to allocate: the budget is the host's, for the images in flight (sent as the
+        batcher hands them over, in its lanes' order: `lanes` adds nothing here)."""
         return RunningBudget(
             slots=self.settings.openai_concurrency,
             pool_tokens=UNBOUNDED_TOKENS,
