@@ -74,6 +74,12 @@ class ModelSet:
     # Insert spaces at wide blank gaps (`spacing.word_gaps`): for recognisers that seldom emit
     # the space between words themselves.
     word_gaps: bool
+    # The DB detector's box growth: v6's boxes come out wider and taller than v4's at v4's 1.6,
+    # enough to close the gutters of a 3-column page (see `unclip_ratio` of MODEL_SETS).
+    unclip_ratio: float
+    # The recogniser's narrowest input (crops.rec_input_width): a short word padded to the
+    # library's 320 columns reads worse with v6 (see `rec_min_width` of MODEL_SETS).
+    rec_min_width: int
     summary: str
     # Host memory (`RapidEngine.cost_model`; measured with bench/rapid_memory.py, results in
     # bench/results/rapid_memory/rapid_memory_cpu_<name>.md): the process with the engine
@@ -115,6 +121,14 @@ MODEL_SETS: dict[str, ModelSet] = {
         det_mean=IMAGENET_MEAN,
         det_std=IMAGENET_STD,
         word_gaps=False,
+        # 1.45, not v4's 1.6: with 1.6 two columns' lines stood 3 px apart at the eval page's
+        # narrowest gutter (v4's: 20 px), too close to be told from a word space, and the page
+        # read across its columns (whole-page CER 0.47 even with `ordering.gutter_cuts`; 0.026
+        # at 1.45, 0.025 at 1.3). PaddleX's own pipeline uses 1.5 for its v5 detector.
+        unclip_ratio=1.45,
+        # No padding beyond REC_WIDTH_STEP: SVT word crops 0.944 -> 0.960 (minimum 64 or 128;
+        # 192 also 0.960, 256 0.952, 320 0.944), SROIE token F1 0.871 -> 0.875.
+        rec_min_width=64,
         summary="PP-OCRv6 small det + rec (multilingual, 18,708 characters)",
         # Loaded: 170-172 MiB measured. Workspace: v4's plus the larger recogniser output (18,710
         # classes against 6,625, x 1,920 steps x 4 bytes = +89 MiB in a call of the most
@@ -140,6 +154,8 @@ MODEL_SETS: dict[str, ModelSet] = {
         det_mean=HALF,
         det_std=HALF,
         word_gaps=True,
+        unclip_ratio=1.6,
+        rec_min_width=320,
         summary="PP-OCRv4 mobile det + rec (Chinese and English, 6,623 characters)",
         loaded_rss_bytes=192 * MiB,
         run_workspace_bytes=832 * MiB,
