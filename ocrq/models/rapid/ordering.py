@@ -44,6 +44,10 @@ COLUMN_MIN_WIDTH = 8.0  # line heights: about 20 characters
 CROSSERS_PER_ROW = 0.1
 MIN_CROSSERS = 2
 HEADING_HEIGHT = 1.8
+# ... and the narrower side's lines must fill it (its median box LINE_FILL of its width or more),
+# as a column of set text does: a receipt's column of short prices, beside item lines, passed
+# the column test once two long item names were taken for crossers (SROIE 086).
+LINE_FILL = 0.6
 
 
 def group_rows(boxes: Sequence[Box]) -> list[list[int]]:
@@ -157,6 +161,11 @@ def _cut_crossed(
             continue
         if not _is_column(boxes, right, height):
             continue
+        narrower = min(left, right, key=lambda part: _width(boxes, part))
+        if median(boxes[i][2] - boxes[i][0] for i in narrower) < LINE_FILL * _width(
+            boxes, narrower
+        ):
+            continue
         headings = [i for i in crossers if boxes[i][3] - boxes[i][1] >= HEADING_HEIGHT * height]
         if headings:  # cut across at the top of the highest heading
             top = min(boxes[i][1] for i in headings)
@@ -177,6 +186,10 @@ def _cut_crossed(
             right.append(len(boxes) - 1)
         return [left, right]
     return None
+
+
+def _width(boxes: Sequence[Box], part: list[int]) -> float:
+    return max(boxes[i][2] for i in part) - min(boxes[i][0] for i in part)
 
 
 def _sparse_runs(
