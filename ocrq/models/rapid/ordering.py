@@ -88,16 +88,16 @@ def blocks(boxes: Sequence[Box]) -> list[list[int]]:
     return _xy_cut(list(boxes), None)
 
 
-def gutter_cuts(boxes: Sequence[Box]) -> dict[int, list[tuple[float, float]]]:
+def gutter_cuts(boxes: Sequence[Box]) -> dict[int, list[float]]:
     """Where to cut detected boxes that cross a column gutter, before they are read: box index
-    -> the gutters it crosses, (left, right) edges, left to right (see CROSSERS_PER_ROW). Empty
-    for a page whose gutters are clear, and for a receipt, whose sides are no columns."""
-    cuts: dict[int, list[tuple[float, float]]] = {}
+    -> the x of the middle of each gutter it crosses, left to right (see CROSSERS_PER_ROW).
+    Empty for a page whose gutters are clear, and for a receipt, whose sides are no columns."""
+    cuts: dict[int, list[float]] = {}
     _xy_cut(list(boxes), cuts)
     return {i: sorted(xs) for i, xs in cuts.items()}
 
 
-def _xy_cut(boxes: list[Box], cuts: dict[int, list[tuple[float, float]]] | None) -> list[list[int]]:
+def _xy_cut(boxes: list[Box], cuts: dict[int, list[float]] | None) -> list[list[int]]:
     """The XY-cut. With `cuts`, a line crossing a gutter is cut there: its part right of the
     gutter is appended to `boxes` (and so gets a new index) and the cut is recorded under the
     original index in `cuts`; without, crossers of about a line's height are set apart as a
@@ -147,7 +147,7 @@ def _cut_crossed(
     boxes: list[Box],
     region: list[int],
     origin: list[int],
-    cuts: dict[int, list[tuple[float, float]]] | None,
+    cuts: dict[int, list[float]] | None,
 ) -> list[list[int]] | None:
     """The parts of `region` at a gutter that a few boxes cross (CROSSERS_PER_ROW), when both
     sides are columns without them; None when there is no such gutter."""
@@ -183,10 +183,10 @@ def _cut_crossed(
             return [left, right, crossers] if crossers else [left, right]
         for i in crossers:  # the part left of the gutter keeps the index
             x1, y1, x2, y2 = boxes[i]
-            boxes[i] = (x1, y1, lo, y2)
-            boxes.append((hi, y1, x2, y2))
+            boxes[i] = (x1, y1, mid, y2)  # the halves touch; their insets leave the gutter
+            boxes.append((mid, y1, x2, y2))
             origin.append(origin[i])
-            cuts.setdefault(origin[i], []).append((lo, hi))
+            cuts.setdefault(origin[i], []).append(mid)
             left.append(i)
             right.append(len(boxes) - 1)
         return [left, right]
