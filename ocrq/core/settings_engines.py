@@ -30,12 +30,12 @@ class RapidSettings(SettingsGroup):
     """OCRQ_ENGINE=rapid: the CPU engine (ocrq/models/rapid)."""
 
     # The CPU engine rapid (OCRQ_ENGINE=rapid; docs/engines.md).
-    # Its model set: "v4" (PP-OCRv4 mobile) or "v6-small" (PP-OCRv6 small, multilingual: better
-    # on receipts, words and scenes, but its boxes run across a multi-column page's gutters, so
-    # such a page reads across its columns; the default once that is fixed). Empty means "v4".
-    # Both ship inside pinned wheels of the base install; nothing is downloaded. Measured on the
-    # shared eval set in bench/results/rapid_models/; part of a tuned profile's key.
-    rapid_models: RapidModels = "v4"
+    # Its model set: "v6-small" (PP-OCRv6 small, multilingual; better than v4 on receipts, words,
+    # scenes and the 3-column page, at less CPU) or "v4" (PP-OCRv4 mobile, Chinese and English,
+    # the default before). Empty means "v6-small". Both ship inside pinned wheels of the base
+    # install; nothing is downloaded. Measured on the shared eval set in
+    # bench/results/rapid_models/; part of a tuned profile's key.
+    rapid_models: RapidModels = "v6-small"
     # Fold the Chinese punctuation the recogniser reads in Latin text to ASCII ("（GST）：" to
     # "(GST):", a dash read as "一" to "-"), where the letters around it are not CJK
     # (ocrq/models/rapid/punctuation.py). Empty means on; off keeps the recogniser's characters,
@@ -52,7 +52,7 @@ class RapidSettings(SettingsGroup):
     @classmethod
     def _default_when_empty(cls, value: object) -> object:
         empty = value is None or (isinstance(value, str) and not value.strip())
-        return "v4" if empty else value
+        return "v6-small" if empty else value
 
 
 class ModelSettings(BudgetSettings):

@@ -1,4 +1,4 @@
-"""CPU engine: PaddleOCR's PP-OCR ONNX models (PP-OCRv4 by default, PP-OCRv6 small on request:
+"""CPU engine: PaddleOCR's PP-OCR ONNX models (PP-OCRv6 small by default, PP-OCRv4 on request:
 `models.MODEL_SETS`, OCRQ_RAPID_MODELS), as shipped inside pinned wheels.
 
 Why not call `RapidOCR()` per image: it reads one image at a time, so the classifier and the
@@ -30,7 +30,8 @@ Departures from the library's own pipeline, each measured on the shared eval set
   detected boxes, `ordering`), read block by block, each top-to-bottom and left-to-right, with a
   blank line between blocks in the text; a receipt, one column, is read row by row as before.
   Boxes on one row a word space apart are merged into one Line, boxes further apart (the two
-  sides of a receipt line) are not.
+  sides of a receipt line) are not. A detected box that runs across a column gutter (v6 joins
+  the level first lines of two columns) is cut there before it is read (`ordering.gutter_cuts`).
 
 Nothing is downloaded: the model files ship with pinned wheels (`models` says which and why),
 and `load()` fails at start-up with a clear error when they are missing or not the files

