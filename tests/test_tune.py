@@ -528,8 +528,11 @@ def images_tune(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, fl
     env = {**os.environ, "OCRQ_PROFILE_DIR": str(profiles), "COLUMNS": "160"}
     env.pop("OCRQ_MAX_BATCH", None)
     t0 = time.monotonic()
+    # Two rounds, not three: what is asserted is the rule the knee follows from what was
+    # measured (a second round still runs the rounds end to end: their median); the rounds
+    # themselves are checked in test_each_setting_runs_in_interleaved_rounds_...
     proc = run_tune(env, "--engine", "rapid", "--images", str(folder), "--max-batch", "4",
-                    "--budget", "4", "--max-seconds", "120", timeout=280)
+                    "--budget", "4", "--max-seconds", "120", "--rounds", "2", timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return profiles, proc, time.monotonic() - t0
 
@@ -715,8 +718,11 @@ def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> No
         "OCRQ_PROFILE_DIR": str(profiles), "OCRQ_DEVICE": "cpu", "OCRQ_DTYPE": "float32",
         "OCRQ_MAX_NEW_TOKENS": "16", "COLUMNS": "160", "OCRQ_SCHEDULER": "continuous",
     }
+    # One round (the first pass): what is asserted is the loop's sweep, lengths and anatomy,
+    # not the rounds (checked in test_each_setting_runs_in_interleaved_rounds_...).
     proc = run_tune(env, "--engine", "hunyuan", "--images", str(folder), "--max-batch", "2",
-                    "--budget-fraction", "0.5", "--max-seconds", "90", timeout=200)
+                    "--budget-fraction", "0.5", "--max-seconds", "90", "--rounds", "1",
+                    timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [path] = sorted(profiles.glob("hunyuan-*.json"))
     body = json.loads(path.read_text())
@@ -888,6 +894,12 @@ def test_each_setting_runs_in_interleaved_rounds_and_its_rate_is_their_median() 
     assert [len(p.rates) for p in short.points if p.ran] and all(
         p.spread() == "1 run" for p in short.points if p.ran
     )
+    # Fewer rounds asked for (`ocrq tune --rounds`): that many runs each, time left or not.
+    two = run_sweep(engine, rows, 4 * GiB, max_batch=2, deadline=time.monotonic() + 300,
+                    warm_each=False, rounds=2)
+    assert [(p.setting, len(p.rates)) for p in two.points] == [(1, 2), (2, 2)]
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        run_sweep(engine, rows, 4 * GiB, max_batch=2, deadline=100.0, rounds=0)
 
 
 @pytest.mark.hunyuan
