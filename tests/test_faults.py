@@ -239,7 +239,9 @@ def test_kill_9_mid_batch(
     image_root: Path,
     tmp_path: Path,
 ) -> None:
-    paths = make_images(image_root / "kill", 80, lines=6)
+    # 40 pages: a batch of 8 in flight at the kill, 16 threads busy and the rest still queued
+    # (80 took twice the time for the same states).
+    paths = make_images(image_root / "kill", 40, lines=6)
     database_url = private_database  # its sweeps and requeue would re-run others' rows
     store = JobStore(get_engine(database_url))
     budget = Budget(480, "kill-9")
@@ -290,7 +292,9 @@ def test_redis_restart_mid_run(
     try:
         worker.wait_ready(90)
         client = Client(Settings(broker_url=private.url, database_url=database_url))
-        paths = make_images(image_root / "redis", 150, lines=3)
+        # 60: at the restart 20 are final, 8 in flight and the rest queued (150 took ~2.5x as
+        # long for the same states).
+        paths = make_images(image_root / "redis", 60, lines=3)
         ids = [client.submit({"path": str(p)}) for p in paths]
         t0 = time.monotonic()
         budget.until(
@@ -343,7 +347,9 @@ def test_postgres_down_30s(
         try:
             worker.wait_ready(90)
             ids = []
-            for path in make_images(image_root / "pg", 100, lines=3):
+            # 50: at the outage 15 are final, 8 in flight and the rest queued (100 took twice as
+            # long after it for the same states).
+            for path in make_images(image_root / "pg", 50, lines=3):
                 job_id = str(uuid.uuid4())
                 app.send_task(
                     "ocrq.recognize",
