@@ -291,7 +291,7 @@ def test_live_workers_jobs_are_never_resent(
     # Waits: ready 60 (both start at once) + a long-running job 90 + all final 290; the warm
     # shutdowns below take up to 90 more (530 s, under pytest's 600). The landing CI of stop 41
     # ran the suite ~2.5x slower than usual and 24 jobs of 32 were final after the old 200 s
-    # slice: 20 jobs still keep 16 threads busy for far longer than OCRQ_STALLED_AFTER_S.
+    # slice: 16 jobs still keep 16 threads busy for far longer than OCRQ_STALLED_AFTER_S.
     budget = Budget(440, "live-not-resent")
     workers = [
         WorkerProcess(env, tmp_path / f"live{k}.log", "--concurrency", "8") for k in range(2)
@@ -299,7 +299,10 @@ def test_live_workers_jobs_are_never_resent(
     try:
         for w in workers:
             w.wait_ready(min(60, budget.left()))
-        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "live", 20)]
+        # 16: one job for each of the 16 threads, all running at once past
+        # OCRQ_STALLED_AFTER_S; the 4 more of 20 only ran after the first finished, a tail of
+        # waiting that checked nothing the first 16 do not.
+        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "live", 16)]
         stalled_after = float(LIVENESS["OCRQ_STALLED_AFTER_S"])
 
         def oldest_running() -> float:
