@@ -205,13 +205,15 @@ def test_killed_worker_jobs_resent_by_live_worker_sweep(
     r = redis.Redis.from_url(env["OCRQ_BROKER_URL"])
     # Waits: ready 60 + the kill point 120 + rescuer ready 60 + taken 60 + all final 200 (16
     # slow pages one at a time took up to 199 s at a load average of 11-13 on the 2-core
-    # machine: 12 pages now).
+    # machine: 8 pages now).
     budget = Budget(500, "stalled-sweep")
     victim = WorkerProcess(env, tmp_path / "victim.log", "--concurrency", "4", "--no-supervise")
     rescuer: WorkerProcess | None = None
     try:
         victim.wait_ready(60)
-        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "stall", 12)]
+        # 8 pages: at the kill one or more done, 4 running under the victim and the rest
+        # queued, as with 12 (whose 4 more only lengthened the rescuer's run).
+        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "stall", 8)]
         # Kill once the victim holds 4 running jobs and has no message it has not yet claimed
         # (an unclaimed one would only come back after the visibility timeout, by design).
         seen = {"stable": 0, "held": set(), "unacked": set()}
