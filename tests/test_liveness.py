@@ -205,13 +205,15 @@ def test_killed_worker_jobs_resent_by_live_worker_sweep(
     r = redis.Redis.from_url(env["OCRQ_BROKER_URL"])
     # Waits: ready 60 + the kill point 120 + rescuer ready 60 + taken 60 + all final 200 (16
     # slow pages one at a time took up to 199 s at a load average of 11-13 on the 2-core
-    # machine: 12 pages now).
+    # machine: 8 pages now).
     budget = Budget(500, "stalled-sweep")
     victim = WorkerProcess(env, tmp_path / "victim.log", "--concurrency", "4", "--no-supervise")
     rescuer: WorkerProcess | None = None
     try:
         victim.wait_ready(60)
-        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "stall", 12)]
+        # 8 pages: at the kill one or more done, 4 running under the victim and the rest
+        # queued, as with 12 (whose 4 more only lengthened the rescuer's run).
+        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "stall", 8)]
         # Kill once the victim holds 4 running jobs and has no message it has not yet claimed
         # (an unclaimed one would only come back after the visibility timeout, by design).
         seen = {"stable": 0, "held": set(), "unacked": set()}
@@ -291,7 +293,7 @@ def test_live_workers_jobs_are_never_resent(
     # Waits: ready 60 (both start at once) + a long-running job 90 + all final 290; the warm
     # shutdowns below take up to 90 more (530 s, under pytest's 600). The landing CI of stop 41
     # ran the suite ~2.5x slower than usual and 24 jobs of 32 were final after the old 200 s
-    # slice: 20 jobs still keep 16 threads busy for far longer than OCRQ_STALLED_AFTER_S.
+    # slice: 16 jobs still keep 16 threads busy for far longer than OCRQ_STALLED_AFTER_S.
     budget = Budget(440, "live-not-resent")
     workers = [
         WorkerProcess(env, tmp_path / f"live{k}.log", "--concurrency", "8") for k in range(2)
@@ -299,7 +301,10 @@ def test_live_workers_jobs_are_never_resent(
     try:
         for w in workers:
             w.wait_ready(min(60, budget.left()))
-        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "live", 20)]
+        # 16: one job for each of the 16 threads, all running at once past
+        # OCRQ_STALLED_AFTER_S; the 4 more of 20 only ran after the first finished, a tail of
+        # waiting that checked nothing the first 16 do not.
+        ids = [client.submit({"path": str(p)}) for p in slow_images(image_root / "live", 16)]
         stalled_after = float(LIVENESS["OCRQ_STALLED_AFTER_S"])
 
         def oldest_running() -> float:

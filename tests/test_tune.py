@@ -500,8 +500,10 @@ def test_a_sweep_cut_while_still_rising_names_no_knee_below_it() -> None:
     assert recommend(flat, int(111.84 * GiB), pooled=True).limited_by == "throughput"
 
 
-def receipt_tops(folder: Path, count: int = 4) -> Path:
-    """The top of real receipts (their header lines), 360 px wide: receipts-like and quick."""
+def receipt_tops(folder: Path, count: int = 4, height: int = 300) -> Path:
+    """The top of real receipts (their header lines), 360 px wide and at most `height` tall:
+    receipts-like and quick (the CPU engine reads a 360x120 top in ~0.4 s here, a 360x300 one
+    in ~4 s)."""
     from tests.conftest import EVAL_DATA
 
     paths = sorted((EVAL_DATA / "sroie" / "img").glob("*.jpg"))[:count]
@@ -513,7 +515,7 @@ def receipt_tops(folder: Path, count: int = 4) -> Path:
         with Image.open(path) as raw:
             image = raw.convert("RGB")
         image = image.resize((360, round(image.height * 360 / image.width)))
-        image.crop((0, 0, 360, min(300, image.height))).save(folder / f"{path.stem}.png")
+        image.crop((0, 0, 360, min(height, image.height))).save(folder / f"{path.stem}.png")
     return folder
 
 
@@ -523,7 +525,10 @@ def images_tune(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, fl
     import time
 
     root = tmp_path_factory.mktemp("images-tune")
-    folder = receipt_tops(root / "receipts")
+    # Their header lines only: the sweep runs the sample 3 rounds x 3 settings, and what is
+    # asserted (the knee's rule over what was measured, the anatomy, the lines to paste) does
+    # not depend on how long an image takes (360x300 tops took the fixture ~100 s here).
+    folder = receipt_tops(root / "receipts", height=120)
     profiles = root / "profiles"
     env = {**os.environ, "OCRQ_PROFILE_DIR": str(profiles), "COLUMNS": "160"}
     env.pop("OCRQ_MAX_BATCH", None)
@@ -715,8 +720,11 @@ def test_tune_images_on_the_tiny_hunyuan(tiny_cache: Path, tmp_path: Path) -> No
         "OCRQ_PROFILE_DIR": str(profiles), "OCRQ_DEVICE": "cpu", "OCRQ_DTYPE": "float32",
         "OCRQ_MAX_NEW_TOKENS": "16", "COLUMNS": "160", "OCRQ_SCHEDULER": "continuous",
     }
+    # One round (the first pass): what is asserted is the loop's sweep, lengths and anatomy,
+    # not the rounds (checked in test_each_setting_runs_in_interleaved_rounds_...).
     proc = run_tune(env, "--engine", "hunyuan", "--images", str(folder), "--max-batch", "2",
-                    "--budget-fraction", "0.5", "--max-seconds", "90", timeout=200)
+                    "--budget-fraction", "0.5", "--max-seconds", "90", "--rounds", "1",
+                    timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [path] = sorted(profiles.glob("hunyuan-*.json"))
     body = json.loads(path.read_text())
@@ -888,6 +896,12 @@ def test_each_setting_runs_in_interleaved_rounds_and_its_rate_is_their_median() 
     assert [len(p.rates) for p in short.points if p.ran] and all(
         p.spread() == "1 run" for p in short.points if p.ran
     )
+    # Fewer rounds asked for (`ocrq tune --rounds`): that many runs each, time left or not.
+    two = run_sweep(engine, rows, 4 * GiB, max_batch=2, deadline=time.monotonic() + 300,
+                    warm_each=False, rounds=2)
+    assert [(p.setting, len(p.rates)) for p in two.points] == [(1, 2), (2, 2)]
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        run_sweep(engine, rows, 4 * GiB, max_batch=2, deadline=100.0, rounds=0)
 
 
 @pytest.mark.hunyuan

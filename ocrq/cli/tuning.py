@@ -60,6 +60,11 @@ def tune(
     max_batch: Annotated[
         int | None, typer.Option(help="Largest batch probed (default OCRQ_MAX_BATCH).")
     ] = None,
+    rounds: Annotated[
+        int | None, typer.Option(min=1, help="With --images: runs of each setting at most (the "
+                                 "first pass, then rounds while --max-seconds allows; default "
+                                 "3); its rate is their median.")
+    ] = None,
     profile_dir: Annotated[
         Path | None, typer.Option(help="Where profiles go (default OCRQ_PROFILE_DIR).")
     ] = None,
@@ -88,7 +93,7 @@ def tune(
     setup_process(settings)  # before the engine loads: it measures the allocator's memory
     if images:
         _tune_images(settings, images, task, sample_size, knee, headroom, budget,
-                     budget_fraction, max_seconds)
+                     budget_fraction, max_seconds, rounds)
         return
     try:
         outcome = tune_engine(
@@ -139,13 +144,14 @@ def quiet_compilers() -> None:
 def _tune_images(
     settings: Settings, paths: list[Path], task: str, sample_size: int, knee: float,
     headroom: float, budget: float | None, budget_fraction: float | None, max_seconds: float,
+    rounds: int | None = None,
 ) -> None:
     """`ocrq tune --images`: the sweep with a progress bar, then the tables and the lines to
     paste; a sample or sweep that cannot support a recommendation exits 2 saying why."""
     from ocrq.tuning.anatomy import anatomy_table
     from ocrq.tuning.images import sweep_table, tune_images
     from ocrq.tuning.sample import SampleProblem
-    from ocrq.tuning.sweep import SweepProblem
+    from ocrq.tuning.sweep import ROUNDS, SweepProblem
     from ocrq.tuning.tune import BudgetError, fit_summary
 
     try:
@@ -155,6 +161,7 @@ def _tune_images(
                 settings, paths, task=task, budget_gib=budget, budget_fraction=budget_fraction,
                 max_seconds=max_seconds, sample_size=sample_size, fraction=knee,
                 headroom=headroom, say=err.print,
+                rounds=ROUNDS if rounds is None else rounds,
                 progress=lambda done, total: progress.update(bar, completed=done, total=total),
             )
     except BudgetError as exc:

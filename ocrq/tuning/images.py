@@ -81,13 +81,15 @@ class ImagesOutcome:
                 f"knee {rec.setting} {rec.images_per_s:.2f} ({ratio:.2f}x)")
 
 
-def planned_images(rows: int, max_batch: int, warm_each: bool, loop: bool) -> int:
+def planned_images(
+    rows: int, max_batch: int, warm_each: bool, loop: bool, rounds: int = ROUNDS
+) -> int:
     """Images the sweep runs when every setting runs every round (the progress bar's total;
     where --max-seconds ends the rounds early, the bar is completed when the sweep ends)."""
     if loop:  # each run of a setting opens and warms the loop again
-        return 1 + ROUNDS * sum(loop_rows(rows, n) + n for n in settings_to_try(max_batch))
+        return 1 + rounds * sum(loop_rows(rows, n) + n for n in settings_to_try(max_batch))
     return 1 + sum(
-        (n if warm_each else 0) + ROUNDS * -(-rows // n) * n for n in settings_to_try(max_batch)
+        (n if warm_each else 0) + rounds * -(-rows // n) * n for n in settings_to_try(max_batch)
     )
 
 
@@ -121,11 +123,13 @@ def tune_images(
     headroom: float = HEADROOM,
     say: Callable[[str], None] = lambda _: None,
     progress: Callable[[int, int], None] | None = None,
+    rounds: int = ROUNDS,
 ) -> ImagesOutcome:
     """Sample, load, measure, sweep, recommend, save (see the module docstring).
 
     `max_seconds` bounds the first pass and the sweep (loading the engine is not counted);
-    `progress(images done, images planned)` follows the sweep."""
+    `progress(images done, images planned)` follows the sweep; `rounds`: runs of each setting
+    at most (ocrq/tuning/sweep.py)."""
     sample = load_sample(paths, sample_size)  # before loading: its failure costs nothing
     say(sample.describe())
     engine = create_engine(settings.engine, settings)
@@ -171,9 +175,9 @@ def tune_images(
             loop = LoopSetting(looping, default, budget)
             say("the engine runs the running loop: each setting is its slots, run through it "
                 f"({RATE})")
-        total = planned_images(len(rows), max_batch, device, loop is not None)
+        total = planned_images(len(rows), max_batch, device, loop is not None, rounds)
         sweep = run_sweep(engine, rows, budget, max_batch=max_batch, deadline=deadline,
-                          warm_each=device, on_batch=on_batch, loop=loop)
+                          warm_each=device, on_batch=on_batch, loop=loop, rounds=rounds)
         if progress is not None:
             progress(total, total)
         try:

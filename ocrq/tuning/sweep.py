@@ -9,9 +9,9 @@ running loop is saturated) needs a loop fed from a queue; a static batch is satu
 construction, so its steady-state rate is the same quantity.
 
 Each setting that ran is run again, in later rounds that visit the settings in turn (1, 2, 4,
-... then 1, 2, 4, ... again) while --max-seconds allows, up to ROUNDS in all: on a loaded host
-one run per setting moved the knee, and interleaved rounds spread a slow spell over every
-setting instead of one. A setting's rate is the median of its rounds, and the table shows
+... then 1, 2, 4, ... again) while --max-seconds allows, up to ROUNDS in all (or --rounds): on
+a loaded host one run per setting moved the knee, and interleaved rounds spread a slow spell
+over every setting instead of one. A setting's rate is the median of its rounds, and the table shows
 their spread; the first round needs no warm-up again (each shape is warm by then).
 
 The sweep is bounded: each setting's time is predicted from the last one's seconds per image,
@@ -151,6 +151,7 @@ def run_sweep(
     on_batch: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     loop: LoopRunner | None = None,
+    rounds: int = ROUNDS,
 ) -> Sweep:
     """Run the sample at each setting up to `max_batch` (see the module docstring).
 
@@ -159,8 +160,11 @@ def run_sweep(
     leaves out the warm-up batch of each setting: an engine in host memory captures no graphs
     per batch shape, and its first call (always left out) warms it up once for all. With
     `loop` (ocrq/tuning/loop_sweep.py) each setting is the running loop's slots, run through
-    the loop; `loop_rows` says how many rows it times.
+    the loop; `loop_rows` says how many rows it times. `rounds`: runs of each setting at most
+    (`ocrq tune --rounds`; 1: the first pass only).
     """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
     if not rows:
         raise SweepProblem("no images to sweep with")
     started = clock()
@@ -223,7 +227,7 @@ def run_sweep(
                 point.batches,
             )
             break
-    _more_rounds(sweep, one, rows, deadline, clock, loop, on_batch)
+    _more_rounds(sweep, one, rows, deadline, clock, loop, on_batch, rounds)
     sweep.seconds = clock() - started
     return sweep
 
@@ -236,10 +240,11 @@ def _more_rounds(
     clock: Callable[[], float],
     loop: LoopRunner | None,
     on_batch: Callable[[int, int], None] | None,
+    rounds: int = ROUNDS,
 ) -> None:
-    """Rounds 2..ROUNDS over the settings that ran, in turn, while each fits before the
+    """Rounds 2..`rounds` over the settings that ran, in turn, while each fits before the
     deadline (predicted from its own first run); a round that fails or is cut ends them."""
-    for _ in range(ROUNDS - 1):
+    for _ in range(rounds - 1):
         for i, point in enumerate(sweep.points):
             if not point.ran:
                 continue
