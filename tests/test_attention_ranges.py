@@ -11,17 +11,14 @@ first imported).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests.interpreter import interpret
+
 pytestmark = pytest.mark.hunyuan
 
-REPO = Path(__file__).resolve().parents[1]
 
 CHECK = textwrap.dedent(
     """
@@ -66,12 +63,7 @@ CHECK = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def lines() -> list[str]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True,
-                         timeout=240, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout.split("\n")
+    return interpret(CHECK)
 
 
 def test_every_range_equals_torch_and_none_is_nan(lines: list[str]) -> None:

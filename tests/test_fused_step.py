@@ -15,17 +15,14 @@ logits by orders of magnitude more than the tolerance.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests.interpreter import interpret
+
 pytestmark = pytest.mark.hunyuan
 
-REPO = Path(__file__).resolve().parents[1]
 # float32 on the CPU: the paths differ by ~1e-5 (summation order); a broken step by > 1.
 TOLERANCE = 1e-3
 
@@ -129,12 +126,7 @@ CHECK = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def lines() -> list[str]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True,
-                         timeout=240, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout.split("\n")
+    return interpret(CHECK)
 
 
 def value(lines: list[str], name: str) -> list[float]:

@@ -17,13 +17,9 @@ both loops stop the same rows at the same length.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +29,7 @@ from ocrq.models.base import OcrResult, PreparedImage
 from ocrq.models.hunyuan import HunyuanEngine
 from ocrq.models.hunyuan.generation import BatchOutput, unsupported_reason
 from ocrq.models.hunyuan.versions import RepetitionGuard
+from tests.interpreter import interpret
 from tests.tiny_hunyuan import (
     ShiftedDecoder,
     UnpenalisedDecoder,
@@ -45,7 +42,6 @@ from tests.tiny_hunyuan import (
 
 pytestmark = pytest.mark.hunyuan
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 12
 # fp32 on the CPU: the two paths differ by ~5e-6 (sdpa with a bool mask and enable_gqa against
 # transformers' float mask and repeat_kv); a wrong position moves logits by > 1.
@@ -389,23 +385,11 @@ ENGINE_CHECK = textwrap.dedent(
 )
 
 
-def interpret(script: str, *args: str) -> list[str]:
-    """Run `script` with Triton's CPU interpreter in a fresh process; its stdout lines."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO),
-           "OCRQ_DECODE_ATTENTION": "triton"}
-    run = subprocess.run(
-        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-        timeout=240, cwd=REPO,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout.split("\n")
-
-
 @pytest.fixture(scope="module")
 def interpreted(engine: HunyuanEngine) -> list[str]:
     """Both scripts in one interpreter process (importing torch and transformers is most of it)."""
-    return interpret(KERNEL_CHECK + ENGINE_CHECK, str(engine.model_dir))
+    return interpret(KERNEL_CHECK + ENGINE_CHECK, str(engine.model_dir),
+                     OCRQ_DECODE_ATTENTION="triton")
 
 
 def test_triton_kernels_match_references_in_interpreter(interpreted: list[str]) -> None:
