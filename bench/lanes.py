@@ -497,7 +497,8 @@ def main() -> None:
                 for k in ("interactive_slots", "interactive_prefill_tokens",
                           "interactive_prefill_gap_steps", "interactive_bulk_rows",
                           "interactive_extra_steps", "interactive_pass_steps",
-                          "prefill_chunk_tokens", "prefill_gap_steps", "prefill_stream")
+                          "prefill_chunk_tokens", "prefill_gap_steps", "prefill_stream",
+                          "loop_fused_step_rows")
             },
             "bulk_workload": workload_summary(bulk),
             "interactive_workload": workload_summary(stream),

@@ -144,6 +144,7 @@ LAB_LEVERS = {
     "kv_fp8_products", "preprocess", "prefill_schedule", "prefill_tokens", "prefill_gap_steps",
     "prefill_packed", "prefill_stream", "interactive_pass_steps", "interactive_prefill_tokens",
     "interactive_prefill_gap_steps", "interactive_bulk_rows", "switch_interval_ms",
+    "loop_fused_step_rows",
 }
 
 
@@ -175,6 +176,21 @@ def test_the_lab_levers_are_a_group_of_their_own_that_the_engine_still_reads(
         LabSettings(prefill_gap_steps=0)
 
 
+@pytest.mark.parametrize("value", ["-1", "17"])
+def test_the_fused_step_lever_refuses_rows_the_fused_step_cannot_serve(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """OCRQ_LOOP_FUSED_STEP_ROWS: 0 (off) to 16, the fused step's rows at most; the error names
+    the setting and the bound."""
+    monkeypatch.setenv("OCRQ_LOOP_FUSED_STEP_ROWS", value)
+    bound = "greater than or equal to 0" if value == "-1" else "less than or equal to 16"
+    with pytest.raises(ValidationError, match=f"(?s)loop_fused_step_rows.*{bound}"):
+        Settings()
+    assert Settings(loop_fused_step_rows=16).loop_fused_step_rows == 16
+    monkeypatch.delenv("OCRQ_LOOP_FUSED_STEP_ROWS")
+    assert Settings().loop_fused_step_rows == 0  # off by default
+
+
 @pytest.mark.parametrize(
     "variable, value, group, expected",
     [
@@ -184,6 +200,8 @@ def test_the_lab_levers_are_a_group_of_their_own_that_the_engine_still_reads(
         ("OCRQ_API_MAX_WAIT_S", "3", "api", 3.0),
         ("OCRQ_PREFILL_GAP_STEPS", "9", "hunyuan", 9),
         ("OCRQ_PREFILL_GAP_STEPS", "9", "lab", 9),
+        ("OCRQ_LOOP_FUSED_STEP_ROWS", "8", "hunyuan", 8),
+        ("OCRQ_LOOP_FUSED_STEP_ROWS", "8", "lab", 8),
         ("OCRQ_VLLM_MAX_NUM_SEQS", "5", "vllm", 5),
         ("OCRQ_OPENAI_CONCURRENCY", "4", "openai", 4),
         ("OCRQ_DATABASE_POOL_SIZE", "3", "service", 3),

@@ -76,6 +76,14 @@ class HunyuanLabSettings(SettingsGroup):
     # kernel nearer its bandwidth floor (ocrq/models/hunyuan/attention.py, fp8_products). Not
     # recommended: no faster on an H100 or an H200, at 23x the error (bench/results/kv_attention).
     kv_fp8_products: bool = False
+    # The running loop's decode steps over buckets of at most this many slots (0: none, at most
+    # 16) by the fused few-row step: five Triton kernels a layer, each weight streamed once,
+    # instead of ~12 kernels and cuBLAS GEMMs (ocrq/models/hunyuan/fused_step.py). With Triton
+    # attention only, and not with OCRQ_KV_FP8_PRODUCTS (the start-up log says when it is left
+    # off; ocrq/models/hunyuan/step_choice.py). Off: alone it was 1.41x faster than today's step
+    # at 1 row but 0.80x at 8 rows of 4k keys on an H200 (bench/results/fused_step/README.md),
+    # and it is not yet measured in the loop; 8 covers the smallest bucket, the interactive lane.
+    loop_fused_step_rows: int = Field(default=0, ge=0, le=16)
     # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
     # output, GIL released) or "processor" (transformers' processor, for comparison).
     preprocess: PreprocessMode = "tensor"

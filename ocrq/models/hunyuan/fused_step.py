@@ -34,10 +34,12 @@ Layout as the running loop keeps it (ocrq/models/hunyuan/running.py): one pool p
 (1, KV heads, width, D), keys token-major, values token-major (bf16) or transposed (fp8, any
 strides work); row r reads [start_r, end_r) and writes column col_r = end_r - 1.
 
-Wiring (not done here): the running loop's `_step` over k <= 16 slots would call
-`fused_decode_step(text, step, tok[:k], pos[:, :k], col, start[:k], end[:k], keys, values)`
-with one `FusedStep(FusedWeights.from_text(text), k, device)` per bucket, in place of
-`text.step(...)`; its start/end/col already mean what the kernels read.
+Wired as a lab lever, off by default (OCRQ_LOOP_FUSED_STEP_ROWS=N, N <= 16): the running loop's
+`LoopRunner.step(k)` over a bucket of k <= N slots takes its logits from `fused_decode_step`,
+one `FusedStep(FusedWeights.from_text(text), k, device, padded=<the fp8 pool's>)` a bucket,
+instead of `text.step(...)`; its start/end/col are what the kernels read. Where it does not fit
+the loop (torch attention, fp8 products, unmerged weights) it stays off with a start-up warning
+(ocrq/models/hunyuan/step_choice.py).
 
 Measured (bench/results/fused_step/README.md): the first version was 10-15% slower than
 today's step on an H100 (its attention merge ~20 us a layer); the merge and programmatic

@@ -240,6 +240,7 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
             "fp8_products": s.kv_fp8_products,
             "packed": s.prefill_packed,
             "prefill_stream": s.prefill_stream,
+            "fused_step_rows": s.loop_fused_step_rows,
             "lanes": LanePolicy(
                 reserved_slots=budget.reserved_slots,
                 bulk_prefill_tokens=s.interactive_prefill_tokens,

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import torch
 
 SCHEDULES = ("alternate", "chunked")
+# The fused decode step's rows at most (ocrq/models/hunyuan/fused_step.py: one 16-row tile).
+FUSED_STEP_MAX_ROWS = 16
 BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # graphed slot counts
 
 
@@ -100,10 +102,16 @@ class LoopConfig:
     # go on on the loop's own stream of high priority (ocrq/models/hunyuan/passes.py). On a CPU
     # the pass is launched at once and committed at a later iteration (tests).
     prefill_stream: bool = False
+    # Decode steps over buckets of at most this many slots by the fused few-row step (0: none;
+    # at most 16; ocrq/models/hunyuan/step_choice.py). A lab lever: OCRQ_LOOP_FUSED_STEP_ROWS.
+    fused_step_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if not 0 <= self.fused_step_rows <= FUSED_STEP_MAX_ROWS:
+            raise ValueError(f"fused_step_rows must be 0 (off) to {FUSED_STEP_MAX_ROWS} (the "
+                             f"fused step's rows at most), not {self.fused_step_rows}")
         if (self.slots < 1 or self.pool_tokens < 1 or self.max_new_tokens < 1
                 or self.prefill_gap < 1):
             raise ValueError(f"invalid loop config {self}")

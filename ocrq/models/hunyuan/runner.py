@@ -44,6 +44,9 @@ share (rows, config, stats) are ocrq/models/hunyuan/loop_types.py.
 The greedy arithmetic (scores, repetition penalty, eos ban, the guard's rule) is the static
 loop's, per row; a row's tokens do not depend on the rows beside it (tests).
 
+A step's logits come from today's step (`TextModel.step`), or, for buckets of few slots where the
+lab lever OCRQ_LOOP_FUSED_STEP_ROWS asks, from the fused few-row step (step_choice.py).
+
 Interactive-only steps (`LanePolicy.extra_steps`, OCRQ_INTERACTIVE_EXTRA_STEPS): with a bulk
 backlog an interactive row's token waits for a step over every live row plus the bulk passes
 run between steps (~20-30 ms on an H200 against 2.6 ms alone). After each full step, while an
@@ -78,6 +81,7 @@ from ocrq.models.hunyuan.passes import PrefillPasses
 from ocrq.models.hunyuan.readback import GpuClock, Readback, Snapshot, to_device
 from ocrq.models.hunyuan.repetition import LoopFinder, guard_due
 from ocrq.models.hunyuan.slot_tensors import SlotTensors
+from ocrq.models.hunyuan.step_choice import fused_steps
 from ocrq.models.hunyuan.tokens import SpecialTokens
 from ocrq.models.loop import StepOutput, StepPlan
 
@@ -137,6 +141,12 @@ class LoopRunner:
             decoder, tokens, config, LoopBooks.empty(config), self.tensors, LoopStats(),
             GpuClock(bool(decoder.is_cuda)), Readback(config.slots, config.max_new_tokens,
                                                       self.device),
+        )
+        # The fused few-row step for the smallest buckets, where the lab lever asks and it fits
+        # (ocrq/models/hunyuan/step_choice.py); None: today's step for every bucket.
+        self.fused_steps = fused_steps(
+            self.text, config, self.device, use_triton=self.use_triton,
+            kv_dtype=self.tensors.kv_dtype, padded=self.tensors.values_transposed,
         )
         self.books = self.state.books
         self._pass_launched_at = -1  # `step_no` when the last prefill pass was launched
@@ -498,12 +508,16 @@ class LoopRunner:
         t.end[:k].copy_(col.int() + 1)
         if t.valid is not None:
             t.valid[:k].scatter_(1, col[:, None], True)
-        logits = self.text.step(
-            t.tok[:k], t.pos[:, :k], col, t.keys, t.values, self._attention(k),
-            self.decoder.fused, pooled=True,
-        )
-        if self.config.keep_logits:
-            t.kept = logits.float()
+        if self.fused_steps is not None and self.fused_steps.serves(k):
+            logits = self.fused_steps(k, t.tok[:k], t.pos[:, :k], col, t.start[:k], t.end[:k],
+                                      t.keys, t.values)
+        else:
+            logits = self.text.step(
+                t.tok[:k], t.pos[:, :k], col, t.keys, t.values, self._attention(k),
+                self.decoder.fused, pooled=True,
+            )
+        if self.config.keep_logits:  # a copy: the fused step's logits are one reused buffer
+            t.kept = logits.to(torch.float32, copy=True)
         if self.fused_greedy:
             seen = t.seen[:k] if t.seen is not None else None
             nxt = greedy_next(logits, seen, self.config.penalty, t.count[:k], t.min_new[:k], t.eos)
