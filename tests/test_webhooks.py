@@ -207,3 +207,36 @@ def test_a_batch_behind_more_than_a_page_of_orphans_still_fires(
         assert [b["event"] for b in receiver.bodies] == ["batch.finished"]
     finally:
         hooks.close(within_s=0)
+
+
+def test_task_threads_using_webhooks_at_once_share_one_sender(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first webhooks of a busy worker come from many task threads at once: one sender
+    (its retries, its warm shutdown) for all of them, not one per thread that raced. The real
+    sender, made 50 ms slower to start so that the threads surely meet there."""
+    from ocrq.worker import notices as notices_module
+
+    class SlowToStart(Webhooks):
+        def __init__(self, settings: Settings) -> None:
+            time.sleep(0.05)
+            super().__init__(settings)
+
+    monkeypatch.setattr(notices_module, "Webhooks", SlowToStart)
+    notices = notices_module.Notices(_settings(), rows=None)  # type: ignore[arg-type]
+    start = threading.Barrier(16)
+    made: list[Webhooks] = []
+
+    def first_use() -> None:
+        start.wait()
+        made.append(notices._webhook())
+
+    threads = [threading.Thread(target=first_use) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    try:
+        assert len(made) == 16 and len({id(w) for w in made}) == 1
+    finally:
+        notices.close()

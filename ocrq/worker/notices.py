@@ -14,11 +14,15 @@ ocrq/worker/batch_hooks.py looks at batches), so a task thread only hands it ove
   (`job_ended`); the batch hooks' thread sends it once every unit of the batch is final.
 
 The senders start on first use (a worker whose jobs name no webhook starts no thread), except
-the batch hooks' thread, which a Celery worker starts at once (`watch_batches`).
+the batch hooks' thread, which a Celery worker starts at once (`watch_batches`). First use comes
+from many task threads at once, so it is made under a lock: two senders made side by side would
+each keep their own retries, and `close` would see only one of them (the other's deliveries
+neither sent at a warm shutdown nor logged as dropped).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from ocrq.core.documents_store import FINAL as DOCUMENT_FINAL
@@ -35,6 +39,7 @@ class Notices:
         self.rows = rows
         self._webhooks: Webhooks | None = None  # started by the first job with a callback_url
         self._batches: BatchHooks | None = None  # batch webhooks (worker/batch_hooks.py)
+        self._making = threading.Lock()  # the first use of either, from any task thread
 
     def watch_batches(self) -> None:
         """Start the batch webhooks' thread now (a Celery worker), not at the first job of a
@@ -99,11 +104,16 @@ class Notices:
 
     def _webhook(self) -> Webhooks:
         if self._webhooks is None:
-            self._webhooks = Webhooks(self.settings)
+            with self._making:
+                if self._webhooks is None:
+                    self._webhooks = Webhooks(self.settings)
         return self._webhooks
 
     @property
     def _batch_hooks(self) -> BatchHooks:
         if self._batches is None:
-            self._batches = BatchHooks(self.settings, self.rows.store.engine, self._webhook)
+            with self._making:
+                if self._batches is None:
+                    self._batches = BatchHooks(self.settings, self.rows.store.engine,
+                                               self._webhook)
         return self._batches
