@@ -21,8 +21,9 @@ What is the scheduler's and what is modelled:
   from its pass; it ends at its scripted length (the bench's lengths) or its cap. The runner's
   harvest lag (a finished row is seen at the next slot-state copy, up to 8 steps later) is left
   out, as are the side stream and CUDA graphs;
-* prompt tokens: the processor's resize rule of the checkpoint version (`ImageGeometry`, 1.5:
-  4096² pixels at most) over each image's size, plus the prompt template's rough count.
+* prompt tokens: the processor's resize rule (`ImageGeometry`) under the task's pixel preset
+  (ocrq/models/hunyuan/resolution.py: 1536² for documents, 2048² for scene text) over each
+  image's size, plus the prompt template's rough count.
 
 Calibration (defaults, `--card h200`): the H200 runs of bench/results/scheduler_guard/
 (`lanes_h200_stage3_before.json`: full step 1.34 ms at 1.9k KV tokens, 5.88 ms at 159k; an
@@ -84,6 +85,9 @@ CARDS = {
 }
 
 
+SIM_STATS: dict[str, float] = {}  # the last `simulate`'s loop figures
+
+
 @dataclass
 class Row:
     job: Job
@@ -99,8 +103,10 @@ def prompt_tokens(path: str, task: str, version: str) -> int:
     """The row's prompt: its image span after the processor's resize, and the template."""
     from PIL import Image
 
+    from ocrq.core.pixel_budget import Stage
     from ocrq.models.hunyuan.geometry import ImageGeometry
     from ocrq.models.hunyuan.prompts import rough_prompt_tokens
+    from ocrq.models.hunyuan.resolution import pixel_budget
     from ocrq.models.hunyuan.versions import VERSIONS
 
     v = VERSIONS[version]
@@ -109,7 +115,9 @@ def prompt_tokens(path: str, task: str, version: str) -> int:
     else:
         with Image.open(path) as im:
             size = im.size
-    geometry = ImageGeometry(max_pixels=v.max_pixels)
+    model = ImageGeometry(max_pixels=v.max_pixels)
+    view = pixel_budget(task, None, {}, model.min_pixels, model.max_pixels).at(Stage.MODEL)
+    geometry = ImageGeometry(max_pixels=view or model.max_pixels)
     return geometry.image_tokens(*size) + rough_prompt_tokens(v.prompts.get(task, ""))
 
 
@@ -149,6 +157,8 @@ def simulate(rows: list[Row], config: SchedulerConfig, card: Card, held: int,
     (ocrq/worker/lane_fetch.py), a bulk one as a held row ends, and a row is queued in the loop
     when the worker has it, so its wait in the loop (the promotion's clock) starts there."""
     sched = LoopScheduler(config)
+    stats = {"passes": 0, "pass_tokens": 0, "pass_s": 0.0, "steps": 0, "extra_steps": 0,
+             "row_steps": 0, "step_s": 0.0}
     stream = sorted((r for r in rows if r.interactive), key=lambda r: r.arrives)
     backlog = [r for r in rows if not r.interactive]
     by_key = {r.job.job_id: r for r in rows}
@@ -173,13 +183,18 @@ def simulate(rows: list[Row], config: SchedulerConfig, card: Card, held: int,
             sched.add(arrived, now)
         if sched.idle():
             if nxt == len(stream) and fed == len(backlog):
+                SIM_STATS.update(stats)
                 return now
             now = max(now, stream[nxt].arrives) if nxt < len(stream) else now
             continue
         plan = sched.schedule(now)
         finished: list[str] = []
         if plan.admit:
-            now += card.pass_ms(sum(a.prompt_tokens for a in plan.admit)) / 1000
+            tokens = sum(a.prompt_tokens for a in plan.admit)
+            now += card.pass_ms(tokens) / 1000
+            stats["passes"] += 1
+            stats["pass_tokens"] += tokens
+            stats["pass_s"] += card.pass_ms(tokens) / 1000
             for a in plan.admit:
                 r = by_key[a.key]
                 r.slot, r.made = a.slot, 1  # the pass makes the first token
@@ -194,6 +209,9 @@ def simulate(rows: list[Row], config: SchedulerConfig, card: Card, held: int,
             kv = sum(r.prompt_tokens + r.made for r in live.values())
             now += card.step_ms(kv) / 1000
             steps += 1
+            stats["steps"] += 1
+            stats["row_steps"] += len(live)
+            stats["step_s"] += card.step_ms(kv) / 1000
             for r in live.values():
                 r.made += 1
             lane = [r for r in live.values() if r.interactive and r.slot < reserve]
@@ -201,6 +219,7 @@ def simulate(rows: list[Row], config: SchedulerConfig, card: Card, held: int,
                 if all(r.made >= r.job.new_tokens for r in lane):
                     break
                 now += card.extra_step_ms / 1000
+                stats["extra_steps"] += 1
                 for r in lane:
                     r.made += r.made < r.job.new_tokens
         for key in [k for k, r in live.items() if r.made >= r.job.new_tokens]:
@@ -208,6 +227,7 @@ def simulate(rows: list[Row], config: SchedulerConfig, card: Card, held: int,
             finished.append(key)
         sched.update(StepOutput(steps, tuple(finished)))
         inside -= len(finished)
+    SIM_STATS.update(stats)
     return now
 
 
@@ -238,6 +258,26 @@ def run(label: str, bulk: list[Job], stream: list[Job], tokens: dict[str, int],
         "interactive_p50_s": q(lat, 0.5),
         "interactive_p95_s": q(lat, 0.95),
         "bulk_images_per_s": sustained_rate(rows),
+        "loop": loop_figures(SIM_STATS),
+    }
+
+
+def loop_figures(stats: dict[str, float]) -> dict[str, float | None]:
+    """The run's loop in `bench/lanes.py`'s words, to set beside a GPU run's."""
+    steps = stats["steps"] + stats["extra_steps"]
+    return {
+        "steps": steps,
+        "extra_steps": stats["extra_steps"],
+        "full_step_ms": round(1000 * stats["step_s"] / stats["steps"], 3)
+        if stats["steps"] else None,
+        "rows_per_full_step": round(stats["row_steps"] / stats["steps"], 2)
+        if stats["steps"] else None,
+        "prefills": stats["passes"],
+        "pass_ms": round(1000 * stats["pass_s"] / stats["passes"], 1)
+        if stats["passes"] else None,
+        "pass_tokens": round(stats["pass_tokens"] / stats["passes"], 1)
+        if stats["passes"] else None,
+        "prefill_ms_per_step": round(1000 * stats["pass_s"] / steps, 3) if steps else None,
     }
 
 
@@ -264,6 +304,9 @@ def main() -> None:
                     help="one variant per value (default: the setting's)")
     ap.add_argument("--extra-steps", type=int, nargs="+", default=None,
                     help="one variant per value of OCRQ_INTERACTIVE_EXTRA_STEPS")
+    ap.add_argument("--extra-step-ms", type=float, nargs="+", default=None,
+                    help="one variant per cost of an interactive-only step (and one per "
+                         "--extra-steps value with it)")
     args = ap.parse_args()
     card = CARDS[args.card]
     bulk = build_workload(args.data, args.work, args.bulk_jobs, args.a4_share,
@@ -277,20 +320,26 @@ def main() -> None:
             cache[key] = prompt_tokens(j.path, j.task, args.version)
         tokens[j.job_id] = cache[key]
     base = default_policy()
-    variants: list[tuple[str, LanePolicy]] = [("defaults", base)]
+    variants: list[tuple[str, LanePolicy, Card]] = [("defaults", base, card)]
     for w in args.bulk_max_wait_s or []:
-        variants.append((f"OCRQ_BULK_MAX_WAIT_S={w:g}", replace(base, bulk_max_wait_s=w)))
+        variants.append((f"OCRQ_BULK_MAX_WAIT_S={w:g}", replace(base, bulk_max_wait_s=w), card))
     for e in args.extra_steps or []:
-        variants.append((f"OCRQ_INTERACTIVE_EXTRA_STEPS={e}", replace(base, extra_steps=e)))
+        variants.append((f"OCRQ_INTERACTIVE_EXTRA_STEPS={e}", replace(base, extra_steps=e), card))
+    for ms in args.extra_step_ms or []:  # a faster small step (issue 50's fused step)
+        variants.append((f"interactive-only step {ms:g} ms", base,
+                         replace(card, extra_step_ms=ms)))
+        for e in args.extra_steps or []:
+            variants.append((f"interactive-only step {ms:g} ms, {e} of them",
+                             replace(base, extra_steps=e), replace(card, extra_step_ms=ms)))
     report: dict[str, Any] = {"meta": {
         "command": " ".join(["python", "bench/lanes_sim.py", *sys.argv[1:]]),
         "card_model": card.__dict__, "bulk_jobs": len(bulk), "interactive_jobs": len(stream),
         "rate": args.rate, "prompt_tokens_mean": round(statistics.mean(tokens.values()), 1),
         "kinds": sorted({j.kind for j in bulk}), "tasks": sorted(set(TASK_OF_KIND.values())),
     }, "variants": []}
-    for label, policy in variants:
-        config = scheduler_config(card, args.max_new_tokens, policy)
-        runs = {name: run(name, b, s, tokens, config, card, args.rate, args.start_after,
+    for label, policy, model in variants:
+        config = scheduler_config(model, args.max_new_tokens, policy)
+        runs = {name: run(name, b, s, tokens, config, model, args.rate, args.start_after,
                           args.held)
                 for name, b, s in (("alone", [], stream), ("bulk", bulk, []),
                                    ("mixed", bulk, stream))}
@@ -300,6 +349,7 @@ def main() -> None:
         report["variants"].append({
             "variant": label,
             "policy": policy.__dict__,
+            "extra_step_ms": model.extra_step_ms,
             "slots": config.slots,
             "p95_mixed_over_alone": round(q(mixed, 0.95) / q(alone, 0.95), 2)
             if mixed and alone else None,
