@@ -304,6 +304,11 @@ def main() -> None:
                     help="one variant per value (default: the setting's)")
     ap.add_argument("--extra-steps", type=int, nargs="+", default=None,
                     help="one variant per value of OCRQ_INTERACTIVE_EXTRA_STEPS")
+    ap.add_argument("--policy", nargs="+", default=None,
+                    help="one variant per comma-separated set of LanePolicy fields, e.g. "
+                         "bulk_prefill_tokens=2048,bulk_gap=8")
+    ap.add_argument("--pass-floor-ms", type=float, nargs="+", default=None,
+                    help="one variant per floor of a prefill pass's cost (the H200's: 94.6)")
     ap.add_argument("--extra-step-ms", type=float, nargs="+", default=None,
                     help="one variant per cost of an interactive-only step (and one per "
                          "--extra-steps value with it)")
@@ -325,6 +330,12 @@ def main() -> None:
         variants.append((f"OCRQ_BULK_MAX_WAIT_S={w:g}", replace(base, bulk_max_wait_s=w), card))
     for e in args.extra_steps or []:
         variants.append((f"OCRQ_INTERACTIVE_EXTRA_STEPS={e}", replace(base, extra_steps=e), card))
+    for spec in args.policy or []:  # e.g. bulk_prefill_tokens=2048,bulk_gap=8
+        fields = {k: type(getattr(base, k))(v) for k, v in
+                  (part.split("=", 1) for part in spec.split(","))}
+        variants.append((spec, replace(base, **fields), card))
+    for ms in args.pass_floor_ms or []:  # a cheaper small prefill pass
+        variants.append((f"small pass {ms:g} ms", base, replace(card, pass_floor_ms=ms)))
     for ms in args.extra_step_ms or []:  # a faster small step (issue 50's fused step)
         variants.append((f"interactive-only step {ms:g} ms", base,
                          replace(card, extra_step_ms=ms)))
@@ -350,6 +361,7 @@ def main() -> None:
             "variant": label,
             "policy": policy.__dict__,
             "extra_step_ms": model.extra_step_ms,
+            "pass_floor_ms": model.pass_floor_ms,
             "slots": config.slots,
             "p95_mixed_over_alone": round(q(mixed, 0.95) / q(alone, 0.95), 2)
             if mixed and alone else None,
