@@ -34,7 +34,7 @@ measurement: it ranks lane rules and levers and shows their mechanism; the GPU r
 (`bench/lanes.py`) is what a goal is judged by (bench/results/lanes_sim/README.md compares).
 
     python bench/lanes_sim.py --out bench/results/lanes_sim --stem lanes_sim_h200_600 \\
-        --bulk-max-wait-s 0.7 --extra-steps 0 2 8
+        --bulk-max-wait-s 2.5 10 --extra-steps 0 2 8 --extra-step-ms 0.9 0.58
 """
 
 from __future__ import annotations
@@ -83,9 +83,6 @@ CARDS = {
     "h200": Card(step_fixed_ms=1.29, step_ms_per_kv_token=2.89e-5, extra_step_ms=1.39,
                  pass_floor_ms=94.6, pass_ms_per_token=0.03176, pool_tokens=1_000_000),
 }
-
-
-SIM_STATS: dict[str, float] = {}  # the last `simulate`'s loop figures
 
 
 @dataclass
@@ -150,8 +147,9 @@ def default_policy() -> LanePolicy:
 
 
 def simulate(rows: list[Row], config: SchedulerConfig, card: Card, held: int,
-             limit_s: float = 3600.0) -> float:
-    """Run every row through the scheduler on the modelled clock; the clock at the end. Each
+             limit_s: float = 3600.0) -> tuple[float, dict[str, float]]:
+    """Run every row through the scheduler on the modelled clock; the clock at the end and
+    the loop's counts (passes, steps and their seconds: `loop_figures`). Each
     row's `finished` is set (None: not done within `limit_s`). The worker holds at most `held`
     rows (its task threads: the rest wait in Redis); an interactive job is fetched first
     (ocrq/worker/lane_fetch.py), a bulk one as a held row ends, and a row is queued in the loop
@@ -183,8 +181,7 @@ def simulate(rows: list[Row], config: SchedulerConfig, card: Card, held: int,
             sched.add(arrived, now)
         if sched.idle():
             if nxt == len(stream) and fed == len(backlog):
-                SIM_STATS.update(stats)
-                return now
+                return now, stats
             now = max(now, stream[nxt].arrives) if nxt < len(stream) else now
             continue
         plan = sched.schedule(now)
@@ -227,8 +224,7 @@ def simulate(rows: list[Row], config: SchedulerConfig, card: Card, held: int,
             finished.append(key)
         sched.update(StepOutput(steps, tuple(finished)))
         inside -= len(finished)
-    SIM_STATS.update(stats)
-    return now
+    return now, stats
 
 
 def sustained_rate(rows: list[Row]) -> float | None:
@@ -248,7 +244,7 @@ def run(label: str, bulk: list[Job], stream: list[Job], tokens: dict[str, int],
     rows = [Row(j, False, 0.0, tokens[j.job_id]) for j in bulk]
     rows += [Row(j, True, (start_after if bulk else 0.0) + i / rate, tokens[j.job_id])
              for i, j in enumerate(stream)]
-    end = simulate(rows, config, card, held)
+    end, stats = simulate(rows, config, card, held)
     lat = [r.finished - r.arrives for r in rows if r.interactive and r.finished is not None]
     return {
         "run": label,
@@ -258,7 +254,7 @@ def run(label: str, bulk: list[Job], stream: list[Job], tokens: dict[str, int],
         "interactive_p50_s": q(lat, 0.5),
         "interactive_p95_s": q(lat, 0.95),
         "bulk_images_per_s": sustained_rate(rows),
-        "loop": loop_figures(SIM_STATS),
+        "loop": loop_figures(stats),
     }
 
 

@@ -22,13 +22,17 @@ def test_every_row_ends_once_and_no_sooner_than_its_tokens_allow() -> None:
     card = CARDS["h200"]
     config = scheduler_config(card, 2048, default_policy())
     made = rows(300, 20, 2.0)
-    end = simulate(made, config, card, held=120)
+    end, stats = simulate(made, config, card, held=120)
     assert all(r.finished is not None for r in made)
     step_s = min(card.step_fixed_ms, card.extra_step_ms) / 1000
     for r in made:  # its pass, then a step for each token after the first at the least
         floor = card.pass_ms(r.prompt_tokens) / 1000 + (r.job.new_tokens - 1) * step_s
         assert r.finished - r.arrives >= floor - 1e-9
     assert end >= max(r.finished for r in made)
+    # every row had its pass; the clock is the passes and the steps, nothing else
+    assert stats["passes"] >= 1 and stats["steps"] >= max(r.job.new_tokens for r in made) - 1
+    busy = stats["pass_s"] + stats["step_s"] + stats["extra_steps"] * card.extra_step_ms / 1000
+    assert busy <= end + 1e-6
 
 
 def test_the_lane_rule_handed_in_decides_the_interactive_wait() -> None:
