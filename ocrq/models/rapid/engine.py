@@ -329,7 +329,7 @@ class RapidEngine(Engine):
             if not plan.line_candidate:  # a page with nothing found: no need for its pixels
                 img = reduce_short_side(img, 2 * REC_HEIGHT)
             turned = upright(img)
-            crop = widen(turned)
+            crop = widen(turned, self.models.widen_max)
             stretch = crop.shape[1] / turned.shape[1]
             pieces = [_Piece(box, shrink_to_rec_height(crop), whole=True, stretch=stretch)]
         else:
