@@ -15,6 +15,7 @@ Departures from the library's own pipeline, each measured on the shared eval set
   finds two or more rows of text the whole image is read as one line. Any image the detector
   finds nothing on is read whole too. A strip too long to read whole in one recogniser tile (a
   13340x124 text line) is read from its detected boxes, and is not squeezed for the detector.
+  A narrow image read whole is stretched towards 3:1 first (by at most the set's `widen_max`).
 * PP-OCRv4's recogniser (a Chinese+English model) seldom emits the space between English words
   on receipts, which ruins token-level results (SROIE token F1 0.57). With that set a space is
   inserted where a blank gap in the crop, wide for the text's size and for its letter spacing,
@@ -31,7 +32,8 @@ Departures from the library's own pipeline, each measured on the shared eval set
   blank line between blocks in the text; a receipt, one column, is read row by row as before.
   Boxes on one row a word space apart are merged into one Line, boxes further apart (the two
   sides of a receipt line) are not. A detected box that runs across a column gutter (v6 joins
-  the level first lines of two columns) is cut there before it is read (`ordering.gutter_cuts`).
+  the level first lines of two columns) is cut there before it is read (`ordering.gutter_cuts`);
+  a heading's deck set under one column is read with the heading, after the columns.
 
 Nothing is downloaded: the model files ship with pinned wheels (`models` says which and why),
 and `load()` fails at start-up with a clear error when they are missing or not the files
