@@ -25,6 +25,8 @@ Departures from the library's own pipeline, each measured on the shared eval set
   stays within 4 MP and 16384 px a side; a line wider than 1920 recogniser columns is read in
   overlapping tiles, and one needing more than 65536 columns (a 1x3000 image read as a line) is
   refused with a per-image `LineTooLong`. A 1x100000 PNG once asked for 22 GB.
+* The direction classifier's votes decide per image, not per line: an image's detected lines
+  are turned over together when most of them read upside down, else none is (`RapidEngine._read`).
 * Crops are cut from the image as handed in, not from the detector's downscaled copy: a 4961x7016
   receipt is detected at 1414x2000 but its lines are read at full resolution.
 * Lines come back in reading order: the page is cut into columns and blocks (an XY-cut over the
