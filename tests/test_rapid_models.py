@@ -96,6 +96,21 @@ def test_pp_ocrv4_stays_selectable(v4_engine: RapidEngine) -> None:
     assert line.upper() == "GERBANG ALAF RESTAURANTS SDN BHD"
 
 
+def test_a_near_square_word_crop_is_widened_to_three_to_one_by_v6_only(
+    default_engine: RapidEngine, v4_engine: RapidEngine
+) -> None:
+    """v6 reads short words in near-square crops better stretched to 3:1 (models.py,
+    `widen_max`): "Zula" on a 49x48 sign crop read "/ula" at v4's cap of 1.5x."""
+    crop = word_crop("08_18_0")
+    item = PreparedImage("zula", crop, crop.size)
+    (v6_piece,) = default_engine._regions(item)
+    (v4_piece,) = v4_engine._regions(item)
+    assert v6_piece.whole and v4_piece.whole
+    assert v6_piece.stretch == pytest.approx(3 * 48 / 49, rel=0.02)
+    assert v4_piece.stretch == pytest.approx(1.5, rel=0.02)
+    assert read(default_engine, crop)[0].upper() == "ZULA"
+
+
 def test_an_empty_setting_means_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OCRQ_RAPID_MODELS", "")
     assert Settings().rapid_models == "v6-small"

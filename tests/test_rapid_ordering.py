@@ -29,17 +29,18 @@ def column(line: Piece) -> int:
 
 def test_a_three_column_page_reads_column_by_column() -> None:
     read = read_blocks(pieces("page_8071_093"), MERGE_GAP)
-    # Each column its own block, the pull quote under column 2 after it, then the title's rows.
+    # Each column its own block, then the deck standing on the title, the title's rows.
     assert [block[0][0] for block in read] == [
         "HE MoPED. She sighed. She",
         "cause of her sadness. Gently, sim--",
-        "Listen to the voices",
         "Guarendi's book shows that tradi-",
         "one day when he was trying to",
+        "Listen to the voices",
         "What Kids",
         "PhOTO: O PAUL BaATON/THe StOCK MaRKET",
     ]
-    body = [line for block in read for line in block if line[1][3] < 1820]
+    body = [line for block in read[:4] for line in block]
+    assert all(line[1][3] < 1820 for line in body)
     columns = [column(line) for line in body]
     assert columns == sorted(columns), "a line of one column read inside another"
     texts = [line[0] for line in body]
@@ -74,10 +75,37 @@ def test_boxes_across_a_gutter_are_cut_there_and_the_columns_read_apart() -> Non
     for k, (x1, y1, x2, y2) in enumerate(found):
         edges = [x1, *cuts.get(k, []), x2]
         cut += [(a, y1, b, y2) for a, b in pairwise(edges)]
-    body = [[column(("", cut[i], 1.0)) for i in block if cut[i][3] < 1820] for block in blocks(cut)]
-    order = [c[0] for c in body if c]
-    assert all(len(set(c)) == 1 for c in body if c), "a block holds two columns' lines"
-    assert order == sorted(order) and set(order) == {0, 1, 2, 3}
+    found_blocks = blocks(cut)
+    body = [[column(("", cut[i], 1.0)) for i in block] for block in found_blocks[:4]]
+    assert all(len(set(c)) == 1 for c in body), "a block holds two columns' lines"
+    assert [c[0] for c in body] == [0, 1, 2, 3]
+    assert all(cut[i][1] >= 1683 for block in found_blocks[4:] for i in block)  # deck, title
+
+
+def deck_page(deck_gap: float, title_gap: float) -> tuple[list[Box], list[int], list[int]]:
+    """A left column of 10 lines (40 px tall, 50 px apart), a 2-line block under it `deck_gap`
+    px below its text, a title spanning the page `title_gap` px under that block and a right
+    column running down to the title: boxes, the deck's indices and the right column's."""
+    boxes: list[Box] = [(0.0, 50.0 * r, 600.0, 50.0 * r + 40.0) for r in range(10)]
+    top = 490.0 + deck_gap
+    deck = [len(boxes), len(boxes) + 1]
+    boxes += [(60.0, top, 500.0, top + 45.0), (60.0, top + 50.0, 450.0, top + 95.0)]
+    title = top + 95.0 + title_gap
+    rows = int((title - 45.0) // 50.0) + 1
+    right = list(range(len(boxes), len(boxes) + rows))
+    boxes += [(700.0, 50.0 * r, 1300.0, 50.0 * r + 40.0) for r in range(rows)]
+    boxes.append((0.0, title, 1300.0, title + 120.0))
+    return boxes, deck, right
+
+
+def test_a_deck_standing_on_a_title_is_read_with_it_after_the_columns() -> None:
+    """A short block under a column, a block gap below the column's text and nearer the title
+    spanning the columns (the eval page's "Listen to the voices / of real experience"), is read
+    after both columns, just before the title; nearer its column, it stays after it."""
+    boxes, deck, right = deck_page(deck_gap=200.0, title_gap=5.0)
+    assert [sorted(b) for b in blocks(boxes)] == [list(range(10)), right, [*deck, len(boxes) - 1]]
+    boxes, deck, right = deck_page(deck_gap=60.0, title_gap=100.0)
+    assert [sorted(b) for b in blocks(boxes)] == [list(range(10)), deck, right, [len(boxes) - 1]]
 
 
 @pytest.mark.parametrize("name", ["receipt_086", "receipt_211", "receipt_548"])

@@ -15,6 +15,7 @@ Departures from the library's own pipeline, each measured on the shared eval set
   finds two or more rows of text the whole image is read as one line. Any image the detector
   finds nothing on is read whole too. A strip too long to read whole in one recogniser tile (a
   13340x124 text line) is read from its detected boxes, and is not squeezed for the detector.
+  A narrow image read whole is stretched towards 3:1 first (by at most the set's `widen_max`).
 * PP-OCRv4's recogniser (a Chinese+English model) seldom emits the space between English words
   on receipts, which ruins token-level results (SROIE token F1 0.57). With that set a space is
   inserted where a blank gap in the crop, wide for the text's size and for its letter spacing,
@@ -24,6 +25,8 @@ Departures from the library's own pipeline, each measured on the shared eval set
   stays within 4 MP and 16384 px a side; a line wider than 1920 recogniser columns is read in
   overlapping tiles, and one needing more than 65536 columns (a 1x3000 image read as a line) is
   refused with a per-image `LineTooLong`. A 1x100000 PNG once asked for 22 GB.
+* The direction classifier's votes decide per image, not per line: an image's detected lines
+  are turned over together when most of them read upside down, else none is (`RapidEngine._read`).
 * Crops are cut from the image as handed in, not from the detector's downscaled copy: a 4961x7016
   receipt is detected at 1414x2000 but its lines are read at full resolution.
 * Lines come back in reading order: the page is cut into columns and blocks (an XY-cut over the
@@ -31,7 +34,8 @@ Departures from the library's own pipeline, each measured on the shared eval set
   blank line between blocks in the text; a receipt, one column, is read row by row as before.
   Boxes on one row a word space apart are merged into one Line, boxes further apart (the two
   sides of a receipt line) are not. A detected box that runs across a column gutter (v6 joins
-  the level first lines of two columns) is cut there before it is read (`ordering.gutter_cuts`).
+  the level first lines of two columns) is cut there before it is read (`ordering.gutter_cuts`);
+  a heading's deck set under one column is read with the heading, after the columns.
 
 Nothing is downloaded: the model files ship with pinned wheels (`models` says which and why),
 and `load()` fails at start-up with a clear error when they are missing or not the files

@@ -11,9 +11,10 @@ from PIL import Image
 REC_HEIGHT = 48
 REC_MIN_WIDTH = 320  # the recogniser input is at least this wide (the library's shape)
 # A crop read whole that is narrower than WIDEN_TO_RATIO:1 is stretched horizontally (by at most
-# WIDEN_MAX) before recognition: the recogniser emits one step per 8 input pixels, and short
-# words in near-square crops got too few (SVT crops read whole: 0.888 -> 0.912 in a sweep of the
-# recogniser alone, flat for target ratios 2.5-3 and caps 1.25-2x).
+# the model set's cap, `models.ModelSet.widen_max`; WIDEN_MAX by default) before recognition: the
+# recogniser emits one step per 8 input pixels, and short words in near-square crops got too
+# few (PP-OCRv4, SVT crops read whole: 0.888 -> 0.912 in a sweep of the recogniser alone, flat
+# for target ratios 2.5-3 and caps 1.25-2x).
 WIDEN_TO_RATIO = 3.0
 WIDEN_MAX = 1.5
 # The recogniser's input width for a crop depends on that crop alone (its own width rounded up
@@ -86,10 +87,12 @@ def upright(img: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.rot90(img)) if h / w >= 1.5 else img
 
 
-def widen(img: np.ndarray) -> np.ndarray:
-    """Stretch a narrow whole-image crop horizontally (see WIDEN_TO_RATIO)."""
+def widen(img: np.ndarray, max_factor: float = WIDEN_MAX) -> np.ndarray:
+    """Stretch a narrow whole-image crop horizontally towards WIDEN_TO_RATIO:1, by at most
+    `max_factor` (an upright crop is at most 1.5 times taller than wide, so a factor above
+    4.5 never applies)."""
     h, w = img.shape[:2]
-    factor = min(WIDEN_TO_RATIO * h / w, WIDEN_MAX)
+    factor = min(WIDEN_TO_RATIO * h / w, max_factor)
     if factor <= 1.0:
         return img
     return cv2.resize(img, (round(w * factor), h), interpolation=cv2.INTER_CUBIC)

@@ -329,7 +329,7 @@ class RapidEngine(Engine):
             if not plan.line_candidate:  # a page with nothing found: no need for its pixels
                 img = reduce_short_side(img, 2 * REC_HEIGHT)
             turned = upright(img)
-            crop = widen(turned)
+            crop = widen(turned, self.models.widen_max)
             stretch = crop.shape[1] / turned.shape[1]
             pieces = [_Piece(box, shrink_to_rec_height(crop), whole=True, stretch=stretch)]
         else:
@@ -377,7 +377,7 @@ class RapidEngine(Engine):
         image that caused it; those exceptions come back by item index.
         """
         try:
-            self._read([p for item_pieces in pieces.values() for p in item_pieces])
+            self._read(list(pieces.values()))
             return {}
         except MemoryError:
             raise
@@ -385,24 +385,37 @@ class RapidEngine(Engine):
             failed: dict[int, Exception] = {}
             for i, item_pieces in pieces.items():
                 try:
-                    self._read(item_pieces)
+                    self._read([item_pieces])
                 except MemoryError:
                     raise
                 except Exception as exc:
                     failed[i] = exc
             return failed
 
-    def _read(self, pieces: list[_Piece]) -> None:
-        """Turn upside-down detected lines over, then recognise every crop, in tiles where it is
-        longer than one (see `tiles`), in batched calls.
+    def _read(self, images: list[list[_Piece]]) -> None:
+        """Turn the detected lines of upside-down images over, then recognise every crop, in
+        tiles where it is longer than one (see `tiles`), in batched calls.
 
-        Works on copies of the crops and only sets text and score, so reading the same pieces
-        again (after a shared call failed) starts from the same pixels.
+        An image is upside down when most of its detected lines are (`_upside_down`), and then
+        all of them are turned; lines are never turned one by one. The classifier called 20 of
+        the ~1,100 upright lines of the 20 SROIE receipts upside down (a price, a short code),
+        which then read as noise: SROIE token F1 0.875 -> 0.885 taking the image's majority
+        (no receipt worse), scene word recall 0.719 -> 0.750; a page or receipt scanned upside
+        down is still turned whole. Works on copies of the crops and only sets text and score,
+        so reading the same pieces again (after a shared call failed) starts from the same
+        pixels.
         """
+        pieces = [p for image in images for p in image]
+        owner = [n for n, image in enumerate(images) for _ in image]
         crops = [p.crop for p in pieces]
         detected = [k for k, p in enumerate(pieces) if not p.whole]
-        for k, flip in zip(detected, self._upside_down([crops[k] for k in detected]), strict=True):
-            if flip:
+        votes = self._upside_down([crops[k] for k in detected])
+        lines, turned = [0] * len(images), [0] * len(images)
+        for k, flip in zip(detected, votes, strict=True):
+            lines[owner[k]] += 1
+            turned[owner[k]] += flip
+        for k in detected:
+            if 2 * turned[owner[k]] > lines[owner[k]]:
                 crops[k] = cv2.rotate(crops[k], cv2.ROTATE_180)
         parts = [(k, tile) for k, crop in enumerate(crops) for tile in tiles(crop)]
         inputs = [crops[k][:, tile.start : tile.stop] for k, tile in parts]
