@@ -82,6 +82,12 @@ class Card:
 CARDS = {
     "h200": Card(step_fixed_ms=1.29, step_ms_per_kv_token=2.89e-5, extra_step_ms=1.39,
                  pass_floor_ms=94.6, pass_ms_per_token=0.03176, pool_tokens=1_000_000),
+    # From bench/results/lanes/lanes_h100_defaults_256.json (stop 50's code, 4,000 bulk jobs):
+    # steps 1.414 ms at 1.9k KV tokens and 12.09 at 312k; an interactive-only step 1.41 ms;
+    # passes 34.1 ms at 1,004 tokens, 71.7 at 3,338, 122 at 5,861 (0.0208 ms a token). Pool:
+    # 600k tokens (the bulk run held 312k a step; 80 GB less weights and workspace).
+    "h100": Card(step_fixed_ms=1.35, step_ms_per_kv_token=3.44e-5, extra_step_ms=1.41,
+                 pass_floor_ms=34.1, pass_ms_per_token=0.0208, pool_tokens=600_000),
 }
 
 
