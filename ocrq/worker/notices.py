@@ -39,7 +39,9 @@ class Notices:
         self.rows = rows
         self._webhooks: Webhooks | None = None  # started by the first job with a callback_url
         self._batches: BatchHooks | None = None  # batch webhooks (worker/batch_hooks.py)
-        self._making = threading.Lock()  # the first use of either, from any task thread
+        # The first use of either, from any task thread; re-entrant, as the batch hooks are
+        # made with the webhook sender's factory in hand.
+        self._making = threading.RLock()
 
     def watch_batches(self) -> None:
         """Start the batch webhooks' thread now (a Celery worker), not at the first job of a
