@@ -129,6 +129,19 @@ def loop_figures(totals: dict[str, float]) -> dict[str, Any]:
     }
 
 
+def waiting_gauges(lines: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
+    """How many rows waited in the loop's own queue (and still in the batcher) over a run:
+    the depth of the backlog the lane rule ranks (bench/results/lanes_sim/README.md's lead)."""
+    out: dict[str, Any] = {}
+    for key in ("waiting_now", "held_now"):
+        seen = [v[key] for _, v in lines if key in v]
+        if seen:
+            ordered = sorted(seen)
+            out[key] = {"mean": round(sum(seen) / len(seen), 1),
+                        "p50": ordered[len(ordered) // 2], "max": ordered[-1], "n": len(seen)}
+    return out
+
+
 def loop_window(
     lines: list[tuple[float, dict[str, float]]], t0: float, t1: float
 ) -> dict[str, Any] | None:
@@ -137,8 +150,9 @@ def loop_window(
     if len(inside) < 2:
         return None
     (a_t, a), (b_t, b) = inside[0], inside[-1]
-    diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in b}
-    return {"from_to_s": [round(a_t, 1), round(b_t, 1)], **loop_figures(diff)}
+    diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in b if not k.endswith("_now")}
+    return {"from_to_s": [round(a_t, 1), round(b_t, 1)], **loop_figures(diff),
+            "waiting": waiting_gauges(inside)}
 
 
 def interactive_jobs(data: Path, n: int, max_new: int, seed: int) -> list[Job]:
@@ -323,6 +337,7 @@ class Phase:
         lines = loop_totals(text_of_log, started)
         if lines:
             out["loop"] = loop_figures(lines[-1][1])
+            out["waiting"] = waiting_gauges(lines)
         if stream and lines and stream_started:
             t0 = stream_started[0] - started
             window = loop_window(lines, t0, t0 + len(stream) / self.args.rate)

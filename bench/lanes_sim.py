@@ -142,14 +142,10 @@ def scheduler_config(card: Card, max_new: int, policy: LanePolicy) -> SchedulerC
 
 
 def default_policy() -> LanePolicy:
+    """The lane policy of a worker with default settings (`LanePolicy.of`, as the loop's)."""
     from ocrq.core.settings import Settings
 
-    s = Settings(_env_file=None)
-    return LanePolicy(
-        reserved_slots=s.interactive_slots, bulk_prefill_tokens=s.interactive_prefill_tokens,
-        bulk_gap=s.interactive_prefill_gap_steps, bulk_rows=s.interactive_bulk_rows,
-        bulk_max_wait_s=s.bulk_max_wait_s, extra_steps=s.interactive_extra_steps,
-    )
+    return LanePolicy.of(Settings(_env_file=None))
 
 
 def simulate(rows: list[Row], config: SchedulerConfig, card: Card, held: int,

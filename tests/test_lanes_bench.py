@@ -9,7 +9,14 @@ import json
 import logging
 import time
 
-from bench.lanes import loop_figures, loop_totals, loop_window, q, ratio_interval
+from bench.lanes import (
+    loop_figures,
+    loop_totals,
+    loop_window,
+    q,
+    ratio_interval,
+    waiting_gauges,
+)
 
 CELERY = "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"
 ENGINE = "%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"  # engine_process/host.py
@@ -45,6 +52,22 @@ def test_the_bench_reads_the_loops_totals_and_says_what_a_lane_token_cost() -> N
     window = loop_window(lines, 5, 25)
     assert window is not None and window["steps"] == 100 and window["lane_token_ms"] == 20.0
     assert loop_window(lines, 15, 25) is None  # one line: no difference to take
+
+
+def test_the_waiting_gauges_are_read_as_levels_not_totals() -> None:
+    """`waiting_now` / `held_now` are levels the batcher writes beside the totals: the bench
+    summarises them and never takes their difference as if they were counts."""
+    started = time.time() - 100
+    totals = {"steps": 10, "decode_seconds": 0.1}
+    text = "\n".join(line(CELERY, started + t, {**totals, "waiting_now": w, "held_now": h})
+                     for t, w, h in [(5, 400, 20), (10, 100, 0), (15, 300, 0)])
+    lines = loop_totals(text, started)
+    g = waiting_gauges(lines)
+    assert g["waiting_now"] == {"mean": 266.7, "p50": 300, "max": 400, "n": 3}
+    assert g["held_now"]["max"] == 20
+    window = loop_window(lines, 0, 20)
+    assert window is not None and "waiting_now" not in window
+    assert window["waiting"]["waiting_now"]["max"] == 400
 
 
 def test_a_latency_ratio_comes_with_its_bootstrap_interval() -> None:

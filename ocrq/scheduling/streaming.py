@@ -183,6 +183,11 @@ class StreamingBatcher:
             return
         self._loop_logged = now
         totals = {k: round(v, 4) for k, v in sorted(self._loop_counts.items())}
+        # Two gauges beside the totals, read without the lock (a log line, not a decision):
+        # rows waiting in the loop's own queue and rows still held here. The lanes bench reads
+        # them: how deep the backlog in the loop is decides how the lane rule plays out.
+        totals["waiting_now"] = self.engine.queued()
+        totals["held_now"] = len(self._waiting)
         log.info("running loop totals: %s", json.dumps(totals))
 
     def _hand_over(self) -> None:

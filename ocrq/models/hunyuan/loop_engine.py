@@ -241,15 +241,7 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
             "packed": s.prefill_packed,
             "prefill_stream": s.prefill_stream,
             "fused_step_rows": s.loop_fused_step_rows,
-            "lanes": LanePolicy(
-                reserved_slots=budget.reserved_slots,
-                bulk_prefill_tokens=s.interactive_prefill_tokens,
-                bulk_gap=s.interactive_prefill_gap_steps,
-                bulk_rows=s.interactive_bulk_rows,
-                bulk_max_wait_s=self.lanes.bulk_max_wait_s,
-                extra_steps=s.interactive_extra_steps,
-                pass_steps=s.interactive_pass_steps,
-            ),
+            "lanes": LanePolicy.of(s, budget.reserved_slots, self.lanes.bulk_max_wait_s),
         }
         values.update(overrides)
         return LoopConfig(**values)

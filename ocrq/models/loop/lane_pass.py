@@ -48,9 +48,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ocrq.core.lanes import BULK_MAX_WAIT_S, LaneRule
 from ocrq.models.slots import FULL_PASS, Admission, KvPool, Placement
+
+if TYPE_CHECKING:
+    from ocrq.core.settings import Settings
 
 BULK_HELD = "bulk held by the interactive lane"  # `LanePass.admission.blocked`, bulk only
 NO_BULK_SLOT = "no bulk slot"  # bulk rows already hold every slot but the reserved ones
@@ -78,6 +82,24 @@ class LanePolicy:
         if (self.reserved_slots < 0 or self.bulk_prefill_tokens < 0 or self.bulk_gap < 1
                 or self.bulk_rows < 0 or not self.bulk_max_wait_s >= 0 or self.extra_steps < 0):
             raise ValueError(f"invalid lane policy {self}")
+
+    @classmethod
+    def of(cls, settings: Settings, reserved_slots: int | None = None,
+           bulk_max_wait_s: float | None = None) -> LanePolicy:
+        """The policy the settings give. One mapping, so the worker's loop
+        (`HunyuanLoopEngine.loop_config`, which passes its budget's reserve and the batcher's
+        rule) and the lanes model (bench/lanes_sim.py) cannot drift apart."""
+        return cls(
+            reserved_slots=settings.interactive_slots if reserved_slots is None
+            else reserved_slots,
+            bulk_prefill_tokens=settings.interactive_prefill_tokens,
+            bulk_gap=settings.interactive_prefill_gap_steps,
+            bulk_rows=settings.interactive_bulk_rows,
+            bulk_max_wait_s=settings.bulk_max_wait_s if bulk_max_wait_s is None
+            else bulk_max_wait_s,
+            extra_steps=settings.interactive_extra_steps,
+            pass_steps=settings.interactive_pass_steps,
+        )
 
     @property
     def rule(self) -> LaneRule:
