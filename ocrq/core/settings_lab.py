@@ -80,9 +80,10 @@ class HunyuanLabSettings(SettingsGroup):
     # 16) by the fused few-row step: five Triton kernels a layer, each weight streamed once,
     # instead of ~12 kernels and cuBLAS GEMMs (ocrq/models/hunyuan/fused_step.py). With Triton
     # attention only, and not with OCRQ_KV_FP8_PRODUCTS (the start-up log says when it is left
-    # off; ocrq/models/hunyuan/step_choice.py). Off: alone it was 1.41x faster than today's step
-    # at 1 row but 0.80x at 8 rows of 4k keys on an H200 (bench/results/fused_step/README.md),
-    # and it is not yet measured in the loop; 8 covers the smallest bucket, the interactive lane.
+    # off; ocrq/models/hunyuan/step_choice.py). Off: alone it is 1.26x faster than today's step
+    # at 1 row but no faster at 8 rows (H100), and in the loop on an H100, 8 slots (the smallest
+    # bucket, the interactive lane's), its steps took 3.4 ms against 1.4 ms: the interactive
+    # lane and bulk both slower (bench/results/fused_step/README.md, cause not yet found).
     loop_fused_step_rows: int = Field(default=0, ge=0, le=16)
     # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
     # output, GIL released) or "processor" (transformers' processor, for comparison).
