@@ -12,6 +12,8 @@ for all of them at once.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from typing import Any
 
@@ -517,11 +519,12 @@ def test_flash_varlen_only_where_the_kernel_runs(monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_cancelled_row_leaves_the_loop_at_the_next_harvest(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Batcher.cancel on a row the loop is decoding: its future resolves Cancelled long before
     its cap, its slot and KV range go back, and the loop serves the next row as if the dropped
-    one had finished (the same result as on a fresh loop)."""
+    one had finished (the same result as on a fresh loop). At stop the batcher logs the loop's
+    totals with its two levels (bench/lanes.py reads them), both 0 once everything ended."""
     from ocrq.models.costs import CostModel
     from ocrq.scheduling.streaming import StreamingBatcher
     from ocrq.scheduling.vocabulary import BatchConfig, Cancelled
@@ -555,6 +558,11 @@ def test_a_cancelled_row_leaves_the_loop_at_the_next_harvest(
         assert engine.loop.pool == type(engine.loop.pool).empty(engine.loop.config.pool_tokens)
         got = batcher.submit(short).result(timeout=120)
     finally:
-        batcher.stop(30)
+        with caplog.at_level(logging.INFO, logger="ocrq.scheduling.streaming"):
+            batcher.stop(30)
     assert got.error is None and got.result == want
+    totals = [json.loads(r.getMessage().split("running loop totals: ", 1)[1])
+              for r in caplog.records if "running loop totals: " in r.getMessage()]
+    assert totals and totals[-1]["steps"] > 0
+    assert totals[-1]["waiting_now"] == 0 and totals[-1]["held_now"] == 0
     engine.reset()
