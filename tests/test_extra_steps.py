@@ -106,7 +106,7 @@ def drain(engine: HunyuanLoopEngine, extra: int, trigger: int | None = None, hol
     config = engine.loop_config(budget, lanes=lanes, guard=SMALL, prefill_stream=hold > 0)
     cls = cls or (LoopingLoop if trigger is not None else LoopRunner)
     loop = RunningLoop(engine._decoder, engine.tokens, config, runner=cls)
-    loop.passes.hold = hold
+    loop.runner.passes.hold = hold
     if isinstance(loop.runner, LoopingLoop) and trigger is not None:
         loop.runner.trigger = trigger
     loop.add(rows(engine))
@@ -118,7 +118,7 @@ def drain(engine: HunyuanLoopEngine, extra: int, trigger: int | None = None, hol
         while not loop.idle():
             for d in loop.run():
                 done.setdefault(d.row.key, []).append((d.tokens, d.stopped))
-                when[d.row.key] = loop.books.step_no
+                when[d.row.key] = loop.runner.books.step_no
                 lane[d.row.key], slot[d.row.key] = d.row.interactive, d.row.slot
     finally:
         if isinstance(loop.runner, LoopingLoop):
@@ -265,7 +265,7 @@ def trickle(engine: HunyuanLoopEngine, shadow: bool) -> dict[str, Any]:
     config = engine.loop_config(budget, lanes=lanes, guard=SMALL, prefill_stream=True,
                                 prefill_gap=1)
     loop = RunningLoop(engine._decoder, engine.tokens, config, runner=ShadowLoop)
-    loop.passes.hold = 3
+    loop.runner.passes.hold = 3
     todo = rows(engine)
     done: dict[str, list[list[int]]] = {}
     tick = 0

@@ -375,7 +375,8 @@ ENGINE_CHECK = textwrap.dedent(
                                     packed=True, kv_dtype="fp8")
         loop = RunningLoop(decoder, engine.tokens, config)
         loop.add([LoopRow(it.key, engine.preprocess(it), 3, min_new_tokens=3) for it in batch])
-        fp8[attention] = ({d.row.key: d for d in loop.drain()}, loop.tensors.values_transposed)
+        done = {d.row.key: d for d in loop.drain()}
+        fp8[attention] = (done, loop.runner.tensors.values_transposed)
     decoder.attention = "triton"
     for key, a in fp8["triton"][0].items():
         b = fp8["torch"][0][key]

@@ -78,7 +78,7 @@ def make_loop(engine: HunyuanLoopEngine, rows: list[LoopRow], hold: int | None,
         lanes=LanePolicy(), **extra,
     )
     loop = RunningLoop(engine._decoder, engine.tokens, config, runner=cls)
-    loop.passes.hold = hold or 0
+    loop.runner.passes.hold = hold or 0
     return loop
 
 
@@ -87,7 +87,7 @@ def drained(loop: RunningLoop) -> dict[str, Any]:
     for d in loop.drain():
         assert d.row.key not in got, "a row handed back twice"
         got[d.row.key] = d
-    assert loop.idle() and loop.passes.pending is None
+    assert loop.idle() and loop.runner.passes.pending is None
     assert loop.pool == KvPool.empty(loop.config.pool_tokens)  # every range given back
     return got
 
@@ -145,12 +145,12 @@ def launch_a_pending_pass(engine: HunyuanLoopEngine, hold: int
     handed: dict[str, Any] = {}
     while loop.stats.prefills < 2:
         handed.update((d.row.key, d) for d in loop.run(timeout_s=0))
-    pending = loop.passes.pending
+    pending = loop.runner.passes.pending
     assert pending is not None and not loop.idle()
     keys = [r.key for r in pending.rows]
     assert keys and not any(k in {r.key for r in loop.rows.values()} for k in keys)
     assert not any(k in {r.key for r in loop.waiting} for k in keys)
-    held = loop.passes.slots()
+    held = loop.runner.passes.slots()
     assert held <= {a.slot for a in loop.scheduler.running.values()}  # not offered again
     return loop, keys, handed
 
@@ -163,7 +163,7 @@ def test_dropping_a_row_of_a_pending_pass(engine: HunyuanLoopEngine) -> None:
     assert [r.key for r in dropped] == [victim]
     assert victim not in {a for a in loop.scheduler.running}  # its slot and range free now
     handed.update((d.row.key, d) for d in loop.run(timeout_s=0))  # the next tick drops it
-    assert loop.passes.pending is None  # the pass was committed, its other rows live
+    assert loop.runner.passes.pending is None  # the pass was committed, its other rows live
     assert {k for k in keys if k != victim} <= {r.key for r in loop.rows.values()} | set(handed)
     assert victim not in {r.key for r in loop.rows.values()}
     got = drained(loop)
@@ -179,7 +179,7 @@ def test_clearing_a_loop_with_a_pending_pass(engine: HunyuanLoopEngine) -> None:
     assert len(cleared) == len(set(cleared))  # nothing twice
     assert set(keys) | live <= set(cleared)
     assert sorted([*cleared, *handed]) == sorted(f"img{60 + i}" for i in range(len(CAPS)))
-    assert loop.idle() and loop.passes.pending is None
+    assert loop.idle() and loop.runner.passes.pending is None
     assert loop.pool == KvPool.empty(loop.config.pool_tokens)
 
 
@@ -194,17 +194,17 @@ def test_an_interactive_row_still_goes_in_the_next_pass(engine: HunyuanLoopEngin
     config = engine.loop_config(RunningBudget(4, 8192, 4096, 0, 0, 0, 0, 1),
                                 lanes=LanePolicy(reserved_slots=1), prefill_stream=True)
     loop = RunningLoop(engine._decoder, engine.tokens, config)
-    loop.passes.hold = 2
+    loop.runner.passes.hold = 2
     loop.add(bulk)
     while loop.live < 3:
         loop.run(timeout_s=0)
     assert [r.key for r in loop.waiting] == ["img13", "img14"]
     loop.add([quick])
-    while loop.passes.pending is None:
+    while loop.runner.passes.pending is None:
         loop.run(timeout_s=0)
-    assert [r.key for r in loop.passes.pending.rows] == ["img99"]
+    assert [r.key for r in loop.runner.passes.pending.rows] == ["img99"]
     assert [r.key for r in loop.waiting] == ["img13", "img14"]  # bulk still waits its turn
-    while loop.passes.pending is not None:
+    while loop.runner.passes.pending is not None:
         loop.run(timeout_s=0)
     assert "img99" in {r.key for r in loop.rows.values()} and loop.live == 4
     done = drained(loop)

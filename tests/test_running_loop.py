@@ -161,7 +161,8 @@ def test_an_fp8_pool_stores_fp8_and_stays_close_to_the_models_dtype(
     import torch
 
     loop = make_loop(engine, 2, 1024, keep_logits=True, kv_dtype="fp8")
-    assert all(k.dtype == torch.float8_e4m3fn for k in loop.tensors.keys + loop.tensors.values)
+    pool = loop.runner.tensors
+    assert all(k.dtype == torch.float8_e4m3fn for k in pool.keys + pool.values)
     loop.add(rows(engine, ITEMS, CAPS))
     done = {d.row.key: d for d in loop.drain()}
     assert loop.pool.free_tokens == 1024
@@ -323,7 +324,7 @@ def lagged_run(engine: HunyuanLoopEngine, lag: int,
     biggest = max(r.prompt_tokens for r in batch) + MAX_NEW
     loop = make_loop(engine, 3, 2 * biggest + 32, cls, schedule="chunked", chunk_tokens=256,
                      check_every=2)
-    loop.state.readback = Readback(3, MAX_NEW, loop.device, lag=lag)
+    loop.runner.state.readback = Readback(3, MAX_NEW, loop.runner.device, lag=lag)
     loop.add(batch)
     got: dict[str, list[int]] = {}
     for d in loop.drain():

@@ -115,7 +115,7 @@ def test_running_loop_ends_rows_at_their_scripted_length(
     cap in the pool (the memory plan stays a real model's)."""
     rows, _ = unscripted
     got = _run_loop(scripted, rows)
-    assert scripted.loop is not None and scripted.loop.tensors.forced is not None
+    assert scripted.loop is not None and scripted.loop.runner.tensors.forced is not None
     scripted.reset()
     _check(scripted, got, unscripted)
 
@@ -139,8 +139,8 @@ def test_a_production_engine_has_no_hooks_and_runs_no_forced_eos(
     rows, alone = unscripted
     static = engine.generate(rows).items
     got = _run_loop(engine, rows)
-    assert engine.loop is not None and engine.loop.hooks is None
-    assert engine.loop.tensors.forced is None
+    assert engine.loop is not None and engine.loop.runner.hooks is None
+    assert engine.loop.runner.tensors.forced is None
     engine.reset()
     for it, out in zip(rows, static, strict=True):  # every row its own length: the cap
         assert out.truncated == got[it.key].truncated == "max_tokens"

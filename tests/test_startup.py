@@ -273,12 +273,12 @@ def test_the_engine_warms_its_loop_up_only_on_a_gpu(
     engine.open(int(0.4 * 2**30), engine.cost_model())
     loop = engine.loop
     engine.warm_up()
-    assert loop.stats.prefills == 0 and not loop.graphs
+    assert loop.stats.prefills == 0 and not loop.runner.graphs
     before = len(STATE.timeline.taken())
     monkeypatch.setattr(engine, "_cuda", lambda: True)
     prefills: list[int] = []
-    real_run = loop.passes.run
-    monkeypatch.setattr(loop.passes, "run", lambda *a: (prefills.append(1), real_run(*a)))
+    real_run = loop.runner.passes.run
+    monkeypatch.setattr(loop.runner.passes, "run", lambda *a: (prefills.append(1), real_run(*a)))
     engine.warm_up()
     assert prefills == [1]  # the made-up row went through a prefill pass
     assert loop.idle() and loop.stats.prefills == 0 and loop.stats.steps == 0

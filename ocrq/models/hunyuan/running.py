@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ocrq.models.hunyuan.loop_types import Done, LoopConfig, LoopRow, LoopStats
 from ocrq.models.hunyuan.runner import LoopRunner
@@ -39,9 +39,6 @@ from ocrq.models.slots import KvPool
 if TYPE_CHECKING:
     from ocrq.models.hunyuan.decode import HunyuanDecoder
     from ocrq.models.hunyuan.hooks import DecodeHooks
-    from ocrq.models.hunyuan.loop_state import LoopBooks, LoopParts
-    from ocrq.models.hunyuan.passes import PrefillPasses
-    from ocrq.models.hunyuan.slot_tensors import SlotTensors
     from ocrq.models.hunyuan.tokens import SpecialTokens
 
 
@@ -187,35 +184,3 @@ class RunningLoop:
     @property
     def stats(self) -> LoopStats:
         return self.runner.stats
-
-    @property
-    def books(self) -> LoopBooks:
-        return self.runner.books
-
-    @property
-    def state(self) -> LoopParts:
-        return self.runner.state
-
-    @property
-    def passes(self) -> PrefillPasses:
-        return self.runner.passes
-
-    @property
-    def tensors(self) -> SlotTensors:
-        return self.runner.tensors
-
-    @property
-    def graphs(self) -> dict[int, Any]:
-        return self.runner.graphs
-
-    @property
-    def hooks(self) -> DecodeHooks | None:
-        return self.runner.hooks
-
-    @property
-    def decoder(self) -> HunyuanDecoder:
-        return self.runner.decoder
-
-    @property
-    def device(self) -> Any:
-        return self.runner.device

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ocrq.models.hunyuan.loop_types import BUCKETS, Done, LoopConfig, LoopRow, LoopStats
 from ocrq.models.hunyuan.readback import GpuClock
 
 if TYPE_CHECKING:
-    from ocrq.models.hunyuan.loop_state import LoopParts
     from ocrq.models.hunyuan.runner import LoopRunner
 
 
@@ -45,10 +44,6 @@ class WarmLoop(Protocol):
 
     @property
     def runner(self) -> LoopRunner: ...
-    @property
-    def state(self) -> LoopParts: ...
-    @property
-    def graphs(self) -> dict[int, Any]: ...
 
     def add(self, rows: Sequence[LoopRow]) -> None: ...
     def drain(self) -> list[Done]: ...
@@ -82,21 +77,21 @@ def warm_up(loop: WarmLoop, row: LoopRow | None, deadline: float) -> list[int]:
     elif graphed(loop):
         with torch.inference_mode():
             for k in buckets(loop):
-                if k in loop.graphs:
+                if k in loop.runner.graphs:
                     continue
                 if time.monotonic() >= deadline:
                     break
                 loop.runner.step(k)  # its kernels' first calls, outside the capture
                 loop.runner.capture(k)
     _forget_books(loop)
-    return sorted(loop.graphs)
+    return sorted(loop.runner.graphs)
 
 
 def _forget_books(loop: WarmLoop) -> None:
     """The loop's account from here on is its jobs': all but the graphs it holds and their
     capture seconds start again from zero."""
     loop.collect_stats(wait=True)
-    state = loop.state
+    state = loop.runner.state
     state.stats = LoopStats(graphs=state.stats.graphs, capture_s=state.stats.capture_s)
     state.clock = GpuClock(state.clock.cuda)
     state.readback.waited_s = 0.0
