@@ -513,7 +513,7 @@ def main() -> None:
                           "interactive_prefill_gap_steps", "interactive_bulk_rows",
                           "interactive_extra_steps", "interactive_pass_steps",
                           "prefill_chunk_tokens", "prefill_gap_steps", "prefill_stream",
-                          "loop_fused_step_rows")
+                          "loop_fused_step_rows", "loop_min_bucket")
             },
             "bulk_workload": workload_summary(bulk),
             "interactive_workload": workload_summary(stream),

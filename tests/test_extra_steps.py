@@ -15,7 +15,7 @@ tokens too, those above do not.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -95,7 +95,7 @@ def rows(engine: HunyuanLoopEngine) -> list[LoopRow]:
 
 
 def drain(engine: HunyuanLoopEngine, extra: int, trigger: int | None = None, hold: int = 0,
-          shadow: bool = False, cls: type | None = None) -> dict[str, Any]:
+          shadow: bool = False, cls: type | None = None, min_bucket: int = 8) -> dict[str, Any]:
     """Every row through a loop with `extra` interactive-only steps: per key, each Done's
     (tokens, stopped), the full steps (`_step_no`) by when it was handed back, its lane and slot;
     and the loop's stats. `hold`: passes deferred (as on the side stream) and held pending for
@@ -103,7 +103,8 @@ def drain(engine: HunyuanLoopEngine, extra: int, trigger: int | None = None, hol
     assert engine._decoder is not None and engine.tokens is not None
     budget = RunningBudget(BULK + RESERVED, 16384, 4096, 0, 0, 0, 0, RESERVED)
     lanes = LanePolicy(reserved_slots=RESERVED, extra_steps=extra, pass_steps=shadow)
-    config = engine.loop_config(budget, lanes=lanes, guard=SMALL, prefill_stream=hold > 0)
+    config = engine.loop_config(budget, lanes=lanes, guard=SMALL, prefill_stream=hold > 0,
+                                min_bucket=min_bucket)
     cls = cls or (LoopingLoop if trigger is not None else LoopRunner)
     loop = RunningLoop(engine._decoder, engine.tokens, config, runner=cls)
     loop.runner.passes.hold = hold
@@ -155,6 +156,55 @@ def test_extra_steps_change_no_token_and_finish_interactive_rows_in_fewer_steps(
     assert s.lane_steps > s.extra_steps and s.extra_decode_s > 0
     assert s.extra_decode_s < s.lane_decode_s <= s.decode_s
     assert s.slot_steps - s0.slot_steps <= 8 * s.extra_steps  # the extra steps' bucket
+
+
+class BucketRunner(LoopRunner):
+    """Today's runner, noting the slot count of every decode step by kind."""
+
+    seen: ClassVar[dict[str, set[int]]] = {}
+
+    def _launch_step(self, k: int, span: str) -> None:
+        BucketRunner.seen.setdefault(span, set()).add(k)
+        super()._launch_step(k, span)
+
+
+@pytest.mark.parametrize("smallest", [1, 2, 8])
+def test_a_smaller_bucket_changes_no_token_and_narrows_the_extra_steps(
+    engine: HunyuanLoopEngine, plain: dict[str, Any], smallest: int
+) -> None:
+    """OCRQ_LOOP_MIN_BUCKET: with interactive rows in the reserve's 2 lowest slots, the
+    interactive-only steps run over the smallest bucket holding them (1 or 2 slots, not 8), and
+    every row's tokens are those of the loop without extra steps."""
+    BucketRunner.seen = {}
+    got = drain(engine, EXTRA, cls=BucketRunner, min_bucket=smallest)
+    assert got["done"] == plain["done"]
+    extra = BucketRunner.seen["decode_extra"]
+    assert max(extra) == max(smallest, RESERVED) and min(extra) >= smallest
+    assert min(k for ks in BucketRunner.seen.values() for k in ks) >= smallest
+
+
+def test_the_smallest_bucket_is_a_bucket(engine: HunyuanLoopEngine,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from ocrq.core.settings import Settings
+    from ocrq.models.hunyuan.loop_types import LoopConfig
+    from ocrq.models.hunyuan.warm_up import buckets
+
+    assert Settings().loop_min_bucket == 8
+    monkeypatch.setenv("OCRQ_LOOP_MIN_BUCKET", "3")
+    with pytest.raises(ValueError, match="1, 2, 4 or 8"):
+        Settings()
+    monkeypatch.setenv("OCRQ_LOOP_MIN_BUCKET", "2")
+    assert Settings().loop_min_bucket == 2
+    with pytest.raises(ValueError, match="min_bucket"):
+        LoopConfig(slots=20, pool_tokens=2048, max_new_tokens=8, min_bucket=16)
+    monkeypatch.setattr(engine, "settings",
+                        engine.settings.model_copy(update={"loop_min_bucket": 2}))
+    budget = RunningBudget(20, 2048, 4096, 0, 0, 0, 0)
+    config = engine.loop_config(budget)
+    assert config.min_bucket == 2
+    # the warm-up captures every bucket the loop can step over: from the smallest up
+    loop = RunningLoop(engine._decoder, engine.tokens, config)
+    assert buckets(loop) == [2, 4, 8, 16, 20]
 
 
 def test_the_guard_stops_a_looping_row_at_the_same_count(

@@ -144,7 +144,7 @@ LAB_LEVERS = {
     "kv_fp8_products", "preprocess", "prefill_schedule", "prefill_tokens", "prefill_gap_steps",
     "prefill_packed", "prefill_stream", "interactive_pass_steps", "interactive_prefill_tokens",
     "interactive_prefill_gap_steps", "interactive_bulk_rows", "switch_interval_ms",
-    "loop_fused_step_rows",
+    "loop_fused_step_rows", "loop_min_bucket",
 }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ocrq.core.settings_group import SettingsGroup
 
@@ -85,6 +85,13 @@ class HunyuanLabSettings(SettingsGroup):
     # bucket, the interactive lane's), its steps took 3.4 ms against 1.4 ms: the interactive
     # lane and bulk both slower (bench/results/fused_step/README.md, cause not yet found).
     loop_fused_step_rows: int = Field(default=0, ge=0, le=16)
+    # The running loop's smallest decode bucket: 1, 2, 4 or 8 slots
+    # (ocrq/models/hunyuan/loop_types.py). A step runs over the smallest bucket holding every
+    # live row (the interactive lane's extra steps: every live interactive row), so at 8 a step
+    # over one row still reads 8 rows' state; today's step took 1.21 ms at 1 row against 1.50
+    # at 8 on an H100 (bench/results/fused_step/fused_step_h100_v3.md). Below 8: one CUDA graph
+    # more per bucket, captured at warm-up. 8 until a loop run on a GPU shows them paying.
+    loop_min_bucket: int = Field(default=8, ge=1, le=8)
     # How HunyuanOCR's prefetch threads make a row's inputs: "tensor" (ocrq's torch ops, equal
     # output, GIL released) or "processor" (transformers' processor, for comparison).
     preprocess: PreprocessMode = "tensor"
@@ -139,6 +146,13 @@ class HunyuanLabSettings(SettingsGroup):
     # ocrq_loop_lane_steps against an idle loop's step time) say the step, not the prefill
     # passes, is what an interactive row waits for.
     interactive_bulk_rows: int = Field(default=0, ge=0, le=4096)
+
+    @field_validator("loop_min_bucket")
+    @classmethod
+    def _a_bucket(cls, value: int) -> int:
+        if value not in (1, 2, 4, 8):
+            raise ValueError(f"OCRQ_LOOP_MIN_BUCKET must be 1, 2, 4 or 8 (a bucket), not {value}")
+        return value
 
 
 class LabSettings(HunyuanLabSettings):

@@ -241,6 +241,7 @@ class HunyuanLoopEngine(HunyuanEngine, StreamingEngine):
             "packed": s.prefill_packed,
             "prefill_stream": s.prefill_stream,
             "fused_step_rows": s.loop_fused_step_rows,
+            "min_bucket": s.loop_min_bucket,
             "lanes": LanePolicy.of(s, budget.reserved_slots, self.lanes.bulk_max_wait_s),
         }
         values.update(overrides)

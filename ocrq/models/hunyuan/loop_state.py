@@ -104,7 +104,8 @@ class LoopBooks:
     def bucket(self, top: int | None = None) -> int:
         """Slots a step runs over: the smallest bucket covering the highest live slot (or the
         first `top` slots)."""
-        return bucket_of(max(self.rows) + 1 if top is None else top, self.config.slots)
+        return bucket_of(max(self.rows) + 1 if top is None else top, self.config.slots,
+                         self.config.min_bucket)
 
 
 @dataclass

@@ -20,14 +20,19 @@ if TYPE_CHECKING:
 SCHEDULES = ("alternate", "chunked")
 # The fused decode step's rows at most (ocrq/models/hunyuan/fused_step.py: one 16-row tile).
 FUSED_STEP_MAX_ROWS = 16
-BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # graphed slot counts
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # graphed slot counts
+# The smallest bucket a loop uses unless its config says otherwise (`LoopConfig.min_bucket`):
+# 8, as measured in every lanes run; 1, 2 and 4 are a lab lever (OCRQ_LOOP_MIN_BUCKET) until a
+# loop run shows them paying (bench/results/lanes_sim/README.md: the lead).
+MIN_BUCKET = 8
+SMALL_BUCKETS = (1, 2, 4, 8)  # the values `min_bucket` may take
 
 
-def bucket_of(top: int, slots: int) -> int:
-    """Slots a decode step over the first `top` slots runs over: the smallest bucket covering
-    them, at most the loop's `slots`."""
+def bucket_of(top: int, slots: int, smallest: int = MIN_BUCKET) -> int:
+    """Slots a decode step over the first `top` slots runs over: the smallest bucket of at
+    least `smallest` slots covering them, at most the loop's `slots`."""
     for b in BUCKETS:
-        if b >= top:
+        if b >= top and b >= smallest:
             return min(b, slots)
     return slots
 
@@ -105,6 +110,10 @@ class LoopConfig:
     # Decode steps over buckets of at most this many slots by the fused few-row step (0: none;
     # at most 16; ocrq/models/hunyuan/step_choice.py). A lab lever: OCRQ_LOOP_FUSED_STEP_ROWS.
     fused_step_rows: int = 0
+    # The smallest slot count a decode step runs over (1, 2, 4 or 8; a lab lever,
+    # OCRQ_LOOP_MIN_BUCKET). Below 8, a step over one or two live rows (the interactive lane's
+    # extra steps, a quiet loop) reads no idle slots' rows, at one more CUDA graph per bucket.
+    min_bucket: int = MIN_BUCKET
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -112,6 +121,8 @@ class LoopConfig:
         if not 0 <= self.fused_step_rows <= FUSED_STEP_MAX_ROWS:
             raise ValueError(f"fused_step_rows must be 0 (off) to {FUSED_STEP_MAX_ROWS} (the "
                              f"fused step's rows at most), not {self.fused_step_rows}")
+        if self.min_bucket not in SMALL_BUCKETS:
+            raise ValueError(f"min_bucket must be one of {SMALL_BUCKETS}, not {self.min_bucket}")
         if (self.slots < 1 or self.pool_tokens < 1 or self.max_new_tokens < 1
                 or self.prefill_gap < 1):
             raise ValueError(f"invalid loop config {self}")

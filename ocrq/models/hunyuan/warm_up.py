@@ -53,8 +53,8 @@ class WarmLoop(Protocol):
 
 def buckets(loop: WarmLoop) -> list[int]:
     """Every slot count a decode step of this loop can run over (`LoopBooks.bucket`)."""
-    slots = loop.config.slots
-    return sorted({min(b, slots) for b in BUCKETS})
+    slots, smallest = loop.config.slots, loop.config.min_bucket
+    return sorted({min(b, slots) for b in BUCKETS if b >= smallest})
 
 
 def graphed(loop: WarmLoop) -> bool:
