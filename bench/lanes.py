@@ -129,11 +129,16 @@ def loop_figures(totals: dict[str, float]) -> dict[str, Any]:
     }
 
 
+# The two levels the batcher writes beside the totals (rows waiting in the loop's queue, rows it
+# still holds): summarised, never differenced.
+LEVELS = ("waiting_now", "held_now")
+
+
 def waiting_gauges(lines: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
     """How many rows waited in the loop's own queue (and still in the batcher) over a run:
     the depth of the backlog the lane rule ranks (bench/results/lanes_sim/README.md's lead)."""
     out: dict[str, Any] = {}
-    for key in ("waiting_now", "held_now"):
+    for key in LEVELS:
         seen = [v[key] for _, v in lines if key in v]
         if seen:
             ordered = sorted(seen)
@@ -150,7 +155,7 @@ def loop_window(
     if len(inside) < 2:
         return None
     (a_t, a), (b_t, b) = inside[0], inside[-1]
-    diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in b if not k.endswith("_now")}
+    diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in b if k not in LEVELS}
     return {"from_to_s": [round(a_t, 1), round(b_t, 1)], **loop_figures(diff),
             "waiting": waiting_gauges(inside)}
 
